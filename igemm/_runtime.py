@@ -1,0 +1,369 @@
+"""Devices, streams, tensors, allocation and launch (cuda.core).
+
+Tensors: torch tensors are read through their own attributes (``data_ptr``/``shape``/``stride``: a few
+hundred ns, where a ``StridedMemoryView`` costs several µs and does not know bfloat16 without
+ml_dtypes); every other device array (cupy, jax, numba, anything with DLPack or the CUDA array
+interface) goes through ``cuda.core.utils.StridedMemoryView``. numpy arrays are host data: the GPU
+backend copies them in and the results out.
+
+Streams: an explicit ``stream=`` (cuda.core ``Stream``, ``torch.cuda.Stream``, cupy stream, any
+``__cuda_stream__`` object or a raw ``CUstream`` int) wins; otherwise torch inputs run on torch's current
+stream and cupy inputs on cupy's, so igemm calls order with the framework's own work.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from . import _build
+
+__all__ = ["Tensor", "as_tensor", "gpu_available", "get_backend", "set_backend", "DTYPE_SIZES",
+           "DTYPE_CTYPE", "DeviceArray", "empty", "stream_for", "get_kernel", "device"]
+
+DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8,
+               "uint32": 4, "uint8": 1, "int8": 1, "bool": 1}
+DTYPE_CTYPE = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t", "float32": "float",
+               "int32": "int32_t", "int64": "int64_t", "uint32": "uint32_t"}
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+_backend_override: str | None = None
+
+
+# --------------------------------------------------------------------------------------------- backend
+@lru_cache(maxsize=None)
+def _device_count() -> int:
+    try:
+        from cuda.bindings import driver
+        (err,) = driver.cuInit(0)
+        if int(err) != 0:
+            return 0
+        err, n = driver.cuDeviceGetCount()
+        return int(n) if int(err) == 0 else 0
+    except Exception:
+        return 0
+
+
+def gpu_available() -> bool:
+    """True when a CUDA device is visible and the GPU backend is not disabled."""
+    return get_backend() == "cuda"
+
+
+def get_backend() -> str:
+    """``"cuda"`` or ``"numpy"``: ``set_backend`` > ``$IGEMM_BACKEND`` > cuda if a GPU is visible."""
+    b = _backend_override or os.environ.get("IGEMM_BACKEND", "auto")
+    if b == "auto":
+        return "cuda" if _device_count() > 0 else "numpy"
+    if b not in ("cuda", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'numpy', got {b!r}")
+    return b
+
+
+def set_backend(name: str | None) -> None:
+    """Force ``"cuda"`` or ``"numpy"`` (``None``/``"auto"`` restores the default)."""
+    global _backend_override
+    if name not in (None, "auto", "cuda", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'numpy', got {name!r}")
+    _backend_override = None if name in (None, "auto") else name
+
+
+# --------------------------------------------------------------------------------------------- tensors
+@dataclass
+class Tensor:
+    """What igemm needs of an array: its pointer, geometry, dtype and origin (``kind``)."""
+    obj: object
+    kind: str              # "torch" | "cupy" | "numpy" | "other"
+    ptr: int
+    shape: tuple
+    strides: tuple         # in elements
+    dtype: str
+    device_id: int         # -1 for host memory
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def is_contiguous(self) -> bool:
+        expect = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if size != 1 and stride != expect:
+                return False
+            expect *= size
+        return True
+
+    def span(self) -> tuple[int, int]:
+        """[lo, hi) byte range touched (for overlap checks)."""
+        if self.numel == 0:
+            return self.ptr, self.ptr
+        hi = self.ptr + self.itemsize * (1 + sum((s - 1) * st for s, st in zip(self.shape, self.strides)))
+        return self.ptr, hi
+
+
+def _np_dtype_name(dt) -> str:
+    name = np.dtype(dt).name if not isinstance(dt, str) else dt
+    return "bool" if name == "bool" else name
+
+
+def as_tensor(obj, name: str) -> Tensor:
+    """Describe ``obj`` (torch/cupy/jax/numpy/DLPack/CAI array); raises TypeError naming ``name``."""
+    mod = type(obj).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+        if not isinstance(obj, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(obj).__name__}")
+        dev = obj.device
+        if dev.type != "cuda":
+            raise TypeError(f"{name}: a torch tensor on {dev} was given; igemm needs CUDA tensors "
+                            f"(or numpy arrays, which it copies)")
+        return Tensor(obj, "torch", obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()),
+                      str(obj.dtype)[6:], dev.index if dev.index is not None else 0)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.itemsize and any(s % obj.dtype.itemsize for s in obj.strides):
+            raise ValueError(f"{name}: numpy strides {obj.strides} are not multiples of the item size")
+        dtname = "bfloat16" if obj.dtype.name == "bfloat16" else _np_dtype_name(obj.dtype)
+        return Tensor(obj, "numpy", obj.ctypes.data, obj.shape,
+                      tuple(s // obj.dtype.itemsize for s in obj.strides) if obj.dtype.itemsize else obj.strides,
+                      dtname, -1)
+    if mod == "cupy" and hasattr(obj, "__cuda_array_interface__"):
+        cai = obj.__cuda_array_interface__
+        item = np.dtype(cai["typestr"]).itemsize
+        strides = cai.get("strides")
+        shape = tuple(cai["shape"])
+        if strides is None:
+            st, acc = [], 1
+            for s in reversed(shape):
+                st.append(acc)
+                acc *= s
+            strides = tuple(reversed(st))
+        else:
+            strides = tuple(s // item for s in strides)
+        return Tensor(obj, "cupy", int(cai["data"][0]), shape, strides,
+                      _np_dtype_name(np.dtype(cai["typestr"])), int(obj.device.id))
+    try:
+        from cuda.core.utils import StridedMemoryView
+        v = StridedMemoryView(obj, stream_ptr=-1)
+    except Exception as e:
+        raise TypeError(f"{name}: expected a CUDA array (torch, cupy, jax, DLPack or CUDA array interface) "
+                        f"or a numpy array, got {type(obj).__name__}") from e
+    if not v.is_device_accessible:
+        raise TypeError(f"{name}: a host array was given through DLPack; pass a numpy array or a CUDA array")
+    shape = tuple(v.shape)
+    strides = v.strides
+    if strides is None:
+        st, acc = [], 1
+        for s in reversed(shape):
+            st.append(acc)
+            acc *= s
+        strides = tuple(reversed(st))
+    return Tensor(obj, "other", int(v.ptr), shape, tuple(strides), _np_dtype_name(v.dtype), int(v.device_id))
+
+
+# --------------------------------------------------------------------------------------------- devices
+_tls = threading.local()
+_kernel_cache: dict = {}
+_kernel_lock = threading.Lock()
+_stream_cache: dict = {}
+
+
+def device(device_id: int):
+    """The cuda.core Device, made current on this thread (once per thread and device)."""
+    from cuda.core import Device
+    cur = getattr(_tls, "current", None)
+    if cur is not None and cur[0] == device_id:
+        return cur[1]
+    d = Device(device_id)
+    d.set_current()
+    _tls.current = (device_id, d)
+    return d
+
+
+@lru_cache(maxsize=None)
+def device_arch(device_id: int) -> str:
+    d = device(device_id)
+    cc = d.compute_capability
+    return _build.arch_for((cc.major, cc.minor))
+
+
+@lru_cache(maxsize=None)
+def device_props(device_id: int):
+    return device(device_id).properties
+
+
+def get_kernel(stub: str, name: str, device_id: int, *, entry: str, smem: int = 0):
+    """Compile (or fetch) ``stub`` for the device and return its cuda.core Kernel ``entry``."""
+    arch = device_arch(device_id)
+    key = (device_id, stub, entry)
+    k = _kernel_cache.get(key)
+    if k is not None:
+        return k
+    with _kernel_lock:
+        k = _kernel_cache.get(key)
+        if k is not None:
+            return k
+        cubin, _ = _build.compile_cubin(stub, arch, name=name)
+        device(device_id)
+        from cuda.core import ObjectCode
+        k = ObjectCode.from_cubin(cubin, name=name).get_kernel(entry)
+        if smem > 48 * 1024:
+            _set_max_dynamic_smem(k, smem, device_id)
+        _kernel_cache[key] = k
+        return k
+
+
+def _set_max_dynamic_smem(kernel, nbytes: int, device_id: int) -> None:
+    from cuda.bindings import driver
+    h = kernel.handle
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if isinstance(h, driver.CUkernel):
+        err, dev = driver.cuDeviceGet(device_id)
+        (err,) = driver.cuKernelSetAttribute(attr, nbytes, h, dev)
+    else:
+        (err,) = driver.cuFuncSetAttribute(h, attr, nbytes)
+    if int(err) != 0:
+        raise RuntimeError(f"could not raise the kernel's dynamic shared memory to {nbytes} bytes: {err}")
+
+
+def stream_for(stream, kind: str, device_id: int):
+    """A cuda.core Stream for an explicit ``stream=`` or the framework's current stream."""
+    from cuda.core import Stream
+    if stream is None:
+        if kind == "torch":
+            import torch
+            handle = torch.cuda.current_stream(device_id).cuda_stream
+        elif kind == "cupy":
+            import cupy
+            handle = cupy.cuda.get_current_stream().ptr
+        else:
+            return device(device_id).default_stream
+    elif isinstance(stream, Stream):
+        return stream
+    elif isinstance(stream, int):
+        handle = stream
+    elif hasattr(stream, "cuda_stream"):        # torch.cuda.Stream
+        handle = int(stream.cuda_stream)
+    elif hasattr(stream, "ptr"):                # cupy.cuda.Stream
+        handle = int(stream.ptr)
+    elif hasattr(stream, "__cuda_stream__"):
+        handle = int(stream.__cuda_stream__()[1])
+    else:
+        raise TypeError(f"stream: expected a cuda.core Stream, torch/cupy stream, __cuda_stream__ object or "
+                        f"CUstream int, got {type(stream).__name__}")
+    s = _stream_cache.get(handle)
+    if s is None:
+        if handle == 0:
+            s = device(device_id).default_stream
+        else:
+            s = Stream.from_handle(handle)
+        _stream_cache[handle] = s
+    return s
+
+
+# --------------------------------------------------------------------------------------------- memory
+class DeviceArray:
+    """A minimal device array igemm returns for inputs that are neither torch nor cupy tensors.
+
+    Exposes ``__cuda_array_interface__`` (so cupy/numba/torch can wrap it) and ``.get()`` (to numpy).
+    """
+
+    def __init__(self, shape, dtype: str, device_id: int, stream=None):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.device_id = device_id
+        n = int(np.prod(self.shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
+        dev = device(device_id)
+        self._buf = dev.allocate(max(n, 1), stream=stream)
+        self.ptr = int(self._buf.handle)
+        self.nbytes = n
+
+    @property
+    def __cuda_array_interface__(self):
+        typestr = {"bfloat16": "<V2"}.get(self.dtype) or np.dtype(self.dtype).str
+        return {"shape": self.shape, "typestr": typestr, "data": (self.ptr, False), "version": 3,
+                "strides": None, "stream": None}
+
+    def get(self, stream=None) -> np.ndarray:
+        host_dtype = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        out = np.empty(self.shape, dtype=host_dtype)
+        if self.nbytes:
+            memcpy_dtoh(out.ctypes.data, self.ptr, self.nbytes, stream)
+        if self.dtype == "bfloat16":
+            try:
+                import ml_dtypes
+                out = out.view(ml_dtypes.bfloat16)
+            except ImportError:
+                pass
+        return out
+
+
+def _check(err, what):
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err}")
+
+
+def memcpy_htod(dst: int, src: int, nbytes: int, stream=None) -> None:
+    from cuda.bindings import driver
+    h = stream.handle if stream is not None else 0
+    _check(driver.cuMemcpyHtoDAsync(dst, src, nbytes, h)[0], "cuMemcpyHtoDAsync")
+    _check(driver.cuStreamSynchronize(h)[0], "cuStreamSynchronize")
+
+
+def memcpy_dtoh(dst: int, src: int, nbytes: int, stream=None) -> None:
+    from cuda.bindings import driver
+    h = stream.handle if stream is not None else 0
+    _check(driver.cuMemcpyDtoHAsync(dst, src, nbytes, h)[0], "cuMemcpyDtoHAsync")
+    _check(driver.cuStreamSynchronize(h)[0], "cuStreamSynchronize")
+
+
+def memset_d8(ptr: int, value: int, nbytes: int, stream) -> None:
+    from cuda.bindings import driver
+    _check(driver.cuMemsetD8Async(ptr, value, nbytes, stream.handle)[0], "cuMemsetD8Async")
+
+
+def to_device(t: Tensor, device_id: int, stream) -> tuple[Tensor, DeviceArray]:
+    """Copy a numpy-backed Tensor to a fresh device array (contiguous)."""
+    arr = np.ascontiguousarray(t.obj)
+    d = DeviceArray(arr.shape, t.dtype, device_id, stream)
+    if d.nbytes:
+        memcpy_htod(d.ptr, arr.ctypes.data, d.nbytes, stream)
+    return as_device_tensor(d), d
+
+
+def as_device_tensor(d: DeviceArray) -> Tensor:
+    st, acc = [], 1
+    for s in reversed(d.shape):
+        st.append(acc)
+        acc *= s
+    return Tensor(d, "other", d.ptr, d.shape, tuple(reversed(st)), d.dtype, d.device_id)
+
+
+def empty(kind: str, like, shape, dtype: str, device_id: int, stream=None):
+    """Allocate an output of the same framework as the inputs; returns ``(obj, Tensor)``."""
+    if kind == "torch":
+        import torch
+        obj = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device_id}")
+        return obj, as_tensor(obj, "out")
+    if kind == "cupy":
+        import cupy
+        with cupy.cuda.Device(device_id):
+            obj = cupy.empty(shape, dtype=dtype)
+        return obj, as_tensor(obj, "out")
+    d = DeviceArray(shape, dtype, device_id, stream)
+    return d, as_device_tensor(d)
+
+
+def to_host_like(d: DeviceArray, stream) -> np.ndarray:
+    return d.get(stream)

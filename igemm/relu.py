@@ -1,0 +1,148 @@
+"""ReLU-mask kernels: ``relu_backward(dy, mask)`` and ``relu_mask(y)``.
+
+The mask is ARCHITECTURE.md's format: ``uint32[ceil(L/32)]`` (``int32`` for torch, which lacks a full
+uint32 dtype; same bits), bit ``i % 32`` of word ``i // 32`` set exactly when element ``i`` of the
+output, in memory order, is > 0. The conv epilogue, ``batch_norm_relu`` and :func:`relu_mask` all write it.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from . import _kernel, reference
+from ._dispatch import CallContext, check_contiguous, check_dtype, check_shape
+from ._kernel import ParamSpec
+from ._runtime import DTYPE_CTYPE, FLOAT_DTYPES
+
+__all__ = ["relu_backward", "relu_mask", "mask_words", "mask_dtype_for"]
+
+_BWD_PARAMS = [ParamSpec("dy", "ptr"), ParamSpec("mask", "ptr"), ParamSpec("dx", "ptr"), ParamSpec("n", "int64")]
+_MASK_PARAMS = [ParamSpec("y", "ptr"), ParamSpec("mask", "ptr"), ParamSpec("n", "int64")]
+_THREADS = 256
+
+
+def mask_words(numel: int) -> int:
+    """Number of 32-bit words of the mask of a tensor with ``numel`` elements."""
+    return (numel + 31) // 32
+
+
+def mask_dtype_for(kind: str) -> str:
+    return "int32" if kind == "torch" else "uint32"
+
+
+@lru_cache(maxsize=None)
+def _stub(func: str, dtype: str, vec: int) -> str:
+    params = _BWD_PARAMS if func == "relu_backward" else _MASK_PARAMS
+    return _kernel.render_kernel(include="relu.cuh", entry=f"igemm_{func}", params=params, threads=_THREADS,
+                                 body=f"igemm::relu::{func}<{DTYPE_CTYPE[dtype]}, {vec}>(p);")
+
+
+def _vec(dtype: str, *ptrs: int) -> int:
+    size = 2 if dtype in ("float16", "bfloat16") else 4
+    return 16 // size if all(p % 16 == 0 for p in ptrs) else 1
+
+
+def _grid(device_id: int, work_items: int) -> int:
+    from ._runtime import device_props
+    sms = device_props(device_id).multiprocessor_count
+    return max(1, min(sms * 8, (work_items + _THREADS - 1) // _THREADS))
+
+
+def _check_mask(mask, numel: int, name: str = "mask") -> None:
+    check_dtype(mask, name, ("uint32", "int32"))
+    check_contiguous(mask, name)
+    if mask.ndim != 1 or mask.shape[0] < mask_words(numel):
+        raise ValueError(f"{name}: expected a 1-D uint32 array of at least {mask_words(numel)} words for "
+                         f"{numel} elements, got shape {mask.shape}")
+
+
+def relu_backward(dy, mask, *, out=None, stream=None):
+    """Gradient of ReLU from its 1-bit mask: ``dx = dy`` where the bit is set, else ``0``.
+
+    A select, not a product: ``inf``/``NaN`` in ``dy`` where the bit is 0 give 0. For Add-ReLU the same
+    ``dx`` is the gradient of both branches. ``dy`` contiguous fp32/fp16/bf16, ``mask`` as written by the
+    forward (see module doc).
+
+    >>> import numpy as np, igemm
+    >>> dy = np.array([1., -2., 3., 4.], np.float32)
+    >>> m = igemm.relu_mask(np.array([0.5, 0., -1., 2.], np.float32))
+    >>> igemm.relu_backward(dy, m).tolist()
+    [1.0, 0.0, 0.0, 4.0]
+    """
+    ctx = CallContext({"dy": dy, "mask": mask, "out": out}, stream)
+    t_dy, t_mask = ctx.views["dy"], ctx.views["mask"]
+    check_dtype(t_dy, "dy", FLOAT_DTYPES)
+    check_contiguous(t_dy, "dy")
+    _check_mask(t_mask, t_dy.numel)
+    if out is not None:
+        t_out = ctx.views["out"]
+        check_shape(t_out, "out", t_dy.shape)
+        if t_out.dtype != t_dy.dtype:
+            raise TypeError(f"out: dtype {t_out.dtype} differs from dy's {t_dy.dtype}")
+        check_contiguous(t_out, "out")
+    if ctx.backend == "numpy":
+        res = reference.relu_backward(np.asarray(dy), np.asarray(mask).view(np.uint32)).astype(np.asarray(dy).dtype)
+        if out is not None:
+            np.asarray(out)[...] = res
+            return out
+        return res
+    d_dy, d_mask = ctx.device_view("dy"), ctx.device_view("mask")
+    if out is None:
+        out_obj, d_out = ctx.empty(t_dy.shape, t_dy.dtype)
+    else:
+        out_obj, d_out = out, ctx.device_view("out")
+    n = t_dy.numel
+    if n:
+        vec = _vec(t_dy.dtype, d_dy.ptr, d_out.ptr)
+        k = _kernel.load(_stub("relu_backward", t_dy.dtype, vec), "relu_backward", "igemm_relu_backward",
+                         ctx.device_id)
+        grid = _grid(ctx.device_id, max(n // vec, 1))
+        _kernel.Launcher(k, grid, _THREADS)(ctx.stream, _kernel.pack_args(
+            _BWD_PARAMS, {"dy": d_dy.ptr, "mask": d_mask.ptr, "dx": d_out.ptr, "n": n}))
+    if out is not None:
+        ctx.copy_back("out", d_out)
+        return out
+    return ctx.finish(out_obj)
+
+
+def relu_mask(y, *, out=None, stream=None):
+    """Pack ``y > 0`` into the 1-bit ReLU mask (``uint32[ceil(numel/32)]``; ``int32`` for torch).
+
+    Equal, bit for bit, to the mask a fused ReLU epilogue writes for the same output ``y``.
+    """
+    ctx = CallContext({"y": y, "out": out}, stream)
+    t_y = ctx.views["y"]
+    check_dtype(t_y, "y", FLOAT_DTYPES)
+    check_contiguous(t_y, "y")
+    words = mask_words(t_y.numel)
+    if out is not None:
+        _check_mask(ctx.views["out"], t_y.numel, "out")
+    if ctx.backend == "numpy":
+        res = reference.pack_mask(np.asarray(y, dtype=np.float64) > 0)
+        if out is not None:
+            np.asarray(out).view(np.uint32)[:words] = res
+            return out
+        return res
+    d_y = ctx.device_view("y")
+    if out is None:
+        out_obj, d_out = ctx.empty((words,), mask_dtype_for(ctx.kind))
+    else:
+        out_obj, d_out = out, ctx.device_view("out")
+    launch_mask(ctx.device_id, ctx.stream, t_y.dtype, d_y.ptr, d_out.ptr, t_y.numel)
+    if out is not None:
+        ctx.copy_back("out", d_out)
+        return out
+    return ctx.finish(out_obj)
+
+
+def launch_mask(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n: int) -> None:
+    """Launch the pack kernel (also used by the conv plan when its epilogue cannot own whole words)."""
+    if n == 0:
+        return
+    vec = _vec(dtype, y_ptr)
+    k = _kernel.load(_stub("relu_mask", dtype, vec), "relu_mask", "igemm_relu_mask", device_id)
+    chunks = (mask_words(n) * 32 + 32 * vec - 1) // (32 * vec)
+    grid = _grid(device_id, chunks * 32)
+    _kernel.Launcher(k, grid, _THREADS)(stream, _kernel.pack_args(
+        _MASK_PARAMS, {"y": y_ptr, "mask": mask_ptr, "n": n}))

@@ -1,11 +1,12 @@
 // igemm: device helpers shared by every kernel family.
 //
-// Launch-parameter convention (all families): cuda.core.launch passes flat scalars only, so each
-// family's parameters are declared once in Python (igemm/_runtime.py: ParamSpec lists). The generated
-// stub renders from that list (a) a `struct Params`, (b) the extern "C" __global__ signature and
-// (c) the initialiser that rebuilds the struct on the device; the family's header templates take the
-// struct as a template parameter. A `fastdiv` parameter travels as (int32 d, uint32 mul, uint32 shr)
-// and is rebuilt as igemm::FastDiv. Pointers are `const void*` and cast by the family.
+// Launch-parameter convention (all families): kernels take flat scalar parameters (no struct by
+// value). Each family's parameters are declared once in Python (igemm/_kernel.py: ParamSpec lists). The
+// generated stub renders from that list (a) a `struct Params`, (b) the extern "C" __global__ signature
+// and (c) the initialiser that rebuilds the struct on the device; the family's header templates take the
+// struct as a template parameter. Python packs the values in the same order (PackedArgs) and launches
+// with cuLaunchKernel. A `fastdiv` parameter travels as (int32 d, uint32 mul, uint32 shr) and is rebuilt
+// as igemm::FastDiv. Pointers are `const void*` and cast by the family.
 #pragma once
 #include <cstdint>
 #include <cutlass/numeric_types.h>

@@ -1,7 +1,19 @@
 """igemm: implicit-GEMM convolution with fused epilogues, and the kernels around it, for CUDA GPUs."""
-from ._runtime import get_backend, gpu_available, set_backend
-from .relu import relu_backward, relu_mask
+import importlib.util as _ilu
+import os as _os
+
+# In a source checkout used without installing (PYTHONPATH=<repo>), the top-level epilogues/ and csrc/
+# are not yet the subpackages igemm.epilogues / igemm.csrc that an install makes them: look there too.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _ilu.find_spec("igemm.epilogues") is None and _os.path.isfile(_os.path.join(_root, "epilogues", "__init__.py")):
+    __path__.append(_root)  # noqa: F821
+
+from . import epilogues  # noqa: E402
+from ._runtime import get_backend, gpu_available, set_backend  # noqa: E402
+from .conv2d import Conv2dPlan, conv2d, conv2d_bn_relu  # noqa: E402
+from .relu import relu_backward, relu_mask  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["get_backend", "gpu_available", "set_backend", "relu_backward", "relu_mask", "__version__"]
+__all__ = ["epilogues", "get_backend", "gpu_available", "set_backend", "Conv2dPlan", "conv2d", "conv2d_bn_relu",
+           "__version__"]

@@ -5,8 +5,8 @@ instantiation); it is compiled to a cubin for the device's architecture, cached 
 through ``cuda.core``.
 
 Disk cache: ``$IGEMM_CACHE_DIR`` (default ``~/.cache/igemm``), one file per key. The key hashes the
-stub, every ``csrc/`` header, the CUTLASS version, the compiler identity, the flags and the
-architecture. Files are written to a temporary name and renamed into place (atomic on POSIX), and carry
+stub, the ``csrc/`` headers it includes (transitively), the CUTLASS version, the compiler identity, the
+flags and the architecture. Files are written to a temporary name and renamed into place (atomic on POSIX), and carry
 a SHA-256 of their payload, so a truncated or corrupted file is detected and rebuilt; concurrent
 processes compiling the same key both produce a valid file and the last rename wins.
 """
@@ -61,7 +61,10 @@ class Toolchain:
 # --------------------------------------------------------------------------------------------- paths
 def csrc_dir() -> Path:
     """Directory of the shipped device headers (``csrc/`` in the repo, ``igemm/csrc`` in a wheel)."""
-    return Path(str(importlib.resources.files("igemm.csrc")))
+    try:
+        return Path(str(importlib.resources.files("igemm.csrc")))
+    except ModuleNotFoundError:  # a source checkout on PYTHONPATH, not installed
+        return Path(__file__).resolve().parent.parent / "csrc"
 
 
 @lru_cache(maxsize=None)
@@ -86,13 +89,29 @@ def cutlass_version() -> str:
         return "unknown"
 
 
-def csrc_hash() -> str:
-    """SHA-256 over every header in csrc/ (name and content): part of every cache key."""
-    h = hashlib.sha256()
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def csrc_hash(stub: str | None = None) -> str:
+    """SHA-256 over the csrc/ headers a stub includes, transitively (name and content); over every
+    header when ``stub`` is None. Part of every cache key: editing a header rebuilds exactly the kernels
+    that include it."""
     d = csrc_dir()
-    for p in sorted(d.glob("*.cuh")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
+    if stub is None:
+        names = sorted(p.name for p in d.glob("*.cuh"))
+    else:
+        names, todo = set(), list(_INCLUDE.findall(stub))
+        while todo:
+            n = todo.pop()
+            if n in names or not (d / n).is_file():
+                continue
+            names.add(n)
+            todo.extend(_INCLUDE.findall((d / n).read_text()))
+        names = sorted(names)
+    h = hashlib.sha256()
+    for n in names:
+        h.update(n.encode())
+        h.update((d / n).read_bytes())
     return h.hexdigest()
 
 
@@ -213,7 +232,7 @@ _compile_lock = threading.Lock()
 
 def _key(stub: str, arch: str, tc: Toolchain, flags: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (stub, csrc_hash(), cutlass_version(), tc.kind, tc.version, " ".join(flags), arch):
+    for part in (stub, csrc_hash(stub), cutlass_version(), tc.kind, tc.version, " ".join(flags), arch):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:40]

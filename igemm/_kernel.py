@@ -1,10 +1,10 @@
 """One definition of each kernel family's launch parameters, the stub rendered from it, and launching.
 
-``cuda.core.launch`` takes pointers (Python ints) and typed numpy scalars, and no struct by value.
-So a family declares its parameters once, as a list of :class:`ParamSpec`; :func:`render_kernel`
-generates from that list the C++ ``struct Params``, the ``extern "C" __global__`` signature and the
-initialiser that rebuilds the struct on the device, and :func:`pack_args` builds the flat argument
-list in the same order. The family's header only sees ``Params`` (a template parameter).
+Kernels take flat scalar parameters (no struct by value). A family declares its parameters once, as
+a list of :class:`ParamSpec`; :func:`render_kernel` generates from that list the C++ ``struct Params``,
+the ``extern "C" __global__`` signature and the initialiser that rebuilds the struct on the device, and
+:func:`pack_args` packs the values in the same order into a :class:`PackedArgs` buffer, which
+:class:`Launcher` hands to ``cuLaunchKernel``. The family's header only sees ``Params``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 from . import _runtime
 from .fastdiv import magic
 
-__all__ = ["ParamSpec", "render_kernel", "pack_args", "Launcher", "load"]
+__all__ = ["ParamSpec", "PackedArgs", "render_kernel", "pack_args", "Launcher", "load"]
 
 
 @dataclass(frozen=True)
@@ -55,35 +55,106 @@ def render_kernel(*, include: str, entry: str, params: list[ParamSpec], body: st
             f"  const Params p{{{', '.join(init)}}};\n  {body}\n}}\n")
 
 
-def pack_args(params: list[ParamSpec], values: dict) -> list:
-    """Flat launch arguments in declaration order; missing pointers are nullptr, missing scalars 0."""
-    out = []
-    for p in params:
-        v = values.get(p.name, 0)
-        if p.ctype == "ptr":
-            out.append(int(v))
-        elif p.ctype == "fastdiv":
-            d, m, s = magic(int(v) if v else 1)
-            out += [np.int32(d), np.uint32(m), np.uint32(s)]
-        else:
-            out.append(_NP[p.ctype](v))
-    return out
+class PackedArgs:
+    """Launch arguments packed once into one buffer: 8 bytes a slot, plus the ``void*[]`` that
+    ``cuLaunchKernel`` takes. A plan builds it once and only rewrites its pointer slots per call."""
+
+    __slots__ = ("slots", "data", "u64", "i32", "f32", "ptrs", "address")
+
+    def __init__(self, params: list[ParamSpec], values: dict):
+        entries = []
+        for p in params:
+            v = values.get(p.name, 0)
+            if p.ctype == "fastdiv":
+                d, m, s = magic(int(v) if v else 1)
+                entries += [(p.name + "_d", "int32", d), (p.name + "_m", "uint32", m), (p.name + "_s", "uint32", s)]
+            else:
+                entries.append((p.name, p.ctype, v))
+        n = len(entries)
+        self.data = np.zeros(n, dtype=np.uint64)
+        self.u64 = self.data
+        self.i32 = self.data.view(np.int32)       # slot i's low word is i32[2 * i]
+        self.f32 = self.data.view(np.float32)
+        self.slots = {}
+        for i, (name, ctype, v) in enumerate(entries):
+            self.slots[name] = i
+            if ctype == "ptr":
+                self.u64[i] = int(v)
+            elif ctype == "int64":
+                self.data.view(np.int64)[i] = int(v)
+            elif ctype == "int32":
+                self.i32[2 * i] = int(v)
+            elif ctype == "uint32":
+                self.data.view(np.uint32)[2 * i] = int(v)
+            elif ctype == "float32":
+                self.f32[2 * i] = float(v)
+            else:
+                raise ValueError(f"unknown parameter type {ctype!r} for {name}")
+        base = self.data.ctypes.data
+        self.ptrs = np.arange(n, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
+        self.address = int(self.ptrs.ctypes.data)
+
+    def copy(self) -> "PackedArgs":
+        c = object.__new__(PackedArgs)
+        c.slots = self.slots
+        c.data = self.data.copy()
+        c.u64, c.i32, c.f32 = c.data, c.data.view(np.int32), c.data.view(np.float32)
+        c.ptrs = np.arange(len(c.data), dtype=np.uint64) * np.uint64(8) + np.uint64(c.data.ctypes.data)
+        c.address = int(c.ptrs.ctypes.data)
+        return c
+
+
+def pack_args(params: list[ParamSpec], values: dict) -> PackedArgs:
+    """Pack launch arguments in declaration order; missing pointers are nullptr, missing scalars 0."""
+    return PackedArgs(params, values)
+
+
+_cu_streams: dict = {}
+
+
+def _cu_stream(handle: int):
+    s = _cu_streams.get(handle)
+    if s is None:
+        from cuda.bindings import driver
+        s = _cu_streams[handle] = driver.CUstream(handle)
+    return s
 
 
 class Launcher:
-    """A compiled kernel and its launch configuration: ``launcher(stream, args)`` launches."""
+    """A compiled kernel and its launch configuration: ``launcher(stream, packed_args)`` launches.
 
-    __slots__ = ("kernel", "config", "_launch", "grid", "block", "smem")
+    Every family launches the same way: ``cuLaunchKernel`` with a pointer array into a
+    :class:`PackedArgs` buffer (cuda.core's ``launch`` converts every argument on every call; with the
+    conv family's 46 scalars that is most of a call's host time). ``stream`` is a raw ``CUstream`` int
+    or anything with a ``handle`` (a cuda.core Stream).
+    """
+
+    __slots__ = ("kernel", "func", "grid", "block", "smem", "_launch")
 
     def __init__(self, kernel, grid, block, smem: int = 0):
-        from cuda.core import LaunchConfig, launch
+        from cuda.bindings import driver
         self.kernel = kernel
-        self.grid, self.block, self.smem = grid, block, smem
-        self.config = LaunchConfig(grid=grid, block=block, shmem_size=smem)
-        self._launch = launch
+        h = kernel.handle
+        if isinstance(h, driver.CUkernel):
+            err, f = driver.cuKernelGetFunction(h)
+            if int(err) != 0:
+                raise RuntimeError(f"cuKernelGetFunction failed: {err}")
+            h = f
+        self.func = h
+        g = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+        b = tuple(block) if isinstance(block, (tuple, list)) else (block,)
+        self.grid = tuple(int(v) for v in g) + (1,) * (3 - len(g))
+        self.block = tuple(int(v) for v in b) + (1,) * (3 - len(b))
+        self.smem = int(smem)
+        self._launch = driver.cuLaunchKernel
 
-    def __call__(self, stream, args) -> None:
-        self._launch(stream, self.config, self.kernel, *args)
+    def __call__(self, stream, args: PackedArgs) -> None:
+        handle = stream if isinstance(stream, int) else int(stream.handle)
+        g, b = self.grid, self.block
+        (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
+                              args.address, 0)
+        if err:
+            raise RuntimeError(f"kernel launch failed: {err}")
 
 
 def load(stub: str, name: str, entry: str, device_id: int, smem: int = 0):

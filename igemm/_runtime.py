@@ -176,7 +176,6 @@ def as_tensor(obj, name: str) -> Tensor:
 _tls = threading.local()
 _kernel_cache: dict = {}
 _kernel_lock = threading.Lock()
-_stream_cache: dict = {}
 
 
 def device(device_id: int):
@@ -237,39 +236,65 @@ def _set_max_dynamic_smem(kernel, nbytes: int, device_id: int) -> None:
         raise RuntimeError(f"could not raise the kernel's dynamic shared memory to {nbytes} bytes: {err}")
 
 
-def stream_for(stream, kind: str, device_id: int):
-    """A cuda.core Stream for an explicit ``stream=`` or the framework's current stream."""
-    from cuda.core import Stream
+def stream_handle(stream, kind: str, device_id: int) -> int:
+    """The raw ``CUstream`` for an explicit ``stream=`` or, if None, the framework's current stream
+    (torch, cupy) or the legacy default stream (0)."""
     if stream is None:
         if kind == "torch":
             import torch
-            handle = torch.cuda.current_stream(device_id).cuda_stream
-        elif kind == "cupy":
+            try:
+                return torch._C._cuda_getCurrentRawStream(device_id)
+            except AttributeError:  # pragma: no cover - older torch
+                return torch.cuda.current_stream(device_id).cuda_stream
+        if kind == "cupy":
             import cupy
-            handle = cupy.cuda.get_current_stream().ptr
-        else:
-            return device(device_id).default_stream
-    elif isinstance(stream, Stream):
+            return cupy.cuda.get_current_stream().ptr
+        return 0
+    if isinstance(stream, int):
         return stream
-    elif isinstance(stream, int):
-        handle = stream
-    elif hasattr(stream, "cuda_stream"):        # torch.cuda.Stream
-        handle = int(stream.cuda_stream)
-    elif hasattr(stream, "ptr"):                # cupy.cuda.Stream
-        handle = int(stream.ptr)
-    elif hasattr(stream, "__cuda_stream__"):
-        handle = int(stream.__cuda_stream__()[1])
-    else:
-        raise TypeError(f"stream: expected a cuda.core Stream, torch/cupy stream, __cuda_stream__ object or "
-                        f"CUstream int, got {type(stream).__name__}")
-    s = _stream_cache.get(handle)
+    if hasattr(stream, "cuda_stream"):          # torch.cuda.Stream
+        return int(stream.cuda_stream)
+    if hasattr(stream, "__cuda_stream__"):      # cuda.core Stream and other protocol objects
+        return int(stream.__cuda_stream__()[1])
+    if hasattr(stream, "ptr"):                  # cupy.cuda.Stream
+        return int(stream.ptr)
+    if hasattr(stream, "handle"):
+        return int(stream.handle)
+    raise TypeError(f"stream: expected a cuda.core Stream, torch/cupy stream, __cuda_stream__ object or "
+                    f"CUstream int, got {type(stream).__name__}")
+
+
+class RawStream:
+    """A CUstream handle with the ``.handle`` attribute the memcpy helpers and launchers read."""
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __int__(self) -> int:
+        return self.handle
+
+
+_core_streams: dict = {}
+
+
+def core_stream(stream, device_id: int):
+    """A cuda.core Stream for a RawStream / cuda.core Stream / None (the device's default stream)."""
+    from cuda.core import Stream
+    if stream is None:
+        return device(device_id).default_stream
+    if isinstance(stream, Stream):
+        return stream
+    h = int(stream.handle)
+    s = _core_streams.get(h)
     if s is None:
-        if handle == 0:
-            s = device(device_id).default_stream
-        else:
-            s = Stream.from_handle(handle)
-        _stream_cache[handle] = s
+        s = _core_streams[h] = device(device_id).default_stream if h == 0 else Stream.from_handle(h)
     return s
+
+
+def stream_for(stream, kind: str, device_id: int) -> RawStream:
+    """A stream object (``.handle`` is the raw CUstream) for ``stream=`` or the framework's current one."""
+    return RawStream(stream_handle(stream, kind, device_id))
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -285,7 +310,7 @@ class DeviceArray:
         self.device_id = device_id
         n = int(np.prod(self.shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
         dev = device(device_id)
-        self._buf = dev.allocate(max(n, 1), stream=stream)
+        self._buf = dev.allocate(max(n, 1), stream=core_stream(stream, device_id))
         self.ptr = int(self._buf.handle)
         self.nbytes = n
 
@@ -316,21 +341,21 @@ def _check(err, what):
 
 def memcpy_htod(dst: int, src: int, nbytes: int, stream=None) -> None:
     from cuda.bindings import driver
-    h = stream.handle if stream is not None else 0
+    h = driver.CUstream(int(stream.handle) if stream is not None else 0)
     _check(driver.cuMemcpyHtoDAsync(dst, src, nbytes, h)[0], "cuMemcpyHtoDAsync")
     _check(driver.cuStreamSynchronize(h)[0], "cuStreamSynchronize")
 
 
 def memcpy_dtoh(dst: int, src: int, nbytes: int, stream=None) -> None:
     from cuda.bindings import driver
-    h = stream.handle if stream is not None else 0
+    h = driver.CUstream(int(stream.handle) if stream is not None else 0)
     _check(driver.cuMemcpyDtoHAsync(dst, src, nbytes, h)[0], "cuMemcpyDtoHAsync")
     _check(driver.cuStreamSynchronize(h)[0], "cuStreamSynchronize")
 
 
 def memset_d8(ptr: int, value: int, nbytes: int, stream) -> None:
     from cuda.bindings import driver
-    _check(driver.cuMemsetD8Async(ptr, value, nbytes, stream.handle)[0], "cuMemsetD8Async")
+    _check(driver.cuMemsetD8Async(ptr, value, nbytes, driver.CUstream(int(stream.handle)))[0], "cuMemsetD8Async")
 
 
 def to_device(t: Tensor, device_id: int, stream) -> tuple[Tensor, DeviceArray]:

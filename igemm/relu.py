@@ -43,6 +43,12 @@ def _vec(dtype: str, *ptrs: int) -> int:
     return 16 // size if all(p % 16 == 0 for p in ptrs) else 1
 
 
+@lru_cache(maxsize=256)
+def _launcher(func: str, dtype: str, vec: int, device_id: int, grid: int):
+    k = _kernel.load(_stub(func, dtype, vec), func, f"igemm_{func}", device_id)
+    return _kernel.Launcher(k, grid, _THREADS)
+
+
 def _grid(device_id: int, work_items: int) -> int:
     from ._runtime import device_props
     sms = device_props(device_id).multiprocessor_count
@@ -95,10 +101,8 @@ def relu_backward(dy, mask, *, out=None, stream=None):
     n = t_dy.numel
     if n:
         vec = _vec(t_dy.dtype, d_dy.ptr, d_out.ptr)
-        k = _kernel.load(_stub("relu_backward", t_dy.dtype, vec), "relu_backward", "igemm_relu_backward",
-                         ctx.device_id)
         grid = _grid(ctx.device_id, max(n // vec, 1))
-        _kernel.Launcher(k, grid, _THREADS)(ctx.stream, _kernel.pack_args(
+        _launcher("relu_backward", t_dy.dtype, vec, ctx.device_id, grid)(ctx.stream, _kernel.pack_args(
             _BWD_PARAMS, {"dy": d_dy.ptr, "mask": d_mask.ptr, "dx": d_out.ptr, "n": n}))
     if out is not None:
         ctx.copy_back("out", d_out)
@@ -141,8 +145,7 @@ def launch_mask(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n
     if n == 0:
         return
     vec = _vec(dtype, y_ptr)
-    k = _kernel.load(_stub("relu_mask", dtype, vec), "relu_mask", "igemm_relu_mask", device_id)
     chunks = (mask_words(n) * 32 + 32 * vec - 1) // (32 * vec)
     grid = _grid(device_id, chunks * 32)
-    _kernel.Launcher(k, grid, _THREADS)(stream, _kernel.pack_args(
+    _launcher("relu_mask", dtype, vec, device_id, grid)(stream, _kernel.pack_args(
         _MASK_PARAMS, {"y": y_ptr, "mask": mask_ptr, "n": n}))

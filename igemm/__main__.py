@@ -1,0 +1,167 @@
+"""``python -m igemm demo | precompile | compare | info``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+# name, C, K, H(=W), R(=S), stride, padding  (ResNet-50's distinct conv shapes)
+RESNET50 = [
+    ("conv1 7x7/2 3->64 @224", 3, 64, 224, 7, 2, 3),
+    ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1),
+    ("1x1 64->256 @56", 64, 256, 56, 1, 1, 0),
+    ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1),
+    ("3x3 256->256 @14", 256, 256, 14, 3, 1, 1),
+    ("3x3 512->512 @7", 512, 512, 7, 3, 1, 1),
+    ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0),
+]
+
+
+def _shapes(layout, N, C, K, H, R):
+    if layout == "NCHW":
+        return (N, C, H, H), (K, C, R, R)
+    return (N, H, H, C), (K, R, R, C)
+
+
+def demo(args) -> int:
+    import igemm
+    from igemm import reference
+    gpu = igemm.get_backend() == "cuda"
+    layout, dtype = args.layout, args.dtype
+    rng = np.random.default_rng(0)
+    if not gpu:
+        print("No CUDA GPU visible: running the numpy backend (float64 reference) on a small batch "
+              "(N=1, spatial size / 8).")
+    N = args.batch if gpu else 1
+    rows = []
+    for name, C, K, H, R, st, pd in RESNET50:
+        Hs = H if gpu else max(R, H // 8)
+        xs, ws = _shapes(layout, N, C, K, Hs, R)
+        if gpu:
+            import torch
+            tdt = getattr(torch, dtype)
+            x = torch.randn(xs, device="cuda", dtype=tdt)
+            w = (torch.randn(ws, device="cuda", dtype=tdt) / np.sqrt(C * R * R)).to(tdt)
+            plan = igemm.Conv2dPlan(xs, ws, dtype, layout, st, pd)
+            y = plan(x, w)
+            torch.cuda.synchronize()
+            reps = 20
+            t0 = torch.cuda.Event(enable_timing=True)
+            t1 = torch.cuda.Event(enable_timing=True)
+            t0.record()
+            for _ in range(reps):
+                plan(x, w, out=y)
+            t1.record()
+            torch.cuda.synchronize()
+            t = t0.elapsed_time(t1) / reps * 1e-3
+            # reference on a slice of the batch (float64 on the GPU through torch, for speed)
+            import torch.nn.functional as F
+            xr = x[:2].double() if layout == "NCHW" else x[:2].double().permute(0, 3, 1, 2)
+            wr = w.double() if layout == "NCHW" else w.double().permute(0, 3, 1, 2)
+            ref = F.conv2d(xr, wr, stride=st, padding=pd)
+            if layout == "NHWC":
+                ref = ref.permute(0, 2, 3, 1)
+            err = ((y[:2].double() - ref).abs().max() / ref.abs().max()).item()
+            P = ref.shape[2] if layout == "NCHW" else ref.shape[1]
+        else:
+            x = rng.standard_normal(xs).astype(np.float32)
+            w = (rng.standard_normal(ws) / np.sqrt(C * R * R)).astype(np.float32)
+            t0 = time.perf_counter()
+            y = igemm.conv2d(x, w, st, pd, layout=layout)
+            t = time.perf_counter() - t0
+            ref = reference.conv2d_im2col(x, w, st, pd, 1, layout)
+            err = float(np.abs(y - ref).max() / np.abs(ref).max())
+            P = y.shape[2] if layout == "NCHW" else y.shape[1]
+        flops = 2 * N * K * P * P * C * R * R
+        rows.append((name, t * 1e6, flops / t / 1e12, err))
+    print(f"\nigemm demo: ResNet-50 conv layers, N={N}, {dtype if gpu else 'float32'} {layout}"
+          f"{'' if gpu else ' (numpy backend)'}\n")
+    print(f"| {'layer':24s} | {'time (us)':>10s} | {'TFLOP/s':>8s} | {'max rel err':>11s} |")
+    print(f"|{'-' * 26}|{'-' * 12}|{'-' * 10}|{'-' * 13}|")
+    bad = 0
+    tol = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-5}[dtype if gpu else "float32"]
+    for name, us, tf, err in rows:
+        flag = "" if err <= tol else "  FAIL"
+        bad += err > tol
+        print(f"| {name:24s} | {us:10.1f} | {tf:8.2f} | {err:11.2e} |{flag}")
+    return 1 if bad else 0
+
+
+def precompile(args) -> int:
+    """Compile the kernels of the ResNet-50 benchmark set (and their fused epilogues) in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from igemm import _build
+    from igemm import epilogues as ep
+    from igemm._heuristics import ConvProblem, choose_config
+    from igemm.conv2d import _stub
+    chains = {"none": ep.chain(), "bn_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True)),
+              "bn_add_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.Add(), ep.ReLU(mask=True))}
+    configs = [c.split(":") for c in args.configs.split(",")]
+    specs = {}
+    for dtype, layout, precision in configs:
+        for _, C, K, H, R, st, pd in RESNET50:
+            for cname, ch in chains.items():
+                if cname != "none" and not args.epilogues:
+                    continue
+                pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
+                                 precision if dtype == "float32" else "tensorop", ch.signature(),
+                                 dtype if ch.residual_op else None)
+                spec = choose_config(pb, args.arch)
+                specs[spec] = _stub(spec)
+    t0 = time.time()
+    def one(item):
+        spec, stub = item
+        _build.compile_cubin(stub, args.arch, name=spec.name())
+        return spec.name()
+    with ThreadPoolExecutor(args.jobs) as ex:
+        for name in ex.map(one, specs.items()):
+            print("compiled", name, flush=True)
+    print(f"{len(specs)} kernels for {args.arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}")
+    return 0
+
+
+def info(args) -> int:
+    import igemm
+    from igemm import _build
+    print("igemm", igemm.__version__, "backend:", igemm.get_backend())
+    try:
+        print("compiler:", _build.find_toolchain().describe())
+    except Exception as e:
+        print("compiler: none -", e)
+    print("CUTLASS headers:", _build.cutlass_include_dir())
+    print("kernel cache:", _build.cache_dir())
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m igemm")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="run the ResNet-50 conv layers through igemm and check them")
+    d.add_argument("--layout", default="NHWC", choices=["NCHW", "NHWC"])
+    d.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    d.add_argument("--batch", type=int, default=32)
+    d.set_defaults(fn=demo)
+    p = sub.add_parser("precompile", help="fill the kernel cache for the ResNet-50 benchmark set")
+    p.add_argument("--arch", default="sm_90a")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--configs", default="float16:NHWC:strict,float16:NCHW:strict,float32:NCHW:strict")
+    p.add_argument("--epilogues", action="store_true", help="also the fused BN-ReLU(-Add) variants")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p.set_defaults(fn=precompile)
+    i = sub.add_parser("info", help="toolchain, backend and cache")
+    i.set_defaults(fn=info)
+    try:
+        from .compare import add_cli
+        add_cli(sub)
+    except ImportError:
+        pass
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,476 @@
+"""conv2d forward as an implicit GEMM, with fused epilogues: ``Conv2dPlan``, ``conv2d``, ``conv2d_bn_relu``.
+
+A :class:`Conv2dPlan` fixes the problem (shapes, dtype, layout, stride/padding/dilation, precision,
+epilogue structure), validates it, picks and compiles the kernel (``choose_config``), folds BatchNorm
+into fp32 scale/shift vectors and precomputes every scalar launch argument (GEMM sizes, magic
+numbers). Calling it only checks the tensors against the plan, binds pointers and launches.
+:func:`conv2d` fetches plans from an LRU cache.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from . import _kernel, _runtime, reference
+from ._dispatch import CallContext
+from ._heuristics import ConvProblem, KernelSpec, choose_config
+from ._kernel import ParamSpec
+from ._runtime import Tensor, as_tensor
+from .fastdiv import MAX_DIVIDEND
+from .reference.conv import pair
+
+__all__ = ["Conv2dPlan", "conv2d", "conv2d_bn_relu", "CONV_PARAMS"]
+
+#: The conv family's launch parameters, in order (the one definition; the stub is rendered from it).
+CONV_PARAMS = [
+    ParamSpec("x", "ptr"), ParamSpec("w", "ptr"), ParamSpec("y", "ptr"), ParamSpec("residual", "ptr"),
+    ParamSpec("scale", "ptr"), ParamSpec("shift", "ptr"), ParamSpec("alpha", "ptr"), ParamSpec("mask", "ptr"),
+    ParamSpec("alpha_scalar", "float32"),
+    *(ParamSpec(n, "int32") for n in ("N", "H", "W", "C", "K", "R", "S", "P", "Q", "PQ", "M", "Kred",
+                                      "sh", "sw", "ph", "pw", "dh", "dw")),
+    ParamSpec("x_img", "int64"),
+    *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_C", "fd_S", "fd_RS", "fd_K")),
+]
+
+_DTYPES = ("float16", "bfloat16", "float32")
+_LAYOUTS = ("NCHW", "NHWC")
+_PRECISIONS = ("strict", "tf32")
+
+
+def _stub(spec: KernelSpec) -> str:
+    return _kernel.render_kernel(include="conv2d_fprop.cuh", entry="igemm_conv2d_fprop", params=CONV_PARAMS,
+                                 threads=spec.threads, min_blocks=spec.min_blocks,
+                                 body=f"igemm::conv::fprop<{spec.config_type()}>(p);")
+
+
+def _as_epilogue(epilogue):
+    from .epilogues import Chain, Epilogue, chain
+    if epilogue is None:
+        return chain()
+    if isinstance(epilogue, Chain):
+        return epilogue
+    if isinstance(epilogue, Epilogue):
+        return chain(epilogue)
+    if isinstance(epilogue, (list, tuple)):
+        return chain(*epilogue)
+    raise TypeError(f"epilogue: expected an igemm.epilogues op or chain, got {type(epilogue).__name__}")
+
+
+def _geometry(x_shape, w_shape, layout, stride, padding, dilation):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
+    x_shape, w_shape = tuple(int(s) for s in x_shape), tuple(int(s) for s in w_shape)
+    if len(x_shape) != 4:
+        raise ValueError(f"x: expected a 4-D {layout} tensor, got shape {x_shape}")
+    if len(w_shape) != 4:
+        raise ValueError(f"w: expected a 4-D filter ({'K,C,R,S' if layout == 'NCHW' else 'K,R,S,C'}), got shape {w_shape}")
+    if layout == "NCHW":
+        N, C, H, W = x_shape
+        K, Cw, R, S = w_shape
+    else:
+        N, H, W, C = x_shape
+        K, R, S, Cw = w_shape
+    if Cw != C:
+        raise ValueError(f"w: has {Cw} input channels but x has {C} ({layout}: x {x_shape}, w {w_shape}); "
+                         f"grouped convolution is not supported")
+    if min(N, C, H, W, K, R, S) < 1:
+        raise ValueError(f"empty tensors are not supported: x {x_shape}, w {w_shape}")
+    s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    if min(s) < 1:
+        raise ValueError(f"stride: must be >= 1, got {stride!r}")
+    if min(p) < 0:
+        raise ValueError(f"padding: must be >= 0, got {padding!r}")
+    if min(d) < 1:
+        raise ValueError(f"dilation: must be >= 1, got {dilation!r}")
+    P = (H + 2 * p[0] - d[0] * (R - 1) - 1) // s[0] + 1
+    Q = (W + 2 * p[1] - d[1] * (S - 1) - 1) // s[1] + 1
+    if P < 1 or Q < 1:
+        raise ValueError(f"the (dilated) filter {R}x{S} (dilation {d}) does not fit the padded input "
+                         f"{H}x{W} (padding {p}): output would be {P}x{Q}")
+    return N, C, H, W, K, R, S, P, Q, s, p, d
+
+
+class _Folded:
+    """An epilogue's per-channel fp32 vectors on the device (``scale``, ``shift``, ``alpha`` pointers).
+
+    torch CUDA vectors are folded with torch ops on their device (no host synchronisation); anything
+    else is folded on the host in float64 and uploaded.
+    """
+
+    def __init__(self, chain, K: int, device_id: int | None):
+        self.scale = self.shift = self.alpha = 0
+        self._keep = []
+        aff = chain.affine_ops
+        pr = chain.prelu_op
+        self.alpha_scalar = float(pr.alpha) if pr is not None and not pr.per_channel else 0.0
+        vectors = [getattr(o, n) for o in aff for n in ("gamma", "beta", "mean", "var", "b") if hasattr(o, n)]
+        if pr is not None and pr.per_channel:
+            vectors.append(pr.alpha)
+        self.host = None
+        if device_id is not None and vectors and all(type(v).__module__.split(".")[0] == "torch"
+                                                     and v.is_cuda for v in vectors):
+            self._fold_torch(aff, pr, K, device_id)
+            return
+        from .reference.epilogue import fold_affine, host_f64
+        host = {}
+        if aff:
+            host["scale"], host["shift"] = fold_affine(aff, K)
+        if pr is not None and pr.per_channel:
+            host["alpha"] = host_f64(pr.alpha).reshape(-1)
+        self.host = host
+        if device_id is not None:
+            for name, arr in host.items():
+                d = _runtime.DeviceArray((K,), "float32", device_id)
+                a32 = np.ascontiguousarray(arr, dtype=np.float32)
+                _runtime.memcpy_htod(d.ptr, a32.ctypes.data, a32.nbytes)
+                self._keep.append(d)
+                setattr(self, name, d.ptr)
+
+    def _fold_torch(self, aff, pr, K, device_id):
+        import torch
+        dev = torch.device("cuda", device_id)
+        scale = torch.ones(K, dtype=torch.float64, device=dev)
+        shift = torch.zeros(K, dtype=torch.float64, device=dev)
+        for op in aff:
+            if type(op).__name__ == "BatchNorm":
+                s = op.gamma.double() / torch.sqrt(op.var.double() + op.eps)
+                scale, shift = scale * s, shift * s + (op.beta.double() - op.mean.double() * s)
+            else:
+                shift = shift + op.b.double()
+        if aff:
+            self._set("scale", scale.float().contiguous())
+            self._set("shift", shift.float().contiguous())
+        if pr is not None and pr.per_channel:
+            self._set("alpha", pr.alpha.float().contiguous().reshape(-1))
+
+    def _set(self, name, t):
+        self._keep.append(t)
+        setattr(self, name, t.data_ptr())
+
+    def ptr_args(self) -> tuple:
+        return self.scale, self.shift, self.alpha
+
+
+class Conv2dPlan:
+    """A compiled convolution for one problem; ``plan(x, w)`` binds pointers and launches.
+
+    Args:
+        x_shape, w_shape: ``(N, C, H, W)`` and ``(K, C, R, S)`` for NCHW, ``(N, H, W, C)`` and
+            ``(K, R, S, C)`` for NHWC.
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` (x, w and y share it).
+        layout: ``"NCHW"`` or ``"NHWC"``.
+        stride, padding, dilation: ints or pairs (as ``torch.nn.functional.conv2d``).
+        epilogue: an ``igemm.epilogues`` op or chain (BatchNorm/Bias vectors are folded now).
+        precision: fp32 only: ``"strict"`` (IEEE FFMA, default) or ``"tf32"`` (tensor cores).
+        residual_dtype: dtype of the ``Add`` residual (default: ``dtype``).
+        device: CUDA device index (default 0); ``None`` builds a plan for the numpy backend.
+
+    Example::
+
+        plan = igemm.Conv2dPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", padding=1)
+        y = plan(x, w)           # x, w: torch CUDA tensors; y: a torch tensor
+    """
+
+    def __init__(self, x_shape, w_shape, dtype: str, layout: str = "NCHW", stride=1, padding=0, dilation=1,
+                 epilogue=None, precision: str = "strict", residual_dtype: str | None = None,
+                 device: int | None = 0, _skeleton: bool = False):
+        dtype = str(dtype).replace("torch.", "")
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision: expected 'strict' or 'tf32', got {precision!r}")
+        N, C, H, W, K, R, S, P, Q, s, p, d = _geometry(x_shape, w_shape, layout, stride, padding, dilation)
+        self.chain = _as_epilogue(epilogue)
+        if not _skeleton:
+            self.chain.validate(K)
+        res_op = self.chain.residual_op
+        if res_op is None and residual_dtype is not None:
+            raise ValueError("residual_dtype given but the epilogue has no Add")
+        if res_op is not None:
+            if residual_dtype is None and res_op.residual is not None:
+                residual_dtype = as_tensor(res_op.residual, "residual").dtype
+            residual_dtype = residual_dtype or dtype
+            if residual_dtype not in _DTYPES:
+                raise TypeError(f"residual: dtype {residual_dtype} not supported (expected one of {_DTYPES})")
+        self.problem = ConvProblem(N, C, H, W, K, R, S, s, p, d, dtype, layout,
+                                   precision if dtype == "float32" else "tensorop",
+                                   self.chain.signature(), residual_dtype)
+        pb = self.problem
+        self.x_shape = tuple(int(v) for v in x_shape)
+        self.w_shape = tuple(int(v) for v in w_shape)
+        self.y_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
+        self.dtype, self.layout = dtype, layout
+        self.numel_y = N * K * P * Q
+        self.mask_words = (self.numel_y + 31) // 32
+        if pb.M >= MAX_DIVIDEND:
+            raise NotImplementedError(f"N*P*Q = {pb.M} output pixels: igemm's index math supports < 2**31")
+        if C * H * W >= MAX_DIVIDEND or pb.Kred >= MAX_DIVIDEND:
+            raise NotImplementedError(f"one image of x has {C * H * W} elements: igemm supports < 2**31 per image")
+        self.device_id = device
+        self.backend = "numpy" if device is None else "cuda"
+        self._specs: dict = {}
+        self._folded = _Folded(self.chain, K, device) if not _skeleton else _Folded(_as_epilogue(None), K, None)
+        if device is not None:
+            self.arch = _runtime.device_arch(device)
+            self._args = self._scalar_args()
+            self._slot = self._args.slots
+            self._lock = threading.Lock()
+            self._launcher(True, True)   # compile the primary kernel now
+
+    # -------------------------------------------------------------------------------------- setup
+    def _scalar_args(self) -> list:
+        pb = self.problem
+        P, Q = pb.P, pb.Q
+        vals = dict(N=pb.N, H=pb.H, W=pb.W, C=pb.C, K=pb.K, R=pb.R, S=pb.S, P=P, Q=Q, PQ=P * Q, M=pb.M,
+                    Kred=pb.Kred, sh=pb.stride[0], sw=pb.stride[1], ph=pb.padding[0], pw=pb.padding[1],
+                    dh=pb.dilation[0], dw=pb.dilation[1], x_img=pb.C * pb.H * pb.W,
+                    fd_PQ=P * Q, fd_Q=Q, fd_C=pb.C, fd_S=pb.S, fd_RS=pb.R * pb.S, fd_K=pb.K,
+                    scale=self._folded.scale, shift=self._folded.shift,
+                    alpha=self._folded.alpha, alpha_scalar=self._alpha_scalar())
+        return _kernel.pack_args(CONV_PARAMS, vals)
+
+    def _alpha_scalar(self) -> float:
+        pr = self.chain.prelu_op
+        return float(pr.alpha) if pr is not None and not pr.per_channel else 0.0
+
+    def spec(self, x_aligned: bool = True, w_aligned: bool = True) -> KernelSpec:
+        return choose_config(self.problem, getattr(self, "arch", "sm_90a"), x_aligned=x_aligned, w_aligned=w_aligned)
+
+    def _launcher(self, xa: bool, wa: bool):
+        key = (xa, wa)
+        l = self._specs.get(key)
+        if l is None:
+            spec = self.spec(xa, wa)
+            k = _kernel.load(_stub(spec), spec.name(), "igemm_conv2d_fprop", self.device_id, smem=spec.smem)
+            grid = ((self.problem.M + spec.bm - 1) // spec.bm, (self.problem.K + spec.bn - 1) // spec.bn)
+            l = (_kernel.Launcher(k, grid, spec.threads, spec.smem), spec)
+            self._specs[key] = l
+        return l
+
+    # -------------------------------------------------------------------------------------- call
+    def __call__(self, x, w, *, out=None, residual=None, mask_out=None, stream=None, _folded=None):
+        """Run the convolution. Returns ``y``, or ``(y, mask)`` when the chain has ``ReLU(mask=True)``.
+
+        ``out``: preallocated output (contiguous, 16-byte aligned). ``residual``: the ``Add`` input (else
+        the one given to ``ep.Add``). ``mask_out``: preallocated mask (``ceil(numel(y)/32)`` uint32/int32).
+        """
+        res_op = self.chain.residual_op
+        if residual is None and res_op is not None:
+            residual = res_op.residual
+        if res_op is None and residual is not None:
+            raise ValueError("residual given but the plan's epilogue has no Add")
+        if res_op is not None and residual is None:
+            raise ValueError("the epilogue has an Add: pass residual= (or give it to ep.Add)")
+        ctx = CallContext({"x": x, "w": w, "out": out, "residual": residual, "mask_out": mask_out}, stream)
+        v = ctx.views
+        self._check(v["x"], "x", self.x_shape, self.dtype)
+        self._check(v["w"], "w", self.w_shape, self.dtype)
+        if residual is not None:
+            self._check(v["residual"], "residual", self.y_shape, self.problem.residual_dtype)
+        if out is not None:
+            self._check(v["out"], "out", self.y_shape, self.dtype)
+            if v["out"].ptr % 16:
+                raise ValueError(f"out: data pointer {v['out'].ptr:#x} is not 16-byte aligned")
+            for other in ("x", "w", "residual"):
+                if other in v:
+                    from ._dispatch import check_no_overlap
+                    check_no_overlap(v["out"], "out", v[other], other)
+        want_mask = self.chain.mask
+        if mask_out is not None:
+            if not want_mask:
+                raise ValueError("mask_out given but the epilogue has no ReLU(mask=True)")
+            mo = v["mask_out"]
+            if mo.dtype not in ("uint32", "int32") or mo.ndim != 1 or mo.shape[0] < self.mask_words or not mo.is_contiguous():
+                raise ValueError(f"mask_out: expected a contiguous 1-D uint32/int32 array of >= {self.mask_words} "
+                                 f"words, got {mo.dtype} {mo.shape}")
+        if residual is not None and v["residual"].kind != "numpy" and v["residual"].ptr % 16:
+            raise ValueError(f"residual: data pointer {v['residual'].ptr:#x} is not 16-byte aligned")
+        if ctx.backend == "numpy" or self.backend == "numpy":
+            return self._run_numpy(ctx, out, mask_out, _folded)
+        if ctx.device_id != self.device_id:
+            raise ValueError(f"tensors are on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
+        dx, dw = ctx.device_view("x"), ctx.device_view("w")
+        launcher, spec = self._launcher(dx.ptr % 16 == 0, dw.ptr % 16 == 0)
+        if out is None:
+            y_obj, dy = ctx.empty(self.y_shape, self.dtype)
+        else:
+            y_obj, dy = out, ctx.device_view("out")
+        m_obj = dm = None
+        if want_mask:
+            if mask_out is None:
+                from .relu import mask_dtype_for
+                m_obj, dm = ctx.empty((self.mask_words,), mask_dtype_for(ctx.kind))
+            else:
+                m_obj, dm = mask_out, ctx.device_view("mask_out")
+        sl = self._slot
+        res_ptr = ctx.device_view("residual").ptr if residual is not None else 0
+        stream = ctx.stream
+        with self._lock:   # one plan may be called from several threads
+            a = self._args
+            u = a.u64
+            u[sl["x"]] = dx.ptr
+            u[sl["w"]] = dw.ptr
+            u[sl["y"]] = dy.ptr
+            u[sl["residual"]] = res_ptr
+            u[sl["mask"]] = dm.ptr if dm is not None else 0
+            if _folded is not None:
+                u[sl["scale"]], u[sl["shift"]], u[sl["alpha"]] = _folded.ptr_args()
+                a.f32[2 * sl["alpha_scalar"]] = _folded.alpha_scalar
+                launcher(stream, a)
+                u[sl["scale"]], u[sl["shift"]], u[sl["alpha"]] = self._folded.ptr_args()
+                a.f32[2 * sl["alpha_scalar"]] = self._alpha_scalar()
+            else:
+                launcher(stream, a)
+        if want_mask and not spec.fuse_mask:
+            from .relu import launch_mask
+            launch_mask(self.device_id, stream, self.dtype, dy.ptr, dm.ptr, self.numel_y)
+        if out is not None:
+            ctx.copy_back("out", dy)
+            y_res = out
+        else:
+            y_res = ctx.finish(y_obj)
+        if want_mask:
+            if mask_out is not None:
+                ctx.copy_back("mask_out", dm)
+                return y_res, mask_out
+            return y_res, ctx.finish(m_obj)
+        return y_res
+
+    def _check(self, t: Tensor, name: str, shape, dtype) -> None:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} ({self.layout}), got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous in {self.layout} order (shape {t.shape}, strides "
+                             f"{t.strides}); call .contiguous() first")
+
+    def _run_numpy(self, ctx, out, mask_out, folded=None):
+        from .reference.epilogue import apply_chain
+        v = ctx.views
+        pb = self.problem
+        x = np.asarray(v["x"].obj)
+        w = np.asarray(v["w"].obj)
+        pre = reference.conv2d_direct(x.astype(np.float64), w.astype(np.float64), pb.stride, pb.padding,
+                                      pb.dilation, self.layout)
+        res = np.asarray(v["residual"].obj).astype(np.float64) if "residual" in v else None
+        chain = folded.chain if folded is not None else self.chain
+        y64 = apply_chain(pre, chain, self.layout, residual=res)
+        y = y64.astype(x.dtype)
+        if out is not None:
+            np.asarray(out)[...] = y
+            y = out
+        if self.chain.mask:
+            m = reference.pack_mask(np.asarray(y, dtype=np.float64) > 0)
+            if mask_out is not None:
+                np.asarray(mask_out).view(np.uint32)[:m.size] = m
+                m = mask_out
+            return y, m
+        return y
+
+    def __repr__(self) -> str:
+        pb = self.problem
+        return (f"Conv2dPlan(x={self.x_shape}, w={self.w_shape}, {self.dtype}, {self.layout}, stride={pb.stride}, "
+                f"padding={pb.padding}, dilation={pb.dilation}, epilogue={self.chain!r})")
+
+
+# ------------------------------------------------------------------------------------------ functions
+_PLAN_CACHE: OrderedDict = OrderedDict()
+_PLAN_CACHE_SIZE = 256
+
+
+def _plan_for(xt: Tensor, wt: Tensor, layout, stride, padding, dilation, chain, precision, residual, device_id):
+    if xt.dtype not in _DTYPES:
+        raise TypeError(f"x: dtype {xt.dtype} is not supported (expected float16, bfloat16 or float32)")
+    if wt.dtype != xt.dtype:
+        raise TypeError(f"w: dtype {wt.dtype} differs from x's {xt.dtype}")
+    res_dtype = as_tensor(residual, "residual").dtype if residual is not None else None
+    key = (xt.shape, wt.shape, xt.dtype, layout, stride, padding, dilation, chain.signature(), precision,
+           res_dtype, device_id)
+    plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        _PLAN_CACHE.move_to_end(key)
+        return plan
+    from .epilogues import Chain
+    # the cached plan holds the structure only; vectors are folded per call (see conv2d)
+    skeleton = Chain(tuple(_skeleton(o) for o in chain.ops))
+    plan = Conv2dPlan(xt.shape, wt.shape, xt.dtype, layout, stride, padding, dilation, skeleton, precision,
+                      res_dtype, device_id, _skeleton=True)
+    _PLAN_CACHE[key] = plan
+    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return plan
+
+
+def _skeleton(op):
+    """The op with its tensors dropped: what a cached plan keeps of an epilogue."""
+    from . import epilogues as ep
+    if isinstance(op, ep.BatchNorm):
+        return ep.BatchNorm(None, None, None, None, op.eps)
+    if isinstance(op, ep.Bias):
+        return ep.Bias(None)
+    if isinstance(op, ep.Add):
+        return ep.Add(None)
+    if isinstance(op, ep.PReLU):
+        return ep.PReLU(op.alpha if not op.per_channel else _PerChannel())
+    return op
+
+
+class _PerChannel:
+    """Placeholder for a per-channel PReLU alpha in a cached plan's skeleton chain."""
+
+
+def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilogue=None, residual=None,
+           out=None, mask_out=None, precision: str = "strict", stream=None):
+    """2-D convolution (cross-correlation, as ``torch.nn.functional.conv2d``) by implicit GEMM.
+
+    Args:
+        x: ``(N, C, H, W)`` (NCHW) or ``(N, H, W, C)`` (NHWC): torch/cupy/jax CUDA tensor or numpy array.
+        w: ``(K, C, R, S)`` (NCHW) or ``(K, R, S, C)`` (NHWC), same dtype as x (fp16, bf16 or fp32).
+        stride, padding, dilation: int or pair.
+        layout: ``"NCHW"`` or ``"NHWC"`` (x, w and y alike; no transposes).
+        epilogue: ``igemm.epilogues`` op or chain fused into the store (BatchNorm, Bias, Add, ReLU, PReLU).
+        residual: input of an ``Add`` in the chain (else the one given to ``ep.Add``).
+        out, mask_out: preallocated outputs. precision: fp32 ``"strict"`` (default) or ``"tf32"``.
+        stream: CUDA stream (default: the framework's current stream).
+
+    Returns:
+        ``y`` (the inputs' framework), or ``(y, mask)`` when the chain ends in ``ReLU(mask=True)``.
+
+    >>> import numpy as np, igemm
+    >>> x = np.random.default_rng(0).standard_normal((1, 2, 5, 5)).astype(np.float32)
+    >>> w = np.ones((3, 2, 3, 3), np.float32)
+    >>> igemm.conv2d(x, w, padding=1).shape
+    (1, 3, 5, 5)
+    """
+    chain = _as_epilogue(epilogue)
+    xt, wt = as_tensor(x, "x"), as_tensor(w, "w")
+    device_id = None if (xt.kind == "numpy" and _runtime.get_backend() == "numpy") else max(xt.device_id, 0)
+    if len(wt.shape) == 4:
+        chain.validate(wt.shape[0])
+    plan = _plan_for(xt, wt, layout, pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"),
+                     chain, precision, residual, device_id)
+    if residual is None and chain.residual_op is not None:
+        residual = chain.residual_op.residual
+    folded = _Folded(chain, plan.problem.K, device_id) if (chain.affine_ops or chain.prelu_op) else None
+    if folded is not None:
+        folded.chain = chain
+    return plan(x, w, out=out, residual=residual, mask_out=mask_out, stream=stream, _folded=folded)
+
+
+def conv2d_bn_relu(x, w, gamma, beta, mean, var, eps: float = 1e-5, stride=1, padding=0, dilation=1, *,
+                   layout: str = "NCHW", residual=None, return_mask: bool = False, out=None,
+                   precision: str = "strict", stream=None):
+    """``relu(batch_norm(conv2d(x, w)) [+ residual])`` in one kernel (inference BatchNorm).
+
+    Returns ``y``, or ``(y, mask)`` with ``return_mask=True`` (for :func:`igemm.relu_backward`).
+    """
+    from . import epilogues as ep
+    ops = [ep.BatchNorm(gamma, beta, mean, var, eps)]
+    if residual is not None:
+        ops.append(ep.Add())
+    ops.append(ep.ReLU(mask=return_mask))
+    return conv2d(x, w, stride, padding, dilation, layout=layout, epilogue=ep.chain(*ops), residual=residual,
+                  out=out, precision=precision, stream=stream)

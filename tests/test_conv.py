@@ -1,0 +1,331 @@
+"""conv2d: references, numpy backend, validation, kernel selection, compilation, and the GPU oracle."""
+import shutil
+
+import numpy as np
+import pytest
+
+import igemm
+from igemm import _build, reference
+from igemm._heuristics import ConvProblem, choose_config
+from igemm.conv2d import Conv2dPlan, _stub
+
+from helpers import TOL, poison, rel_err, to_numpy, to_torch
+
+LAYOUTS = ["NCHW", "NHWC"]
+
+
+def rand_problem(rng, small=True, aligned=None):
+    """A random valid problem: (x_shape, w_shape, stride, padding, dilation) for NCHW order."""
+    while True:
+        N = int(rng.integers(1, 4))
+        if aligned is None:
+            aligned = rng.random() < 0.5
+        C = int(rng.choice([8, 16, 24, 32, 64])) if aligned else int(rng.integers(1, 40))
+        K = int(rng.choice([8, 16, 32, 64, 96, 136])) if aligned else int(rng.integers(1, 80))
+        R, S = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        H, W = int(rng.integers(1, 24)), int(rng.integers(1, 24))
+        st = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+        pd = (int(rng.integers(0, 4)), int(rng.integers(0, 4)))
+        dl = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+        P = (H + 2 * pd[0] - dl[0] * (R - 1) - 1) // st[0] + 1
+        Q = (W + 2 * pd[1] - dl[1] * (S - 1) - 1) // st[1] + 1
+        if P >= 1 and Q >= 1:
+            return (N, C, H, W), (K, C, R, S), st, pd, dl
+
+
+def to_layout(x_nchw, w_kcrs, layout):
+    if layout == "NHWC":
+        return np.ascontiguousarray(x_nchw.transpose(0, 2, 3, 1)), np.ascontiguousarray(w_kcrs.transpose(0, 2, 3, 1))
+    return x_nchw, w_kcrs
+
+
+# ------------------------------------------------------------------------------------ references
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_references_agree(layout, rng):
+    for _ in range(25):
+        xs, ws, st, pd, dl = rand_problem(rng)
+        x, w = to_layout(rng.standard_normal(xs), rng.standard_normal(ws), layout)
+        a = reference.conv2d_direct(x, w, st, pd, dl, layout)
+        b = reference.conv2d_im2col(x, w, st, pd, dl, layout)
+        c = reference.conv2d_fft(x, w, st, pd, dl, layout)
+        assert a.shape == b.shape == c.shape
+        np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(c, a, rtol=1e-9, atol=1e-9)
+
+
+def test_reference_by_definition(rng):
+    """The direct reference against a literal 7-deep loop on a tiny problem."""
+    x = rng.standard_normal((2, 3, 5, 6))
+    w = rng.standard_normal((4, 3, 3, 2))
+    st, pd, dl = (2, 1), (1, 2), (1, 2)
+    y = reference.conv2d_direct(x, w, st, pd, dl)
+    N, C, H, W = x.shape
+    K, _, R, S = w.shape
+    P, Q = y.shape[2:]
+    ref = np.zeros_like(y)
+    for n in range(N):
+        for k in range(K):
+            for p in range(P):
+                for q in range(Q):
+                    acc = 0.0
+                    for c in range(C):
+                        for r in range(R):
+                            for s in range(S):
+                                h, ww = p * st[0] - pd[0] + r * dl[0], q * st[1] - pd[1] + s * dl[1]
+                                if 0 <= h < H and 0 <= ww < W:
+                                    acc += x[n, c, h, ww] * w[k, c, r, s]
+                    ref[n, k, p, q] = acc
+    np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------ numpy backend + API
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_numpy_backend(layout, rng, numpy_backend):
+    xs, ws, st, pd, dl = (2, 5, 9, 7), (3, 5, 3, 3), (2, 1), (1, 2), (1, 2)
+    x, w = to_layout(rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ws).astype(np.float32), layout)
+    y = igemm.conv2d(x, w, st, pd, dl, layout=layout)
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, reference.conv2d_direct(x, w, st, pd, dl, layout), rtol=1e-5, atol=1e-5)
+    plan = Conv2dPlan(x.shape, w.shape, "float32", layout, st, pd, dl, device=None)
+    np.testing.assert_array_equal(plan(x, w), y)
+
+
+def _errs():
+    x = np.ones((2, 4, 8, 8), np.float32)
+    w = np.ones((3, 4, 3, 3), np.float32)
+    return x, w
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda x, w: igemm.conv2d(x, w, layout="NCWH"), ValueError, "layout"),
+    (lambda x, w: igemm.conv2d(x[0], w), ValueError, "4-D"),
+    (lambda x, w: igemm.conv2d(x, w[:, :3]), ValueError, "input channels"),
+    (lambda x, w: igemm.conv2d(x, w, stride=0), ValueError, "stride"),
+    (lambda x, w: igemm.conv2d(x, w, padding=-1), ValueError, "padding"),
+    (lambda x, w: igemm.conv2d(x, w, dilation=0), ValueError, "dilation"),
+    (lambda x, w: igemm.conv2d(x, w, stride=(1, 2, 3)), ValueError, "stride"),
+    (lambda x, w: igemm.conv2d(x, w, stride=1.5), TypeError, "stride"),
+    (lambda x, w: igemm.conv2d(x[:, :, :2, :2], w, dilation=2), ValueError, "does not fit"),
+    (lambda x, w: igemm.conv2d(x.astype(np.float64), w.astype(np.float64)), TypeError, "dtype"),
+    (lambda x, w: igemm.conv2d(x.astype(np.int32), w.astype(np.int32)), TypeError, "dtype"),
+    (lambda x, w: igemm.conv2d(x, w.astype(np.float16)), TypeError, "w: dtype"),
+    (lambda x, w: igemm.conv2d(x, w, precision="fast"), ValueError, "precision"),
+    (lambda x, w: igemm.conv2d(x[:, :, ::2], w), ValueError, "contiguous"),
+    (lambda x, w: igemm.conv2d(x, w, out=np.empty((2, 3, 7, 7), np.float32)), ValueError, "out"),
+    (lambda x, w: igemm.conv2d(x, w, out=np.empty((2, 3, 6, 6), np.float16)), TypeError, "out"),
+    (lambda x, w: igemm.conv2d(x, w, epilogue="relu"), TypeError, "epilogue"),
+    (lambda x, w: igemm.conv2d(x[:0], w), ValueError, "empty"),
+    (lambda x, w: igemm.conv2d(x, w, residual=np.ones((2, 3, 6, 6), np.float32)), ValueError, "Add"),
+])
+def test_validation_errors(call, exc, match, numpy_backend):
+    x, w = _errs()
+    with pytest.raises(exc, match=match):
+        call(x, w)
+
+
+def test_out_is_written_in_place(rng, numpy_backend):
+    x, w = _errs()
+    out = np.full((2, 3, 6, 6), np.nan, np.float32)
+    y = igemm.conv2d(x, w, out=out)
+    assert y is out and np.all(out == 36)
+
+
+# ------------------------------------------------------------------------------------ kernel selection
+def _pb(**kw):
+    base = dict(N=32, C=64, H=56, W=56, K=64, R=3, S=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1),
+                dtype="float16", layout="NHWC", precision="tensorop")
+    base.update(kw)
+    return ConvProblem(**base)
+
+
+def test_choose_config_rules():
+    s = choose_config(_pb())
+    assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("tensorop", "vec", "vec", "linear", 8)
+    assert choose_config(_pb(C=3, R=7, S=7)).load_a == "elem"
+    assert choose_config(_pb(C=3, R=7, S=7)).load_b == "elem"          # Kred = 147
+    assert choose_config(_pb(layout="NCHW")).load_a == "elem"
+    assert choose_config(_pb(), x_aligned=False).load_a == "elem"
+    assert choose_config(_pb(dtype="float32", precision="strict")).math == "simt"
+    assert choose_config(_pb(dtype="float32", precision="tf32")).bk == 16
+    big = choose_config(_pb(K=256, epilogue=(("ReLU", True),)))
+    assert (big.store, big.fuse_mask) == ("rows", True)
+    odd = choose_config(_pb(K=300, epilogue=(("ReLU", True),)))
+    assert (odd.store, odd.vec_o, odd.fuse_mask) == ("rows", 1, False)    # words would straddle CTAs
+    nchw = choose_config(_pb(layout="NCHW", H=28, W=28, epilogue=(("ReLU", True),)))
+    assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("nchw", 8, False)  # 784 % 32 != 0
+    nchw56 = choose_config(_pb(layout="NCHW", epilogue=(("ReLU", True),)))
+    assert nchw56.fuse_mask
+
+
+def test_plan_limits():
+    with pytest.raises(NotImplementedError, match="2\\*\\*31"):
+        Conv2dPlan((1 << 12, 1, 1 << 10, 1 << 10), (1, 1, 1, 1), "float16", device=None)
+
+
+# ------------------------------------------------------------------------------------ compilation (CI)
+COMPILE_CASES = [
+    ("fp16 NHWC", _pb()),
+    ("bf16 NCHW", _pb(dtype="bfloat16", layout="NCHW", K=128)),
+    ("fp32 strict", _pb(dtype="float32", precision="strict", layout="NCHW")),
+    ("tf32", _pb(dtype="float32", precision="tf32", K=256)),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("label, pb", COMPILE_CASES, ids=[c[0] for c in COMPILE_CASES])
+def test_kernel_compiles(label, pb, arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
+    spec = choose_config(pb, arch)
+    cubin, _ = _build.compile_cubin(_stub(spec), arch, name=spec.name())
+    assert cubin[:4] == b"\x7fELF"
+    log = next(tmp_path.glob("*.log")).read_text()
+    assert "spill" not in log or " 0 bytes spill stores" in log, log
+
+
+# ------------------------------------------------------------------------------------ GPU
+def _run_case(torch, dtype, layout, xs, ws, st, pd, dl, rng, precision="strict", check_torch=True):
+    x64 = rng.standard_normal(xs)
+    w64 = rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))
+    x64, w64 = to_layout(x64, w64, layout)
+    x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+    ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
+    out = poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda"))
+    y = igemm.conv2d(x, w, st, pd, dl, layout=layout, out=out, precision=precision)
+    assert y is out
+    tol = TOL["tf32" if precision == "tf32" else dtype]
+    err = rel_err(to_numpy(y), ref)
+    problem = f"{dtype}/{precision} {layout} x{xs} w{ws} stride{st} pad{pd} dil{dl}"
+    assert err <= tol, f"{problem}: rel err {err:.3g} > {tol}"
+    if check_torch:
+        import torch.nn.functional as F
+        xt = x if layout == "NCHW" else x.permute(0, 3, 1, 2)
+        wt = w if layout == "NCHW" else w.permute(0, 3, 1, 2)
+        yt = F.conv2d(xt.double(), wt.double(), stride=st, padding=pd, dilation=dl)
+        if layout == "NHWC":
+            yt = yt.permute(0, 2, 3, 1)
+        assert rel_err(to_numpy(y), yt.cpu().numpy()) <= tol, problem
+    return err
+
+
+PRECISIONS = [("float16", "strict"), ("bfloat16", "strict"), ("float32", "strict"), ("float32", "tf32")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype, precision", PRECISIONS, ids=["fp16", "bf16", "fp32", "tf32"])
+def test_gpu_random_problems(dtype, precision, layout, rng):
+    """300 random problems per dtype x layout against the float64 reference (and torch on 1 in 5)."""
+    torch = pytest.importorskip("torch")
+    worst = 0.0
+    for i in range(300):
+        xs, ws, st, pd, dl = rand_problem(rng)
+        worst = max(worst, _run_case(torch, dtype, layout, xs, ws, st, pd, dl, rng, precision, check_torch=i % 5 == 0))
+    print(f"{dtype}/{precision} {layout}: worst rel err {worst:.3g}")
+
+
+EDGE = [
+    ((1, 3, 11, 13), (5, 3, 3, 3), 1, 1, 1),            # N=1, C=3, K odd
+    ((2, 1, 9, 9), (7, 1, 3, 3), 1, 1, 1),              # C=1
+    ((2, 5, 8, 8), (9, 5, 3, 3), 1, 1, 1),              # C=5
+    ((2, 64, 14, 14), (96, 64, 1, 1), 1, 0, 1),         # 1x1
+    ((2, 3, 37, 41), (16, 3, 7, 7), 2, 3, 1),           # 7x7 stride 2 pad 3 (conv1-like)
+    ((2, 16, 17, 17), (8, 16, 3, 3), 1, 2, 2),          # dilation 2
+    ((3, 8, 1, 1), (4, 8, 1, 1), 1, 0, 1),              # H, W = 1
+    ((3, 8, 2, 3), (4, 8, 3, 3), 1, 1, 1),
+    ((3, 8, 7, 5), (4, 8, 3, 3), 2, 1, 1),
+    ((2, 8, 5, 5), (4, 8, 3, 3), 1, 3, 1),              # padding larger than R/2
+    ((2, 8, 4, 6), (4, 8, 2, 2), 1, 4, 2),
+    ((2, 40, 6, 6), (33, 40, 3, 3), 1, 1, 1),           # Kred = 360, not a multiple of BK
+    ((1, 24, 5, 5), (300, 24, 3, 3), 1, 1, 1),          # K > 256, not a multiple of 8
+    ((4, 16, 128, 96), (8, 16, 1, 1), 1, 0, 1),         # many CTAs along M
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype, precision", PRECISIONS, ids=["fp16", "bf16", "fp32", "tf32"])
+def test_gpu_edge_set(dtype, precision, layout, rng):
+    torch = pytest.importorskip("torch")
+    for xs, ws, st, pd, dl in EDGE:
+        _run_case(torch, dtype, layout, xs, ws, (st, st), (pd, pd), (dl, dl), rng, precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_large_npq(layout, rng):
+    """N*P*Q >= 2^21 output pixels (checked against torch in float64 on the GPU)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    xs, ws = (8, 16, 512, 512), (24, 16, 3, 3)
+    x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / 12, layout)
+    x, w = to_torch(x64, "float16"), to_torch(w64, "float16")
+    y = igemm.conv2d(x, w, 1, 1, layout=layout)
+    xt = x if layout == "NCHW" else x.permute(0, 3, 1, 2)
+    wt = w if layout == "NCHW" else w.permute(0, 3, 1, 2)
+    ref = F.conv2d(xt.double(), wt.double(), padding=1)
+    if layout == "NHWC":
+        ref = ref.permute(0, 2, 3, 1)
+    assert y.numel() // 24 >= 1 << 21                    # N*P*Q output pixels
+    err = (torch.linalg.vector_norm((y.double() - ref)) / torch.linalg.vector_norm(ref)).item()
+    assert err < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_interop_and_streams(rng):
+    torch = pytest.importorskip("torch")
+    x64 = rng.standard_normal((2, 8, 10, 10)).astype(np.float32)
+    w64 = rng.standard_normal((4, 8, 3, 3)).astype(np.float32)
+    ref = reference.conv2d_direct(x64, w64, 1, 1, 1)
+    # numpy in, numpy out
+    y = igemm.conv2d(x64, w64, padding=1)
+    assert isinstance(y, np.ndarray) and rel_err(y, ref) < 1e-5
+    # torch on a side stream
+    s = torch.cuda.Stream()
+    x, w = torch.from_numpy(x64).cuda(), torch.from_numpy(w64).cuda()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        y = igemm.conv2d(x, w, padding=1)
+    s.synchronize()
+    assert rel_err(y.cpu().numpy(), ref) < 1e-5
+    y2 = igemm.conv2d(x, w, padding=1, stream=s)
+    s.synchronize()
+    assert torch.equal(y, y2)
+    # cupy in, cupy out
+    cupy = pytest.importorskip("cupy")
+    yc = igemm.conv2d(cupy.asarray(x64), cupy.asarray(w64), padding=1)
+    assert isinstance(yc, cupy.ndarray) and rel_err(cupy.asnumpy(yc), ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_input_takes_narrow_loads(rng):
+    torch = pytest.importorskip("torch")
+    buf = torch.randn(1 + 2 * 12 * 12 * 16, device="cuda", dtype=torch.float16)
+    x = buf[1:].view(2, 12, 12, 16)              # 2-byte aligned only
+    w = torch.randn(8, 3, 3, 16, device="cuda", dtype=torch.float16)
+    y = igemm.conv2d(x, w, padding=1, layout="NHWC")
+    ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), 1, 1, 1, "NHWC")
+    assert rel_err(to_numpy(y), ref) < 1e-2
+    out = torch.empty(1 + y.numel(), device="cuda", dtype=torch.float16)[1:].view(y.shape)
+    with pytest.raises(ValueError, match="aligned"):
+        igemm.conv2d(x, w, padding=1, layout="NHWC", out=out)
+
+
+@pytest.mark.gpu
+def test_gpu_errors_before_launch(rng):
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 8, 10, 10, device="cuda")
+    w = torch.randn(4, 8, 3, 3, device="cuda")
+    out = torch.full((2, 4, 8, 8), 7.0, device="cuda")
+    with pytest.raises(TypeError, match="cpu"):
+        igemm.conv2d(x.cpu(), w)
+    with pytest.raises(TypeError):
+        igemm.conv2d(x, w.cpu().numpy())
+    with pytest.raises(ValueError, match="shape"):
+        igemm.conv2d(x, w, out=out[:, :, :7])
+    with pytest.raises(ValueError, match="contiguous"):
+        igemm.conv2d(x, w, out=out.transpose(2, 3))
+    with pytest.raises(ValueError, match="overlap"):
+        igemm.conv2d(x, w, out=x.view(-1)[: out.numel()].view(out.shape))
+    assert torch.all(out == 7.0)

@@ -1,15 +1,16 @@
 // igemm: epilogue functors of the conv kernel (and of any GEMM-like kernel that stores through the
 // same store phase).
 //
-// Every op has the same shape: `apply<V>(v, ch, off, p)` transforms V fp32 values in place, where
-// v[e] is the accumulator-derived value of the output element at linear offset `off + e` (memory
-// order of the output, NCHW or NHWC) whose output channel is ch[e]; `p` is the kernel's Params
-// (fields named below). Ops run in fp32, in chain order; the output is rounded once afterwards.
-// A chain is `Chain<Ops...>`; `Chain::kMask` says whether a ReLU mask is written (bit = stored y > 0).
-//
-// Params fields used: scale, shift, alpha (const float* [K]), alpha_scalar (float),
-// residual (const void*, element type from AddResidual<T>).
+// Every op has the same shape: `apply<V>(v, ch, res, ctx)` transforms V fp32 values in place, where
+// v[e] is the value of the output element at linear offset off + e (memory order of the output), ch[e]
+// its output channel *relative to the CTA's first channel* (an index into ctx's per-channel vectors,
+// staged in shared memory once per CTA), and res[e] the residual element at the same offset (loaded
+// ahead by the store phase when the chain has an AddResidual). Ops run in fp32, in chain order; the
+// output is rounded once afterwards. A chain is `Chain<Ops...>`; `Chain::kMask` says whether a ReLU
+// mask is written (bit = stored y > 0), `Chain::kResidual` whether a residual is read (element type
+// `Chain::Res`).
 #pragma once
+#include <type_traits>
 #include "common.cuh"
 
 namespace igemm::epi {
@@ -17,50 +18,47 @@ namespace igemm::epi {
 template <class T, int V>
 struct alignas(sizeof(T) * V) Vec { T v[V]; };
 
+struct Ctx {
+  const float* scale;     // per-channel vectors (shared memory), indexed by ch
+  const float* shift;
+  const float* alpha;
+  float alpha_scalar;
+};
+
 // y = v * scale[ch] + shift[ch]: BatchNorm (inference) folded at plan time, Bias, or both.
 struct ScaleShift {
-  template <int V, class P>
-  IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], int64_t, const P& p) {
-    const float* sc = static_cast<const float*>(p.scale);
-    const float* sh = static_cast<const float*>(p.shift);
+  template <int V>
+  IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], const float (&)[V], const Ctx& c) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = fmaf(v[e], __ldg(sc + ch[e]), __ldg(sh + ch[e]));
+    for (int e = 0; e < V; ++e) v[e] = fmaf(v[e], c.scale[ch[e]], c.shift[ch[e]]);
   }
 };
 
 // y = v + shift[ch] (a bias alone).
 struct Shift {
-  template <int V, class P>
-  IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], int64_t, const P& p) {
-    const float* sh = static_cast<const float*>(p.shift);
+  template <int V>
+  IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], const float (&)[V], const Ctx& c) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) v[e] += __ldg(sh + ch[e]);
+    for (int e = 0; e < V; ++e) v[e] += c.shift[ch[e]];
   }
 };
 
-// y = v + residual[off + e]; the residual has the output's shape and layout, element type T.
+// y = v + residual (the output's shape and layout, element type T).
 template <class T>
 struct AddResidual {
-  template <int V, class P>
-  IGEMM_DEVICE static void apply(float (&v)[V], const int (&)[V], int64_t off, const P& p) {
-    const T* r = static_cast<const T*>(p.residual) + off;
-    if constexpr (V * sizeof(T) >= 4 && (V * sizeof(T)) % 4 == 0) {
-      Vec<T, V> x = *reinterpret_cast<const Vec<T, V>*>(r);
+  using Res = T;
+  template <int V>
+  IGEMM_DEVICE static void apply(float (&v)[V], const int (&)[V], const float (&r)[V], const Ctx&) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) v[e] += to_float(x.v[e]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < V; ++e) v[e] += to_float(r[e]);
-    }
+    for (int e = 0; e < V; ++e) v[e] += r[e];
   }
 };
 
 // ReLU with PyTorch's NaN semantics (NaN stays NaN). Mask=true: the kernel writes the 1-bit mask.
 template <bool Mask>
 struct Relu {
-  static constexpr bool kMask = Mask;
-  template <int V, class P>
-  IGEMM_DEVICE static void apply(float (&v)[V], const int (&)[V], int64_t, const P&) {
+  template <int V>
+  IGEMM_DEVICE static void apply(float (&v)[V], const int (&)[V], const float (&)[V], const Ctx&) {
 #pragma unroll
     for (int e = 0; e < V; ++e) v[e] = (v[e] > 0.f || v[e] != v[e]) ? v[e] : 0.f;
   }
@@ -69,12 +67,11 @@ struct Relu {
 // PReLU: y = v > 0 ? v : alpha * v, alpha per channel (alpha[ch]) or one scalar.
 template <bool PerChannel>
 struct PRelu {
-  template <int V, class P>
-  IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], int64_t, const P& p) {
-    const float* a = static_cast<const float*>(p.alpha);
+  template <int V>
+  IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], const float (&)[V], const Ctx& c) {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      float al = PerChannel ? __ldg(a + ch[e]) : p.alpha_scalar;
+      const float al = PerChannel ? c.alpha[ch[e]] : c.alpha_scalar;
       v[e] = v[e] > 0.f ? v[e] : al * v[e];
     }
   }
@@ -82,13 +79,23 @@ struct PRelu {
 
 template <class Op> struct op_mask { static constexpr bool value = false; };
 template <bool M> struct op_mask<Relu<M>> { static constexpr bool value = M; };
+template <class Op> struct op_res { using type = void; };
+template <class T> struct op_res<AddResidual<T>> { using type = T; };
+
+template <class... Ops> struct first_res { using type = void; };
+template <class Op, class... Ops> struct first_res<Op, Ops...> {
+  using type = std::conditional_t<std::is_void_v<typename op_res<Op>::type>, typename first_res<Ops...>::type,
+                                  typename op_res<Op>::type>;
+};
 
 template <class... Ops>
 struct Chain {
   static constexpr bool kMask = (false || ... || op_mask<Ops>::value);
-  template <int V, class P>
-  IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], int64_t off, const P& p) {
-    (Ops::template apply<V>(v, ch, off, p), ...);
+  using Res = typename first_res<Ops...>::type;
+  static constexpr bool kResidual = !std::is_void_v<Res>;
+  template <int V>
+  IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], const float (&res)[V], const Ctx& c) {
+    (Ops::template apply<V>(v, ch, res, c), ...);
   }
 };
 

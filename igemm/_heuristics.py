@@ -6,11 +6,12 @@ and the architecture, unit-tested without a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
-__all__ = ["ConvProblem", "KernelSpec", "choose_config"]
+__all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits"]
 
 
 @dataclass(frozen=True)
@@ -73,28 +74,34 @@ class KernelSpec:
     vec_o: int
     fuse_mask: bool
     epilogue: tuple = ()      # C++ functor types, in order
+    splits: int = 1           # split-K factor (a launch parameter, not a template argument)
     min_blocks: int = 1
 
     @property
     def threads(self) -> int:
-        return self.wm * self.wn * 32 if self.math == "tensorop" else 256
+        return {"tensorop": self.wm * self.wn * 32, "wgmma": self.wm * 128}.get(self.math, 256)
 
     @property
     def smem(self) -> int:
+        """Dynamic shared memory, exactly as ``Config::kSmemBytes`` computes it."""
         eb = DTYPE_SIZES[self.dtype]
-        main = self.stages * (self.bm + self.bn) * self.bk * (eb if self.math == "tensorop" else 4)
+        main = self.stages * (self.bm + self.bn) * self.bk * (4 if self.math == "simt" else eb)
         if self.layout == "NHWC":
             cs = self.bm * (self.bn + 8) * 4
         else:
             cs = self.bn * (self.bm + 4) * 4
-        return max(main, cs)
+        return max(main, cs) + (1024 if self.math == "wgmma" else 128)
+
+    @property
+    def static_smem(self) -> int:
+        return 3 * self.bn * 4 + 16
 
     def config_type(self) -> str:
         t = DTYPE_CTYPE[self.dtype]
         ns = "igemm::conv::"
         epi = "igemm::epi::Chain<" + ", ".join(self.epilogue) + ">"
         args = [t, t, ns + ("kNHWC" if self.layout == "NHWC" else "kNCHW"),
-                ns + ("kTensorOp" if self.math == "tensorop" else "kSimt"),
+                ns + {"tensorop": "kTensorOp", "simt": "kSimt", "wgmma": "kWgmma"}[self.math],
                 self.bm, self.bn, self.bk, self.wm, self.wn, self.stages,
                 ns + ("kLoadVec" if self.load_a == "vec" else "kLoadElem"),
                 ns + ("kLoadVec" if self.load_b == "vec" else "kLoadElem"),
@@ -103,8 +110,11 @@ class KernelSpec:
         return ns + "Config<" + ", ".join(str(a) for a in args) + ">"
 
     def name(self) -> str:
-        return (f"conv_{self.dtype}_{self.layout}_{self.math}_{self.bm}x{self.bn}x{self.bk}_s{self.stages}"
-                f"_{self.load_a}{self.load_b}_{self.store}{self.vec_o}{'_m' if self.fuse_mask else ''}")
+        return (f"conv_{self.dtype}_{self.layout}_{self.math}_{self.bm}x{self.bn}x{self.bk}_w{self.wm}x{self.wn}"
+                f"_s{self.stages}_{self.load_a}{self.load_b}_{self.store}{self.vec_o}{'_m' if self.fuse_mask else ''}")
+
+    def prelude(self) -> str:
+        return "#define IGEMM_WGMMA 1" if self.math == "wgmma" else ""
 
 
 def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
@@ -135,44 +145,113 @@ def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
     return tuple(out)
 
 
-def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = True,
-                  w_aligned: bool = True) -> KernelSpec:
+def _store(pb: ConvProblem, bn: int) -> tuple[str, int, bool]:
+    """Store mode, output vector width and whether the ReLU mask can be fused (the CTA owns whole words)."""
+    vo = 16 // DTYPE_SIZES[pb.dtype]
+    if pb.layout == "NHWC":
+        if pb.K <= bn:
+            return "linear", vo, pb.mask                 # the CTA owns rows [m0, m0+BM) of all K channels
+        return "rows", (vo if pb.K % vo == 0 else 1), pb.mask and pb.K % 32 == 0
+    PQ = pb.P * pb.Q
+    return "nchw", (vo if PQ % vo == 0 else 1), pb.mask and PQ % 32 == 0
+
+
+def choose_splits(pb: ConvProblem, bm: int, bn: int, bk: int, sms: int) -> int:
+    """Split K when the output tiles cannot fill the GPU: aim at ~2 CTAs per SM, >= 8 k-tiles each."""
+    tiles = -(-pb.M // bm) * -(-pb.K // bn)
+    kt = -(-pb.Kred // bk)
+    if tiles >= sms or kt < 16:
+        return 1
+    return max(1, min(-(-2 * sms // tiles), kt // 8, 16))
+
+
+def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = True, w_aligned: bool = True,
+                  sms: int = 132) -> KernelSpec:
     """Pick the kernel for a problem. ``x_aligned``/``w_aligned``: base pointers 16-byte aligned."""
     eb = DTYPE_SIZES[pb.dtype]
     ce = 16 // eb
-    simt = pb.dtype == "float32" and pb.precision == "strict"
     M, K = pb.M, pb.K
-    if simt:
+    if pb.dtype == "float32" and pb.precision == "strict":
         math, bm, bn, bk, wm, wn, stages = "simt", 128, 128, 8, 4, 2, 3
+    elif eb == 2 and arch.startswith("sm_90"):
+        math, bk, wn = "wgmma", 64, 1
+        bn = 64 if K <= 64 else 128
+        bm, wm = 128, 2
+        stages = 4 if bn == 64 else 3
     else:
         math = "tensorop"
         bk = 32 if eb == 2 else 16
         bm, bn = 128, 128
         if K <= 64:
             bn = 64
-        # small GEMMs: shrink the M tile so that the grid covers the GPU
-        sms = 132
-        if (M + bm - 1) // bm * ((K + bn - 1) // bn) < sms and M > 64:
-            bm = 64
-        wm, wn = (2, 2) if bm == 128 else (1, 2)
-        if bn == 64 and bm == 128:
-            wm, wn = 2, 2
+        wm, wn = 2, 2
         stages = 4
     load_a = "vec" if (pb.layout == "NHWC" and pb.C % ce == 0 and x_aligned) else "elem"
     load_b = "vec" if (pb.Kred % ce == 0 and w_aligned) else "elem"
-    vo = 16 // eb
-    if pb.layout == "NHWC":
-        if K <= bn:
-            store, vec_o, fuse = "linear", vo, True
-        else:
-            store = "rows"
-            vec_o = vo if K % vo == 0 else 1
-            fuse = K % 32 == 0
-    else:
-        PQ = pb.P * pb.Q
-        store = "nchw"
-        vec_o = vo if PQ % vo == 0 else 1
-        fuse = PQ % 32 == 0
-    fuse = fuse and pb.mask
+    store, vec_o, fuse = _store(pb, bn)
+    splits = choose_splits(pb, bm, bn, bk, sms)
     return KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
-                      fuse, epilogue_functors(pb))
+                      fuse, epilogue_functors(pb), splits)
+
+
+def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[KernelSpec]:
+    """Valid alternatives to ``choose_config`` for autotuning (tile shape, stages, split-K)."""
+    base = choose_config(pb, arch, sms=sms)
+    out = [base]
+    def add(**kw):
+        spec = dataclasses.replace(base, **kw)
+        store, vec_o, fuse = _store(pb, spec.bn)
+        spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
+        if "splits" not in kw:
+            spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, sms))
+        if spec not in out and validate_spec(spec, pb, raise_=False):
+            out.append(spec)
+    if base.math == "wgmma":
+        for bm in (64, 128):
+            for bn in (64, 128, 256):
+                for stages in (3, 4, 5):
+                    add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
+    elif base.math == "tensorop":
+        for bm, bn, wm, wn in ((128, 128, 2, 2), (128, 64, 2, 2), (64, 128, 1, 2), (128, 128, 2, 4), (64, 64, 2, 2)):
+            for stages in (3, 4):
+                add(bm=bm, bn=bn, wm=wm, wn=wn, stages=stages)
+    for sp in (1, 2, 4, 8):
+        add(splits=sp)
+    return out
+
+
+SMEM_LIMIT = 227 * 1024
+
+
+def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> bool:
+    """Whether a (possibly hand-made) spec can run ``pb``; raises NotImplementedError naming why."""
+    eb = DTYPE_SIZES[pb.dtype]
+    ce = 16 // eb
+    why = None
+    if spec.dtype != pb.dtype or spec.layout != pb.layout:
+        why = "dtype/layout differ from the problem"
+    elif spec.math == "wgmma" and (eb != 2 or spec.bk * eb != 128 or spec.bm % 64 or spec.bn not in (64, 128, 192, 256)):
+        why = "wgmma needs 16-bit types, BK*size = 128 bytes, BM % 64 == 0, BN in {64,128,192,256}"
+    elif spec.math == "simt" and (pb.dtype != "float32" or (spec.bm, spec.bn, spec.bk) != (128, 128, 8)):
+        why = "the SIMT kernel is fp32 128x128x8"
+    elif spec.math == "tensorop" and (spec.bk * eb not in (32, 64, 128) or (spec.bn // spec.wn) % 16
+                                      or (spec.bm // spec.wm) % 16):
+        why = "tensor-op tile"
+    elif spec.load_a == "vec" and not (pb.layout == "NHWC" and pb.C % ce == 0):
+        why = "16-byte activation loads need NHWC and C % %d == 0" % ce
+    elif spec.load_b == "vec" and pb.Kred % ce:
+        why = "16-byte filter loads need C*R*S %% %d == 0" % ce
+    elif (spec.store, spec.vec_o, spec.fuse_mask) != _store(pb, spec.bn)[:2] + (spec.fuse_mask and _store(pb, spec.bn)[2],):
+        why = "store mode does not match the tile"
+    elif spec.fuse_mask and not _store(pb, spec.bn)[2]:
+        why = "the mask cannot be fused for this shape"
+    elif spec.smem + spec.static_smem > SMEM_LIMIT:
+        why = f"{spec.smem} bytes of shared memory"
+    elif spec.splits < 1 or spec.splits > -(-pb.Kred // spec.bk):
+        why = f"splits={spec.splits}"
+    elif spec.math in ("tensorop", "wgmma") and ((spec.bm * spec.bk * eb // 16) % spec.threads
+                                                  or (spec.bn * spec.bk * eb // 16) % spec.threads):
+        why = "loader partition"
+    if why and raise_:
+        raise NotImplementedError(f"kernel config {spec.name()}: {why}")
+    return why is None

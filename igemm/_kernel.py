@@ -49,7 +49,7 @@ def render_kernel(*, include: str, entry: str, params: list[ParamSpec], body: st
             sig.append(f"{_C[p.ctype]} {p.name}")
             init.append(p.name)
     bounds = f"__launch_bounds__({threads}{', ' + str(min_blocks) if min_blocks else ''})"
-    return (f'#include "{include}"\n{prelude}\n'
+    return (f'{prelude}\n#include "{include}"\n'
             f"namespace {{\nstruct Params {{\n" + "\n".join(fields) + "\n};\n}\n"
             f'extern "C" __global__ void {bounds} {entry}({", ".join(sig)}) {{\n'
             f"  const Params p{{{', '.join(init)}}};\n  {body}\n}}\n")

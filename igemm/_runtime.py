@@ -120,6 +120,8 @@ def _np_dtype_name(dt) -> str:
 
 def as_tensor(obj, name: str) -> Tensor:
     """Describe ``obj`` (torch/cupy/jax/numpy/DLPack/CAI array); raises TypeError naming ``name``."""
+    if isinstance(obj, DeviceArray):
+        return as_device_tensor(obj)
     mod = type(obj).__module__.split(".")[0]
     if mod == "torch":
         import torch
@@ -351,6 +353,11 @@ def memcpy_dtoh(dst: int, src: int, nbytes: int, stream=None) -> None:
     h = driver.CUstream(int(stream.handle) if stream is not None else 0)
     _check(driver.cuMemcpyDtoHAsync(dst, src, nbytes, h)[0], "cuMemcpyDtoHAsync")
     _check(driver.cuStreamSynchronize(h)[0], "cuStreamSynchronize")
+
+
+def memset_d32_sync(ptr: int, value: int, count: int) -> None:
+    from cuda.bindings import driver
+    _check(driver.cuMemsetD32(ptr, value, count)[0], "cuMemsetD32")
 
 
 def memset_d8(ptr: int, value: int, nbytes: int, stream) -> None:

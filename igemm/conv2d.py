@@ -8,6 +8,7 @@ numbers). Calling it only checks the tensors against the plan, binds pointers an
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 
@@ -15,9 +16,9 @@ import numpy as np
 
 from . import _kernel, _runtime, reference
 from ._dispatch import CallContext
-from ._heuristics import ConvProblem, KernelSpec, choose_config
+from ._heuristics import ConvProblem, KernelSpec, choose_config, validate_spec
 from ._kernel import ParamSpec
-from ._runtime import Tensor, as_tensor
+from ._runtime import DTYPE_SIZES, Tensor, as_tensor
 from .fastdiv import MAX_DIVIDEND
 from .reference.conv import pair
 
@@ -27,7 +28,8 @@ __all__ = ["Conv2dPlan", "conv2d", "conv2d_bn_relu", "CONV_PARAMS"]
 CONV_PARAMS = [
     ParamSpec("x", "ptr"), ParamSpec("w", "ptr"), ParamSpec("y", "ptr"), ParamSpec("residual", "ptr"),
     ParamSpec("scale", "ptr"), ParamSpec("shift", "ptr"), ParamSpec("alpha", "ptr"), ParamSpec("mask", "ptr"),
-    ParamSpec("alpha_scalar", "float32"),
+    ParamSpec("ws", "ptr"), ParamSpec("counters", "ptr"), ParamSpec("ktab", "ptr"),
+    ParamSpec("alpha_scalar", "float32"), ParamSpec("splits", "int32"), ParamSpec("kt_per_split", "int32"),
     *(ParamSpec(n, "int32") for n in ("N", "H", "W", "C", "K", "R", "S", "P", "Q", "PQ", "M", "Kred",
                                       "sh", "sw", "ph", "pw", "dh", "dw")),
     ParamSpec("x_img", "int64"),
@@ -41,7 +43,7 @@ _PRECISIONS = ("strict", "tf32")
 
 def _stub(spec: KernelSpec) -> str:
     return _kernel.render_kernel(include="conv2d_fprop.cuh", entry="igemm_conv2d_fprop", params=CONV_PARAMS,
-                                 threads=spec.threads, min_blocks=spec.min_blocks,
+                                 threads=spec.threads, min_blocks=spec.min_blocks, prelude=spec.prelude(),
                                  body=f"igemm::conv::fprop<{spec.config_type()}>(p);")
 
 
@@ -90,6 +92,65 @@ def _geometry(x_shape, w_shape, layout, stride, padding, dilation):
         raise ValueError(f"the (dilated) filter {R}x{S} (dilation {d}) does not fit the padded input "
                          f"{H}x{W} (padding {p}): output would be {P}x{Q}")
     return N, C, H, W, K, R, S, P, Q, s, p, d
+
+
+def _k_table(pb: ConvProblem, bk: int) -> np.ndarray:
+    """Per reduction index k (padded to a whole k-tile): the element offset of tap k relative to an
+    output pixel's origin tap, and (r·dh, s·dw) packed as two int16 (r·dh = -32768 past Kred: never valid).
+    The element-gather loaders read it instead of dividing k per element."""
+    R, S, C, H, W = pb.R, pb.S, pb.C, pb.H, pb.W
+    dh, dw = pb.dilation
+    if (R - 1) * dh > 32767 or (S - 1) * dw > 32767:
+        raise NotImplementedError(f"dilated filter extent {(R - 1) * dh}x{(S - 1) * dw} exceeds 32767")
+    n = -(-pb.Kred // bk) * bk
+    k = np.arange(pb.Kred)
+    if pb.layout == "NHWC":
+        rs, c = np.divmod(k, C)
+        r, s = np.divmod(rs, S)
+        delta = (r * dh * W + s * dw) * C + c
+    else:
+        c, rs = np.divmod(k, R * S)
+        r, s = np.divmod(rs, S)
+        delta = c * H * W + r * dh * W + s * dw
+    tab = np.zeros((n, 2), dtype=np.int32)
+    tab[:pb.Kred, 0] = delta
+    rdh = np.full(n, -32768, dtype=np.int64)
+    sdw = np.zeros(n, dtype=np.int64)
+    rdh[:pb.Kred], sdw[:pb.Kred] = r * dh, s * dw
+    tab[:, 1] = ((rdh & 0xFFFF) | (sdw << 16)).astype(np.int64).astype(np.uint32).view(np.int32)
+    return tab
+
+
+def torch_empty(shape, dtype, device):
+    import torch
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _overlaps(yp: int, nb: int, *tensors) -> bool:
+    for t in tensors:
+        if t is not None:
+            lo = t.data_ptr()
+            if lo < yp + nb and yp < lo + t.numel() * t.element_size():
+                return True
+    return False
+
+
+def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
+    """Apply user overrides to a spec, re-deriving what depends on them (store mode, split-K)."""
+    from ._heuristics import _store, choose_splits
+    bad = set(cfg) - {f.name for f in dataclasses.fields(KernelSpec)}
+    if bad:
+        raise ValueError(f"config: unknown fields {sorted(bad)}")
+    spec = dataclasses.replace(spec, **cfg)
+    if "math" in cfg and cfg["math"] != "wgmma" and "bk" not in cfg:
+        spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
+        if cfg["math"] == "tensorop" and "wn" not in cfg:
+            spec = dataclasses.replace(spec, wn=2, wm=spec.bm // 64)
+    store, vec_o, fuse = _store(pb, spec.bn)
+    spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
+    if "splits" not in cfg:
+        spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
+    return spec
 
 
 class _Folded:
@@ -166,6 +227,9 @@ class Conv2dPlan:
         precision: fp32 only: ``"strict"`` (IEEE FFMA, default) or ``"tf32"`` (tensor cores).
         residual_dtype: dtype of the ``Add`` residual (default: ``dtype``).
         device: CUDA device index (default 0); ``None`` builds a plan for the numpy backend.
+        config: override the kernel choice: a dict of ``KernelSpec`` fields (``{"bn": 256, "splits": 2}``)
+            or a whole ``KernelSpec``; checked, ``NotImplementedError`` if it cannot run the problem.
+            ``IGEMM_AUTOTUNE=1`` instead times the candidates on first use and remembers the fastest.
 
     Example::
 
@@ -175,7 +239,7 @@ class Conv2dPlan:
 
     def __init__(self, x_shape, w_shape, dtype: str, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None,
-                 device: int | None = 0, _skeleton: bool = False):
+                 device: int | None = 0, config=None, _skeleton: bool = False):
         dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
@@ -212,12 +276,18 @@ class Conv2dPlan:
         self.backend = "numpy" if device is None else "cuda"
         self._specs: dict = {}
         self._folded = _Folded(self.chain, K, device) if not _skeleton else _Folded(_as_epilogue(None), K, None)
+        self._config = config
+        self.arch = _runtime.device_arch(device) if device is not None else "sm_90a"
+        self.sms = _runtime.device_props(device).multiprocessor_count if device is not None else 132
+        self._fast = None
+        self._ktab = None
         if device is not None:
-            self.arch = _runtime.device_arch(device)
+            self._primary = self.spec()
             self._args = self._scalar_args()
             self._slot = self._args.slots
             self._lock = threading.Lock()
             self._launcher(True, True)   # compile the primary kernel now
+            self._setup_fast()
 
     # -------------------------------------------------------------------------------------- setup
     def _scalar_args(self) -> list:
@@ -236,18 +306,49 @@ class Conv2dPlan:
         return float(pr.alpha) if pr is not None and not pr.per_channel else 0.0
 
     def spec(self, x_aligned: bool = True, w_aligned: bool = True) -> KernelSpec:
-        return choose_config(self.problem, getattr(self, "arch", "sm_90a"), x_aligned=x_aligned, w_aligned=w_aligned)
+        """The kernel this plan runs (for 16-byte aligned x and w, or the narrow-load fallback)."""
+        cfg = self._config
+        if cfg is None and x_aligned and w_aligned and self.backend == "cuda":
+            from ._autotune import tuned_config
+            cfg = tuned_config(self)
+        if isinstance(cfg, KernelSpec):
+            spec = cfg
+        else:
+            spec = choose_config(self.problem, self.arch, x_aligned=x_aligned, w_aligned=w_aligned, sms=self.sms)
+            if cfg:
+                spec = _override(spec, self.problem, cfg)
+        if not (x_aligned and w_aligned):
+            spec = dataclasses.replace(spec, load_a="elem" if not x_aligned else spec.load_a,
+                                       load_b="elem" if not w_aligned else spec.load_b)
+        validate_spec(spec, self.problem)
+        return spec
 
     def _launcher(self, xa: bool, wa: bool):
         key = (xa, wa)
         l = self._specs.get(key)
         if l is None:
-            spec = self.spec(xa, wa)
+            spec = self._primary if key == (True, True) else self.spec(xa, wa)
             k = _kernel.load(_stub(spec), spec.name(), "igemm_conv2d_fprop", self.device_id, smem=spec.smem)
-            grid = ((self.problem.M + spec.bm - 1) // spec.bm, (self.problem.K + spec.bn - 1) // spec.bn)
-            l = (_kernel.Launcher(k, grid, spec.threads, spec.smem), spec)
+            grid = ((self.problem.M + spec.bm - 1) // spec.bm, (self.problem.K + spec.bn - 1) // spec.bn, spec.splits)
+            ws = self._workspace(spec, grid) if spec.splits > 1 else None
+            if spec.load_a == "elem" and self._ktab is None:
+                tab = _k_table(self.problem, 64)      # padded for every BK the kernels use (8..64)
+                d = _runtime.DeviceArray(tab.shape, "int32", self.device_id)
+                _runtime.memcpy_htod(d.ptr, tab.ctypes.data, tab.nbytes)
+                self._ktab = d
+                self._args.u64[self._slot["ktab"]] = d.ptr
+            l = (_kernel.Launcher(k, grid, spec.threads, spec.smem), spec, ws)
             self._specs[key] = l
         return l
+
+    def _workspace(self, spec: KernelSpec, grid) -> tuple:
+        """Split-K partial tiles and per-tile tickets (zeroed once; the kernel resets its tickets)."""
+        tiles = grid[0] * grid[1]
+        ws = _runtime.DeviceArray((tiles * spec.splits * spec.bm * spec.bn,), "float32", self.device_id)
+        cnt = _runtime.DeviceArray((tiles,), "int32", self.device_id)
+        _runtime.memset_d32_sync(cnt.ptr, 0, tiles)
+        kt = -(-self.problem.Kred // spec.bk)
+        return ws, cnt, -(-kt // spec.splits)
 
     # -------------------------------------------------------------------------------------- call
     def __call__(self, x, w, *, out=None, residual=None, mask_out=None, stream=None, _folded=None):
@@ -255,7 +356,13 @@ class Conv2dPlan:
 
         ``out``: preallocated output (contiguous, 16-byte aligned). ``residual``: the ``Add`` input (else
         the one given to ``ep.Add``). ``mask_out``: preallocated mask (``ceil(numel(y)/32)`` uint32/int32).
+        Thread-safe (a lock guards the shared argument buffer); a split-K plan's workspace is shared, so
+        calls of one split-K plan on different streams must not overlap in time.
         """
+        if self._fast is not None and type(x) is self._fast[0]:
+            r = self._call_torch(x, w, out, residual, mask_out, stream, _folded)
+            if r is not None:
+                return r
         res_op = self.chain.residual_op
         if residual is None and res_op is not None:
             residual = res_op.residual
@@ -292,7 +399,7 @@ class Conv2dPlan:
         if ctx.device_id != self.device_id:
             raise ValueError(f"tensors are on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
         dx, dw = ctx.device_view("x"), ctx.device_view("w")
-        launcher, spec = self._launcher(dx.ptr % 16 == 0, dw.ptr % 16 == 0)
+        launcher, spec, ws = self._launcher(dx.ptr % 16 == 0, dw.ptr % 16 == 0)
         if out is None:
             y_obj, dy = ctx.empty(self.y_shape, self.dtype)
         else:
@@ -304,28 +411,9 @@ class Conv2dPlan:
                 m_obj, dm = ctx.empty((self.mask_words,), mask_dtype_for(ctx.kind))
             else:
                 m_obj, dm = mask_out, ctx.device_view("mask_out")
-        sl = self._slot
-        res_ptr = ctx.device_view("residual").ptr if residual is not None else 0
-        stream = ctx.stream
-        with self._lock:   # one plan may be called from several threads
-            a = self._args
-            u = a.u64
-            u[sl["x"]] = dx.ptr
-            u[sl["w"]] = dw.ptr
-            u[sl["y"]] = dy.ptr
-            u[sl["residual"]] = res_ptr
-            u[sl["mask"]] = dm.ptr if dm is not None else 0
-            if _folded is not None:
-                u[sl["scale"]], u[sl["shift"]], u[sl["alpha"]] = _folded.ptr_args()
-                a.f32[2 * sl["alpha_scalar"]] = _folded.alpha_scalar
-                launcher(stream, a)
-                u[sl["scale"]], u[sl["shift"]], u[sl["alpha"]] = self._folded.ptr_args()
-                a.f32[2 * sl["alpha_scalar"]] = self._alpha_scalar()
-            else:
-                launcher(stream, a)
-        if want_mask and not spec.fuse_mask:
-            from .relu import launch_mask
-            launch_mask(self.device_id, stream, self.dtype, dy.ptr, dm.ptr, self.numel_y)
+        self._launch(ctx.stream.handle, launcher, spec, ws, dx.ptr, dw.ptr, dy.ptr,
+                     ctx.device_view("residual").ptr if residual is not None else 0,
+                     dm.ptr if dm is not None else 0, _folded)
         if out is not None:
             ctx.copy_back("out", dy)
             y_res = out
@@ -337,6 +425,93 @@ class Conv2dPlan:
                 return y_res, mask_out
             return y_res, ctx.finish(m_obj)
         return y_res
+
+    def _launch(self, stream: int, launcher, spec, ws, x, w, y, res, mask, folded) -> None:
+        sl = self._slot
+        with self._lock:   # one plan may be called from several threads
+            a = self._args
+            u = a.u64
+            u[sl["x"]] = x
+            u[sl["w"]] = w
+            u[sl["y"]] = y
+            u[sl["residual"]] = res
+            u[sl["mask"]] = mask
+            if ws is not None:
+                u[sl["ws"]], u[sl["counters"]] = ws[0].ptr, ws[1].ptr
+                a.i32[2 * sl["splits"]], a.i32[2 * sl["kt_per_split"]] = spec.splits, ws[2]
+            else:
+                a.i32[2 * sl["splits"]], a.i32[2 * sl["kt_per_split"]] = 1, 1 << 30
+            if folded is not None:
+                u[sl["scale"]], u[sl["shift"]], u[sl["alpha"]] = folded.ptr_args()
+                a.f32[2 * sl["alpha_scalar"]] = folded.alpha_scalar
+                launcher(stream, a)
+                u[sl["scale"]], u[sl["shift"]], u[sl["alpha"]] = self._folded.ptr_args()
+                a.f32[2 * sl["alpha_scalar"]] = self._alpha_scalar()
+            else:
+                launcher(stream, a)
+        if mask and not spec.fuse_mask:
+            from .relu import launch_mask
+            launch_mask(self.device_id, _runtime.RawStream(stream), self.dtype, y, mask, self.numel_y)
+
+    def _setup_fast(self) -> None:
+        """The torch fast path: what a call checks, precomputed (anything unusual takes the general path,
+        which raises the precise error)."""
+        self._fast = None
+        try:
+            import torch
+        except ImportError:
+            return
+        tdt = getattr(torch, self.dtype)
+        rdt = getattr(torch, self.problem.residual_dtype) if self.problem.residual_dtype else None
+        dev = torch.device("cuda", self.device_id)
+        nb = self.numel_y * DTYPE_SIZES[self.dtype]
+        self._fast = (torch.Tensor, tdt, rdt, dev, torch.Size(self.x_shape), torch.Size(self.w_shape),
+                      torch.Size(self.y_shape), nb, torch.int32, torch._C._cuda_getCurrentRawStream)
+
+    def _call_torch(self, x, w, out, residual, mask_out, stream, folded):
+        T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur = self._fast
+        if (type(w) is not T or x.dtype is not tdt or w.dtype is not tdt or x.device != dev or w.device != dev
+                or x.shape != xs or w.shape != ws_ or not x.is_contiguous() or not w.is_contiguous()):
+            return None
+        res_op = self.chain.residual_op
+        if residual is None and res_op is not None:
+            residual = res_op.residual
+        if (residual is None) != (res_op is None):
+            return None
+        rp = 0
+        if residual is not None:
+            if (type(residual) is not T or residual.dtype is not rdt or residual.device != dev
+                    or residual.shape != ys or not residual.is_contiguous()):
+                return None
+            rp = residual.data_ptr()
+            if rp % 16:
+                return None
+        xp, wp = x.data_ptr(), w.data_ptr()
+        if out is None:
+            out = torch_empty(ys, tdt, dev)
+            yp = out.data_ptr()
+        else:
+            if (type(out) is not T or out.dtype is not tdt or out.device != dev or out.shape != ys
+                    or not out.is_contiguous()):
+                return None
+            yp = out.data_ptr()
+            if yp % 16 or _overlaps(yp, nb, x, w, residual):
+                return None
+        mp = 0
+        if self.chain.mask:
+            if mask_out is None:
+                mask_out = torch_empty((self.mask_words,), i32, dev)
+            elif (type(mask_out) is not T or mask_out.dtype is not i32 or mask_out.device != dev
+                  or mask_out.dim() != 1 or mask_out.shape[0] < self.mask_words or not mask_out.is_contiguous()):
+                return None
+            mp = mask_out.data_ptr()
+        elif mask_out is not None:
+            return None
+        launcher, spec, wsp = self._specs.get((xp % 16 == 0, wp % 16 == 0)) or self._launcher(xp % 16 == 0,
+                                                                                                wp % 16 == 0)
+        h = cur(self.device_id) if stream is None else _runtime.stream_handle(stream, "torch", self.device_id)
+        self._launch(h, launcher, spec, wsp, xp, wp, yp, rp, mp, folded)
+        return (out, mask_out) if self.chain.mask else out
 
     def _check(self, t: Tensor, name: str, shape, dtype) -> None:
         if tuple(t.shape) != shape:

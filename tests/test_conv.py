@@ -140,13 +140,17 @@ def _pb(**kw):
 
 def test_choose_config_rules():
     s = choose_config(_pb())
-    assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("tensorop", "vec", "vec", "linear", 8)
+    assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("wgmma", "vec", "vec", "linear", 8)
+    assert (s.bk, s.bn) == (64, 64)
+    s80 = choose_config(_pb(), "sm_80")
+    assert (s80.math, s80.bk) == ("tensorop", 32)
     assert choose_config(_pb(C=3, R=7, S=7)).load_a == "elem"
     assert choose_config(_pb(C=3, R=7, S=7)).load_b == "elem"          # Kred = 147
     assert choose_config(_pb(layout="NCHW")).load_a == "elem"
     assert choose_config(_pb(), x_aligned=False).load_a == "elem"
     assert choose_config(_pb(dtype="float32", precision="strict")).math == "simt"
-    assert choose_config(_pb(dtype="float32", precision="tf32")).bk == 16
+    tf = choose_config(_pb(dtype="float32", precision="tf32"))
+    assert (tf.math, tf.bk) == ("tensorop", 16)
     big = choose_config(_pb(K=256, epilogue=(("ReLU", True),)))
     assert (big.store, big.fuse_mask) == ("rows", True)
     odd = choose_config(_pb(K=300, epilogue=(("ReLU", True),)))
@@ -155,6 +159,40 @@ def test_choose_config_rules():
     assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("nchw", 8, False)  # 784 % 32 != 0
     nchw56 = choose_config(_pb(layout="NCHW", epilogue=(("ReLU", True),)))
     assert nchw56.fuse_mask
+
+
+def test_split_k_choice():
+    small = _pb(H=7, W=7, C=512, K=512)                                   # 52 tiles, 72 k-tiles
+    s = choose_config(small)
+    assert s.splits > 1 and 52 * s.splits >= 132
+    assert choose_config(_pb()).splits == 1                              # 3x3 64->64 @56 fills the GPU
+    assert choose_config(_pb(H=7, W=7, C=8, K=512)).splits == 1           # too few k-tiles to split
+
+
+def test_candidates_are_valid():
+    from igemm._heuristics import candidates, validate_spec
+    for pb in (_pb(), _pb(H=7, W=7, C=512, K=512, epilogue=(("ReLU", True),)), _pb(layout="NCHW", K=256),
+               _pb(dtype="float32", precision="tf32")):
+        cands = candidates(pb)
+        assert len(cands) > 3 and len(set(cands)) == len(cands)
+        for c in cands:
+            assert validate_spec(c, pb)
+        assert cands[0] == choose_config(pb)
+    for arch in ("sm_80",):
+        for c in candidates(_pb(), arch):
+            assert c.math == "tensorop"
+
+
+def test_config_override_and_rejection():
+    plan = Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC", padding=1, device=None,
+                      config={"bn": 128, "splits": 2})
+    s = plan.spec()
+    assert (s.bn, s.splits, s.store) == (128, 2, "linear")
+    with pytest.raises(NotImplementedError, match="wgmma"):
+        Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float32", "NHWC", padding=1, device=None,
+                   precision="tf32", config={"math": "wgmma", "bk": 16}).spec()
+    with pytest.raises(ValueError, match="unknown"):
+        Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC", device=None, config={"tile": 3}).spec()
 
 
 def test_plan_limits():
@@ -270,6 +308,95 @@ def test_gpu_large_npq(layout, rng):
     assert y.numel() // 24 >= 1 << 21                    # N*P*Q output pixels
     err = (torch.linalg.vector_norm((y.double() - ref)) / torch.linalg.vector_norm(ref)).item()
     assert err < 1e-2
+
+
+def _check_plan(torch, plan, x, w, layout, st, pd, dl, tol):
+    y = plan(x, w)
+    ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
+    err = rel_err(to_numpy(y), ref)
+    assert err <= tol, f"{plan.spec().name()} splits={plan.spec().splits}: {err}"
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_sync_path(dtype, layout, rng):
+    """The sm_80 mma.sync mainloop (the default on A100/L40; forced here on Hopper) on random problems."""
+    torch = pytest.importorskip("torch")
+    for _ in range(60):
+        xs, ws, st, pd, dl = rand_problem(rng)
+        x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+        x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, config={"math": "tensorop"})
+        assert plan.spec().math == "tensorop"
+        _check_plan(torch, plan, x, w, layout, st, pd, dl, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype, precision", PRECISIONS, ids=["fp16", "bf16", "fp32", "tf32"])
+def test_gpu_split_k(dtype, precision, layout, rng):
+    """Split-K: forced splits on odd shapes, deterministic (bitwise equal reruns), tickets reset."""
+    torch = pytest.importorskip("torch")
+    for xs, ws, st, pd, dl, splits in [((2, 40, 7, 7), (72, 40, 3, 3), 1, 1, 1, 3),
+                                       ((1, 96, 5, 6), (130, 96, 3, 3), 1, 1, 1, 5),
+                                       ((3, 24, 9, 9), (17, 24, 5, 5), 2, 2, 1, 2)]:
+        x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+        x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision,
+                          config={"splits": splits})
+        assert plan.spec().splits == splits
+        y1 = _check_plan(torch, plan, x, w, layout, st, pd, dl, TOL["tf32" if precision == "tf32" else dtype])
+        for _ in range(3):
+            assert torch.equal(plan(x, w), y1)
+
+
+@pytest.mark.gpu
+def test_gpu_plan_in_cuda_graph(rng):
+    """A plan call (split-K included) captured in a CUDA graph and replayed on new inputs."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    x = torch.randn(4, 7, 7, 256, device="cuda", dtype=torch.float16)
+    w = torch.randn(256, 3, 3, 256, device="cuda", dtype=torch.float16) / 48
+    g_, b_, m_, v_ = (torch.rand(256, device="cuda") + 0.5 for _ in range(4))
+    plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, config={"splits": 4},
+                      epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.ReLU(mask=True)))
+    y = torch.empty(4, 7, 7, 256, device="cuda", dtype=torch.float16)
+    mask = torch.empty((y.numel() + 31) // 32, device="cuda", dtype=torch.int32)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan(x, w, out=y, mask_out=mask)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan(x, w, out=y, mask_out=mask)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = plan(x, w)[0]
+        assert torch.equal(y, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_autotune(rng, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import igemm._autotune as at
+    monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("IGEMM_AUTOTUNE", "1")
+    monkeypatch.setattr(at, "_mem", None)
+    x = torch.randn(2, 9, 9, 64, device="cuda", dtype=torch.float16)
+    w = torch.randn(96, 3, 3, 64, device="cuda", dtype=torch.float16) / 24
+    plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1)
+    _check_plan(torch, plan, x, w, "NHWC", 1, 1, 1, TOL["float16"])
+    assert (tmp_path / "autotune.json").exists()
+    monkeypatch.setenv("IGEMM_AUTOTUNE", "0")
+    monkeypatch.setattr(at, "_mem", None)
+    again = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1)
+    assert again.spec() == plan.spec()
 
 
 @pytest.mark.gpu

@@ -52,6 +52,21 @@ IGEMM_DEVICE bool splitk_reduce(const P& p, float* Cs, int tile) {
   return true;
 }
 
+// V consecutive fp32 of the C tile; 16-byte aligned when V % 4 == 0 (rows start at multiples of 4).
+template <int V>
+IGEMM_DEVICE void load_row(const float* src, float (&val)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < V; e += 4) {
+      const float4 t = *reinterpret_cast<const float4*>(src + e);
+      val[e] = t.x; val[e + 1] = t.y; val[e + 2] = t.z; val[e + 3] = t.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) val[e] = src[e];
+  }
+}
+
 // Where output vector v of the CTA lives: linear offset, valid prefix length, and (for the Cs read)
 // its row/column in the shared tile.
 template <class Cfg, class P>
@@ -94,12 +109,14 @@ struct StoreMap {
     constexpr int LD = Cfg::kCsLd;
     if constexpr (Cfg::StoreMode == kStoreRows) {
       const int row = v / (BN / V), col = (v % (BN / V)) * V;
+      load_row<V>(Cs + row * LD + col, val);
 #pragma unroll
-      for (int e = 0; e < V; ++e) { val[e] = Cs[row * LD + col + e]; ch[e] = col + e; }
+      for (int e = 0; e < V; ++e) ch[e] = col + e;
     } else if constexpr (Cfg::StoreMode == kStoreNCHW) {
       const int nl = v / (BM / V), ml = (v % (BM / V)) * V;
+      load_row<V>(Cs + nl * LD + ml, val);
 #pragma unroll
-      for (int e = 0; e < V; ++e) { val[e] = Cs[nl * LD + ml + e]; ch[e] = nl; }
+      for (int e = 0; e < V; ++e) ch[e] = nl;
     } else {
       int row, col;
       p.fd_K.divmod(row, col, v * V);

@@ -4,8 +4,9 @@
 // (128-byte rows): the loader's XOR swizzle (chunk ^ row % 8 on 1024-byte aligned buffers) is exactly the
 // SW128 K-major layout, so each warpgroup issues wgmma.m64nBNk16 with both operands read from shared
 // memory through descriptors (CuTe's SM90 GMMA atoms), 4 per stage. Loads for stage i + Stages - 1 are in
-// flight (cp.async) while stage i is multiplied; each thread fences its shared-memory writes into the
-// async proxy (fence.proxy.async) before the barrier that publishes a stage to wgmma.
+// flight (cp.async) while stage i is multiplied, and one wgmma group stays in flight while the next
+// stage's loads are issued; each thread fences its shared-memory writes into the async proxy
+// (fence.proxy.async) before the barrier that publishes a stage to wgmma.
 #pragma once
 #include <utility>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -75,15 +76,17 @@ IGEMM_DEVICE void mainloop_wgmma(const P& p, uint8_t* smem, int m0, int n0, int 
     cp_async_commit();
   }
   const uint32_t sA_u = smem_u32(sA) + wg * 64 * 128, sB_u = smem_u32(sB);
+  // Iteration i: stage i is ready → issue its wgmma group (async) → wait until only that group is in
+  // flight (so stage i-1 is free in every warpgroup) → refill stage i-1 with k-tile i+S-1. The register-
+  // staged part of that refill is written at the top of iteration i+1, after its loads had the MMA's
+  // duration to land. Tensor cores stay busy across the barrier and the load issue.
+  bool pending_regs = false;
+  int pending_buf = 0;
   for (int it = 0; it < KT; ++it) {
+    if (pending_regs) ld.store_regs(pending_buf);
     cp_async_wait<S - 2>();
     fence_proxy_async();
     __syncthreads();
-    const int nk = it + S - 1;
-    const int nbuf = nk % S;
-    if (nk < KT) ld.load(kt0 + nk, nbuf);
-    cp_async_commit();
-
     const int buf = it % S;
     const uint64_t da = desc_sw128(sA_u + buf * L::A_STAGE);
     const uint64_t db = desc_sw128(sB_u + buf * L::B_STAGE);
@@ -94,11 +97,19 @@ IGEMM_DEVICE void mainloop_wgmma(const P& p, uint8_t* smem, int m0, int n0, int 
     for (int ks = 0; ks < KSTEPS; ++ks)   // +32 bytes along K inside the swizzle atom
       gmma_issue<Atom>(da + 2 * ks, db + 2 * ks, acc, std::make_index_sequence<NACC>{});
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
+    cute::warpgroup_wait<1>();            // the previous group (stage i-1) has finished
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-    if (nk < KT) ld.store_regs(nbuf);
+    if constexpr (Cfg::WM > 1) __syncthreads();   // ... in every warpgroup (B is shared)
+    const int nk = it + S - 1;
+    pending_buf = nk % S;
+    pending_regs = nk < KT;
+    if (nk < KT) ld.load(kt0 + nk, pending_buf);
+    cp_async_commit();
   }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   cp_async_wait<0>();
   __syncthreads();
 

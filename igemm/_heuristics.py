@@ -160,9 +160,9 @@ def choose_splits(pb: ConvProblem, bm: int, bn: int, bk: int, sms: int) -> int:
     """Split K when the output tiles cannot fill the GPU: aim at ~2 CTAs per SM, >= 8 k-tiles each."""
     tiles = -(-pb.M // bm) * -(-pb.K // bn)
     kt = -(-pb.Kred // bk)
-    if tiles >= sms or kt < 16:
+    if 2 * tiles >= sms or kt < 16:
         return 1
-    return max(1, min(-(-2 * sms // tiles), kt // 8, 16))
+    return max(1, min(-(-sms // tiles), kt // 8, 16))
 
 
 def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = True, w_aligned: bool = True,
@@ -174,9 +174,12 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     if pb.dtype == "float32" and pb.precision == "strict":
         math, bm, bn, bk, wm, wn, stages = "simt", 128, 128, 8, 4, 2, 3
     elif eb == 2 and arch.startswith("sm_90"):
-        math, bk, wn = "wgmma", 64, 1
+        # One 64-row warpgroup per CTA, several CTAs per SM: measured best on H200 for the ResNet-50
+        # layers (tools/sweep.py, notes/perf.md); 64 columns when that is what fills the GPU.
+        math, bk, wn, bm, wm = "wgmma", 64, 1, 64, 1
         bn = 64 if K <= 64 else 128
-        bm, wm = 128, 2
+        if bn == 128 and -(-M // bm) * -(-K // bn) < sms:
+            bn = 64
         stages = 4 if bn == 64 else 3
     else:
         math = "tensorop"

@@ -162,9 +162,10 @@ def test_choose_config_rules():
 
 
 def test_split_k_choice():
-    small = _pb(H=7, W=7, C=512, K=512)                                   # 52 tiles, 72 k-tiles
+    small = _pb(N=2, H=7, W=7, C=512, K=512)                              # 16 tiles, 72 k-tiles
     s = choose_config(small)
-    assert s.splits > 1 and 52 * s.splits >= 132
+    tiles = -(-small.M // s.bm) * -(-small.K // s.bn)
+    assert s.splits > 1 and tiles * s.splits >= 132
     assert choose_config(_pb()).splits == 1                              # 3x3 64->64 @56 fills the GPU
     assert choose_config(_pb(H=7, W=7, C=8, K=512)).splits == 1           # too few k-tiles to split
 

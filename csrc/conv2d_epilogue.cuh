@@ -136,7 +136,7 @@ IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
   using Epi = typename Cfg::Epi;
   using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
   constexpr int V = Cfg::VecO, BN = Cfg::BN, NT = Cfg::kThreads, G = 4;
-  __shared__ float s_vec[3][BN];
+  __shared__ __align__(16) float s_vec[3][BN];
   {
     const float* sc = static_cast<const float*>(p.scale);
     const float* sh = static_cast<const float*>(p.shift);
@@ -182,7 +182,7 @@ IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
         map.gather(p, Cs, (pass0 + g) * NT + threadIdx.x, val, ch);
 #pragma unroll
         for (int e = 0; e < V; ++e) res[e] = Epi::kResidual ? to_float(rv[g].v[e]) : 0.f;
-        Epi::template apply<V>(val, ch, res, ctx);
+        Epi::template apply<V, Cfg::StoreMode == kStoreRows>(val, ch, res, ctx);
         epi::Vec<TO, V> o;
 #pragma unroll
         for (int e = 0; e < V; ++e) {

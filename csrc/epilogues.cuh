@@ -1,7 +1,8 @@
 // igemm: epilogue functors of the conv kernel (and of any GEMM-like kernel that stores through the
 // same store phase).
 //
-// Every op has the same shape: `apply<V>(v, ch, res, ctx)` transforms V fp32 values in place, where
+// Every op has the same shape: `apply<V, Contig>(v, ch, res, ctx)` transforms V fp32 values in place
+// (Contig: the channels are consecutive, ch[e] = ch[0] + e, ch[0] % 4 == 0), where
 // v[e] is the value of the output element at linear offset off + e (memory order of the output), ch[e]
 // its output channel *relative to the CTA's first channel* (an index into ctx's per-channel vectors,
 // staged in shared memory once per CTA), and res[e] the residual element at the same offset (loaded
@@ -19,27 +20,47 @@ template <class T, int V>
 struct alignas(sizeof(T) * V) Vec { T v[V]; };
 
 struct Ctx {
-  const float* scale;     // per-channel vectors (shared memory), indexed by ch
+  const float* scale;     // per-channel vectors (shared memory, 16-byte aligned), indexed by ch
   const float* shift;
   const float* alpha;
   float alpha_scalar;
 };
 
+// vec[ch[e]] for e < V; Contig: ch[e] == ch[0] + e with ch[0] % 4 == 0 (one 16-byte read per 4).
+template <bool Contig, int V>
+IGEMM_DEVICE void channel_values(const float* vec, const int (&ch)[V], float (&out)[V]) {
+  if constexpr (Contig && V % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < V; e += 4) {
+      const float4 t = *reinterpret_cast<const float4*>(vec + ch[0] + e);
+      out[e] = t.x; out[e + 1] = t.y; out[e + 2] = t.z; out[e + 3] = t.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[e] = vec[ch[e]];
+  }
+}
+
 // y = v * scale[ch] + shift[ch]: BatchNorm (inference) folded at plan time, Bias, or both.
 struct ScaleShift {
-  template <int V>
+  template <int V, bool Contig>
   IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], const float (&)[V], const Ctx& c) {
+    float sc[V], sh[V];
+    channel_values<Contig>(c.scale, ch, sc);
+    channel_values<Contig>(c.shift, ch, sh);
 #pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = fmaf(v[e], c.scale[ch[e]], c.shift[ch[e]]);
+    for (int e = 0; e < V; ++e) v[e] = fmaf(v[e], sc[e], sh[e]);
   }
 };
 
 // y = v + shift[ch] (a bias alone).
 struct Shift {
-  template <int V>
+  template <int V, bool Contig>
   IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], const float (&)[V], const Ctx& c) {
+    float sh[V];
+    channel_values<Contig>(c.shift, ch, sh);
 #pragma unroll
-    for (int e = 0; e < V; ++e) v[e] += c.shift[ch[e]];
+    for (int e = 0; e < V; ++e) v[e] += sh[e];
   }
 };
 
@@ -47,7 +68,7 @@ struct Shift {
 template <class T>
 struct AddResidual {
   using Res = T;
-  template <int V>
+  template <int V, bool Contig>
   IGEMM_DEVICE static void apply(float (&v)[V], const int (&)[V], const float (&r)[V], const Ctx&) {
 #pragma unroll
     for (int e = 0; e < V; ++e) v[e] += r[e];
@@ -57,7 +78,7 @@ struct AddResidual {
 // ReLU with PyTorch's NaN semantics (NaN stays NaN). Mask=true: the kernel writes the 1-bit mask.
 template <bool Mask>
 struct Relu {
-  template <int V>
+  template <int V, bool Contig>
   IGEMM_DEVICE static void apply(float (&v)[V], const int (&)[V], const float (&)[V], const Ctx&) {
 #pragma unroll
     for (int e = 0; e < V; ++e) v[e] = (v[e] > 0.f || v[e] != v[e]) ? v[e] : 0.f;
@@ -67,13 +88,17 @@ struct Relu {
 // PReLU: y = v > 0 ? v : alpha * v, alpha per channel (alpha[ch]) or one scalar.
 template <bool PerChannel>
 struct PRelu {
-  template <int V>
+  template <int V, bool Contig>
   IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], const float (&)[V], const Ctx& c) {
+    float al[V];
+    if constexpr (PerChannel) {
+      channel_values<Contig>(c.alpha, ch, al);
+    } else {
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float al = PerChannel ? c.alpha[ch[e]] : c.alpha_scalar;
-      v[e] = v[e] > 0.f ? v[e] : al * v[e];
+      for (int e = 0; e < V; ++e) al[e] = c.alpha_scalar;
     }
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = v[e] > 0.f ? v[e] : al[e] * v[e];
   }
 };
 
@@ -93,9 +118,9 @@ struct Chain {
   static constexpr bool kMask = (false || ... || op_mask<Ops>::value);
   using Res = typename first_res<Ops...>::type;
   static constexpr bool kResidual = !std::is_void_v<Res>;
-  template <int V>
+  template <int V, bool Contig>
   IGEMM_DEVICE static void apply(float (&v)[V], const int (&ch)[V], const float (&res)[V], const Ctx& c) {
-    (Ops::template apply<V>(v, ch, res, c), ...);
+    (Ops::template apply<V, Contig>(v, ch, res, c), ...);
   }
 };
 

@@ -178,7 +178,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # layers (tools/sweep.py, notes/perf.md); 64 columns when that is what fills the GPU.
         math, bk, wn, bm, wm = "wgmma", 64, 1, 64, 1
         bn = 64 if K <= 64 else 128
-        if bn == 128 and -(-M // bm) * -(-K // bn) < sms:
+        if bn == 128 and -(-M // bm) * -(-K // bn) < 2 * sms:
             bn = 64
         stages = 4 if bn == 64 else 3
     else:
@@ -189,12 +189,16 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             bn = 64
         wm, wn = 2, 2
         stages = 4
+    kt = -(-pb.Kred // bk)
+    if math != "simt" and kt <= 2:
+        stages = 2           # nothing to pipeline: the smaller footprint buys CTAs in flight instead
+    min_blocks = 3 if (math == "wgmma" and bm == 64) else 1   # cap registers so 3 CTAs fit on an SM
     load_a = "vec" if (pb.layout == "NHWC" and pb.C % ce == 0 and x_aligned) else "elem"
     load_b = "vec" if (pb.Kred % ce == 0 and w_aligned) else "elem"
     store, vec_o, fuse = _store(pb, bn)
     splits = choose_splits(pb, bm, bn, bk, sms)
     return KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
-                      fuse, epilogue_functors(pb), splits)
+                      fuse, epilogue_functors(pb), splits, min_blocks)
 
 
 def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[KernelSpec]:

@@ -12,8 +12,14 @@ from . import epilogues  # noqa: E402
 from ._runtime import get_backend, gpu_available, set_backend  # noqa: E402
 from .conv2d import Conv2dPlan, conv2d, conv2d_bn_relu  # noqa: E402
 from .relu import relu_backward, relu_mask  # noqa: E402
+from .norm import (batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_elemt,  # noqa: E402
+                   batch_norm_gather_stats, batch_norm_relu, batch_norm_relu_backward, batch_norm_stats, welford)
+from .syncbn import sync_batch_norm_backward_reduce, sync_batch_norm_stats  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["epilogues", "get_backend", "gpu_available", "set_backend", "Conv2dPlan", "conv2d", "conv2d_bn_relu",
+           "welford", "batch_norm_stats", "batch_norm_gather_stats", "batch_norm_elemt", "batch_norm_relu",
+           "batch_norm_backward_reduce", "batch_norm_backward_elemt", "batch_norm_relu_backward",
+           "sync_batch_norm_stats", "sync_batch_norm_backward_reduce",
            "__version__"]

@@ -2,7 +2,9 @@
 
 One module per family: :mod:`.conv` (direct, im2col+GEMM, FFT), :mod:`.mask` (ReLU bitmask),
 :mod:`.epilogue` (BN folding and epilogue chains), :mod:`.norm` (Welford, Chan, BN forward/backward),
+:mod:`.index` (index_add), :mod:`.prelu`.
 """
 from .conv import *  # noqa: F401,F403
 from .mask import *  # noqa: F401,F403
 from .epilogue import *  # noqa: F401,F403
+from .norm import *  # noqa: F401,F403

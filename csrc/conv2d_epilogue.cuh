@@ -182,7 +182,11 @@ IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
         map.gather(p, Cs, (pass0 + g) * NT + threadIdx.x, val, ch);
 #pragma unroll
         for (int e = 0; e < V; ++e) res[e] = Epi::kResidual ? to_float(rv[g].v[e]) : 0.f;
-        Epi::template apply<V, Cfg::StoreMode == kStoreRows>(val, ch, res, ctx);
+        // channels are consecutive in rows mode, and in linear mode when K % V == 0 (no row wrap)
+        if (Cfg::StoreMode == kStoreRows || (Cfg::StoreMode == kStoreLinear && p.K % V == 0))
+          Epi::template apply<V, true>(val, ch, res, ctx);
+        else
+          Epi::template apply<V, false>(val, ch, res, ctx);
         epi::Vec<TO, V> o;
 #pragma unroll
         for (int e = 0; e < V; ++e) {

@@ -16,17 +16,31 @@ __device__ void relu_backward(const Params& p) {
   const T* dy = static_cast<const T*>(p.dy);
   const uint32_t* mask = static_cast<const uint32_t*>(p.mask);
   T* dx = static_cast<T*>(const_cast<void*>(p.dx));
+  constexpr int U = 4;                    // independent 16-byte loads in flight per thread
   const int64_t nvec = p.n / Vec;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < nvec; v += stride) {
-    const int64_t e = v * Vec;
-    Pack<T, Vec> in = reinterpret_cast<const Pack<T, Vec>*>(dy)[v];
-    uint32_t word = __ldg(mask + (e >> 5));
-    uint32_t bits = word >> (e & 31);
-    Pack<T, Vec> out;
+  for (int64_t v0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v0 < nvec; v0 += U * stride) {
+    Pack<T, Vec> in[U];
+    uint32_t word[U];
 #pragma unroll
-    for (int j = 0; j < Vec; ++j) out.v[j] = ((bits >> j) & 1u) ? in.v[j] : T(0.f);
-    reinterpret_cast<Pack<T, Vec>*>(dx)[v] = out;
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + u * stride;
+      if (v < nvec) {
+        in[u] = reinterpret_cast<const Pack<T, Vec>*>(dy)[v];
+        word[u] = __ldg(mask + ((v * Vec) >> 5));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + u * stride;
+      if (v < nvec) {
+        const uint32_t bits = word[u] >> ((v * Vec) & 31);
+        Pack<T, Vec> out;
+#pragma unroll
+        for (int j = 0; j < Vec; ++j) out.v[j] = ((bits >> j) & 1u) ? in[u].v[j] : T(0.f);
+        reinterpret_cast<Pack<T, Vec>*>(dx)[v] = out;
+      }
+    }
   }
   // tail (n % Vec elements), handled by the first threads of block 0
   const int64_t tail0 = nvec * Vec;

@@ -6,5 +6,7 @@ One module per family: :mod:`.conv` (direct, im2col+GEMM, FFT), :mod:`.mask` (Re
 """
 from .conv import *  # noqa: F401,F403
 from .mask import *  # noqa: F401,F403
+from .index import *  # noqa: F401,F403
+from .prelu import *  # noqa: F401,F403
 from .epilogue import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403

@@ -388,7 +388,13 @@ def empty(kind: str, like, shape, dtype: str, device_id: int, stream=None):
     """Allocate an output of the same framework as the inputs; returns ``(obj, Tensor)``."""
     if kind == "torch":
         import torch
-        obj = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device_id}")
+        h = int(stream.handle) if stream is not None else None
+        if h is not None and h != torch._C._cuda_getCurrentRawStream(device_id):
+            # allocate on the launch stream, so torch's caching allocator orders reuse after the kernel
+            with torch.cuda.stream(torch.cuda.ExternalStream(h, device=torch.device("cuda", device_id))):
+                obj = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device_id}")
+        else:
+            obj = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device_id}")
         return obj, as_tensor(obj, "out")
     if kind == "cupy":
         import cupy

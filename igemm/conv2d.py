@@ -160,7 +160,7 @@ class _Folded:
     else is folded on the host in float64 and uploaded.
     """
 
-    def __init__(self, chain, K: int, device_id: int | None):
+    def __init__(self, chain, K: int, device_id: int | None, stream: int = 0):
         self.scale = self.shift = self.alpha = 0
         self._keep = []
         aff = chain.affine_ops
@@ -172,7 +172,13 @@ class _Folded:
         self.host = None
         if device_id is not None and vectors and all(type(v).__module__.split(".")[0] == "torch"
                                                      and v.is_cuda for v in vectors):
-            self._fold_torch(aff, pr, K, device_id)
+            import torch
+            cur = torch._C._cuda_getCurrentRawStream(device_id)
+            if stream and stream != cur:
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", device_id))):
+                    self._fold_torch(aff, pr, K, device_id)
+            else:
+                self._fold_torch(aff, pr, K, device_id)
             return
         from .reference.epilogue import fold_affine, host_f64
         host = {}
@@ -182,10 +188,11 @@ class _Folded:
             host["alpha"] = host_f64(pr.alpha).reshape(-1)
         self.host = host
         if device_id is not None:
+            rs = _runtime.RawStream(stream)
             for name, arr in host.items():
-                d = _runtime.DeviceArray((K,), "float32", device_id)
+                d = _runtime.DeviceArray((K,), "float32", device_id, rs)   # stream-ordered on the launch stream
                 a32 = np.ascontiguousarray(arr, dtype=np.float32)
-                _runtime.memcpy_htod(d.ptr, a32.ctypes.data, a32.nbytes)
+                _runtime.memcpy_htod(d.ptr, a32.ctypes.data, a32.nbytes, rs)
                 self._keep.append(d)
                 setattr(self, name, d.ptr)
 
@@ -392,6 +399,10 @@ class Conv2dPlan:
             if mo.dtype not in ("uint32", "int32") or mo.ndim != 1 or mo.shape[0] < self.mask_words or not mo.is_contiguous():
                 raise ValueError(f"mask_out: expected a contiguous 1-D uint32/int32 array of >= {self.mask_words} "
                                  f"words, got {mo.dtype} {mo.shape}")
+            from ._dispatch import check_no_overlap
+            for other in ("x", "w", "residual", "out"):
+                if other in v:
+                    check_no_overlap(mo, "mask_out", v[other], other)
         if residual is not None and v["residual"].kind != "numpy" and v["residual"].ptr % 16:
             raise ValueError(f"residual: data pointer {v['residual'].ptr:#x} is not 16-byte aligned")
         if ctx.backend == "numpy" or self.backend == "numpy":
@@ -427,6 +438,7 @@ class Conv2dPlan:
         return y_res
 
     def _launch(self, stream: int, launcher, spec, ws, x, w, y, res, mask, folded) -> None:
+        _runtime.device(self.device_id)   # a thread that never touched CUDA has no current context yet
         sl = self._slot
         with self._lock:   # one plan may be called from several threads
             a = self._args
@@ -505,6 +517,8 @@ class Conv2dPlan:
                   or mask_out.dim() != 1 or mask_out.shape[0] < self.mask_words or not mask_out.is_contiguous()):
                 return None
             mp = mask_out.data_ptr()
+            if _overlaps(mp, self.mask_words * 4, x, w, residual, out):
+                return None
         elif mask_out is not None:
             return None
         launcher, spec, wsp = self._specs.get((xp % 16 == 0, wp % 16 == 0)) or self._launcher(xp % 16 == 0,
@@ -625,11 +639,15 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
     device_id = None if (xt.kind == "numpy" and _runtime.get_backend() == "numpy") else max(xt.device_id, 0)
     if len(wt.shape) == 4:
         chain.validate(wt.shape[0])
-    plan = _plan_for(xt, wt, layout, pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"),
-                     chain, precision, residual, device_id)
     if residual is None and chain.residual_op is not None:
         residual = chain.residual_op.residual
-    folded = _Folded(chain, plan.problem.K, device_id) if (chain.affine_ops or chain.prelu_op) else None
+    plan = _plan_for(xt, wt, layout, pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"),
+                     chain, precision, residual, device_id)
+    folded = None
+    if chain.affine_ops or chain.prelu_op:
+        # fold on the launch stream, so the vectors are ordered before the kernel that reads them
+        sh = _runtime.stream_handle(stream, xt.kind, device_id) if device_id is not None else 0
+        folded = _Folded(chain, plan.problem.K, device_id, sh)
     if folded is not None:
         folded.chain = chain
     return plan(x, w, out=out, residual=residual, mask_out=mask_out, stream=stream, _folded=folded)

@@ -201,10 +201,17 @@ class _Args:
             pos += 3 if p.ctype == "fastdiv" else 1
         self.slots = tuple(where[n] for n in dynamic)
 
-    def __call__(self, *values) -> list:
-        a = list(self.base)
+    def __call__(self, *values) -> "_kernel.PackedArgs":
+        a = self.base.copy()
         for (i, ct), v in zip(self.slots, values):
-            a[i] = int(v) if ct == "ptr" else np.float32(v)
+            if ct == "ptr":
+                a.u64[i] = int(v)
+            elif ct == "float32":
+                a.f32[2 * i] = float(v)
+            elif ct == "int64":
+                a.data.view(np.int64)[i] = int(v)
+            else:
+                a.i32[2 * i] = int(v)
         return a
 
 
@@ -484,8 +491,7 @@ def _remember(x, dim, index, source, g: _Geom) -> None:
 def _torch_stream(device_id: int):
     raw = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
     h = int(raw(device_id)) if raw is not None else int(_torch.cuda.current_stream(device_id).cuda_stream)
-    s = _runtime._stream_cache.get(h)
-    return s if s is not None else _runtime.stream_for(h, "other", device_id)
+    return _runtime.RawStream(h)
 
 
 def _fast_torch(x, dim, index, source, alpha, check_index):

@@ -270,12 +270,12 @@ class _Args:
         self.ptr_slots = tuple(where[n] for n in ptr_names)
         self.val_slot = where[val_name] if val_name else None
 
-    def __call__(self, *values) -> list:
-        a = list(self.base)
+    def __call__(self, *values) -> "_kernel.PackedArgs":
+        a = self.base.copy()
         for i, v in zip(self.ptr_slots, values):
-            a[i] = int(v)
+            a.u64[i] = int(v)
         if self.val_slot is not None:
-            a[self.val_slot] = np.float32(values[len(self.ptr_slots)])
+            a.f32[2 * self.val_slot] = float(values[len(self.ptr_slots)])
         return a
 
 

@@ -11,7 +11,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import _kernel, reference
-from ._dispatch import CallContext, check_contiguous, check_dtype, check_shape
+from ._dispatch import CallContext, check_contiguous, check_dtype, check_no_overlap, check_shape
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_CTYPE, FLOAT_DTYPES
 
@@ -87,6 +87,9 @@ def relu_backward(dy, mask, *, out=None, stream=None):
         if t_out.dtype != t_dy.dtype:
             raise TypeError(f"out: dtype {t_out.dtype} differs from dy's {t_dy.dtype}")
         check_contiguous(t_out, "out")
+        if t_out.ptr != t_dy.ptr:               # exactly in place (out is dy) is fine
+            check_no_overlap(t_out, "out", t_dy, "dy")
+        check_no_overlap(t_out, "out", t_mask, "mask")
     if ctx.backend == "numpy":
         res = reference.relu_backward(np.asarray(dy), np.asarray(mask).view(np.uint32)).astype(np.asarray(dy).dtype)
         if out is not None:
@@ -122,6 +125,7 @@ def relu_mask(y, *, out=None, stream=None):
     words = mask_words(t_y.numel)
     if out is not None:
         _check_mask(ctx.views["out"], t_y.numel, "out")
+        check_no_overlap(ctx.views["out"], "out", t_y, "y")
     if ctx.backend == "numpy":
         res = reference.pack_mask(np.asarray(y, dtype=np.float64) > 0)
         if out is not None:

@@ -1,0 +1,405 @@
+#!/usr/bin/env python3
+"""Small cases of every kernel family and config kind, for tools/sanitize.sh (compute-sanitizer).
+
+    python tools/sanitize_cases.py FAMILY [--case SUBSTRING] [--list]
+    FAMILY: conv | relu | norm | syncbn | index_add | prelu | compare | all
+
+Each case calls one igemm function once (one launch, or the two or three kernels that function is made of)
+on a small problem and checks the result on the host against igemm.reference. Inputs are made on the host
+and copied in (every input byte is initialised); outputs are fresh ``torch.empty`` tensors that the kernels
+must write in full (initcheck flags the copy-back of any byte they leave unwritten). Run it under
+``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so every tensor is its own allocation and memcheck sees its bounds.
+Prints one line per case and ``sanitize_cases: all ok`` at the end; exits 1 if a case fails.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import igemm  # noqa: E402
+from igemm import epilogues as ep  # noqa: E402
+from igemm import reference  # noqa: E402
+from igemm.reference.epilogue import apply_chain  # noqa: E402
+
+TOL = {"float32": 1e-5, "tf32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2}
+RNG = np.random.default_rng(0)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def dev(a, dtype="float32", offset: int = 0):
+    """A CUDA tensor holding ``a`` (converted on the host), ``offset`` elements into its allocation."""
+    a = np.asarray(a)
+    if a.dtype.kind == "f" and dtype in ("float16", "bfloat16", "float32"):
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(getattr(torch, dtype))
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+    if offset:
+        buf = torch.cat([torch.zeros(offset, dtype=t.dtype), t.reshape(-1)])
+        return buf.cuda()[offset:].view(t.shape)
+    return t.cuda()
+
+
+def host(t) -> np.ndarray:
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return t.detach().cpu().double().numpy()
+    return t.detach().cpu().numpy()
+
+
+def randn(*shape):
+    return RNG.standard_normal(shape)
+
+
+def rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    den = np.linalg.norm(ref.ravel())
+    return float(np.linalg.norm((got - ref).ravel()) / (den if den > 0 else 1.0))
+
+
+def close(got, ref, tol, what):
+    err = rel_err(got, ref)
+    assert err <= tol, f"{what}: rel err {err:.3g} > {tol}"
+
+
+def check_mask(mask, y_host, what):
+    words = (y_host.size + 31) // 32
+    m = host(mask).view(np.uint32)[:words]
+    np.testing.assert_array_equal(m, reference.pack_mask(y_host > 0), err_msg=what)
+
+
+def bn_vecs(K):
+    return [dev(v) for v in (RNG.uniform(0.5, 1.5, K), RNG.standard_normal(K) * 0.2, RNG.standard_normal(K) * 0.2,
+                             RNG.uniform(0.5, 2, K))]
+
+
+# ------------------------------------------------------------------------------------------ conv
+def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precision="strict", config=None,
+          x_offset=0, residual_dtype=None):
+    x_np = randn(*xs)
+    w_np = randn(*ws) / np.sqrt(np.prod(ws[1:]))
+    x, w = dev(x_np, dtype, x_offset), dev(w_np, dtype)
+    pre = reference.conv2d_im2col(host(x), host(w), stride, padding, 1, layout)
+    K = ws[0]
+    V = bn_vecs(K)
+    res = dev(randn(*pre.shape), residual_dtype or dtype)
+    ops = {"none": [], "bn_relu_mask": [ep.BatchNorm(*V), ep.ReLU(mask=True)],
+           "bn_add_relu": [ep.BatchNorm(*V), ep.Add(res), ep.ReLU()],
+           "bias_relu": [ep.Bias(V[1]), ep.ReLU()], "prelu_channel": [ep.PReLU(V[0] - 1.0)],
+           "add_relu_mask": [ep.Add(res), ep.ReLU(mask=True)]}[chain or "none"]
+    c = ep.chain(*ops)
+    plan = igemm.Conv2dPlan(x.shape, w.shape, dtype, layout, stride, padding, epilogue=c if ops else None,
+                            precision=precision, residual_dtype=residual_dtype if c.residual_op else None,
+                            config=config)
+    spec = plan.spec(x_aligned=x_offset == 0)
+    r = plan(x, w)
+    y, mask = r if c.mask else (r, None)
+    ref = apply_chain(pre, c, layout, residual=host(res) if c.residual_op else None)
+    yh = host(y)
+    close(yh, ref, TOL["tf32" if precision == "tf32" else dtype], name)
+    if mask is not None:
+        check_mask(mask, yh, name)
+    return f"{spec.name()} splits={spec.splits} fuse_mask={spec.fuse_mask}"
+
+
+CONV = {
+    "wgmma_fp16_nhwc_bn_relu_fused_mask": lambda: _conv("wgmma fp16", "float16", "NHWC", (2, 9, 9, 64), (128, 3, 3, 64),
+                                                        padding=1, chain="bn_relu_mask"),
+    "wgmma_bf16_nchw_residual": lambda: _conv("wgmma bf16", "bfloat16", "NCHW", (2, 32, 10, 10), (48, 32, 3, 3),
+                                              padding=1, chain="bn_add_relu"),
+    "mma_sync_fp16_nhwc": lambda: _conv("mma.sync fp16", "float16", "NHWC", (2, 8, 8, 32), (64, 3, 3, 32), padding=1,
+                                        chain="bias_relu", config={"math": "tensorop"}),
+    "mma_sync_bf16_nchw_split_k": lambda: _conv("mma.sync bf16 split", "bfloat16", "NCHW", (1, 64, 6, 6),
+                                                (40, 64, 3, 3), padding=1, config={"math": "tensorop", "splits": 2}),
+    "simt_fp32_nchw": lambda: _conv("simt fp32", "float32", "NCHW", (2, 16, 9, 9), (24, 16, 3, 3), padding=1,
+                                    chain="prelu_channel", config={"splits": 1}),
+    "simt_fp32_nhwc_split_k": lambda: _conv("simt fp32 split", "float32", "NHWC", (1, 6, 6, 32), (20, 3, 3, 32),
+                                            padding=1, config={"splits": 3}),
+    "tf32_nhwc": lambda: _conv("tf32", "float32", "NHWC", (2, 8, 8, 16), (32, 3, 3, 16), padding=1, precision="tf32"),
+    "split_k_fp16_nhwc_mask": lambda: _conv("split-K fp16", "float16", "NHWC", (1, 7, 7, 128), (64, 3, 3, 128),
+                                            padding=1, chain="bn_relu_mask", config={"splits": 3}),
+    "gather_c3_nhwc_7x7s2": lambda: _conv("gather C=3", "float16", "NHWC", (2, 17, 17, 3), (32, 7, 7, 3), stride=2,
+                                          padding=3, chain="bn_relu_mask"),
+    "unfused_mask_nchw": lambda: _conv("unfused mask", "float16", "NCHW", (2, 8, 7, 7), (16, 8, 3, 3), padding=1,
+                                       chain="bn_relu_mask"),
+    "residual_fp32_on_fp16": lambda: _conv("fp32 residual", "float16", "NHWC", (2, 5, 5, 16), (24, 3, 3, 16),
+                                           padding=1, chain="add_relu_mask", residual_dtype="float32"),
+    "misaligned_x_nhwc": lambda: _conv("misaligned x", "float16", "NHWC", (2, 6, 6, 16), (32, 3, 3, 16), padding=1,
+                                       x_offset=1),
+}
+
+
+# ------------------------------------------------------------------------------------------ relu
+def _relu(n, dtype, offset):
+    y_np = randn(n)
+    y_np[::7] = 0.0
+    y = dev(y_np, dtype, offset)
+    m = igemm.relu_mask(y)
+    check_mask(m, host(y), f"relu_mask n={n}")
+    dy = dev(randn(n), dtype, offset)
+    dx = igemm.relu_backward(dy, m)
+    np.testing.assert_array_equal(host(dx), np.where(host(y) > 0, host(dy), 0.0))
+    return f"n={n} {dtype} offset={offset}"
+
+
+RELU = {
+    "vec_fp16": lambda: _relu(4096 + 8, "float16", 0),
+    "tail_fp32": lambda: _relu(1000 + 3, "float32", 0),
+    "scalar_bf16": lambda: _relu(777, "bfloat16", 1),
+}
+
+
+# ------------------------------------------------------------------------------------------ norm
+def _x_bn(N, C, HW, layout, dtype="float32", offset=0):
+    x = randn(N, C, HW) * RNG.uniform(0.5, 2, (1, C, 1)) + RNG.uniform(-2, 2, (1, C, 1))
+    if layout == "NHWC":
+        x = np.moveaxis(x, 1, -1)
+    return dev(x, dtype, offset)
+
+
+def _stats(N, C, HW, layout, dtype="float32", offset=0):
+    x = _x_bn(N, C, HW, layout, dtype, offset)
+    mean, invstd = igemm.batch_norm_stats(x, 1e-5, layout)
+    rm, rv, _ = reference.welford_stats(host(x), layout)
+    np.testing.assert_allclose(host(mean), rm, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(host(invstd), 1 / np.sqrt(rv + 1e-5), rtol=1e-4)
+    from igemm import norm
+    cfg = norm.reduction_config(layout, N, C, HW, x.element_size(), 16 if not offset else x.element_size(),
+                                torch.cuda.get_device_properties(0).multi_processor_count)
+    return f"S={cfg.S} V={cfg.vec} final={cfg.final} block_finalize={norm.finalize_per_block(C, cfg.S)}"
+
+
+def _welford_f64():
+    x = _x_bn(3, 5, 49, "NCHW")
+    outs = tuple(torch.empty(5, dtype=torch.float64, device="cuda") for _ in range(3))
+    m, v, n = igemm.welford(x, out=outs)
+    rm, rv, rn = reference.welford_stats(host(x))
+    np.testing.assert_allclose(host(m), rm, rtol=1e-5)
+    np.testing.assert_allclose(host(v), rv, rtol=1e-5)
+    np.testing.assert_array_equal(host(n), rn)
+
+
+def _bn_relu(layout, dtype, residual):
+    N, C, HW = 2, 24, 49
+    x = _x_bn(N, C, HW, layout, dtype)
+    mean, invstd = dev(RNG.standard_normal(C)), dev(RNG.uniform(0.5, 2, C))
+    g, b = dev(RNG.uniform(0.5, 1.5, C)), dev(RNG.standard_normal(C) * 0.2)
+    r = dev(randn(*x.shape), dtype) if residual else None
+    y, mask = igemm.batch_norm_relu(x, mean, invstd, g, b, r, layout=layout)
+    ref = reference.batch_norm_elemt_ref(host(x), host(mean), host(invstd), host(g), host(b), layout,
+                                         host(r) if residual else None, relu=True)
+    close(host(y), ref, TOL[dtype], "batch_norm_relu")
+    check_mask(mask, host(y), "batch_norm_relu mask")
+
+
+def _bn_backward(layout, dtype):
+    N, C, HW = 4, 16, 49
+    x = _x_bn(N, C, HW, layout, dtype)
+    dy = dev(randn(*x.shape), dtype)
+    mean, invstd = dev(RNG.standard_normal(C) * 0.1), dev(RNG.uniform(0.5, 2, C))
+    g = dev(RNG.uniform(0.5, 1.5, C))
+    mask = igemm.relu_mask(dev(randn(*x.shape), dtype))
+    sdy, sdx, gw, gb = igemm.batch_norm_backward_reduce(dy, x, mean, invstd, g, mask=mask, layout=layout)
+    ref = reference.batch_norm_backward_reduce_ref(host(dy), host(x), host(mean), host(invstd), layout,
+                                                   host(mask).view(np.uint32))
+    for got, want in zip((sdy, sdx, gw, gb), ref):
+        np.testing.assert_allclose(host(got), want, rtol=1e-4, atol=1e-3)
+    dx, dres = igemm.batch_norm_backward_elemt(dy, x, mean, invstd, g, sdy, sdx, N * HW, mask=mask, layout=layout,
+                                               residual_grad=True)
+    ref_dx = reference.batch_norm_backward_elemt_ref(host(dy), host(x), host(mean), host(invstd), host(g), host(sdy),
+                                                     host(sdx), N * HW, layout, host(mask).view(np.uint32))
+    close(host(dx), ref_dx, TOL[dtype], "backward_elemt")
+    np.testing.assert_array_equal(host(dres), host(igemm.relu_backward(dy, mask)))
+
+
+def _gather():
+    W, C = 4, 37
+    means, vars_ = RNG.standard_normal((W, C)), RNG.uniform(0.1, 2, (W, C))
+    counts = np.array([3, 0, 5, 7], np.int64)
+    m, v, n = igemm.batch_norm_gather_stats(dev(means, "float64"), dev(vars_, "float64"), dev(counts, "int64"))
+    rm, rv, rn = reference.chan_merge(means, vars_, counts)
+    np.testing.assert_allclose(host(m), rm, rtol=1e-12)
+    np.testing.assert_allclose(host(v), rv, rtol=1e-10)
+
+
+def _empty_batch():
+    x = torch.empty(0, 3, 4, 4, device="cuda")
+    mean, invstd = igemm.batch_norm_stats(x, 0.25)
+    assert host(invstd).tolist() == [2.0] * 3 and host(mean).tolist() == [0.0] * 3
+
+
+NORM = {
+    "stats_nchw_one_kernel": lambda: _stats(2, 3, 49, "NCHW"),
+    "stats_nchw_two_kernels": lambda: _stats(8, 4, 4096, "NCHW"),
+    "stats_nchw_block_finalize_fp16": lambda: _stats(64, 2, 12544, "NCHW", "float16"),
+    "stats_nhwc_two_kernels_bf16": lambda: _stats(16, 64, 49, "NHWC", "bfloat16"),
+    "stats_nhwc_misaligned": lambda: _stats(4, 5, 9, "NHWC", "float32", 1),
+    "welford_fp64_out": _welford_f64,
+    "bn_relu_nhwc_fp16_residual": lambda: _bn_relu("NHWC", "float16", True),
+    "bn_relu_nchw_fp32": lambda: _bn_relu("NCHW", "float32", False),
+    "backward_nchw_fp16_mask": lambda: _bn_backward("NCHW", "float16"),
+    "backward_nhwc_fp32_mask": lambda: _bn_backward("NHWC", "float32"),
+    "gather_stats": _gather,
+    "empty_batch": _empty_batch,
+}
+
+
+def _sync_stats():
+    x = _x_bn(3, 6, 25, "NCHW", "float16")
+    m, i, n = igemm.sync_batch_norm_stats(x, 1e-5, return_count=True)
+    rm, rv, rn = reference.welford_stats(host(x))
+    np.testing.assert_allclose(host(m), rm, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(host(i), 1 / np.sqrt(rv + 1e-5), rtol=1e-4)
+
+
+def _sync_reduce():
+    x = _x_bn(3, 6, 25, "NHWC", "float32")
+    dy = dev(randn(*x.shape))
+    mean, invstd = dev(RNG.standard_normal(6) * 0.1), dev(RNG.uniform(0.5, 2, 6))
+    got = igemm.sync_batch_norm_backward_reduce(dy, x, mean, invstd, layout="NHWC")
+    ref = reference.batch_norm_backward_reduce_ref(host(dy), host(x), host(mean), host(invstd), "NHWC")
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(host(a), b, rtol=1e-4, atol=1e-4)
+
+
+SYNCBN = {"stats_local": _sync_stats, "backward_reduce_local": _sync_reduce}
+
+
+# ------------------------------------------------------------------------------------------ index_add
+def _index_add(shape, dim, n, dtype="float32", deterministic=False, bad=False):
+    x_np = randn(*shape)
+    sshape = list(shape)
+    sshape[dim] = n
+    src_np = randn(*sshape)
+    idx = RNG.integers(0, shape[dim], n)
+    x, src, index = dev(x_np, dtype), dev(src_np, dtype), dev(idx, "int64")
+    if bad:
+        index[n // 2] = shape[dim]
+        x0 = host(x)
+        try:
+            igemm.index_add(x, dim, index, src)
+        except IndexError:
+            np.testing.assert_array_equal(host(x), x0)
+            return "IndexError raised, x unchanged"
+        raise AssertionError("no IndexError")
+    ref = reference.index_add(host(x), dim, idx, host(src))
+    igemm.index_add(x, dim, index, src, deterministic=deterministic)
+    close(host(x), ref, TOL[dtype] * 3, "index_add")
+
+
+INDEX_ADD = {
+    "many_fp32": lambda: _index_add((40, 33), 0, 100),
+    "many_fp16_vec": lambda: _index_add((3, 20, 64), 1, 50, "float16"),
+    "few_wide_columns": lambda: _index_add((4, 135169), 0, 3),
+    "deterministic_sweep": lambda: _index_add((9, 40), 0, 3, deterministic=True),
+    "deterministic_sort_bf16": lambda: _index_add((30, 256), 0, 300, "bfloat16", deterministic=True),
+    "bad_index_check_kernel": lambda: _index_add((12, 8), 0, 20, bad=True),
+}
+
+
+# ------------------------------------------------------------------------------------------ prelu
+def _prelu(shape, layout, alpha_kind, dtype="float32", offset=0):
+    x = dev(randn(*shape), dtype, offset)
+    C = shape[1] if layout == "NCHW" else shape[-1]
+    if alpha_kind == "number":
+        alpha, a_ref = -0.3, np.array([float(torch.tensor(-0.3).to(getattr(torch, dtype)))])
+    else:
+        a_np = RNG.uniform(-1, 1, 1 if alpha_kind == "one" else C)
+        alpha = dev(a_np)
+        a_ref = host(alpha)
+    y = igemm.prelu(x, alpha, layout=layout)
+    close(host(y), reference.prelu(host(x), a_ref, layout), TOL[dtype], "prelu")
+    dy = dev(randn(*shape), dtype, offset)
+    dx, da = igemm.prelu_backward(dy, x, alpha, layout=layout)
+    rdx, rda = reference.prelu_backward(host(dy), host(x), a_ref, layout)
+    close(host(dx), rdx, TOL[dtype], "prelu_backward dx")
+    close(host(da).reshape(-1), rda, 1e-3 if dtype == "float32" else 2e-2, "prelu_backward dalpha")
+
+
+PRELU = {
+    "scalar_value": lambda: _prelu((3, 5, 7), "NCHW", "number", "float16"),
+    "scalar_pointer": lambda: _prelu((2, 3, 8), "NCHW", "one"),
+    "plane_nchw": lambda: _prelu((2, 16, 8, 8), "NCHW", "channel", "float16"),
+    "row_nhwc": lambda: _prelu((2, 5, 5, 16), "NHWC", "channel", "bfloat16"),
+    "step_nhwc_odd_c": lambda: _prelu((3, 4, 4, 7), "NHWC", "channel"),
+    "step_nchw_odd_plane": lambda: _prelu((2, 3, 7, 7), "NCHW", "channel", "float16"),
+    "misaligned": lambda: _prelu((2, 6, 5, 9), "NCHW", "channel", "float32", 1),
+}
+
+
+# ------------------------------------------------------------------------------------------ compare (direct, im2col)
+def _direct(layout, dtype):
+    from igemm import _algorithms as al
+    pb = al.Problem(2, 8, 9, 9, 12, 3, 3, 1, 1, 1, dtype, layout)
+    alg = al.make_gpu("direct", pb)
+    x, w = dev(randn(*pb.x_shape), dtype), dev(randn(*pb.w_shape) / 5, dtype)
+    alg.setup(x, w)
+    y = alg()
+    close(host(y), reference.conv2d_im2col(host(x), host(w), 1, 1, 1, layout), TOL[dtype], "direct")
+
+
+def _im2col(layout, dtype):
+    from igemm import _algorithms as al
+    from igemm import _kernel
+    pb = al.Problem(2, 8, 9, 9, 12, 3, 3, 2, 1, 1, dtype, layout)
+    x = dev(randn(*pb.x_shape), dtype)
+    cols = torch.empty(al.im2col_cols_shape(pb), dtype=x.dtype, device="cuda")
+    vec = al.im2col_vec(pb, x.data_ptr(), cols.data_ptr())
+    vals = al.im2col_launch_values(pb, vec)
+    vals.update(x=x.data_ptr(), cols=cols.data_ptr())
+    k = _kernel.load(al.im2col_stub(dtype, layout, vec), al.im2col_name(dtype, layout, vec), "igemm_im2col", 0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = max(1, min(-(-vals["rows"] // vals["rows_per_iter"]), sms * 16))
+    _kernel.Launcher(k, grid, 256)(torch.cuda.current_stream().cuda_stream, _kernel.pack_args(al.IM2COL_PARAMS, vals))
+    np.testing.assert_array_equal(host(cols).reshape(-1), al.im2col_cols_numpy(host(x), pb).reshape(-1))
+
+
+COMPARE = {
+    "direct_nchw_fp32": lambda: _direct("NCHW", "float32"),
+    "direct_nhwc_fp16": lambda: _direct("NHWC", "float16"),
+    "im2col_nhwc_fp16": lambda: _im2col("NHWC", "float16"),
+    "im2col_nchw_fp32": lambda: _im2col("NCHW", "float32"),
+}
+
+FAMILIES = {"conv": CONV, "relu": RELU, "norm": NORM, "syncbn": SYNCBN, "index_add": INDEX_ADD, "prelu": PRELU,
+            "compare": COMPARE}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("family", choices=[*FAMILIES, "all"])
+    p.add_argument("--case", default="", help="only cases whose name contains this")
+    p.add_argument("--list", action="store_true")
+    a = p.parse_args(argv)
+    fams = list(FAMILIES) if a.family == "all" else [a.family]
+    failed = 0
+    for fam in fams:
+        for name, fn in FAMILIES[fam].items():
+            if a.case not in name:
+                continue
+            if a.list:
+                print(f"{fam}/{name}")
+                continue
+            try:
+                info = fn()
+                torch.cuda.synchronize()
+                print(f"ok    {fam}/{name}" + (f"  ({info})" if info else ""), flush=True)
+            except Exception:
+                failed += 1
+                print(f"FAIL  {fam}/{name}\n{traceback.format_exc()}", flush=True)
+    if a.list:
+        return 0
+    print("sanitize_cases: all ok" if not failed else f"sanitize_cases: {failed} case(s) failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

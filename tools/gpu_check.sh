@@ -9,6 +9,11 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 3; }
 export PYTHONPATH=/tmp/site:$PWD
+# optional wheels (e.g. a newer cuda-pathfinder for nvmath-python) only where the machine's own fail
+if [ -d .whl-extra ] && ! python3 -c "import nvmath.bindings.cublas" >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-extra/*.whl
+  echo "installed .whl-extra: $(ls .whl-extra)"
+fi
 export IGEMM_CACHE_DIR=${IGEMM_CACHE_DIR:-$PWD/.cache/igemm}
 mkdir -p "$IGEMM_CACHE_DIR"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -664,8 +664,11 @@ def test_bn_pipeline_gpu(gpu_kernels, rng, N, C, HW, layout, dtype):
     assert_sums(to_numpy(gb), rgb, sc1, 1e-5, "grad_bias")
     dyt = torch.where(y > 0, dy, torch.zeros_like(dy))
     t4 = torch.batch_norm_backward_reduce(_torch_nchw(dyt, layout), xt, mean, invstd, g, True, True, True)
-    assert_sums(to_numpy(sdy), to_numpy(t4[0]), sc1, 1e-4, "sum_dy vs torch")
-    assert_sums(to_numpy(sdx), to_numpy(t4[1]), sc2, 1e-4, "sum_dy_xmu vs torch")
+    # torch's reduction differs in order (and, for 16-bit inputs, in intermediate rounding): its own
+    # error bounds the agreement; igemm's sums were checked against float64 above at 1e-5
+    ttol = 1e-4 if dtype == "float32" else 2e-3
+    assert_sums(to_numpy(sdy), to_numpy(t4[0]), sc1, ttol, "sum_dy vs torch")
+    assert_sums(to_numpy(sdx), to_numpy(t4[1]), sc2, ttol, "sum_dy_xmu vs torch")
     dx = poison(torch.empty_like(x))
     dres = poison(torch.empty_like(x)) if residual is not None else None
     r = igemm.batch_norm_backward_elemt(dy, x, mean, invstd, g, sdy, sdx, N * HW, mask=mask, layout=layout,
@@ -766,7 +769,8 @@ def test_gather_stats_gpu(gpu_kernels, rng):
             rm, rv, rn = reference.chan_merge(to_numpy(tm), to_numpy(tv), to_numpy(tc))
             rtol = 1e-6 if mdt == "float32" else 1e-12
             np.testing.assert_allclose(to_numpy(m), rm, rtol=rtol)
-            np.testing.assert_allclose(to_numpy(v), rv, rtol=1e-5 if mdt == "float32" else 1e-9)
+            # var ~1e-6 next to means ~1e4 and counts up to 2^40: fp64 merges in another order agree to ~1e-7
+            np.testing.assert_allclose(to_numpy(v), rv, rtol=1e-5 if mdt == "float32" else 1e-6)
             np.testing.assert_allclose(to_numpy(n), rn, rtol=rtol)
     # per-rank per-channel counts, and NaN partials on empty ranks are ignored
     cnt2 = rng.integers(0, 4, (W, C)).astype(np.float32)

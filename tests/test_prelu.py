@@ -265,7 +265,12 @@ def test_prelu_gpu(layout, shape, dtype, rng):
         wt = w.to(x.dtype).detach().clone().requires_grad_(True)
         F.prelu(xt, wt).backward(_to_nchw(dy, layout))
         assert rel_err(to_numpy(_to_nchw(dx, layout)), to_numpy(xt.grad)) <= TOL[dtype], what
-        assert rel_err(to_numpy(da).reshape(-1), to_numpy(wt.grad).reshape(-1)) <= 2e-2, what
+        # torch reduces dalpha in the input dtype (fp16/bf16 sums of thousands of terms): compare with its
+        # fp32 autograd instead; igemm's dalpha (fp32 accumulation) was checked against float64 above
+        xf = _to_nchw(x, layout).float().detach().requires_grad_(True)
+        wf = w.to(x.dtype).float().detach().clone().requires_grad_(True)
+        F.prelu(xf, wf).backward(_to_nchw(dy, layout).float())
+        assert rel_err(to_numpy(da).reshape(-1), to_numpy(wf.grad).reshape(-1)) <= da_tol, what
         dx2, da2 = igemm.prelu_backward(dy, x, alpha, layout=layout)
         assert torch.equal(dx2, dx) and torch.equal(da2, da), f"{what}: not deterministic"
 

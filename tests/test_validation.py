@@ -122,9 +122,11 @@ class TorchArrays:
         return a.view(-1)
 
     def snapshot(self, a):
-        return a.clone()
+        return np.array(a, copy=True) if isinstance(a, np.ndarray) else a.clone()
 
     def _bytes(self, t) -> bytes:
+        if isinstance(t, np.ndarray):
+            return np.ascontiguousarray(t).tobytes()
         return t.detach().reshape(-1).cpu().view(self.torch.uint8).numpy().tobytes()
 
     def same(self, a, snap) -> bool:

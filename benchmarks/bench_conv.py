@@ -16,16 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402
 from _harness import Bench, geomean  # noqa: E402
 
-# name, C, K, H(=W), R(=S), stride, padding
-RESNET50 = [
-    ("conv1 7x7/2 3->64 @224", 3, 64, 224, 7, 2, 3),
-    ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1),
-    ("1x1 64->256 @56", 64, 256, 56, 1, 1, 0),
-    ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1),
-    ("3x3 256->256 @14", 256, 256, 14, 3, 1, 1),
-    ("3x3 512->512 @7", 512, 512, 7, 3, 1, 1),
-    ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0),
-]
+from igemm.layers import RESNET50  # noqa: E402,F401  (bench_epilogues and tools import it from here)
 
 CONFIGS = {  # name: (dtype, layout, igemm precision, cuDNN allow_tf32)
     "fp16-NHWC": ("float16", "NHWC", "strict", False),

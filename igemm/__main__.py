@@ -8,16 +8,7 @@ import time
 
 import numpy as np
 
-# name, C, K, H(=W), R(=S), stride, padding  (ResNet-50's distinct conv shapes)
-RESNET50 = [
-    ("conv1 7x7/2 3->64 @224", 3, 64, 224, 7, 2, 3),
-    ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1),
-    ("1x1 64->256 @56", 64, 256, 56, 1, 1, 0),
-    ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1),
-    ("3x3 256->256 @14", 256, 256, 14, 3, 1, 1),
-    ("3x3 512->512 @7", 512, 512, 7, 3, 1, 1),
-    ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0),
-]
+from .layers import RESNET50
 
 
 def _shapes(layout, N, C, K, H, R):
@@ -92,8 +83,6 @@ def demo(args) -> int:
 
 def precompile(args) -> int:
     """Compile the kernels of the ResNet-50 benchmark set (and their fused epilogues) in parallel."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from igemm import _build
     from igemm import epilogues as ep
     from igemm._heuristics import ConvProblem, choose_config
@@ -113,14 +102,8 @@ def precompile(args) -> int:
                 spec = choose_config(pb, args.arch)
                 specs[spec] = _stub(spec)
     t0 = time.time()
-    def one(item):
-        spec, stub = item
-        _build.compile_cubin(stub, args.arch, name=spec.name())
-        return spec.name()
-    with ThreadPoolExecutor(args.jobs) as ex:
-        for name in ex.map(one, specs.items()):
-            print("compiled", name, flush=True)
-    print(f"{len(specs)} kernels for {args.arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}")
+    n = _build.compile_many(((spec.name(), stub) for spec, stub in specs.items()), args.arch, args.jobs)
+    print(f"{n} kernels for {args.arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}")
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 __all__ = [
     "Toolchain", "ToolchainNotFoundError", "CompileError", "find_toolchain", "cutlass_include_dir",
-    "csrc_dir", "csrc_hash", "arch_for", "compile_cubin", "cache_dir",
+    "csrc_dir", "csrc_hash", "arch_for", "compile_cubin", "compile_many", "cache_dir",
 ]
 
 _MAGIC = b"IGEMMCUBIN1\n"
@@ -319,3 +319,13 @@ def _compile_nvrtc(stub: str, arch: str, tc: Toolchain, flags: list[str], name: 
     except Exception as e:
         raise CompileError(f"NVRTC failed for {name}: {e}\n--- stub ---\n{stub}") from e
     return bytes(obj.code), ""
+
+
+def compile_many(items, arch: str, jobs: int | None = None) -> int:
+    """Compile ``(name, stub)`` pairs into the disk cache, ``jobs`` compilers at a time (nvcc runs outside
+    the GIL, so threads suffice). Duplicate stubs are compiled once. Returns the number of stubs."""
+    from concurrent.futures import ThreadPoolExecutor
+    unique = dict((stub, name) for name, stub in items)
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 2) as ex:
+        list(ex.map(lambda it: compile_cubin(it[0], arch, name=it[1]), unique.items()))
+    return len(unique)

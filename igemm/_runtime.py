@@ -115,6 +115,15 @@ class Tensor:
         return self.ptr, hi
 
 
+def contiguous_strides(shape) -> tuple:
+    """Row-major strides, in elements."""
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return tuple(reversed(st))
+
+
 def _np_dtype_name(dt) -> str:
     name = np.dtype(dt).name if not isinstance(dt, str) else dt
     return "bool" if name == "bool" else name
@@ -148,11 +157,7 @@ def as_tensor(obj, name: str) -> Tensor:
         strides = cai.get("strides")
         shape = tuple(cai["shape"])
         if strides is None:
-            st, acc = [], 1
-            for s in reversed(shape):
-                st.append(acc)
-                acc *= s
-            strides = tuple(reversed(st))
+            strides = contiguous_strides(shape)
         else:
             strides = tuple(s // item for s in strides)
         return Tensor(obj, "cupy", int(cai["data"][0]), shape, strides,
@@ -168,11 +173,7 @@ def as_tensor(obj, name: str) -> Tensor:
     shape = tuple(v.shape)
     strides = v.strides
     if strides is None:
-        st, acc = [], 1
-        for s in reversed(shape):
-            st.append(acc)
-            acc *= s
-        strides = tuple(reversed(st))
+        strides = contiguous_strides(shape)
     return Tensor(obj, "other", int(v.ptr), shape, tuple(strides), _np_dtype_name(v.dtype), int(v.device_id))
 
 
@@ -377,11 +378,7 @@ def to_device(t: Tensor, device_id: int, stream) -> tuple[Tensor, DeviceArray]:
 
 
 def as_device_tensor(d: DeviceArray) -> Tensor:
-    st, acc = [], 1
-    for s in reversed(d.shape):
-        st.append(acc)
-        acc *= s
-    return Tensor(d, "other", d.ptr, d.shape, tuple(reversed(st)), d.dtype, d.device_id)
+    return Tensor(d, "other", d.ptr, d.shape, contiguous_strides(d.shape), d.dtype, d.device_id)
 
 
 def empty(kind: str, like, shape, dtype: str, device_id: int, stream=None):

@@ -65,16 +65,7 @@ class Layer:
                        layout, precision)
 
 
-# name, C, K, H(=W), R(=S), stride, padding: ResNet-50's distinct conv shapes (as igemm/__main__.py)
-RESNET50 = [
-    ("conv1 7x7/2 3->64 @224", 3, 64, 224, 7, 2, 3),
-    ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1),
-    ("1x1 64->256 @56", 64, 256, 56, 1, 1, 0),
-    ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1),
-    ("3x3 256->256 @14", 256, 256, 14, 3, 1, 1),
-    ("3x3 512->512 @7", 512, 512, 7, 3, 1, 1),
-    ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0),
-]
+from .layers import RESNET50  # noqa: E402
 
 GROUPS = ("resnet50", "filter", "batch", "channels")
 
@@ -279,8 +270,6 @@ def measure_gpu(torch, alg, x, w) -> tuple:
 def precompile(layers, dtype: str, layout: str, precision: str, algorithms, arch: str, jobs: int,
                sms: int = 132, verbose: bool = True) -> int:
     """Compile the igemm kernels (implicit GEMM, im2col, direct) the comparison of ``layers`` needs."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from . import _algorithms as A
     from . import _build
     stubs = {}
@@ -299,16 +288,7 @@ def precompile(layers, dtype: str, layout: str, precision: str, algorithms, arch
         if "direct" in algorithms:
             stubs[A.direct_name(dtype, layout)] = A.direct_stub(dtype, layout)
     t0 = time.time()
-
-    def one(item):
-        name, stub = item
-        _build.compile_cubin(stub, arch, name=name)
-        return name
-
-    with ThreadPoolExecutor(max(1, jobs)) as ex:
-        for name in ex.map(one, stubs.items()):
-            if verbose:
-                print("compiled", name, file=sys.stderr, flush=True)
+    _build.compile_many(stubs.items(), arch, max(1, jobs))
     if verbose:
         print(f"{len(stubs)} kernels for {arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}",
               file=sys.stderr)

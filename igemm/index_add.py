@@ -166,13 +166,8 @@ def all_stubs() -> list[tuple[str, str]]:
 
 def precompile(arch: str = "sm_90a", workers: int = 8) -> int:
     """Compile every instance into the kernel cache (``$IGEMM_CACHE_DIR``), ``workers`` nvcc at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from . import _build
-    items = all_stubs()
-    with ThreadPoolExecutor(workers) as ex:
-        list(ex.map(lambda it: _build.compile_cubin(it[1], arch, name=it[0]), items))
-    return len(items)
+    return _build.compile_many(all_stubs(), arch, workers)
 
 
 def _sms(device_id: int) -> int:

@@ -395,13 +395,8 @@ def instances_for(layout: str, N: int, C: int, HW: int, dtype: str, *, sms: int,
 
 def compile_stubs(stubs, arch: str, jobs: int | None = None) -> None:
     """Compile stubs into the disk cache in parallel (nvcc runs outside the GIL)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
     from . import _build
-    stubs = list(dict.fromkeys(stubs))
-    with ThreadPoolExecutor(jobs or os.cpu_count() or 2) as ex:
-        list(ex.map(lambda s: _build.compile_cubin(s, arch, name=_cache_name(s)), stubs))
+    _build.compile_many(((_cache_name(s), s) for s in stubs), arch, jobs)
 
 
 def precompile(arch: str = "sm_90a", *, dtypes=FLOAT_DTYPES, vecs=None, jobs: int | None = None,

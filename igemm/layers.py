@@ -1,0 +1,14 @@
+"""Layer sets shared by the demo, the benchmarks and the algorithm comparison."""
+
+__all__ = ["RESNET50"]
+
+#: ResNet-50's distinct conv shapes: (name, C, K, H (= W), R (= S), stride, padding).
+RESNET50 = [
+    ("conv1 7x7/2 3->64 @224", 3, 64, 224, 7, 2, 3),
+    ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1),
+    ("1x1 64->256 @56", 64, 256, 56, 1, 1, 0),
+    ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1),
+    ("3x3 256->256 @14", 256, 256, 14, 3, 1, 1),
+    ("3x3 512->512 @7", 512, 512, 7, 3, 1, 1),
+    ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0),
+]

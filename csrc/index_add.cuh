@@ -10,7 +10,8 @@
 //                  thread per (o, k-pack) column sweeps all N indices, U source packs in flight. A column
 //                  is owned by one thread, so both variants are race-free whatever the duplicates:
 //                  Atomic: fire-and-forget vector reductions into x (no load round trip);
-//                  !Atomic: plain read-modify-write in index order -- the deterministic path for few indices.
+//                  !Atomic: plain read-modify-write in index order (the default, and deterministic); when
+//                  the indices are distinct, a window's x and source loads are all issued before its stores.
 //   many           one thread per source pack; (o, i, kv) from divmods of the pack number.
 //   sort_tile      \  deterministic path for many indices: sort 64-bit keys (index << pos_bits | position):
 //   sort_merge     /  rank-sort tiles of kSortTile in shared memory, then merge runs pairwise by rank
@@ -181,12 +182,62 @@ __device__ void few(const Params& p) {
   const I* index = static_cast<const I*>(p.index);
   const B* src = static_cast<const B*>(p.src);
   B* x = static_cast<B*>(const_cast<void*>(p.x));
+  __shared__ int s_dup;
   const int n = p.n;
+  if (threadIdx.x == 0) s_dup = 0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int64_t d = int64_t(index[i]);
     s_idx[i] = (d >= 0 && d < p.d) ? d : int64_t(-1);
   }
   __syncthreads();
+  if constexpr (!Atomic) {
+    // duplicates? (n <= kFewMax: a pairwise look-back per index)
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int64_t d = s_idx[i];
+      for (int j = 0; j < i; ++j)
+        if (d >= 0 && s_idx[j] == d) s_dup = 1;
+    }
+    __syncthreads();
+  }
+  if (!Atomic && !s_dup) {
+    // distinct indices: no row is touched twice, so the x loads of a window are independent of its
+    // stores -- 2*UD packs in flight per thread (the bandwidth-bound case: a few big rows)
+    constexpr int UD = 8;
+    for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
+      int64_t o, kv;
+      if constexpr (Wide) {
+        o = c / p.kv64;
+        kv = c - o * p.kv64;
+      } else {
+        int q, r;
+        p.kv.divmod(q, r, int(c));
+        o = q;
+        kv = r;
+      }
+      const B* s0 = src + o * int64_t(n) * p.k + kv * V;
+      B* x0 = x + o * p.d * p.k + kv * V;
+      for (int i0 = 0; i0 < n; i0 += UD) {
+        Pack<B, V> rs[UD], rx[UD];
+#pragma unroll
+        for (int j = 0; j < UD; ++j) {
+          if (i0 + j < n && s_idx[i0 + j] >= 0) {
+            rs[j] = *reinterpret_cast<const Pack<B, V>*>(s0 + int64_t(i0 + j) * p.k);
+            rx[j] = *reinterpret_cast<const Pack<B, V>*>(x0 + s_idx[i0 + j] * p.k);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < UD; ++j) {
+          if (i0 + j < n && s_idx[i0 + j] >= 0) {
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+              rx[j].v[e] = Elem<T>::from_f(Elem<T>::to_f(rx[j].v[e]) + p.alpha * Elem<T>::to_f(rs[j].v[e]));
+            *reinterpret_cast<Pack<B, V>*>(x0 + s_idx[i0 + j] * p.k) = rx[j];
+          }
+        }
+      }
+    }
+    return;
+  }
   for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
     int64_t o, kv;
     if constexpr (Wide) {

@@ -255,18 +255,51 @@ def stream_handle(stream, kind: str, device_id: int) -> int:
             import cupy
             return cupy.cuda.get_current_stream().ptr
         return 0
+    if isinstance(stream, bool):
+        raise TypeError("stream: expected a stream, got a bool")
     if isinstance(stream, int):
+        if stream not in (0, 1, 2):             # legacy / per-thread default streams belong to every device
+            _check_stream_device(_raw_stream_device(stream), device_id)
         return stream
-    if hasattr(stream, "cuda_stream"):          # torch.cuda.Stream
+    if hasattr(stream, "cuda_stream"):          # torch.cuda.Stream / ExternalStream
+        dev = getattr(stream, "device", None)
+        if dev is not None and getattr(dev, "index", None) is not None:
+            _check_stream_device(int(dev.index), device_id)
         return int(stream.cuda_stream)
     if hasattr(stream, "__cuda_stream__"):      # cuda.core Stream and other protocol objects
-        return int(stream.__cuda_stream__()[1])
+        h = int(stream.__cuda_stream__()[1])
+        if h not in (0, 1, 2):
+            _check_stream_device(_raw_stream_device(h), device_id)
+        return h
     if hasattr(stream, "ptr"):                  # cupy.cuda.Stream
-        return int(stream.ptr)
+        h = int(stream.ptr)
+        if getattr(stream, "device_id", None) is not None:
+            _check_stream_device(int(stream.device_id), device_id)
+        elif h not in (0, 1, 2):
+            _check_stream_device(_raw_stream_device(h), device_id)
+        return h
     if hasattr(stream, "handle"):
-        return int(stream.handle)
+        h = int(stream.handle)
+        if h not in (0, 1, 2):
+            _check_stream_device(_raw_stream_device(h), device_id)
+        return h
     raise TypeError(f"stream: expected a cuda.core Stream, torch/cupy stream, __cuda_stream__ object or "
                     f"CUstream int, got {type(stream).__name__}")
+
+
+def _raw_stream_device(h: int) -> int | None:
+    """The device ordinal of a CUstream handle (None where the driver cannot tell)."""
+    try:
+        from cuda.bindings import driver
+        err, dev = driver.cuStreamGetDevice(driver.CUstream(h))
+    except Exception:                           # pragma: no cover - older driver / bindings
+        return None
+    return int(dev) if int(err) == 0 else None
+
+
+def _check_stream_device(stream_dev: int | None, device_id: int) -> None:
+    if stream_dev is not None and device_id is not None and device_id >= 0 and stream_dev != device_id:
+        raise ValueError(f"stream: belongs to cuda:{stream_dev} but the tensors are on cuda:{device_id}")
 
 
 class RawStream:

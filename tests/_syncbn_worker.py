@@ -6,8 +6,10 @@ batch. Results go to OUT/rank<r>.npz; a case that raises records its traceback u
     python tests/_syncbn_worker.py OUT_DIR
 """
 import datetime
+import faulthandler
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -72,12 +74,22 @@ def main(out_dir):
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
+    t0 = time.perf_counter()
+
+    def log(msg):                      # progress in the rank's log, so a hang shows where it stopped
+        print(f"[rank {rank} {time.perf_counter() - t0:7.2f}s] {msg}", flush=True)
+
+    # a stuck rank prints every thread's stack into its log (the test reads the log on a timeout)
+    faulthandler.dump_traceback_later(int(os.environ.get("IGEMM_SYNCBN_STACKS_S", "90")), repeat=True)
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                            timeout=datetime.timedelta(seconds=int(os.environ.get("IGEMM_SYNCBN_NCCL_S", "120"))))
+    log("process group up")
     import igemm
 
     results = {}
     for name, spec in CASES.items():
+        log(f"{name}: start")
         try:
             x_full, dy_full, g_np, b_np = make_case(name, spec)
             layout, dtype = spec["layout"], getattr(torch, spec["dtype"])
@@ -129,9 +141,12 @@ def main(out_dir):
             with open(os.path.join(out_dir, f"errors-rank{rank}.txt"), "a") as f:  # survives a hang of the peer
                 f.write(f"--- {name}\n{tb}\n")
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)   # what we have so far, every case
+        log(f"{name}: {'error' if f'{name}__error' in results else 'done'}; barrier")
         dist.barrier()
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    log("finished")
 
 
 def _bounds(split):

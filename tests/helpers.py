@@ -20,7 +20,11 @@ def to_numpy(t) -> np.ndarray:
     """float64 numpy copy of a torch tensor / cupy array / numpy array."""
     mod = type(t).__module__.split(".")[0]
     if mod == "torch":
-        return t.detach().float().cpu().numpy().astype(np.float64) if t.is_floating_point() else t.cpu().numpy()
+        if not t.is_floating_point():
+            return t.detach().cpu().numpy()
+        if t.dtype.itemsize < 4:                   # fp16/bf16: numpy has no bf16; widening is exact
+            t = t.float()
+        return t.detach().cpu().numpy().astype(np.float64)     # fp64 stays exact (no fp32 round trip)
     if mod == "cupy":
         return t.get()
     return np.asarray(t)

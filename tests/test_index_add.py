@@ -72,12 +72,12 @@ def test_choose_config_bench_cases():
     assert ia.choose_config(1, 32 * M, 1, 15, "float32").kernel == "many"
     assert ia.choose_config(1, 32 * 1024, 1024, 15, "float32").kernel == "many"
     c = ia.choose_config(1, 32, M, 15, "float32")
-    assert c == ia.IndexAddConfig("few", 4, False)
+    assert c == ia.IndexAddConfig("sweep", 4, False)
     assert ia.choose_config(1, 32 * M, 1, 1024, "float32") == ia.IndexAddConfig("many", 1, False)
     assert ia.choose_config(1, 32 * 1024, 1024, 1024, "float16") == ia.IndexAddConfig("many", 8, False)
     # wide (64-bit division) exactly when a dividend reaches 2**31
     assert not ia.choose_config(1, 4, 2 ** 31 - 1, 1, "float32").wide
-    assert ia.choose_config(1, 4, 2 ** 31 + 1, 1, "float32") == ia.IndexAddConfig("few", 1, True)
+    assert ia.choose_config(1, 4, 2 ** 31 + 1, 1, "float32") == ia.IndexAddConfig("sweep", 1, True)
     assert ia.choose_config(2, 4, 2 ** 30, 40, "float32", vec=1).wide
     assert not ia.choose_config(2, 4, 2 ** 20, 40, "float32", vec=1).wide
 
@@ -292,6 +292,32 @@ def _gpu_case(torch, rng, shape, dim, n, dtype, idtype, dup=True):
 
 GPU_SHAPES = SHAPES + [((1000,), 0, 15), ((64, 33), 0, 100), ((5, 64, 40), 1, 70), ((3, 7, 1024), 1, 5),
                        ((2, 2, 3, 4, 5, 6), 4, 9), ((300, 128), 0, 1000), ((6, 5000), 1, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_sweep_distinct_and_duplicate_indices_gpu(dtype, force, rng):
+    """The default few-index kernel (sweep) has a distinct-indices path (all loads of a window before its
+    stores) and an in-order path for duplicates; both against the reference, untouched rows bit-exact."""
+    torch = _torch()
+    force("sweep")                                   # the default only for >= 4 columns per thread of the GPU
+    for dup in (False, True):
+        for shape, dim, n in (((32, 4096), 0, 15), ((3, 40, 520), 1, 32), ((16, 8), 0, 9), ((64, 1 << 16), 0, 17)):
+            x, index, src = _gpu_case(torch, rng, shape, dim, n, dtype, "int64", dup=dup)
+            if dup:
+                index[-1] = index[0]                 # at least one duplicate, in different windows of 8
+                index[1] = index[0]
+            else:
+                assert len(set(index.tolist())) == n
+            size = shape[dim]
+            x0 = x.clone()
+            ref = reference.index_add(to_numpy(x0), dim, index.cpu().numpy(), to_numpy(src), 1.0)
+            igemm.index_add(x, dim, index, src)
+            what = f"{dtype} dup={dup} x{shape} dim {dim} n {n}"
+            assert rel_err(to_numpy(x), ref) <= TOL[dtype] * (1 if dtype == "float32" else 2), what
+            untouched = np.setdiff1d(np.arange(size), index.cpu().numpy())
+            u = torch.from_numpy(untouched).cuda()
+            assert torch.equal(x.index_select(dim, u), x0.index_select(dim, u)), what
 
 
 @pytest.mark.gpu

@@ -753,8 +753,6 @@ def test_hard_data_gpu(gpu_kernels, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="seen on H200 2026-11-22: the merged count of int64/fp64 partials comes back "
-                                       "rounded through fp32 (2**40 + 13 -> 2**40) in a float64 output")
 def test_gather_stats_gpu(gpu_kernels, rng):
     torch = pytest.importorskip("torch")
     W, C = 5, 37

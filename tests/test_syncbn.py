@@ -18,7 +18,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _syncbn_worker import CASES, EPS, make_case  # noqa: E402
 
-TIMEOUT_S = 600
+TIMEOUT_S = int(os.environ.get("IGEMM_SYNCBN_TIMEOUT_S", "300"))   # both ranks, all cases
 
 
 def _free_port() -> int:
@@ -29,17 +29,18 @@ def _free_port() -> int:
     return port
 
 
-def _warm_kernels():
-    """Compile the instances the workers launch, in parallel, once (both ranks then load them from disk)."""
+def _warm_kernels(arch: str | None = None, sms: int | None = None, jobs: int | None = None):
+    """Compile the instances the workers launch, in parallel, once (both ranks then load them from disk).
+    Without a GPU: ``python tests/test_syncbn.py precompile sm_90a 132`` fills the cache ahead of a run."""
     from igemm import _runtime, norm
-    arch = _runtime.device_arch(0)
-    sms = int(_runtime.device_props(0).multiprocessor_count)
+    arch = arch or _runtime.device_arch(0)
+    sms = sms or int(_runtime.device_props(0).multiprocessor_count)
     stubs = [norm.stub_sum_ranks(), norm.stub_gather("float64", "float64")]
     for spec in CASES.values():
         HW = int(np.prod(spec["hw"]))
         for n in (*spec["split"], sum(spec["split"])):
             stubs += norm.instances_for(spec["layout"], n, spec["C"], HW, spec["dtype"], sms=sms)
-    norm.compile_stubs(stubs, arch)
+    norm.compile_stubs(stubs, arch, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +186,8 @@ def test_syncbn_two_gpus(syncbn_results, case):
     dref = reference.batch_norm_backward_elemt_ref(dys, xs, mean, invstd, g.astype(np.float32), sdy, sdx, n_tot,
                                                    layout, reference.pack_mask(bits_cat))
     assert np.linalg.norm((dx_cat - dref).ravel()) / (np.linalg.norm(dref.ravel()) + 1e-30) < tol_e
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "precompile":
+        _warm_kernels(sys.argv[2] if len(sys.argv) > 2 else "sm_90a", int(sys.argv[3]) if len(sys.argv) > 3 else 132)

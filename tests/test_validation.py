@@ -604,11 +604,8 @@ def _context_is_healthy(A) -> None:
     np.testing.assert_array_equal(A.host_words(m), reference.pack_mask(A.host(y) > 0))
 
 
-# Seen failing on a 2-GPU H200 machine (2026-11-22); not fixed yet (no device time left to verify a fix).
-KNOWN_GPU_BUGS = {
-    "conv/tensors-on-two-devices": "conv2d(x on cuda:0, w on cuda:1) ran instead of raising ValueError",
-    "relu_backward/stream-of-other-device": "a stream of another device is not rejected before the launch",
-}
+# Rows seen failing on a GPU and not fixed yet: id -> what was seen (marked xfail(strict) below).
+KNOWN_GPU_BUGS: dict = {}
 
 
 @pytest.mark.gpu
@@ -1018,3 +1015,14 @@ def test_index_add_torch_stream_lookup(monkeypatch):
     monkeypatch.setattr(ia, "_torch", fake)
     s = ia._torch_stream(0)
     assert int(getattr(s, "handle", s)) == 0
+
+
+def test_stream_device_rule():
+    """A stream of another device is refused before anything is queued (the GPU row needs two GPUs)."""
+    from igemm import _runtime
+    with pytest.raises(ValueError, match="cuda:1 but the tensors are on cuda:0"):
+        _runtime._check_stream_device(1, 0)
+    _runtime._check_stream_device(0, 0)
+    _runtime._check_stream_device(None, 0)          # the driver could not tell: no claim
+    with pytest.raises(TypeError, match="bool"):
+        _runtime.stream_handle(True, "other", 0)

@@ -2,7 +2,7 @@
 # A milestone's GPU run in stages, each under its own time limit, logs under $OUT/logs (packed into
 # $OUT/logs.tgz after every stage, so a run cut short still brings back what it did):
 #   tools/gpu_full.sh STAGE...     stages: fuzzpre tests huge fuzz sanitize(=runs in the background until
-#                                   `wait`) wait bench multigpu
+#                                   `wait`) wait bench multigpu (the machine with 2 GPUs)
 #   env: N (pytest workers, 8), FUZZ_EXAMPLES (24), BENCHES ("bench_norm bench_index_add bench_prelu"),
 #        T_<stage> (seconds; defaults below)
 # Needs .whl (nvidia-cutlass) and a kernel cache in .cache/igemm (tools/precompile_all.sh).
@@ -42,9 +42,12 @@ for s in "$@"; do
              stage "$b" "${T_bench:-240}" python3 "benchmarks/$b.py" --out "$L"
              tail -45 "$L/$b.log" | grep -E "^\|" | head -45
            done ;;
-    multigpu) NCCL_NVLS_ENABLE=0 stage multigpu "${T_multigpu:-420}" python3 -m pytest tests -m multigpu -q \
-                -rfEx --tb=short -p no:cacheprovider
-              tail -60 "$L/multigpu.log" ;;
+    multigpu) # the two-GPU SyncBN test, and the validation rows that need a second GPU
+              stage multigpu-validation 120 python3 -m pytest tests/test_validation.py -q -rfEs --tb=short \
+                -p no:cacheprovider -k "two-devices or other-device or plan-other-device"
+              NCCL_NVLS_ENABLE=0 stage multigpu "${T_multigpu:-420}" python3 -m pytest tests/test_syncbn.py \
+                -m multigpu -q -rfEx --tb=short -p no:cacheprovider --basetemp="$L/syncbn-tmp"
+              tail -40 "$L/multigpu.log" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -67,16 +67,22 @@ for t in $TOOLS; do for f in $FAMILIES; do echo "$t $f"; done; done | xargs -P "
 
 # 3. the table
 fail=0
-printf '\n%-10s %-10s %-6s %-8s %-26s %s\n' tool family result seconds sanitizer cases
+printf '\n%-10s %-10s %-6s %-8s %-44s %s\n' tool family result seconds sanitizer cases
 for t in $TOOLS; do
   for f in $FAMILIES; do
     log=$OUT/$t-$f.log
     read -r rc secs < "$OUT/$t-$f.rc" 2>/dev/null || { rc=99; secs=-; }
     san=$(grep -Eo '(ERROR SUMMARY: [0-9]+ errors?|RACECHECK SUMMARY: [0-9]+ hazards? displayed \([0-9]+ errors?, [0-9]+ warnings?\))' "$log" | tail -1)
     errs=$(echo "$san" | grep -Eo '[0-9]+ errors?' | grep -Eo '[0-9]+' | head -1)
+    # memcheck also reports failed host API calls; cuda.bindings probes the driver's entry points with
+    # cuGetProcAddress when it loads (some do not exist in this driver): those probes are not errors of ours
+    probes=$(grep -c 'on CUDA API call to cuGetProcAddress' "$log")
+    other=$(( ${errs:-0} - probes ))
     if grep -q "sanitize_cases: all ok" "$log"; then cases=ok; else cases=FAILED; fi
-    if [ "$rc" = 0 ] && [ "${errs:-0}" = 0 ] && [ "$cases" = ok ] && [ "${WARM[$f]}" = 0 ]; then res=PASS; else res=FAIL; fail=1; fi
-    printf '%-10s %-10s %-6s %-8s %-26s %s\n' "$t" "$f" "$res" "$secs" "${san:-no summary}" "$cases"
+    if [ "$other" = 0 ] && { [ "$rc" = 0 ] || { [ "$rc" = 1 ] && [ "$probes" -gt 0 ]; }; } && [ "$cases" = ok ] && [ "${WARM[$f]}" = 0 ]; then
+      res=PASS; else res=FAIL; fail=1; fi
+    [ "$probes" -gt 0 ] && san="$san ($probes cuGetProcAddress probes)"
+    printf '%-10s %-10s %-6s %-8s %-44s %s\n' "$t" "$f" "$res" "$secs" "${san:-no summary}" "$cases"
   done
 done
 if [ $fail != 0 ]; then
@@ -84,7 +90,7 @@ if [ $fail != 0 ]; then
   for t in $TOOLS; do for f in $FAMILIES; do
     log=$OUT/$t-$f.log
     if ! grep -q "sanitize_cases: all ok" "$log" || grep -Eq '(ERROR SUMMARY: [1-9]|RACECHECK SUMMARY: .*\([1-9][0-9]* error)' "$log"; then
-      echo "== $t $f ($log)"; grep -E '^========= ' "$log" | grep -vE 'SUMMARY|COMPUTE-SANITIZER' | head -20
+      echo "== $t $f ($log)"; grep -E '^========= ' "$log" | grep -vE 'SUMMARY|COMPUTE-SANITIZER|Host Frame|cuGetProcAddress|Saved host backtrace' | head -20
       grep -E '^FAIL ' "$log" | head -5
     fi
   done; done

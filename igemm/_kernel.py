@@ -129,7 +129,7 @@ class Launcher:
     or anything with a ``handle`` (a cuda.core Stream).
     """
 
-    __slots__ = ("kernel", "func", "grid", "block", "smem", "_launch")
+    __slots__ = ("kernel", "func", "grid", "block", "smem", "_launch", "_ctx", "_ctx_id", "_get_ctx", "_set_ctx")
 
     def __init__(self, kernel, grid, block, smem: int = 0):
         from cuda.bindings import driver
@@ -147,10 +147,19 @@ class Launcher:
         self.block = tuple(int(v) for v in b) + (1,) * (3 - len(b))
         self.smem = int(smem)
         self._launch = driver.cuLaunchKernel
+        # the function belongs to the context current now (its device's primary context, see
+        # _runtime.device); a launch makes it current if the caller's is another device's
+        api = _runtime._ctx_api()                  # None without a driver (launches then are stand-ins)
+        self._get_ctx, self._set_ctx = api if api else (None, None)
+        self._ctx = self._get_ctx()[1] if api else None
+        self._ctx_id = int(self._ctx) if api else 0
 
     def __call__(self, stream, args: PackedArgs) -> None:
         handle = stream if isinstance(stream, int) else int(stream.handle)
         g, b = self.grid, self.block
+        if self._get_ctx is not None and int(self._get_ctx()[1]) != self._ctx_id:   # the public call's wrapper
+            # restores the caller's context afterwards
+            self._set_ctx(self._ctx)
         (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
                               args.address, 0)
         if err:

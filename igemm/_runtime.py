@@ -183,16 +183,64 @@ _kernel_cache: dict = {}
 _kernel_lock = threading.Lock()
 
 
+def _ctx_api():
+    """(cuCtxGetCurrent, cuCtxSetCurrent), or None where there is no CUDA driver (the numpy tier)."""
+    global _CTX_API
+    if _CTX_API is False:
+        try:
+            from cuda.bindings import driver
+            driver.cuCtxGetCurrent()
+            _CTX_API = (driver.cuCtxGetCurrent, driver.cuCtxSetCurrent)
+        except Exception:
+            _CTX_API = None
+    return _CTX_API
+
+
+_CTX_API = False
+
+
 def device(device_id: int):
-    """The cuda.core Device, made current on this thread (once per thread and device)."""
+    """The cuda.core Device, with its primary context current on this thread.
+
+    Callers leave the context current only for the duration of a public call: every public function is
+    wrapped in :func:`keeps_current_context`, which puts the caller's context (torch's current device)
+    back, as a torch ``DeviceGuard`` does. So the context found here is checked, not assumed."""
+    devs = getattr(_tls, "devs", None)
+    if devs is None:
+        devs = _tls.devs = {}
+    ent = devs.get(device_id)
+    if ent is not None:
+        get = _CTX_API[0] if _CTX_API else None
+        if get is not None and int(get()[1]) == ent[1]:
+            return ent[0]
+        ent[0].set_current()
+        return ent[0]
     from cuda.core import Device
-    cur = getattr(_tls, "current", None)
-    if cur is not None and cur[0] == device_id:
-        return cur[1]
     d = Device(device_id)
     d.set_current()
-    _tls.current = (device_id, d)
+    api = _ctx_api()
+    devs[device_id] = (d, int(api[0]()[1]) if api else -1)
     return d
+
+
+def keeps_current_context(fn):
+    """Decorator of the public entry points: the calling thread's current CUDA context (e.g. torch's
+    current device) is the same after the call as before, whichever device the call ran on."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        api = _CTX_API if _CTX_API is not False else _ctx_api()
+        if not api:
+            return fn(*args, **kwargs)
+        get, put = api
+        prev = get()[1]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if int(get()[1]) != int(prev):
+                put(prev)
+    return wrapper
 
 
 @lru_cache(maxsize=None)
@@ -213,6 +261,7 @@ def get_kernel(stub: str, name: str, device_id: int, *, entry: str, smem: int = 
     key = (device_id, stub, entry)
     k = _kernel_cache.get(key)
     if k is not None:
+        device(device_id)     # launchers built from it take their function from the current context
         return k
     with _kernel_lock:
         k = _kernel_cache.get(key)

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _kernel, _runtime, reference
 from ._dispatch import CallContext
+from ._runtime import keeps_current_context
 from ._heuristics import ConvProblem, KernelSpec, choose_config, validate_spec
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_SIZES, Tensor, as_tensor
@@ -244,6 +245,7 @@ class Conv2dPlan:
         y = plan(x, w)           # x, w: torch CUDA tensors; y: a torch tensor
     """
 
+    @keeps_current_context
     def __init__(self, x_shape, w_shape, dtype: str, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None,
                  device: int | None = 0, config=None, _skeleton: bool = False):
@@ -358,6 +360,7 @@ class Conv2dPlan:
         return ws, cnt, -(-kt // spec.splits)
 
     # -------------------------------------------------------------------------------------- call
+    @keeps_current_context
     def __call__(self, x, w, *, out=None, residual=None, mask_out=None, stream=None, _folded=None):
         """Run the convolution. Returns ``y``, or ``(y, mask)`` when the chain has ``ReLU(mask=True)``.
 
@@ -611,6 +614,7 @@ class _PerChannel:
     """Placeholder for a per-channel PReLU alpha in a cached plan's skeleton chain."""
 
 
+@keeps_current_context
 def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilogue=None, residual=None,
            out=None, mask_out=None, precision: str = "strict", stream=None):
     """2-D convolution (cross-correlation, as ``torch.nn.functional.conv2d``) by implicit GEMM.
@@ -653,6 +657,7 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
     return plan(x, w, out=out, residual=residual, mask_out=mask_out, stream=stream, _folded=folded)
 
 
+@keeps_current_context
 def conv2d_bn_relu(x, w, gamma, beta, mean, var, eps: float = 1e-5, stride=1, padding=0, dilation=1, *,
                    layout: str = "NCHW", residual=None, return_mask: bool = False, out=None,
                    precision: str = "strict", stream=None):

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _kernel, _runtime, reference
 from ._dispatch import CallContext, check_contiguous, check_dtype, check_no_overlap
+from ._runtime import keeps_current_context
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES, FLOAT_DTYPES
 
@@ -405,6 +406,7 @@ def _workspace(ctx, shape, dtype: str, stream):
 
 
 # ------------------------------------------------------------------------------------------ entry point
+@keeps_current_context
 def index_add(x, dim: int, index, source, alpha=1, *, deterministic: bool = False, check_index: bool = True,
               stream=None):
     """In place ``x.index_add_(dim, index, source, alpha=alpha)``: ``x[..., index[i], ...] += alpha *

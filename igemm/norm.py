@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _kernel, reference
 from ._dispatch import CallContext, check_contiguous, check_dtype, check_no_overlap
+from ._runtime import keeps_current_context
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES, FLOAT_DTYPES
 from .relu import _check_mask as _relu_check_mask
@@ -582,6 +583,7 @@ def _host(a):
 
 
 # =========================================================================================== statistics
+@keeps_current_context
 def welford(x, layout: str = "NCHW", *, out=None, stream=None):
     """Per-channel ``(mean, var, count)`` of ``x``: biased variance (``M2 / count``), fp32 results.
 
@@ -618,6 +620,7 @@ def welford(x, layout: str = "NCHW", *, out=None, stream=None):
     return tuple(_ret(ctx, k, r) for k, r in zip(keys, res))
 
 
+@keeps_current_context
 def batch_norm_stats(x, eps: float = 1e-5, layout: str = "NCHW", *, running_mean=None, running_var=None,
                      momentum: float = 0.1, out=None, stream=None):
     """``(mean, invstd)`` per channel, fp32, as ``torch.batch_norm_stats``: ``invstd = 1/sqrt(var + eps)``
@@ -687,6 +690,7 @@ def _check_partials(ctx, mname: str, vname: str, cname: str):
     raise ValueError(f"{cname}: expected shape ({W},) (one count per rank) or ({W}, {C}), got {tuple(tc.shape)}")
 
 
+@keeps_current_context
 def batch_norm_gather_stats(means, vars, counts, *, out=None, stream=None):  # noqa: A002 - PyTorch's name
     """Chan's parallel merge of per-rank partials: ``means``/``vars`` ``[W, C]`` (biased variances, fp32 or
     fp64), ``counts`` ``[W]`` or ``[W, C]`` (fp32/fp64/int32/int64) → merged ``(mean, var, count)`` ``[C]``
@@ -775,6 +779,7 @@ def _forward(x, mean, invstd, weight, bias, residual, act: int, layout, out, mas
     return y, _ret(ctx, "mask_out", mres)
 
 
+@keeps_current_context
 def batch_norm_elemt(x, mean, invstd, weight=None, bias=None, *, residual=None, layout: str = "NCHW", out=None,
                      stream=None):
     """``y = (x - mean) * invstd * weight + bias (+ residual)`` per channel, computed in fp32, stored in x's
@@ -784,6 +789,7 @@ def batch_norm_elemt(x, mean, invstd, weight=None, bias=None, *, residual=None, 
     return _forward(x, mean, invstd, weight, bias, residual, 0, layout, out, None, stream, "batch_norm_elemt")
 
 
+@keeps_current_context
 def batch_norm_relu(x, mean, invstd, gamma=None, beta=None, residual=None, return_mask: bool = True, *,
                     layout: str = "NCHW", out=None, mask_out=None, stream=None):
     """Fused BN(-Add)-ReLU in one pass: ``y = relu((x - mean) * invstd * gamma + beta [+ residual])``
@@ -803,6 +809,7 @@ def batch_norm_relu(x, mean, invstd, gamma=None, beta=None, residual=None, retur
 
 
 # =========================================================================================== backward
+@keeps_current_context
 def batch_norm_backward_reduce(dy, x, mean, invstd, weight=None, input_g: bool = True, weight_g: bool = True,
                                bias_g: bool = True, *, mask=None, layout: str = "NCHW", out=None, stream=None):
     """``(sum_dy, sum_dy_xmu, grad_weight, grad_bias)`` per channel (fp32), as
@@ -862,6 +869,7 @@ def _count_arg(ctx, count, C: int):
     return 0.0, (1 if n == C and C > 1 else 0), True
 
 
+@keeps_current_context
 def batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count, *, mask=None,
                               layout: str = "NCHW", residual_grad: bool = False, out=None, residual_grad_out=None,
                               stream=None):
@@ -934,6 +942,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
+@keeps_current_context
 def batch_norm_relu_backward(dy, x, mask, mean, invstd, gamma=None, *, count=None, residual: bool = False,
                              layout: str = "NCHW", stream=None):
     """Backward of :func:`batch_norm_relu` (training mode, batch statistics) from ``x`` and the mask, never

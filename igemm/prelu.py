@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _kernel, _runtime, reference
 from ._dispatch import CallContext, check_dtype, check_no_overlap
+from ._runtime import keeps_current_context
 from ._dispatch import check_contiguous as _check_contiguous
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES, FLOAT_DTYPES
@@ -194,6 +195,7 @@ def _check_alpha_dtype(ta, dtype: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ forward
+@keeps_current_context
 def prelu(x, alpha, *, layout: str = "NCHW", out=None, stream=None):
     """``y = x if x > 0 else alpha * x``, ``alpha`` shared (a number or 1 element) or per channel.
 
@@ -356,6 +358,7 @@ def _workspace(ctx, shape, dtype: str, stream):
     return d, _runtime.as_device_tensor(d)
 
 
+@keeps_current_context
 def prelu_backward(dy, x, alpha, *, layout: str = "NCHW", stream=None):
     """``(dx, dalpha)`` of :func:`prelu`: ``dx = dy if x > 0 else alpha * dy``, ``dalpha[c] = sum over channel
     c of (0 if x > 0 else x * dy)`` (PyTorch's gradient of the weight), reduced in fp32, deterministically.

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _kernel, reference
 from ._dispatch import CallContext, check_contiguous, check_dtype, check_no_overlap, check_shape
+from ._runtime import keeps_current_context
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_CTYPE, FLOAT_DTYPES
 
@@ -63,6 +64,7 @@ def _check_mask(mask, numel: int, name: str = "mask") -> None:
                          f"{numel} elements, got shape {mask.shape}")
 
 
+@keeps_current_context
 def relu_backward(dy, mask, *, out=None, stream=None):
     """Gradient of ReLU from its 1-bit mask: ``dx = dy`` where the bit is set, else ``0``.
 
@@ -113,6 +115,7 @@ def relu_backward(dy, mask, *, out=None, stream=None):
     return ctx.finish(out_obj)
 
 
+@keeps_current_context
 def relu_mask(y, *, out=None, stream=None):
     """Pack ``y > 0`` into the 1-bit ReLU mask (``uint32[ceil(numel/32)]``; ``int32`` for torch).
 

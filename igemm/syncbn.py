@@ -24,6 +24,7 @@ import numpy as np
 from . import norm as _norm
 from . import reference
 from ._dispatch import CallContext
+from ._runtime import keeps_current_context
 
 __all__ = ["sync_batch_norm_stats", "sync_batch_norm_backward_reduce", "resolve_comm"]
 
@@ -84,6 +85,7 @@ def _allgather_host(kind: str, handle, local: np.ndarray, W: int) -> np.ndarray:
     return recv
 
 
+@keeps_current_context
 def sync_batch_norm_stats(x, eps: float = 1e-5, comm=None, *, layout: str = "NCHW", running_mean=None,
                           running_var=None, momentum: float = 0.1, return_count: bool = False, stream=None):
     """``(mean, invstd)`` per channel over the batches of every rank of ``comm`` (fp32), PyTorch's
@@ -146,6 +148,7 @@ def sync_batch_norm_stats(x, eps: float = 1e-5, comm=None, *, layout: str = "NCH
     return tuple(ctx.finish(o[0]) for o in outs)
 
 
+@keeps_current_context
 def sync_batch_norm_backward_reduce(dy, x, mean, invstd, weight=None, comm=None, *, mask=None,
                                     layout: str = "NCHW", stream=None):
     """``(sum_dy, sum_dy_xmu, grad_weight, grad_bias)`` (fp32 [C]) where ``sum_dy`` and ``sum_dy_xmu``

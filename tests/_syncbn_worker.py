@@ -144,9 +144,13 @@ def main(out_dir):
         log(f"{name}: {'error' if f'{name}__error' in results else 'done'}; barrier")
         dist.barrier()
     dist.barrier()
-    dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
     log("finished")
+    # no destroy_process_group(): on the 2xH200 machine (torch 2.11) it never returned after the graph case
+    # (an NCCL all-gather captured in a CUDA graph), with every result already written; the process exits
+    # here and the driver tears its contexts down.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _bounds(split):

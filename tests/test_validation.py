@@ -1026,3 +1026,41 @@ def test_stream_device_rule():
     _runtime._check_stream_device(None, 0)          # the driver could not tell: no claim
     with pytest.raises(TypeError, match="bool"):
         _runtime.stream_handle(True, "other", 0)
+
+
+@pytest.mark.gpu
+def test_current_device_kept_across_devices_gpu():
+    """Calls on tensors of cuda:1 run there and leave torch's current device (cuda:0) as it was -- as torch's own
+    ops do; then the same calls on cuda:0 still run on cuda:0 (a device switch must not stick)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    torch.cuda.set_device(0)
+    rng = np.random.default_rng(5)
+    x_np = rng.standard_normal((2, 8, 9, 9)).astype(np.float32)
+    w_np = rng.standard_normal((4, 8, 3, 3)).astype(np.float32)
+    ref = reference.conv2d_direct(x_np.astype(np.float64), w_np.astype(np.float64), (1, 1), (1, 1), (1, 1), "NCHW")
+    results = {}
+    for dev in ("cuda:1", "cuda:0", "cuda:1"):
+        x, w = torch.from_numpy(x_np).to(dev), torch.from_numpy(w_np).to(dev)
+        y = igemm.conv2d(x, w, padding=1)
+        assert torch.cuda.current_device() == 0, f"conv2d on {dev} changed the current device"
+        assert y.device == x.device
+        assert rel_err(to_numpy(y), ref) <= TOL["float32"], dev
+        plan = Conv2dPlan(tuple(x.shape), tuple(w.shape), "float32", padding=1, device=x.device.index)
+        assert torch.cuda.current_device() == 0, f"Conv2dPlan on {dev} changed the current device"
+        y2 = plan(x, w)
+        assert torch.equal(y, y2)
+        m = igemm.relu_mask(y)
+        mean, invstd = igemm.batch_norm_stats(x, 1e-5)
+        xi = torch.zeros(10, device=dev)
+        igemm.index_add(xi, 0, torch.tensor([1, 3], device=dev), torch.ones(2, device=dev))
+        p = igemm.prelu(x, torch.tensor([0.25], device=dev))
+        torch.cuda.synchronize(dev)
+        assert torch.cuda.current_device() == 0, f"a call on {dev} changed the current device"
+        for t in (m, mean, invstd, xi, p):
+            assert t.device == x.device
+        assert xi.tolist() == [0, 1, 0, 1, 0, 0, 0, 0, 0, 0]
+        np.testing.assert_array_equal(to_numpy(p), np.where(x_np > 0, x_np, 0.25 * x_np).astype(np.float32))
+        results.setdefault(dev, []).append(to_numpy(mean))
+    np.testing.assert_array_equal(results["cuda:1"][0], results["cuda:1"][1])

@@ -44,7 +44,7 @@ for s in "$@"; do
            done ;;
     multigpu) # the two-GPU SyncBN test, and the validation rows that need a second GPU
               stage multigpu-validation 120 python3 -m pytest tests/test_validation.py -q -rfEs --tb=short \
-                -p no:cacheprovider -k "two-devices or other-device or plan-other-device"
+                -p no:cacheprovider -k "two-devices or other-device or plan-other-device or current_device_kept"
               NCCL_NVLS_ENABLE=0 stage multigpu "${T_multigpu:-420}" python3 -m pytest tests/test_syncbn.py \
                 -m multigpu -q -rfEx --tb=short -p no:cacheprovider --basetemp="$L/syncbn-tmp"
               tail -40 "$L/multigpu.log" ;;

@@ -1,0 +1,108 @@
+"""Host time per call of the public functions (Python + driver launch), on small tensors so that the GPU
+is never the bottleneck, next to the PyTorch call doing the same work; optional cProfile of each.
+
+    python benchmarks/host_overhead.py [--profile] [--calls 3000] [--out DIR]
+
+The device time of these calls is a few microseconds; what is measured is how long the calling thread
+is busy per call (perf_counter around a loop of calls, GPU work queued asynchronously; a synchronize
+every 500 calls keeps the queue from filling).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+
+    import igemm
+    from igemm import epilogues as ep
+    dev = "cuda"
+    h = torch.float16
+    x = torch.randn(8, 64, 14, 14, device=dev, dtype=h)
+    xl = x.permute(0, 2, 3, 1).contiguous()                     # NHWC
+    w = torch.randn(64, 3, 3, 64, device=dev, dtype=h)          # KRSC
+    w_nchw = w.permute(0, 3, 1, 2).contiguous()
+    plan = igemm.Conv2dPlan(tuple(xl.shape), tuple(w.shape), "float16", "NHWC", padding=1, device=0)
+    g, b = torch.rand(64, device=dev) + 0.5, torch.randn(64, device=dev)
+    mu, var = torch.randn(64, device=dev), torch.rand(64, device=dev) + 0.5
+    y = plan(xl, w)
+    xs = torch.randn(8, 64, 14, 14, device=dev)
+    mean, invstd = igemm.batch_norm_stats(xs, 1e-5)
+    tgt = torch.zeros(4096, device=dev)
+    idx = torch.randint(0, 4096, (64,), device=dev)
+    src = torch.randn(64, device=dev)
+    alpha = torch.full((64,), 0.25, device=dev)
+    cases = [
+        ("Conv2dPlan call (fp16 NHWC)", lambda: plan(xl, w, out=y), lambda: F.conv2d(x, w_nchw, padding=1)),
+        ("conv2d function (fp16 NHWC)", lambda: igemm.conv2d(xl, w, padding=1, layout="NHWC"),
+         lambda: F.conv2d(x, w_nchw, padding=1)),
+        ("conv2d + BN + ReLU(mask)", lambda: igemm.conv2d(xl, w, padding=1, layout="NHWC",
+                                                           epilogue=ep.chain(ep.BatchNorm(g, b, mu, var),
+                                                                             ep.ReLU(mask=True))),
+         lambda: torch.relu(F.batch_norm(F.conv2d(x, w_nchw, padding=1), mu, var, g, b))),
+        ("batch_norm_stats", lambda: igemm.batch_norm_stats(xs, 1e-5), lambda: torch.batch_norm_stats(xs, 1e-5)),
+        ("batch_norm_relu (mask)", lambda: igemm.batch_norm_relu(xs, mean, invstd, g, b),
+         lambda: torch.relu(torch.batch_norm_elemt(xs, g, b, mean, invstd, 1e-5))),
+        ("relu_mask", lambda: igemm.relu_mask(xs), lambda: xs > 0),
+        ("index_add (check_index=False)", lambda: igemm.index_add(tgt, 0, idx, src, check_index=False),
+         lambda: tgt.index_add_(0, idx, src)),
+        ("index_add (default: checked)", lambda: igemm.index_add(tgt, 0, idx, src), lambda: tgt.index_add_(0, idx, src)),
+        ("prelu (per-channel)", lambda: igemm.prelu(xs, alpha), lambda: F.prelu(xs, alpha)),
+    ]
+    rows, profiles = [], {}
+    for name, fi, ft in cases:
+        res = {}
+        for who, fn in (("igemm", fi), ("torch", ft)):
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            n = args.calls
+            t0 = time.perf_counter()
+            for i in range(n):
+                fn()
+                if i % 500 == 499:
+                    torch.cuda.synchronize()
+            res[who] = (time.perf_counter() - t0) / n * 1e6
+            torch.cuda.synchronize()
+        if args.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(500):
+                fi()
+            pr.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+            profiles[name] = s.getvalue()
+        rows.append(dict(call=name, igemm_host_us=round(res["igemm"], 2), torch_host_us=round(res["torch"], 2),
+                         ratio=round(res["igemm"] / res["torch"], 2)))
+    print("| call | igemm host us | torch host us | ratio |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['call']} | {r['igemm_host_us']} | {r['torch_host_us']} | {r['ratio']} |")
+    for name, text in profiles.items():
+        print(f"\n=== {name}: cProfile of 500 calls, by own time")
+        print("\n".join(ln for ln in text.splitlines()[4:] if ln.strip())[:2600])
+    if args.out:
+        with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -57,8 +57,9 @@ def _channel_vector(v, name: str, K: int):
 class BatchNorm(Epilogue):
     """Inference BatchNorm per output channel: ``y = (acc - mean) * gamma / sqrt(var + eps) + beta``.
 
-    Folded at plan time into fp32 ``scale = gamma / sqrt(var + eps)`` and ``shift = beta - mean * scale``
-    (computed in float64). Vectors are read when the plan is built.
+    Folded into fp32 ``scale = gamma / sqrt(var + eps)`` and ``shift = beta - mean * scale``: by a plan
+    when it is built, by ``igemm.conv2d`` on every call (torch CUDA vectors: fp32 on their device, on the
+    launch stream, no host synchronisation; other arrays: float64 on the host, then uploaded).
     """
     gamma: object
     beta: object

@@ -59,7 +59,7 @@ class PackedArgs:
     """Launch arguments packed once into one buffer: 8 bytes a slot, plus the ``void*[]`` that
     ``cuLaunchKernel`` takes. A plan builds it once and only rewrites its pointer slots per call."""
 
-    __slots__ = ("slots", "data", "u64", "i32", "f32", "ptrs", "address")
+    __slots__ = ("slots", "data", "u64", "i32", "f32", "ptrs", "address", "kinds", "_tls")
 
     def __init__(self, params: list[ParamSpec], values: dict):
         entries = []
@@ -71,6 +71,8 @@ class PackedArgs:
             else:
                 entries.append((p.name, p.ctype, v))
         n = len(entries)
+        self.kinds = tuple(e[1] for e in entries)
+        self._tls = None
         self.data = np.zeros(n, dtype=np.uint64)
         self.u64 = self.data
         self.i32 = self.data.view(np.int32)       # slot i's low word is i32[2 * i]
@@ -95,13 +97,57 @@ class PackedArgs:
         self.address = int(self.ptrs.ctypes.data)
 
     def copy(self) -> "PackedArgs":
-        c = object.__new__(PackedArgs)
-        c.slots = self.slots
-        c.data = self.data.copy()
-        c.u64, c.i32, c.f32 = c.data, c.data.view(np.int32), c.data.view(np.float32)
-        c.ptrs = np.arange(len(c.data), dtype=np.uint64) * np.uint64(8) + np.uint64(c.data.ctypes.data)
-        c.address = int(c.ptrs.ctypes.data)
+        """These values in this thread's scratch buffer of the template (allocated once per thread):
+        valid until the next ``copy()``/``bind()`` of the same template on the same thread -- launch it
+        first (cuLaunchKernel copies the arguments when it is called)."""
+        tls = self._tls
+        if tls is None:
+            import threading
+            tls = self._tls = threading.local()
+        c = getattr(tls, "c", None)
+        if c is None:
+            c = object.__new__(PackedArgs)
+            c.slots, c.kinds, c._tls = self.slots, self.kinds, None
+            c.data = self.data.copy()
+            c.u64, c.i32, c.f32 = c.data, c.data.view(np.int32), c.data.view(np.float32)
+            c.ptrs = np.arange(len(c.data), dtype=np.uint64) * np.uint64(8) + np.uint64(c.data.ctypes.data)
+            c.address = int(c.ptrs.ctypes.data)
+            tls.c = c
+        else:
+            c.data[...] = self.data
         return c
+
+    def bind(self, values: dict) -> "PackedArgs":
+        """:meth:`copy` with the named slots set (pointers, int32/int64/float32 scalars)."""
+        c = self.copy()
+        for name, v in values.items():
+            i = self.slots[name]
+            k = self.kinds[i]
+            if k == "ptr":
+                c.u64[i] = int(v)
+            elif k == "int64":
+                c.data.view(np.int64)[i] = int(v)
+            elif k == "float32":
+                c.f32[2 * i] = float(v)
+            elif k == "uint32":
+                c.data.view(np.uint32)[2 * i] = int(v)
+            else:
+                c.i32[2 * i] = int(v)
+        return c
+
+
+_TEMPLATES: dict = {}
+
+
+def bind_args(params: list[ParamSpec], values: dict) -> PackedArgs:
+    """``pack_args`` for per-call launches: a template per parameter list (zeros), bound in this thread's
+    scratch buffer (see :meth:`PackedArgs.copy`). Fastdiv parameters are not supported here."""
+    key = id(params)
+    t = _TEMPLATES.get(key)
+    if t is None or t[0] is not params:
+        assert not any(p.ctype == "fastdiv" for p in params), "bind_args: fastdiv parameters need pack_args"
+        t = _TEMPLATES[key] = (params, PackedArgs(params, {}))
+    return t[1].bind(values)
 
 
 def pack_args(params: list[ParamSpec], values: dict) -> PackedArgs:

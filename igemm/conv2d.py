@@ -198,19 +198,27 @@ class _Folded:
                 setattr(self, name, d.ptr)
 
     def _fold_torch(self, aff, pr, K, device_id):
+        # fp32, few ops (this runs on every call of the function API): per BatchNorm
+        # s = gamma * rsqrt(var + eps), shift = beta - mean * s; composed in chain order
         import torch
-        dev = torch.device("cuda", device_id)
-        scale = torch.ones(K, dtype=torch.float64, device=dev)
-        shift = torch.zeros(K, dtype=torch.float64, device=dev)
+        scale = shift = None
         for op in aff:
             if type(op).__name__ == "BatchNorm":
-                s = op.gamma.double() / torch.sqrt(op.var.double() + op.eps)
-                scale, shift = scale * s, shift * s + (op.beta.double() - op.mean.double() * s)
+                s = torch.rsqrt(op.var.float() + op.eps).mul_(op.gamma.float())
+                sh = torch.addcmul(op.beta.float(), op.mean.float(), s, value=-1.0)
+                if shift is not None:
+                    sh = torch.addcmul(sh, shift, s)        # (prev * s) + this op's shift
+                scale = s if scale is None else scale.mul_(s)
+                shift = sh
             else:
-                shift = shift + op.b.double()
+                b = op.b.float()
+                shift = b.clone() if shift is None else shift + b
         if aff:
-            self._set("scale", scale.float().contiguous())
-            self._set("shift", shift.float().contiguous())
+            dev = torch.device("cuda", device_id)
+            if scale is None:
+                scale = torch.ones(K, dtype=torch.float32, device=dev)
+            self._set("scale", scale.contiguous().reshape(-1))
+            self._set("shift", shift.contiguous().reshape(-1))
         if pr is not None and pr.per_channel:
             self._set("alpha", pr.alpha.float().contiguous().reshape(-1))
 

@@ -12,6 +12,8 @@ a second kernel summing them in order): the same bits on every run.
 """
 from __future__ import annotations
 
+import math
+
 import numbers
 from dataclasses import dataclass
 from functools import lru_cache
@@ -183,9 +185,9 @@ def _geometry(tx, ta, alpha, layout: str, name: str = "x") -> _Geom:
         raise ValueError(f"alpha: {ta.numel} elements do not fit {name} of shape {shape}: {chan}")
     c = shape[axis]
     if layout == "NCHW":
-        outer, inner = shape[0], int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
+        outer, inner = shape[0], math.prod(shape[2:]) if len(shape) > 2 else 1
     else:
-        outer, inner = int(np.prod(shape[:-1], dtype=np.int64)), 1
+        outer, inner = math.prod(shape[:-1]), 1
     return _Geom(outer, c, inner, n, "channel")
 
 
@@ -398,7 +400,7 @@ def prelu_backward(dy, x, alpha, *, layout: str = "NCHW", stream=None):
     dx_obj, d_dx = ctx.empty(tx.shape, tx.dtype)
     da_obj, d_da = ctx.empty(da_shape, adtype, name="dalpha")
     if g.n == 0 or g.channels == 0:
-        nbytes = int(np.prod(da_shape, dtype=np.int64)) * DTYPE_SIZES[adtype]
+        nbytes = math.prod(da_shape) * DTYPE_SIZES[adtype]
         if nbytes:
             _runtime.memset_d8(d_da.ptr, 0, nbytes, ctx.stream)
         return ctx.finish(dx_obj), ctx.finish(da_obj)

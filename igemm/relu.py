@@ -107,7 +107,7 @@ def relu_backward(dy, mask, *, out=None, stream=None):
     if n:
         vec = _vec(t_dy.dtype, d_dy.ptr, d_out.ptr)
         grid = _grid(ctx.device_id, max(n // vec // 4, 1))
-        _launcher("relu_backward", t_dy.dtype, vec, ctx.device_id, grid)(ctx.stream, _kernel.pack_args(
+        _launcher("relu_backward", t_dy.dtype, vec, ctx.device_id, grid)(ctx.stream, _kernel.bind_args(
             _BWD_PARAMS, {"dy": d_dy.ptr, "mask": d_mask.ptr, "dx": d_out.ptr, "n": n}))
     if out is not None:
         ctx.copy_back("out", d_out)
@@ -154,5 +154,5 @@ def launch_mask(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n
     vec = _vec(dtype, y_ptr)
     chunks = (mask_words(n) * 32 + 32 * vec - 1) // (32 * vec)
     grid = _grid(device_id, chunks * 32)
-    _launcher("relu_mask", dtype, vec, device_id, grid)(stream, _kernel.pack_args(
+    _launcher("relu_mask", dtype, vec, device_id, grid)(stream, _kernel.bind_args(
         _MASK_PARAMS, {"y": y_ptr, "mask": mask_ptr, "n": n}))

@@ -646,6 +646,19 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
     >>> igemm.conv2d(x, w, padding=1).shape
     (1, 3, 5, 5)
     """
+    fast = _FAST_T is not None and type(x) is _FAST_T and epilogue is None and residual is None and mask_out is None
+    if fast:
+        # a repeated plain call on torch tensors: the cached plan checks what it relies on itself
+        # (types, dtypes, devices, shapes, contiguity, alignment, overlap) and falls back when unsure
+        try:
+            key = (x.shape, w.shape, x.dtype, x.device, layout, stride, padding, dilation, precision)
+            plan = _FAST_PLANS.get(key)
+        except TypeError:                       # unhashable stride/padding/dilation: the general path
+            fast, plan = False, None
+        if plan is not None:
+            r = plan._call_torch(x, w, out, None, None, stream, None)
+            if r is not None:
+                return r
     chain = _as_epilogue(epilogue)
     xt, wt = as_tensor(x, "x"), as_tensor(w, "w")
     device_id = None if (xt.kind == "numpy" and _runtime.get_backend() == "numpy") else max(xt.device_id, 0)
@@ -662,7 +675,26 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
         folded = _Folded(chain, plan.problem.K, device_id, sh)
     if folded is not None:
         folded.chain = chain
-    return plan(x, w, out=out, residual=residual, mask_out=mask_out, stream=stream, _folded=folded)
+    y = plan(x, w, out=out, residual=residual, mask_out=mask_out, stream=stream, _folded=folded)
+    if xt.kind == "torch" and plan._fast is not None and not chain.ops and residual is None and mask_out is None:
+        _remember_fast(x, plan, (x.shape, w.shape, x.dtype, x.device, layout, stride, padding, dilation, precision))
+    return y
+
+
+_FAST_T = None            # torch.Tensor, once a plain torch call has been seen
+_FAST_PLANS: dict = {}
+
+
+def _remember_fast(x, plan, key) -> None:
+    global _FAST_T
+    try:
+        hash(key)
+    except TypeError:
+        return
+    _FAST_T = plan._fast[0]
+    if len(_FAST_PLANS) >= _PLAN_CACHE_SIZE:
+        _FAST_PLANS.clear()
+    _FAST_PLANS[key] = plan
 
 
 @keeps_current_context

@@ -457,3 +457,27 @@ def test_gpu_errors_before_launch(rng):
     with pytest.raises(ValueError, match="overlap"):
         igemm.conv2d(x, w, out=x.view(-1)[: out.numel()].view(out.shape))
     assert torch.all(out == 7.0)
+
+
+@pytest.mark.gpu
+def test_function_fast_path_repeats_and_still_validates(rng):
+    """A repeated plain igemm.conv2d call on torch tensors takes the cached-plan path: same answers as the
+    first call, and a changed argument (dtype, shape, a bad out=) still gets the general path's checks."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 8, 10, 10, device="cuda")
+    w = torch.randn(6, 8, 3, 3, device="cuda")
+    ref = reference.conv2d_direct(x.double().cpu().numpy(), w.double().cpu().numpy(), 1, 1, 1, "NCHW")
+    ys = [igemm.conv2d(x, w, padding=1) for _ in range(3)]
+    for y in ys:
+        assert rel_err(y.double().cpu().numpy(), ref) <= TOL["float32"]
+        assert torch.equal(y, ys[0])
+    out = torch.full((2, 6, 10, 10), float("nan"), device="cuda")
+    assert igemm.conv2d(x, w, padding=1, out=out) is out and torch.equal(out, ys[0])
+    with pytest.raises(TypeError, match="dtype"):
+        igemm.conv2d(x, w.half(), padding=1)
+    with pytest.raises(ValueError):
+        igemm.conv2d(x, w, padding=1, out=torch.empty(2, 6, 9, 9, device="cuda"))
+    with pytest.raises(ValueError, match="overlap"):
+        igemm.conv2d(x, w, padding=1, out=x.view(-1)[:1200].view(2, 6, 10, 10))
+    y2 = igemm.conv2d(x[:1], w, padding=1)                  # another shape: its own plan
+    assert torch.equal(y2, ys[0][:1])

@@ -2,8 +2,8 @@
 # A milestone's GPU run in stages, each under its own time limit, logs under $OUT/logs (packed into
 # $OUT/logs.tgz after every stage, so a run cut short still brings back what it did):
 #   tools/gpu_full.sh STAGE...     stages: fuzzpre tests huge fuzz sanitize(=runs in the background until
-#                                   `wait`) wait bench multigpu (the machine with 2 GPUs)
-#   env: N (pytest workers, 8), FUZZ_EXAMPLES (24), BENCHES ("bench_norm bench_index_add bench_prelu"),
+#                                   `wait`) wait bench host multigpu (the machine with 2 GPUs)
+#   env: N (pytest workers, 8), FUZZ_EXAMPLES (24), BENCHES ("bench_norm bench_index_add bench_prelu"), BENCH_ARGS,
 #        T_<stage> (seconds; defaults below)
 # Needs .whl (nvidia-cutlass) and a kernel cache in .cache/igemm (tools/precompile_all.sh).
 set -uo pipefail
@@ -39,9 +39,10 @@ for s in "$@"; do
               SAN_PID=$! ;;
     wait) [ -n "$SAN_PID" ] && wait "$SAN_PID"; echo "== sanitize:"; tail -32 "$L/sanitize.log"; pack ;;
     bench) for b in ${BENCHES:-bench_norm bench_index_add bench_prelu}; do
-             stage "$b" "${T_bench:-240}" python3 "benchmarks/$b.py" --out "$L"
+             stage "$b" "${T_bench:-240}" python3 "benchmarks/$b.py" --out "$L" ${BENCH_ARGS:-}
              tail -45 "$L/$b.log" | grep -E "^\|" | head -45
            done ;;
+    host) stage host_overhead 120 python3 benchmarks/host_overhead.py --out "$L"; cat "$L/host_overhead.log" ;;
     multigpu) # the two-GPU SyncBN test, and the validation rows that need a second GPU
               stage multigpu-validation 120 python3 -m pytest tests/test_validation.py -q -rfEs --tb=short \
                 -p no:cacheprovider -k "two-devices or other-device or plan-other-device or current_device_kept"

@@ -419,7 +419,8 @@ def index_add(x, dim: int, index, source, alpha=1, *, deterministic: bool = Fals
     ``check_index=True`` (default): an index outside ``[0, x.shape[dim])`` -- negative ones included --
     raises ``IndexError`` naming its position and value, and ``x`` is left unchanged; the CUDA context
     stays usable. For a device ``index`` this costs a small extra kernel reading the index once and a
-    synchronisation of the stream (waits for the work queued before the call; some 10-20 us); numpy
+    synchronisation of the stream: the call waits for the work queued before it, and takes ~35 us more
+    host time than ``check_index=False`` (H200, ``benchmarks/host_overhead.py``: 45 vs 12 us); numpy
     indices are checked on the host for free. ``check_index=False`` skips both: a bad index then raises
     nothing and its source rows are dropped (never a fault, never a trap).
 

@@ -1,0 +1,104 @@
+"""Probe: how the fused epilogue's cost on epilogue-bound layers moves with occupancy and tile width.
+
+    python tools/epi_probe.py precompile [arch]      # compile every variant here (no GPU)
+    python tools/epi_probe.py run                    # on the GPU: (a) conv, (b) +BN+ReLU+mask, (c) +Add
+
+Variants are overrides of the chosen KernelSpec (min_blocks = CTAs per SM the register cap allows, bn,
+stages); times are CUDA-graph medians (benchmarks/_harness.py), inputs rotated past L2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+LAYERS = [("1x1 64->256 @56", 64, 256, 56, 1, 1, 0), ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0),
+          ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1)]
+VARIANTS = [{}, {"min_blocks": 4}, {"bn": 64, "min_blocks": 4}, {"bn": 64, "min_blocks": 5}, {"bn": 256, "min_blocks": 2}]
+N = 32
+
+
+def _chains(ep, vecs=None):
+    g = vecs or (0, 0, 0, 0)
+    return {"a": ep.chain(), "b": ep.chain(ep.BatchNorm(*g), ep.ReLU(mask=True)),
+            "c": ep.chain(ep.BatchNorm(*g), ep.Add(), ep.ReLU(mask=True))}
+
+
+def specs(arch="sm_90a"):
+    from igemm import epilogues as ep
+    from igemm._heuristics import ConvProblem, choose_config, validate_spec
+    from igemm.conv2d import _override
+    out = {}
+    for name, C, K, H, R, st, pd in LAYERS:
+        for cn, ch in _chains(ep).items():
+            pb = ConvProblem(N, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), "float16", "NHWC", "tensorop",
+                             ch.signature(), "float16" if ch.residual_op else None)
+            base = choose_config(pb, arch)
+            for i, v in enumerate(VARIANTS):
+                try:
+                    s = _override(base, pb, v) if v else base
+                except Exception:
+                    continue
+                if validate_spec(s, pb, raise_=False):
+                    out[(name, cn, i)] = s
+    return out
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["precompile"]:
+        from igemm import _build
+        from igemm.conv2d import _stub
+        arch = sys.argv[2] if len(sys.argv) > 2 else "sm_90a"
+        sp = {s: _stub(s) for s in specs(arch).values()}
+        n = _build.compile_many(((s.name(), st) for s, st in sp.items()), arch, None)
+        print(f"{n} kernels")
+        return 0
+    import argparse
+
+    import torch
+
+    import _harness
+    import igemm
+    from igemm import epilogues as ep
+    bench = _harness.Bench("epi_probe", argparse.Namespace(quick=True, reps=30, warmup=3, out=None))
+    table = specs()
+    print("| layer | variant | spec | a_us | b_us | c_us | b/a | c/a |\n|---|---|---|---|---|---|---|---|")
+    for name, C, K, H, R, st, pd in LAYERS:
+        P = (H + 2 * pd - R) // st + 1
+        nset = _harness.n_rotations((N * H * H * C + 2 * N * P * P * K) * 2)
+        xs = [torch.randn(N, H, H, C, device="cuda", dtype=torch.float16) for _ in range(nset)]
+        res = [torch.randn(N, P, P, K, device="cuda", dtype=torch.float16) for _ in range(nset)]
+        w = torch.randn(K, R, R, C, device="cuda", dtype=torch.float16) / (C * R * R) ** 0.5
+        vec = (torch.rand(K, device="cuda") + 0.5, torch.randn(K, device="cuda") * 0.1,
+               torch.randn(K, device="cuda") * 0.1, torch.rand(K, device="cuda") + 0.5)
+        outs = [torch.empty(N, P, P, K, device="cuda", dtype=torch.float16) for _ in range(2)]
+        masks = [torch.empty((N * P * P * K + 31) // 32, device="cuda", dtype=torch.int32) for _ in range(2)]
+        for i, v in enumerate(VARIANTS):
+            t = {}
+            desc = ""
+            for cn, ch in _chains(ep, vec).items():
+                s = table.get((name, cn, i))
+                if s is None:
+                    break
+                desc = f"{s.bm}x{s.bn} s{s.stages} mb{s.min_blocks}"
+                plan = igemm.Conv2dPlan(tuple(xs[0].shape), tuple(w.shape), "float16", "NHWC", st, pd, epilogue=ch,
+                                        config=s)
+                if cn == "a":
+                    t[cn] = bench.time(lambda j: plan(xs[j], w, out=outs[j % 2]), nset)
+                elif cn == "b":
+                    t[cn] = bench.time(lambda j: plan(xs[j], w, out=outs[j % 2], mask_out=masks[j % 2]), nset)
+                else:
+                    t[cn] = bench.time(lambda j: plan(xs[j], w, residual=res[j], out=outs[j % 2],
+                                                      mask_out=masks[j % 2]), nset)
+            if len(t) == 3:
+                print(f"| {name} | {v or 'chosen'} | {desc} | {t['a'] * 1e6:.1f} | {t['b'] * 1e6:.1f} | "
+                      f"{t['c'] * 1e6:.1f} | {t['b'] / t['a']:.2f} | {t['c'] / t['a']:.2f} |", flush=True)
+        del xs, res, outs, masks
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -151,6 +151,9 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
     spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
     if "splits" not in cfg:
         spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
+    if "min_blocks" not in cfg:
+        from ._heuristics import min_blocks_for
+        spec = dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
     return spec
 
 

@@ -198,12 +198,12 @@ class Launcher:
         api = _runtime._ctx_api()                  # None without a driver (launches then are stand-ins)
         self._get_ctx, self._set_ctx = api if api else (None, None)
         self._ctx = self._get_ctx()[1] if api else None
-        self._ctx_id = int(self._ctx) if api else 0
+        self._ctx_id = _runtime._ctx_int(self._ctx) if api else 0
 
     def __call__(self, stream, args: PackedArgs) -> None:
         handle = stream if isinstance(stream, int) else int(stream.handle)
         g, b = self.grid, self.block
-        if self._get_ctx is not None and int(self._get_ctx()[1]) != self._ctx_id:   # the public call's wrapper
+        if self._get_ctx is not None and _runtime._ctx_int(self._get_ctx()[1]) != self._ctx_id:   # the public call's wrapper
             # restores the caller's context afterwards
             self._set_ctx(self._ctx)
         (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),

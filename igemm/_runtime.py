@@ -199,6 +199,18 @@ def _ctx_api():
 _CTX_API = False
 
 
+def _ctx_int(c) -> int:
+    """A CUcontext as an int; cuCtxGetCurrent gives None before the driver is initialised: 0, no context."""
+    return int(c) if c is not None else 0
+
+
+def _ctx_or_null(c):
+    if c is not None:
+        return c
+    from cuda.bindings import driver
+    return driver.CUcontext(0)
+
+
 def device(device_id: int):
     """The cuda.core Device, with its primary context current on this thread.
 
@@ -211,7 +223,7 @@ def device(device_id: int):
     ent = devs.get(device_id)
     if ent is not None:
         get = _CTX_API[0] if _CTX_API else None
-        if get is not None and int(get()[1]) == ent[1]:
+        if get is not None and _ctx_int(get()[1]) == ent[1]:
             return ent[0]
         ent[0].set_current()
         return ent[0]
@@ -219,7 +231,7 @@ def device(device_id: int):
     d = Device(device_id)
     d.set_current()
     api = _ctx_api()
-    devs[device_id] = (d, int(api[0]()[1]) if api else -1)
+    devs[device_id] = (d, _ctx_int(api[0]()[1]) if api else -1)
     return d
 
 
@@ -238,8 +250,8 @@ def keeps_current_context(fn):
         try:
             return fn(*args, **kwargs)
         finally:
-            if int(get()[1]) != int(prev):
-                put(prev)
+            if _ctx_int(get()[1]) != _ctx_int(prev):
+                put(_ctx_or_null(prev))      # no context before (a fresh thread): none after either
     return wrapper
 
 

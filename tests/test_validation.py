@@ -1064,3 +1064,25 @@ def test_current_device_kept_across_devices_gpu():
         np.testing.assert_array_equal(to_numpy(p), np.where(x_np > 0, x_np, 0.25 * x_np).astype(np.float32))
         results.setdefault(dev, []).append(to_numpy(mean))
     np.testing.assert_array_equal(results["cuda:1"][0], results["cuda:1"][1])
+
+
+@pytest.mark.gpu
+def test_fresh_process_without_cuda_initialised_gpu(tmp_path):
+    """In a new process where nothing has initialised CUDA yet (the driver reports no context), building a
+    host plan, numpy-backend calls and a first GPU call all work, and the context guard restores "none"."""
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    code = (
+        "import numpy as np, igemm\n"
+        "from igemm.conv2d import Conv2dPlan\n"
+        "p = Conv2dPlan((1, 4, 6, 6), (2, 4, 3, 3), 'float32', padding=1, device=None)\n"
+        "x = np.random.default_rng(0).standard_normal((1, 4, 6, 6)).astype(np.float32)\n"
+        "w = np.ones((2, 4, 3, 3), np.float32)\n"
+        "y = igemm.conv2d(x, w, padding=1)\n"
+        "import torch\n"
+        "yt = igemm.conv2d(torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda(), padding=1)\n"
+        "assert np.allclose(yt.cpu().numpy(), y, rtol=1e-5, atol=1e-5)\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]

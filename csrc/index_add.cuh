@@ -199,23 +199,24 @@ __device__ void few(const Params& p) {
     }
     __syncthreads();
   }
-  if (!Atomic && !s_dup) {
-    // distinct indices: no row is touched twice, so the x loads of a window are independent of its
-    // stores -- 2*UD packs in flight per thread (the bandwidth-bound case: a few big rows)
-    constexpr int UD = 8;
-    for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
-      int64_t o, kv;
-      if constexpr (Wide) {
-        o = c / p.kv64;
-        kv = c - o * p.kv64;
-      } else {
-        int q, r;
-        p.kv.divmod(q, r, int(c));
-        o = q;
-        kv = r;
-      }
-      const B* s0 = src + o * int64_t(n) * p.k + kv * V;
-      B* x0 = x + o * p.d * p.k + kv * V;
+  // distinct indices: no row is touched twice, so the x loads of a window are independent of its
+  // stores -- 2*UD packs in flight per thread (the bandwidth-bound case: a few big rows)
+  const bool distinct = !Atomic && !s_dup;
+  constexpr int UD = 8;
+  for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
+    int64_t o, kv;
+    if constexpr (Wide) {
+      o = c / p.kv64;
+      kv = c - o * p.kv64;
+    } else {
+      int q, r;
+      p.kv.divmod(q, r, int(c));
+      o = q;
+      kv = r;
+    }
+    const B* s0 = src + o * int64_t(n) * p.k + kv * V;
+    B* x0 = x + o * p.d * p.k + kv * V;
+    if (distinct) {
       for (int i0 = 0; i0 < n; i0 += UD) {
         Pack<B, V> rs[UD], rx[UD];
 #pragma unroll
@@ -235,22 +236,8 @@ __device__ void few(const Params& p) {
           }
         }
       }
+      continue;
     }
-    return;
-  }
-  for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
-    int64_t o, kv;
-    if constexpr (Wide) {
-      o = c / p.kv64;
-      kv = c - o * p.kv64;
-    } else {
-      int q, r;
-      p.kv.divmod(q, r, int(c));
-      o = q;
-      kv = r;
-    }
-    const B* s0 = src + o * int64_t(n) * p.k + kv * V;
-    B* x0 = x + o * p.d * p.k + kv * V;
     for (int i0 = 0; i0 < n; i0 += U) {
       Pack<B, V> raw[U];  // raw packs (not floats): half the registers for fp16/bf16
 #pragma unroll

@@ -79,19 +79,10 @@ class PackedArgs:
         self.f32 = self.data.view(np.float32)
         self.slots = {}
         for i, (name, ctype, v) in enumerate(entries):
-            self.slots[name] = i
-            if ctype == "ptr":
-                self.u64[i] = int(v)
-            elif ctype == "int64":
-                self.data.view(np.int64)[i] = int(v)
-            elif ctype == "int32":
-                self.i32[2 * i] = int(v)
-            elif ctype == "uint32":
-                self.data.view(np.uint32)[2 * i] = int(v)
-            elif ctype == "float32":
-                self.f32[2 * i] = float(v)
-            else:
+            if ctype not in ("ptr", "int64", "int32", "uint32", "float32"):
                 raise ValueError(f"unknown parameter type {ctype!r} for {name}")
+            self.slots[name] = i
+            self._put(i, ctype, v)
         base = self.data.ctypes.data
         self.ptrs = np.arange(n, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
         self.address = int(self.ptrs.ctypes.data)
@@ -122,18 +113,21 @@ class PackedArgs:
         c = self.copy()
         for name, v in values.items():
             i = self.slots[name]
-            k = self.kinds[i]
-            if k == "ptr":
-                c.u64[i] = int(v)
-            elif k == "int64":
-                c.data.view(np.int64)[i] = int(v)
-            elif k == "float32":
-                c.f32[2 * i] = float(v)
-            elif k == "uint32":
-                c.data.view(np.uint32)[2 * i] = int(v)
-            else:
-                c.i32[2 * i] = int(v)
+            c._put(i, self.kinds[i], v)
         return c
+
+    def _put(self, i: int, kind: str, v) -> None:
+        """Slot ``i`` = ``v`` as its parameter type (int32/uint32/float32 in the slot's low word)."""
+        if kind == "ptr":
+            self.u64[i] = int(v)
+        elif kind == "int64":
+            self.data.view(np.int64)[i] = int(v)
+        elif kind == "float32":
+            self.f32[2 * i] = float(v)
+        elif kind == "uint32":
+            self.data.view(np.uint32)[2 * i] = int(v)
+        else:
+            self.i32[2 * i] = int(v)
 
 
 _TEMPLATES: dict = {}

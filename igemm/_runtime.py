@@ -319,31 +319,21 @@ def stream_handle(stream, kind: str, device_id: int) -> int:
     if isinstance(stream, bool):
         raise TypeError("stream: expected a stream, got a bool")
     if isinstance(stream, int):
-        if stream not in (0, 1, 2):             # legacy / per-thread default streams belong to every device
-            _check_stream_device(_raw_stream_device(stream), device_id)
-        return stream
+        return _raw_checked(stream, device_id)
     if hasattr(stream, "cuda_stream"):          # torch.cuda.Stream / ExternalStream
         dev = getattr(stream, "device", None)
         if dev is not None and getattr(dev, "index", None) is not None:
             _check_stream_device(int(dev.index), device_id)
         return int(stream.cuda_stream)
     if hasattr(stream, "__cuda_stream__"):      # cuda.core Stream and other protocol objects
-        h = int(stream.__cuda_stream__()[1])
-        if h not in (0, 1, 2):
-            _check_stream_device(_raw_stream_device(h), device_id)
-        return h
+        return _raw_checked(int(stream.__cuda_stream__()[1]), device_id)
     if hasattr(stream, "ptr"):                  # cupy.cuda.Stream
-        h = int(stream.ptr)
         if getattr(stream, "device_id", None) is not None:
             _check_stream_device(int(stream.device_id), device_id)
-        elif h not in (0, 1, 2):
-            _check_stream_device(_raw_stream_device(h), device_id)
-        return h
+            return int(stream.ptr)
+        return _raw_checked(int(stream.ptr), device_id)
     if hasattr(stream, "handle"):
-        h = int(stream.handle)
-        if h not in (0, 1, 2):
-            _check_stream_device(_raw_stream_device(h), device_id)
-        return h
+        return _raw_checked(int(stream.handle), device_id)
     raise TypeError(f"stream: expected a cuda.core Stream, torch/cupy stream, __cuda_stream__ object or "
                     f"CUstream int, got {type(stream).__name__}")
 
@@ -356,6 +346,14 @@ def _raw_stream_device(h: int) -> int | None:
     except Exception:                           # pragma: no cover - older driver / bindings
         return None
     return int(dev) if int(err) == 0 else None
+
+
+def _raw_checked(h: int, device_id: int) -> int:
+    """A raw CUstream handle, refused if the driver says it belongs to another device (the legacy and
+    per-thread default streams, 0/1/2, belong to every device)."""
+    if h not in (0, 1, 2):
+        _check_stream_device(_raw_stream_device(h), device_id)
+    return h
 
 
 def _check_stream_device(stream_dev: int | None, device_id: int) -> None:

@@ -1,6 +1,6 @@
 """ResNet-50 conv layers: igemm vs cuDNN (torch, cudnn.benchmark=True), timed in the same run.
 
-    python benchmarks/bench_conv.py --out DIR [--configs fp16-NHWC,fp16-NCHW,fp32-NCHW] [--batch 32]
+    python benchmarks/bench_conv.py --out DIR [--configs fp16-NHWC,fp16-NCHW,fp16-NCHW-native,fp32-NCHW] [--batch 32]
 
 For each layer and configuration: igemm median time (CUDA events, inputs rotated past L2), cuDNN's,
 the ratio, TFLOP/s, % of the measured fp16 GEMM peak, the memory floor (bytes / copy bandwidth), the
@@ -20,7 +20,8 @@ from igemm.layers import RESNET50  # noqa: E402,F401  (bench_epilogues and tools
 
 CONFIGS = {  # name: (dtype, layout, igemm precision, cuDNN allow_tf32)
     "fp16-NHWC": ("float16", "NHWC", "strict", False),
-    "fp16-NCHW": ("float16", "NCHW", "strict", False),
+    "fp16-NCHW": ("float16", "NCHW", "strict", False),          # igemm's default NCHW path (auto)
+    "fp16-NCHW-native": ("float16", "NCHW", "strict", False),   # the NCHW gather, forced (nchw_path="native")
     "bf16-NHWC": ("bfloat16", "NHWC", "strict", False),
     "fp32-NCHW": ("float32", "NCHW", "strict", False),
     "tf32-NHWC": ("float32", "NHWC", "tf32", True),
@@ -50,7 +51,7 @@ def torch_views(x, w, layout):
 
 def main(argv=None):
     ap = _harness.parser(__doc__)
-    ap.add_argument("--configs", default="fp16-NHWC,fp16-NCHW,fp32-NCHW")
+    ap.add_argument("--configs", default="fp16-NHWC,fp16-NCHW,fp16-NCHW-native,fp32-NCHW")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--layers", default="", help="comma-separated layer indices (default: all)")
     args = ap.parse_args(argv)
@@ -76,8 +77,9 @@ def main(argv=None):
             eb = 2 if dtype != "float32" else 4
             io_bytes = (N * C * H * H + N * K * P * P + K * C * R * R) * eb
             xs, w = make_inputs(torch, N, C, K, H, R, dtype, layout, io_bytes)
-            plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision)
-            spec = plan._specs[(True, True)][1]
+            plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
+                                    nchw_path="native" if cfg.endswith("-native") else "auto")
+            spec = plan._primary
             outs = [torch.empty(plan.y_shape, device="cuda", dtype=xs[0].dtype) for _ in range(2)]
             t_ig = bench.time(lambda i: plan(xs[i], w, out=outs[i % 2]), len(xs))
             tv = [torch_views(x, w, layout) for x in xs]
@@ -97,7 +99,8 @@ def main(argv=None):
             bench.row(config=cfg, layer=name, igemm_us=t_ig * 1e6, cudnn_us=t_dnn * 1e6, ratio=ratio,
                       igemm_tflops=flops / t_ig / 1e12, cudnn_tflops=flops / t_dnn / 1e12,
                       pct_peak=100 * flops / t_ig / peak, mem_floor_us=io_bytes / bw * 1e6,
-                      max_rel_err=err, host_us=host * 1e6, kernel=spec.name())
+                      max_rel_err=err, host_us=host * 1e6,
+                      kernel=("transpose+" if plan.nchw_path == "transpose" else "") + spec.name())
             del xs, outs
             torch.cuda.empty_cache()
     for cfg, rs in ratios.items():

@@ -2,7 +2,7 @@
 //
 // GEMM view: M = N·P·Q (output pixels), N = K (output channels), Kred = C·R·S, reduction order
 // (r, s, c) for NHWC and (c, r, s) for NCHW, so the filter is a plain row-major K × Kred matrix in both
-// layouts. m → (n, p, q) and k → (r, s, c) use magic-number division (igemm::FastDiv).
+// layouts. The output layout follows the store mode (kStoreNCHW: NCHW, else NHWC). m → (n, p, q) and k → (r, s, c) use magic-number division (igemm::FastDiv).
 #pragma once
 #include "common.cuh"
 #include "epilogues.cuh"
@@ -28,18 +28,20 @@ struct Config {
   static constexpr int kThreads = Math_ == kTensorOp ? WM * WN * 32 : (Math_ == kWgmma ? WM * 128 : 256);
   static constexpr int EB = sizeof(Element);
   static constexpr int CE = 16 / EB;               // elements per 16-byte chunk
-  // shared-memory C tile (fp32), padded against bank conflicts
-  static constexpr int kCsPad = kLayout == kNHWC ? 8 : 4;
-  static constexpr int kCsLd = kLayout == kNHWC ? BN + kCsPad : BM + kCsPad;
-  static constexpr int kCsBytes = (kLayout == kNHWC ? BM : BN) * kCsLd * 4;
+  // shared-memory C tile (fp32), padded against bank conflicts: pixel-major (BM rows of BN channels) for
+  // NHWC outputs, channel-major (BN rows of BM pixels) for NCHW outputs. The output layout is the store
+  // mode's, independent of the input's: an NHWC gather may store NCHW (igemm/conv2d.py's transpose path).
+  static constexpr bool kCsPixelMajor = StoreMode_ != kStoreNCHW;
+  static constexpr int kCsPad = kCsPixelMajor ? 8 : 4;
+  static constexpr int kCsLd = kCsPixelMajor ? BN + kCsPad : BM + kCsPad;
+  static constexpr int kCsBytes = (kCsPixelMajor ? BM : BN) * kCsLd * 4;
   static constexpr int kMainBytes = Stages * (BM + BN) * BK * (Math_ == kSimt ? 4 : EB);
   static constexpr int kAlign = Math_ == kWgmma ? 1024 : 128;   // SW128 atoms need 1024-byte alignment
   static constexpr int kSmemBytes = (kMainBytes > kCsBytes ? kMainBytes : kCsBytes) + kAlign;
   static_assert(Stages >= 2, "at least double buffering");
   static_assert(VecO == 1 || VecO * sizeof(ElementOut) == 16, "output vectors are 16 bytes or scalar");
   static_assert(!FuseMask || Epi::kMask, "mask fusion needs a ReLU(mask=True) in the chain");
-  static_assert(StoreMode != kStoreNCHW || kLayout == kNCHW, "NCHW store mode is for NCHW");
-  static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear store modes are for NHWC");
+  static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
   static_assert(Math_ != kWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),
                 "wgmma: 16-bit operands, 128-byte K rows (SW128), 64-row warpgroups, BN in {64,128,192,256}");
 };

@@ -19,8 +19,8 @@ namespace igemm::conv {
 // Returns false in CTAs that are not the last of their tile (they have nothing left to do).
 template <class Cfg, class P>
 IGEMM_DEVICE bool splitk_reduce(const P& p, float* Cs, int tile) {
-  constexpr int ROWS = Cfg::kLayout == kNHWC ? Cfg::BM : Cfg::BN;
-  constexpr int COLS = Cfg::kLayout == kNHWC ? Cfg::BN : Cfg::BM;
+  constexpr int ROWS = Cfg::kCsPixelMajor ? Cfg::BM : Cfg::BN;
+  constexpr int COLS = Cfg::kCsPixelMajor ? Cfg::BN : Cfg::BM;
   constexpr int LD = Cfg::kCsLd;
   constexpr int N4 = ROWS * COLS / 4;
   __shared__ int s_last;

@@ -134,7 +134,7 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int r0 = wm * WTM + mt * 16 + g, c0 = wn * WTN + nt * 8 + 2 * t4;
-      if constexpr (Cfg::kLayout == kNHWC) {
+      if constexpr (Cfg::kCsPixelMajor) {
         *reinterpret_cast<float2*>(Cs + r0 * LD + c0) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
         *reinterpret_cast<float2*>(Cs + (r0 + 8) * LD + c0) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
       } else {
@@ -255,7 +255,7 @@ IGEMM_DEVICE void mainloop_simt(const P& p, uint8_t* smem, int m0, int n0, int k
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int c = (j < 4 ? 0 : 64) + tn * 4 + (j & 3);
-      if constexpr (kNhwc) Cs[r * LD + c] = acc[i][j];
+      if constexpr (Cfg::kCsPixelMajor) Cs[r * LD + c] = acc[i][j];
       else Cs[c * LD + r] = acc[i][j];
     }
   }

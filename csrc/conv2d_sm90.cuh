@@ -122,7 +122,7 @@ IGEMM_DEVICE void mainloop_wgmma(const P& p, uint8_t* smem, int m0, int n0, int 
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int c0 = j * 8 + 2 * (lane & 3);
-    if constexpr (Cfg::kLayout == kNHWC) {
+    if constexpr (Cfg::kCsPixelMajor) {
       *reinterpret_cast<float2*>(Cs + r0 * LD + c0) = make_float2(acc[4 * j], acc[4 * j + 1]);
       *reinterpret_cast<float2*>(Cs + (r0 + 8) * LD + c0) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
     } else {

@@ -53,6 +53,27 @@ template <> struct Elem<cutlass::bfloat16_t> {
 template <class B, int V>
 struct alignas(sizeof(B) * V) Pack { B v[V]; };
 
+// Streaming (evict-first) pack load and store, for data touched once (the sweep's source and x rows).
+template <class PK> struct RawOf;
+template <> struct RawOf<Pack<float, 4>> { using type = uint4; };
+template <> struct RawOf<Pack<float, 2>> { using type = uint2; };
+template <> struct RawOf<Pack<float, 1>> { using type = unsigned int; };
+template <> struct RawOf<Pack<uint16_t, 8>> { using type = uint4; };
+template <> struct RawOf<Pack<uint16_t, 4>> { using type = uint2; };
+template <> struct RawOf<Pack<uint16_t, 2>> { using type = unsigned int; };
+template <> struct RawOf<Pack<uint16_t, 1>> { using type = unsigned short; };
+template <class PK>
+IGEMM_DEVICE PK ld_cs(const void* p) {
+  using R = typename RawOf<PK>::type;
+  const R r = __ldcs(reinterpret_cast<const R*>(p));
+  return *reinterpret_cast<const PK*>(&r);
+}
+template <class PK>
+IGEMM_DEVICE void st_cs(void* p, const PK& v) {
+  using R = typename RawOf<PK>::type;
+  __stcs(reinterpret_cast<R*>(p), *reinterpret_cast<const R*>(&v));
+}
+
 // f[j] = alpha * p[j]  (p aligned to the pack)
 template <class T, int V>
 IGEMM_DEVICE void load_scaled(const typename Elem<T>::Bits* p, float alpha, float (&f)[V]) {
@@ -200,7 +221,8 @@ __device__ void few(const Params& p) {
     __syncthreads();
   }
   // distinct indices: no row is touched twice, so the x loads of a window are independent of its
-  // stores -- 2*UD packs in flight per thread (the bandwidth-bound case: a few big rows)
+  // stores -- 2*UD packs in flight per thread (the bandwidth-bound case: a few big rows); every
+  // element is touched once, so loads and stores are evict-first (.cs)
   const bool distinct = !Atomic && !s_dup;
   constexpr int UD = 8;
   for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
@@ -222,8 +244,8 @@ __device__ void few(const Params& p) {
 #pragma unroll
         for (int j = 0; j < UD; ++j) {
           if (i0 + j < n && s_idx[i0 + j] >= 0) {
-            rs[j] = *reinterpret_cast<const Pack<B, V>*>(s0 + int64_t(i0 + j) * p.k);
-            rx[j] = *reinterpret_cast<const Pack<B, V>*>(x0 + s_idx[i0 + j] * p.k);
+            rs[j] = ld_cs<Pack<B, V>>(s0 + int64_t(i0 + j) * p.k);
+            rx[j] = ld_cs<Pack<B, V>>(x0 + s_idx[i0 + j] * p.k);
           }
         }
 #pragma unroll
@@ -232,7 +254,7 @@ __device__ void few(const Params& p) {
 #pragma unroll
             for (int e = 0; e < V; ++e)
               rx[j].v[e] = Elem<T>::from_f(Elem<T>::to_f(rx[j].v[e]) + p.alpha * Elem<T>::to_f(rs[j].v[e]));
-            *reinterpret_cast<Pack<B, V>*>(x0 + s_idx[i0 + j] * p.k) = rx[j];
+            st_cs(x0 + s_idx[i0 + j] * p.k, rx[j]);
           }
         }
       }

@@ -26,7 +26,12 @@ __device__ void relu_backward(const Params& p) {
     for (int u = 0; u < U; ++u) {
       const int64_t v = v0 + u * stride;
       if (v < nvec) {
-        in[u] = reinterpret_cast<const Pack<T, Vec>*>(dy)[v];
+        if constexpr (sizeof(Pack<T, Vec>) == 16) {   // streamed once: evict-first, no L1 allocation
+          const uint4 r = ldg_stream16(reinterpret_cast<const Pack<T, Vec>*>(dy) + v);
+          in[u] = *reinterpret_cast<const Pack<T, Vec>*>(&r);
+        } else {
+          in[u] = reinterpret_cast<const Pack<T, Vec>*>(dy)[v];
+        }
         word[u] = __ldg(mask + ((v * Vec) >> 5));
       }
     }
@@ -38,7 +43,10 @@ __device__ void relu_backward(const Params& p) {
         Pack<T, Vec> out;
 #pragma unroll
         for (int j = 0; j < Vec; ++j) out.v[j] = ((bits >> j) & 1u) ? in[u].v[j] : T(0.f);
-        reinterpret_cast<Pack<T, Vec>*>(dx)[v] = out;
+        if constexpr (sizeof(Pack<T, Vec>) == 16)
+          stg_stream16(reinterpret_cast<Pack<T, Vec>*>(dx) + v, *reinterpret_cast<const uint4*>(&out));
+        else
+          reinterpret_cast<Pack<T, Vec>*>(dx)[v] = out;
       }
     }
   }

@@ -85,7 +85,8 @@ def precompile(args) -> int:
     """Compile the kernels of the ResNet-50 benchmark set (and their fused epilogues) in parallel."""
     from igemm import _build
     from igemm import epilogues as ep
-    from igemm._heuristics import ConvProblem, choose_config
+    from igemm import _transpose
+    from igemm._heuristics import ConvProblem, choose_config, kernel_problem, nchw_path
     from igemm.conv2d import _stub
     chains = {"none": ep.chain(), "bn_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True)),
               "bn_add_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.Add(), ep.ReLU(mask=True))}
@@ -99,10 +100,12 @@ def precompile(args) -> int:
                 pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
                                  precision if dtype == "float32" else "tensorop", ch.signature(),
                                  dtype if ch.residual_op else None)
-                spec = choose_config(pb, args.arch)
-                specs[spec] = _stub(spec)
+                for path in {nchw_path(pb), "native"}:       # bench_conv times both NCHW paths
+                    spec = choose_config(kernel_problem(pb, path), args.arch)
+                    specs[spec] = _stub(spec)
     t0 = time.time()
     n = _build.compile_many(((spec.name(), stub) for spec, stub in specs.items()), args.arch, args.jobs)
+    n += _transpose.precompile(args.arch, args.jobs)      # the NCHW transpose path's kernels
     print(f"{n} kernels for {args.arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}")
     return 0
 

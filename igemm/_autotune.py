@@ -49,7 +49,7 @@ def _save(db: dict) -> None:
 
 def _keys(plan) -> tuple[str, str]:
     dev = _runtime.device(plan.device_id).name
-    pb = dataclasses.astuple(plan.problem)
+    pb = dataclasses.astuple(plan.kproblem)     # what the kernel sees (the NCHW transpose path: NHWC in)
     return f"{dev}|{plan.arch}", repr(pb)
 
 
@@ -61,7 +61,7 @@ def tuned_config(plan) -> KernelSpec | None:
     if hit is not None:
         try:
             spec = KernelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in hit.items()})
-            if validate_spec(spec, plan.problem, raise_=False):
+            if validate_spec(spec, plan.kproblem, raise_=False):
                 return spec
         except TypeError:
             pass
@@ -81,7 +81,7 @@ def autotune(plan, reps: int = 10, verbose: bool = None) -> KernelSpec:
 
     from .conv2d import Conv2dPlan
     verbose = os.environ.get("IGEMM_AUTOTUNE_VERBOSE", "") not in ("", "0") if verbose is None else verbose
-    pb = plan.problem
+    pb, kpb = plan.problem, plan.kproblem
     dev = plan.device_id
     rng = np.random.default_rng(0)
     host_dt = np.float32 if pb.dtype == "float32" else np.float16
@@ -100,11 +100,11 @@ def autotune(plan, reps: int = 10, verbose: bool = None) -> KernelSpec:
     e0 = driver.cuEventCreate(0)[1]
     e1 = driver.cuEventCreate(0)[1]
     results = []
-    for spec in candidates(pb, plan.arch, plan.sms):
+    for spec in candidates(kpb, plan.arch, plan.sms):
         try:
             p = Conv2dPlan(plan.x_shape, plan.w_shape, pb.dtype, pb.layout, pb.stride, pb.padding, pb.dilation,
                            plan.chain, "tf32" if pb.precision == "tf32" else "strict", pb.residual_dtype, dev,
-                           config=spec, _skeleton=True)
+                           config=spec, nchw_path=plan.nchw_path, _skeleton=True)
             kw = dict(out=out, stream=0)
             if res is not None:
                 kw["residual"] = res
@@ -130,5 +130,5 @@ def autotune(plan, reps: int = 10, verbose: bool = None) -> KernelSpec:
     driver.cuEventDestroy(e1)
     del stream
     if not results:
-        return plan.spec() if plan._config is not None else candidates(pb, plan.arch, plan.sms)[0]
+        return plan.spec() if plan._config is not None else candidates(kpb, plan.arch, plan.sms)[0]
     return min(results, key=lambda r: r[0])[1]

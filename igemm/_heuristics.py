@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
-__all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits"]
+__all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits",
+           "nchw_path", "kernel_problem"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ConvProblem:
     precision: str        # "strict" | "tf32" (fp32 only; 16-bit types always use tensor cores)
     epilogue: tuple = ()  # Chain.signature()
     residual_dtype: str | None = None
+    out_layout: str | None = None   # the output's layout when it differs from the input's (NCHW transpose path)
 
     @property
     def P(self) -> int:
@@ -51,6 +53,10 @@ class ConvProblem:
     @property
     def flops(self) -> int:
         return 2 * self.M * self.K * self.Kred
+
+    @property
+    def y_layout(self) -> str:
+        return self.out_layout or self.layout
 
     @property
     def mask(self) -> bool:
@@ -86,7 +92,7 @@ class KernelSpec:
         """Dynamic shared memory, exactly as ``Config::kSmemBytes`` computes it."""
         eb = DTYPE_SIZES[self.dtype]
         main = self.stages * (self.bm + self.bn) * self.bk * (4 if self.math == "simt" else eb)
-        if self.layout == "NHWC":
+        if self.store != "nchw":             # pixel-major C tile (Config::kCsPixelMajor)
             cs = self.bm * (self.bn + 8) * 4
         else:
             cs = self.bn * (self.bm + 4) * 4
@@ -148,12 +154,36 @@ def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
 def _store(pb: ConvProblem, bn: int) -> tuple[str, int, bool]:
     """Store mode, output vector width and whether the ReLU mask can be fused (the CTA owns whole words)."""
     vo = 16 // DTYPE_SIZES[pb.dtype]
-    if pb.layout == "NHWC":
+    if pb.y_layout == "NHWC":
         if pb.K <= bn:
             return "linear", vo, pb.mask                 # the CTA owns rows [m0, m0+BM) of all K channels
         return "rows", (vo if pb.K % vo == 0 else 1), pb.mask and pb.K % 32 == 0
     PQ = pb.P * pb.Q
     return "nchw", (vo if PQ % vo == 0 else 1), pb.mask and PQ % 32 == 0
+
+
+NCHW_PATHS = ("auto", "native", "transpose")
+
+
+def nchw_path(pb: ConvProblem, requested: str = "auto") -> str:
+    """How an NCHW problem runs: ``"native"`` (the NCHW gather: one 2-byte element per load for 16-bit
+    types) or ``"transpose"`` (x and w transposed to NHWC/KRSC in one kernel, the 16-byte NHWC gather,
+    NCHW stores from the epilogue). ``auto``: transpose for 16-bit types whose C allows 16-byte loads
+    (C % 8 == 0); measured on an H200 in benchmarks/bench_conv.py (notes/perf.md). NHWC: always native."""
+    if requested not in NCHW_PATHS:
+        raise ValueError(f"nchw_path: expected one of {NCHW_PATHS}, got {requested!r}")
+    if pb.layout != "NCHW":
+        return "native"
+    if requested != "auto":
+        return requested
+    return "transpose" if DTYPE_SIZES[pb.dtype] == 2 and pb.C % 8 == 0 else "native"
+
+
+def kernel_problem(pb: ConvProblem, path: str) -> ConvProblem:
+    """The problem the conv kernel itself sees on ``path`` (the transpose path: NHWC in, NCHW out)."""
+    if path == "transpose":
+        return dataclasses.replace(pb, layout="NHWC", out_layout="NCHW")
+    return pb
 
 
 def choose_splits(pb: ConvProblem, bm: int, bn: int, bk: int, sms: int) -> int:

@@ -17,7 +17,8 @@ import numpy as np
 from . import _kernel, _runtime, reference
 from ._dispatch import CallContext
 from ._runtime import keeps_current_context
-from ._heuristics import ConvProblem, KernelSpec, choose_config, validate_spec
+from ._heuristics import ConvProblem, KernelSpec, choose_config, kernel_problem, validate_spec
+from ._heuristics import nchw_path as _choose_nchw_path
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_SIZES, Tensor, as_tensor
 from .fastdiv import MAX_DIVIDEND
@@ -249,6 +250,11 @@ class Conv2dPlan:
         config: override the kernel choice: a dict of ``KernelSpec`` fields (``{"bn": 256, "splits": 2}``)
             or a whole ``KernelSpec``; checked, ``NotImplementedError`` if it cannot run the problem.
             ``IGEMM_AUTOTUNE=1`` instead times the candidates on first use and remembers the fastest.
+        nchw_path: NCHW only: ``"auto"`` (default), ``"native"`` (the NCHW gather) or ``"transpose"`` (x and
+            w are transposed to NHWC/KRSC by one extra kernel into plan-owned scratch, then gathered with
+            16-byte loads; y is still stored NCHW by the epilogue). ``auto`` takes the transpose path for
+            16-bit types with C % 8 == 0 (faster on every such ResNet-50 layer measured, notes/perf.md).
+            The scratch makes concurrent calls of one such plan on different streams unsafe (as split-K's).
 
     Example::
 
@@ -259,7 +265,7 @@ class Conv2dPlan:
     @keeps_current_context
     def __init__(self, x_shape, w_shape, dtype: str, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None,
-                 device: int | None = 0, config=None, _skeleton: bool = False):
+                 device: int | None = 0, config=None, nchw_path: str = "auto", _skeleton: bool = False):
         dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
@@ -282,6 +288,9 @@ class Conv2dPlan:
                                    precision if dtype == "float32" else "tensorop",
                                    self.chain.signature(), residual_dtype)
         pb = self.problem
+        #: "native" or "transpose" (NCHW only); the kernel runs ``kproblem`` (NHWC in, NCHW out on the latter)
+        self.nchw_path = _choose_nchw_path(pb, nchw_path)
+        self.kproblem = kernel_problem(pb, self.nchw_path)
         self.x_shape = tuple(int(v) for v in x_shape)
         self.w_shape = tuple(int(v) for v in w_shape)
         self.y_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
@@ -301,12 +310,15 @@ class Conv2dPlan:
         self.sms = _runtime.device_props(device).multiprocessor_count if device is not None else 132
         self._fast = None
         self._ktab = None
+        self._xpose = None
         if device is not None:
             self._primary = self.spec()
             self._args = self._scalar_args()
             self._slot = self._args.slots
             self._lock = threading.Lock()
             self._launcher(True, True)   # compile the primary kernel now
+            if self.nchw_path == "transpose":
+                self._setup_transpose()
             self._setup_fast()
 
     # -------------------------------------------------------------------------------------- setup
@@ -331,19 +343,24 @@ class Conv2dPlan:
         if cfg is None and x_aligned and w_aligned and self.backend == "cuda":
             from ._autotune import tuned_config
             cfg = tuned_config(self)
+        if self.nchw_path == "transpose":   # the kernel reads the plan's aligned copies (see _launcher)
+            x_aligned, w_aligned = True, w_aligned or self.problem.R * self.problem.S > 1
         if isinstance(cfg, KernelSpec):
             spec = cfg
         else:
-            spec = choose_config(self.problem, self.arch, x_aligned=x_aligned, w_aligned=w_aligned, sms=self.sms)
+            spec = choose_config(self.kproblem, self.arch, x_aligned=x_aligned, w_aligned=w_aligned, sms=self.sms)
             if cfg:
-                spec = _override(spec, self.problem, cfg)
+                spec = _override(spec, self.kproblem, cfg)
         if not (x_aligned and w_aligned):
             spec = dataclasses.replace(spec, load_a="elem" if not x_aligned else spec.load_a,
                                        load_b="elem" if not w_aligned else spec.load_b)
-        validate_spec(spec, self.problem)
+        validate_spec(spec, self.kproblem)
         return spec
 
     def _launcher(self, xa: bool, wa: bool):
+        if self.nchw_path == "transpose":
+            # the kernel reads the plan's aligned NHWC copy of x, and of w unless R = S = 1 (KCRS is KRSC)
+            xa, wa = True, wa or self.problem.R * self.problem.S > 1
         key = (xa, wa)
         l = self._specs.get(key)
         if l is None:
@@ -352,7 +369,7 @@ class Conv2dPlan:
             grid = ((self.problem.M + spec.bm - 1) // spec.bm, (self.problem.K + spec.bn - 1) // spec.bn, spec.splits)
             ws = self._workspace(spec, grid) if spec.splits > 1 else None
             if spec.load_a == "elem" and self._ktab is None:
-                tab = _k_table(self.problem, 64)      # padded for every BK the kernels use (8..64)
+                tab = _k_table(self.kproblem, 64)      # padded for every BK the kernels use (8..64)
                 d = _runtime.DeviceArray(tab.shape, "int32", self.device_id)
                 _runtime.memcpy_htod(d.ptr, tab.ctypes.data, tab.nbytes)
                 self._ktab = d
@@ -360,6 +377,19 @@ class Conv2dPlan:
             l = (_kernel.Launcher(k, grid, spec.threads, spec.smem), spec, ws)
             self._specs[key] = l
         return l
+
+    def _setup_transpose(self) -> None:
+        """The transpose path's scratch (an NHWC copy of x; a KRSC copy of w unless R = S = 1) and jobs."""
+        from ._transpose import TransposeJob
+        pb = self.problem
+        es = DTYPE_SIZES[self.dtype]
+        jx = TransposeJob(pb.N, pb.C, pb.H * pb.W, es)
+        xs = _runtime.DeviceArray((pb.N, pb.H, pb.W, pb.C), self.dtype, self.device_id)
+        jw = ws = None
+        if pb.R * pb.S > 1:
+            jw = TransposeJob(pb.K, pb.C, pb.R * pb.S, es)
+            ws = _runtime.DeviceArray((pb.K, pb.R, pb.S, pb.C), self.dtype, self.device_id)
+        self._xpose = (jx, xs, jw, ws)
 
     def _workspace(self, spec: KernelSpec, grid) -> tuple:
         """Split-K partial tiles and per-tile tickets (zeroed once; the kernel resets its tickets)."""
@@ -453,6 +483,15 @@ class Conv2dPlan:
 
     def _launch(self, stream: int, launcher, spec, ws, x, w, y, res, mask, folded) -> None:
         _runtime.device(self.device_id)   # a thread that never touched CUDA has no current context yet
+        if self._xpose is not None:
+            from ._transpose import launch_pair
+            jx, xs, jw, wsc = self._xpose
+            if jw is not None:
+                launch_pair(self.device_id, stream, jx, x, xs.ptr, jw, w, wsc.ptr)
+                w = wsc.ptr
+            else:
+                launch_pair(self.device_id, stream, jx, x, xs.ptr)
+            x = xs.ptr
         sl = self._slot
         with self._lock:   # one plan may be called from several threads
             a = self._args
@@ -575,8 +614,9 @@ class Conv2dPlan:
 
     def __repr__(self) -> str:
         pb = self.problem
+        path = ", nchw_path='transpose'" if self.nchw_path == "transpose" else ""
         return (f"Conv2dPlan(x={self.x_shape}, w={self.w_shape}, {self.dtype}, {self.layout}, stride={pb.stride}, "
-                f"padding={pb.padding}, dilation={pb.dilation}, epilogue={self.chain!r})")
+                f"padding={pb.padding}, dilation={pb.dilation}, epilogue={self.chain!r}{path})")
 
 
 # ------------------------------------------------------------------------------------------ functions

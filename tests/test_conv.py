@@ -196,6 +196,33 @@ def test_config_override_and_rejection():
         Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC", device=None, config={"tile": 3}).spec()
 
 
+def test_nchw_path_choice():
+    """16-bit NCHW with C % 8 == 0 runs the transpose path: an NHWC-gather kernel that stores NCHW."""
+    from igemm._heuristics import kernel_problem, nchw_path
+    assert nchw_path(_pb(layout="NCHW")) == "transpose"
+    assert nchw_path(_pb(layout="NCHW", C=3)) == "native"                     # conv1: no 16-byte gather
+    assert nchw_path(_pb(layout="NCHW", dtype="float32", precision="strict")) == "native"
+    assert nchw_path(_pb(layout="NCHW"), "native") == "native"
+    assert nchw_path(_pb(), "transpose") == "native"                          # NHWC has nothing to transpose
+    with pytest.raises(ValueError, match="nchw_path"):
+        nchw_path(_pb(layout="NCHW"), "fast")
+    kp = kernel_problem(_pb(layout="NCHW", epilogue=(("ReLU", True),)), "transpose")
+    s = choose_config(kp)
+    assert (kp.layout, kp.y_layout, s.layout, s.load_a, s.store, s.fuse_mask) == (
+        "NHWC", "NCHW", "NHWC", "vec", "nchw", True)
+    plan = Conv2dPlan((2, 64, 14, 14), (32, 64, 3, 3), "float16", "NCHW", padding=1, device=None)
+    assert plan.nchw_path == "transpose" and plan.spec(x_aligned=False).load_a == "vec"   # reads its own copy
+    assert plan.y_shape == (2, 32, 14, 14) and "transpose" in repr(plan)
+    one = Conv2dPlan((2, 64, 14, 14), (32, 64, 1, 1), "float16", "NCHW", device=None)
+    assert one.spec(w_aligned=False).load_b == "elem"                          # 1x1: w is read in place
+    nat = Conv2dPlan((2, 64, 14, 14), (32, 64, 3, 3), "float16", "NCHW", padding=1, device=None, nchw_path="native")
+    assert (nat.nchw_path, nat.spec().layout, nat.spec().load_a) == ("native", "NCHW", "elem")
+    x = np.random.default_rng(0).standard_normal((1, 8, 5, 5)).astype(np.float16)
+    w = np.random.default_rng(1).standard_normal((4, 8, 3, 3)).astype(np.float16)
+    yt = Conv2dPlan(x.shape, w.shape, "float16", "NCHW", padding=1, device=None)(x, w)   # numpy backend
+    assert rel_err(yt, reference.conv2d_direct(x, w, 1, 1, 1)) < 1e-2
+
+
 def test_plan_limits():
     with pytest.raises(NotImplementedError, match="2\\*\\*31"):
         Conv2dPlan((1 << 12, 1, 1 << 10, 1 << 10), (1, 1, 1, 1), "float16", device=None)
@@ -207,6 +234,8 @@ COMPILE_CASES = [
     ("bf16 NCHW", _pb(dtype="bfloat16", layout="NCHW", K=128)),
     ("fp32 strict", _pb(dtype="float32", precision="strict", layout="NCHW")),
     ("tf32", _pb(dtype="float32", precision="tf32", K=256)),
+    ("fp16 NCHW transpose path", ConvProblem(**{**_pb(layout="NCHW", epilogue=(("ReLU", True),)).__dict__,
+                                                "layout": "NHWC", "out_layout": "NCHW"})),
 ]
 
 
@@ -221,6 +250,17 @@ def test_kernel_compiles(label, pb, arch, tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF"
     log = next(tmp_path.glob("*.log")).read_text()
     assert "spill" not in log or " 0 bytes spill stores" in log, log
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
+    from igemm import _transpose
+    monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
+    for e, a, b in ((2, True, False), (2, False, False), (4, False, False)):
+        cubin, _ = _build.compile_cubin(_transpose._stub(e, a, b), arch, name=_transpose._name(e, a, b))
+        assert cubin[:4] == b"\x7fELF"
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -380,6 +420,92 @@ def test_gpu_plan_in_cuda_graph(rng):
         torch.cuda.synchronize()
         ref = plan(x, w)[0]
         assert torch.equal(y, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_nchw_paths(dtype, rng):
+    """NCHW both ways (native gather, transpose path) on shapes that take every transpose variant:
+    16-byte tiles (H*W % 8 == 0), element tiles (7x7, 14x14, misaligned x), 1x1 (w read in place,
+    misaligned w), partial 64-tiles; plain and BN+Add+ReLU(mask) chains; y and mask poisoned first."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    cases = [((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, 0, 0), ((3, 72, 7, 7), (130, 72, 3, 3), 1, 1, 0, 0),
+             ((2, 16, 14, 14), (64, 16, 1, 1), 1, 0, 0, 1), ((2, 136, 9, 11), (24, 136, 5, 3), 2, 2, 1, 0),
+             ((1, 8, 28, 28), (8, 8, 3, 3), 1, 1, 1, 1), ((2, 200, 6, 6), (72, 200, 1, 1), 2, 0, 0, 0)]
+    for xs, ws, st, pd, xoff, woff in cases:
+        xb = to_torch(rng.standard_normal(int(np.prod(xs)) + 8), dtype)
+        wb = to_torch(rng.standard_normal(int(np.prod(ws)) + 8) / np.sqrt(np.prod(ws[1:])), dtype)
+        x = xb[xoff:xoff + int(np.prod(xs))].view(xs)
+        w = wb[woff:woff + int(np.prod(ws))].view(ws)
+        K = ws[0]
+        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NCHW")
+        res = to_torch(rng.standard_normal(ref.shape), dtype)
+        scale = to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)
+        pre = (ref - to_numpy(m_)[None, :, None, None]) * scale[None, :, None, None] \
+            + to_numpy(b_)[None, :, None, None] + to_numpy(res)
+        for path in ("native", "transpose"):
+            plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd, nchw_path=path)
+            assert plan.nchw_path == path
+            for _ in range(2):                      # the second call reuses the plan's scratch
+                y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+                err = rel_err(to_numpy(y), ref)
+                assert err <= TOL[dtype], f"{path} {xs} {ws}: {plan.spec().name()} {err}"
+            fused = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd, nchw_path=path,
+                               epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+            mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
+            y, m = fused(x, w, residual=res, mask_out=mo,
+                         out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+            err = rel_err(to_numpy(y), np.maximum(pre, 0))
+            assert err <= TOL[dtype], f"{path} fused {xs}: {err}"
+            assert torch.equal(m, igemm.relu_mask(y)), f"{path} fused {xs}: mask differs from y > 0"
+
+
+@pytest.mark.gpu
+def test_gpu_nchw_transpose_path_in_graph(rng):
+    """The transpose path (two launches) captured in a CUDA graph, replayed on new inputs."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(4, 64, 14, 14, device="cuda", dtype=torch.float16)
+    w = torch.randn(96, 64, 3, 3, device="cuda", dtype=torch.float16) / 24
+    plan = Conv2dPlan(x.shape, w.shape, "float16", "NCHW", padding=1)
+    assert plan.nchw_path == "transpose"
+    y = torch.empty(4, 96, 14, 14, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan(x, w, out=y)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan(x, w, out=y)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        w.copy_(torch.randn_like(w) / 24)
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)
+        assert rel_err(to_numpy(y), to_numpy(ref)) < TOL["float16"]
+
+
+@pytest.mark.gpu
+def test_gpu_transpose_kernel(rng):
+    """The batched transpose on its own: every tile variant, exact bits."""
+    torch = pytest.importorskip("torch")
+    from igemm import _transpose
+    for dt, (B, R, C) in [(torch.float16, (3, 64, 3136)), (torch.bfloat16, (2, 72, 196)),
+                          (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8))]:
+        es = torch.tensor([], dtype=dt).element_size()
+        a = torch.randn(B, R, C, device="cuda").to(dt)
+        b = torch.randn(2, 24, 40, device="cuda").to(dt)
+        oa = torch.full((B, C, R), float("nan"), device="cuda", dtype=dt)
+        ob = torch.full((2, 40, 24), float("nan"), device="cuda", dtype=dt)
+        ja, jb = _transpose.TransposeJob(B, R, C, es), _transpose.TransposeJob(2, 24, 40, es)
+        _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream, ja, a.data_ptr(), oa.data_ptr(),
+                               jb, b.data_ptr(), ob.data_ptr())
+        torch.cuda.synchronize()
+        assert torch.equal(oa, a.transpose(1, 2)) and torch.equal(ob, b.transpose(1, 2)), (dt, B, R, C)
 
 
 @pytest.mark.gpu

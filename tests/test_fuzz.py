@@ -1243,6 +1243,11 @@ def fuzz_stubs(n: int = 300) -> dict:
         for vec in (1, 16 // DTYPE_SIZES[dt]):
             for func in ("relu_mask", "relu_backward"):
                 out[relu._stub(func, dt, vec)] = func
+    from igemm import _transpose
+    for e in (2, 4):
+        for a in (False, True):
+            for b in (False, True):
+                out[_transpose._stub(e, a, b)] = _transpose._name(e, a, b)
     try:        # index_add and prelu mirror their dispatch here; they may change: best effort
         out.update(_index_add_stubs(rng, n))
         out.update(_prelu_stubs(rng, n))

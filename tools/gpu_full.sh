@@ -2,7 +2,7 @@
 # A milestone's GPU run in stages, each under its own time limit, logs under $OUT/logs (packed into
 # $OUT/logs.tgz after every stage, so a run cut short still brings back what it did):
 #   tools/gpu_full.sh STAGE...     stages: fuzzpre tests huge fuzz sanitize(=runs in the background until
-#                                   `wait`) wait bench host multigpu (the machine with 2 GPUs)
+#                                   `wait`) wait bench host multigpu (the machine with 2 GPUs) pytest (PYTEST_ARGS)
 #   env: N (pytest workers, 8), FUZZ_EXAMPLES (24), BENCHES ("bench_norm bench_index_add bench_prelu"), BENCH_ARGS,
 #        T_<stage> (seconds; defaults below)
 # Needs .whl (nvidia-cutlass) and a kernel cache in .cache/igemm (tools/precompile_all.sh).
@@ -42,6 +42,7 @@ for s in "$@"; do
              stage "$b" "${T_bench:-240}" python3 "benchmarks/$b.py" --out "$L" ${BENCH_ARGS:-}
              tail -45 "$L/$b.log" | grep -E "^\|" | head -45
            done ;;
+    pytest) stage pytest "${T_pytest:-300}" python3 -m pytest ${PYTEST_ARGS:-tests} -q -rfEx --tb=short -p no:cacheprovider ;;
     host) stage host_overhead 120 python3 benchmarks/host_overhead.py --out "$L"; cat "$L/host_overhead.log" ;;
     multigpu) # the two-GPU SyncBN test, and the validation rows that need a second GPU
               stage multigpu-validation 120 python3 -m pytest tests/test_validation.py -q -rfEs --tb=short \

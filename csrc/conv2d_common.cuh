@@ -39,7 +39,7 @@ struct Config {
   static constexpr int kAlign = Math_ == kWgmma ? 1024 : 128;   // SW128 atoms need 1024-byte alignment
   static constexpr int kSmemBytes = (kMainBytes > kCsBytes ? kMainBytes : kCsBytes) + kAlign;
   static_assert(Stages >= 2, "at least double buffering");
-  static_assert(VecO == 1 || VecO * sizeof(ElementOut) == 16, "output vectors are 16 bytes or scalar");
+  static_assert((VecO & (VecO - 1)) == 0 && VecO * sizeof(ElementOut) <= 16, "output vectors: 2^i elements, <= 16 bytes");
   static_assert(!FuseMask || Epi::kMask, "mask fusion needs a ReLU(mask=True) in the chain");
   static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
   static_assert(Math_ != kWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),

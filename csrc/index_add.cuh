@@ -307,10 +307,10 @@ __device__ void many(const Params& p) {
       i = ii;
       kv = k_;
     }
+    float f[V];
+    load_scaled<T, V>(src + u * V, p.alpha, f);   // issued with the index load, not after it
     const int64_t d = int64_t(index[i]);
     if (d < 0 || d >= p.d) continue;
-    float f[V];
-    load_scaled<T, V>(src + u * V, p.alpha, f);
     red_add<T, V>(x + (o * p.d + d) * p.k + kv * V, f);
   }
 }

@@ -16,7 +16,7 @@ __device__ void relu_backward(const Params& p) {
   const T* dy = static_cast<const T*>(p.dy);
   const uint32_t* mask = static_cast<const uint32_t*>(p.mask);
   T* dx = static_cast<T*>(const_cast<void*>(p.dx));
-  constexpr int U = 4;                    // independent 16-byte loads in flight per thread
+  constexpr int U = 8;                    // independent 16-byte loads in flight per thread
   const int64_t nvec = p.n / Vec;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v0 < nvec; v0 += U * stride) {

@@ -4,81 +4,93 @@
 // Two such jobs run in one launch (blocks [0, blocks0) do job 0, the rest job 1), so the conv's
 // preparation is a single kernel. Elements are moved as raw bits (T = uint16_t or uint32_t).
 //
-// A block moves one 64 × 64 tile through shared memory (256 threads):
-//   Vec (16-bit, rows % 8 == 0, cols % 8 == 0, 16-byte aligned bases): 16-byte loads along cols and
-//     16-byte stores along rows; the tile is kept as 32-bit words with a 33-word row pitch, so the
-//     load-phase writes are conflict-free and the store-phase gathers at most 2-way conflicted;
-//   scalar: element loads and stores (coalesced along cols, then along rows) through a 64 × 65 tile.
+// A block moves one tile of 4096 elements through shared memory (256 threads); per job one of
+//   kVec      (16-bit, rows % 8 == 0, cols % 8 == 0, 16-byte aligned bases): 64 x 64, 16-byte accesses;
+//   kScalar64 64 x 64 element accesses;  kScalar16  256 x 16 (short rows: a 3x3 filter's 9 taps).
 #pragma once
 #include "common.cuh"
 
 namespace igemm::xpose {
 
-constexpr int kTile = 64, kThreads = 256;
+constexpr int kThreads = 256;
+constexpr int kElems = 4096;                       // elements per tile
+constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
+enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2 };   // per-job tile kinds (igemm/_transpose.py: mode)
 
-template <class T>
-IGEMM_DEVICE void tile_scalar(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols, int img,
-                              int r0, int c0) {
-  __shared__ uint32_t t[kTile][kTile + 1];
-  const int tid = threadIdx.x, lo = tid % kTile, hi = tid / kTile;
+// Scalar tile of (4096 / TC) rows x TC cols (TC = 64, or 16 for short rows such as a filter's R*S):
+// element loads coalesced along cols, element stores coalesced along rows, through a padded tile.
+template <class T, int TC>
+IGEMM_DEVICE void tile_scalar(uint32_t* sm, const T* __restrict__ src, T* __restrict__ dst, int rows, int cols,
+                              int img, int r0, int c0) {
+  constexpr int TR = kElems / TC, LD = TC + 1;
+  static_assert(TR <= kThreads && TR * LD <= kSmemWords, "tile shape");
+  const int tid = threadIdx.x;
   const T* s = src + int64_t(img) * rows * cols;
   T* d = dst + int64_t(img) * rows * cols;
 #pragma unroll
-  for (int i = 0; i < kTile * kTile / kThreads; ++i) {
-    const int r = hi + i * (kThreads / kTile), c = c0 + lo;
-    if (r0 + r < rows && c < cols) t[r][lo] = s[int64_t(r0 + r) * cols + c];
+  for (int i = 0; i < kElems / kThreads; ++i) {
+    const int r = tid / TC + i * (kThreads / TC), c = tid % TC;
+    if (r0 + r < rows && c0 + c < cols) sm[r * LD + c] = s[int64_t(r0 + r) * cols + c0 + c];
   }
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kTile * kTile / kThreads; ++i) {
-    const int c = hi + i * (kThreads / kTile), r = r0 + lo;
-    if (c0 + c < cols && r < rows) d[int64_t(c0 + c) * rows + r] = T(t[lo][c]);
+  for (int i = 0; i < kElems / kThreads; ++i) {
+    const int r = tid % TR, c = tid / TR + i * (kThreads / TR);
+    if (c0 + c < cols && r0 + r < rows) d[int64_t(c0 + c) * rows + r0 + r] = T(sm[r * LD + c]);
   }
 }
 
-IGEMM_DEVICE void tile_vec16(const uint16_t* __restrict__ src, uint16_t* __restrict__ dst, int rows, int cols,
-                             int img, int r0, int c0) {
-  __shared__ uint32_t t[kTile][kTile / 2 + 1];
+// 16-bit 64 x 64 tile with 16-byte loads along cols and 16-byte stores along rows; kept as 32-bit words
+// with a 33-word row pitch: the load-phase writes are conflict-free, the store-phase gathers at most
+// 2-way conflicted.
+IGEMM_DEVICE void tile_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uint16_t* __restrict__ dst, int rows,
+                             int cols, int img, int r0, int c0) {
+  constexpr int T64 = 64, LD = 33, CH = T64 / 8;   // CH: 16-byte chunks per tile row
   const int tid = threadIdx.x;
   const uint16_t* s = src + int64_t(img) * rows * cols;
   uint16_t* d = dst + int64_t(img) * rows * cols;
-  constexpr int CH = kTile / 8;   // 16-byte chunks per tile row
 #pragma unroll
-  for (int i = 0; i < kTile * CH / kThreads; ++i) {
+  for (int i = 0; i < T64 * CH / kThreads; ++i) {
     const int q = tid + i * kThreads, r = q / CH, cc = q % CH;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r0 + r < rows && c0 + cc * 8 < cols) v = ldg_stream16(s + int64_t(r0 + r) * cols + c0 + cc * 8);
-    t[r][cc * 4] = v.x; t[r][cc * 4 + 1] = v.y; t[r][cc * 4 + 2] = v.z; t[r][cc * 4 + 3] = v.w;
+    uint32_t* w = sm + r * LD + cc * 4;
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   }
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kTile * CH / kThreads; ++i) {
+  for (int i = 0; i < T64 * CH / kThreads; ++i) {
     const int q = tid + i * kThreads, c = q / CH, j = q % CH;
     if (c0 + c >= cols || r0 + j * 8 >= rows) continue;
     uint32_t h[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = (t[j * 8 + e][c >> 1] >> ((c & 1) * 16)) & 0xffffu;
+    for (int e = 0; e < 8; ++e) h[e] = (sm[(j * 8 + e) * LD + (c >> 1)] >> ((c & 1) * 16)) & 0xffffu;
     const uint4 v = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
     stg_stream16(d + int64_t(c0 + c) * rows + r0 + j * 8, v);
   }
 }
 
-template <class T, bool Vec>
-IGEMM_DEVICE void run_tile(const void* src, void* dst, int rows, int cols, int tr, int tc, int b) {
+template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 ? 16 : 64; }
+
+template <class T, int Mode>
+IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, int cols, int tr, int tc, int b) {
+  constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec ? 64 : kElems / TC;
   const int ct = b % tc, rest = b / tc;   // once per block
   const int rt = rest % tr, img = rest / tr;
-  if constexpr (Vec && sizeof(T) == 2) {
-    tile_vec16(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * kTile, ct * kTile);
+  if constexpr (Mode == kVec) {
+    static_assert(sizeof(T) == 2, "16-byte tiles are for 16-bit elements");
+    tile_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR, ct * TC);
   } else {
-    tile_scalar<T>(static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, img, rt * kTile, ct * kTile);
+    tile_scalar<T, TC>(sm, static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, img, rt * TR, ct * TC);
   }
 }
 
-template <class T, bool Vec0, bool Vec1, class P>
+template <class T, int Mode0, int Mode1, class P>
 __device__ void transpose2(const P& p) {
+  __shared__ uint32_t sm[kSmemWords];
   const int b = blockIdx.x;
-  if (b < p.blocks0) run_tile<T, Vec0>(p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.tr0, p.tc0, b);
-  else run_tile<T, Vec1>(p.src1, const_cast<void*>(p.dst1), p.rows1, p.cols1, p.tr1, p.tc1, b - p.blocks0);
+  if (b < p.blocks0) run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.tr0, p.tc0, b);
+  else run_tile<T, Mode1>(sm, p.src1, const_cast<void*>(p.dst1), p.rows1, p.cols1, p.tr1, p.tc1, b - p.blocks0);
 }
 
 }  // namespace igemm::xpose

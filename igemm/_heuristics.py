@@ -159,7 +159,10 @@ def _store(pb: ConvProblem, bn: int) -> tuple[str, int, bool]:
             return "linear", vo, pb.mask                 # the CTA owns rows [m0, m0+BM) of all K channels
         return "rows", (vo if pb.K % vo == 0 else 1), pb.mask and pb.K % 32 == 0
     PQ = pb.P * pb.Q
-    return "nchw", (vo if PQ % vo == 0 else 1), pb.mask and PQ % 32 == 0
+    v = vo
+    while PQ % v:           # the widest vector that stays inside one image's plane (14x14: 4, 7x7: 1)
+        v //= 2
+    return "nchw", v, pb.mask and PQ % 32 == 0
 
 
 NCHW_PATHS = ("auto", "native", "transpose")

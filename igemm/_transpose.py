@@ -11,13 +11,17 @@ from functools import lru_cache
 from . import _kernel
 from ._kernel import ParamSpec
 
-__all__ = ["TransposeJob", "launch_pair", "precompile"]
+__all__ = ["TransposeJob", "Prepared", "launch_pair", "precompile"]
 
 PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
           *(ParamSpec(n + "0", "int32") for n in ("rows", "cols", "tr", "tc", "blocks")),
           ParamSpec("src1", "ptr"), ParamSpec("dst1", "ptr"),
           *(ParamSpec(n + "1", "int32") for n in ("rows", "cols", "tr", "tc"))]
-_TILE, _THREADS = 64, 256
+_THREADS = 256
+
+
+SCALAR64, SCALAR16, VEC = 0, 1, 2        # tile kinds (csrc/transpose.cuh: kScalar64, kScalar16, kVec)
+_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64}
 
 
 def _ctype(esize: int) -> str:
@@ -25,56 +29,107 @@ def _ctype(esize: int) -> str:
 
 
 @lru_cache(maxsize=None)
-def _stub(esize: int, vec0: bool, vec1: bool) -> str:
-    b = lambda v: "true" if v else "false"
+def _stub(esize: int, mode0: int, mode1: int) -> str:
     return _kernel.render_kernel(include="transpose.cuh", entry="igemm_transpose2", params=PARAMS, threads=_THREADS,
-                                 body=f"igemm::xpose::transpose2<{_ctype(esize)}, {b(vec0)}, {b(vec1)}>(p);")
+                                 body=f"igemm::xpose::transpose2<{_ctype(esize)}, {mode0}, {mode1}>(p);")
 
 
-def _name(esize: int, vec0: bool, vec1: bool) -> str:
-    return f"transpose2_{esize * 8}b_{'v' if vec0 else 's'}{'v' if vec1 else 's'}"
+def _name(esize: int, mode0: int, mode1: int) -> str:
+    return f"transpose2_{esize * 8}b_{mode0}{mode1}"
 
 
 class TransposeJob:
     """``[batch][rows][cols] -> [batch][cols][rows]`` from ``src`` to ``dst`` (element size ``esize``)."""
 
-    __slots__ = ("batch", "rows", "cols", "tr", "tc", "blocks", "esize")
+    __slots__ = ("batch", "rows", "cols", "esize", "_geo")
 
     def __init__(self, batch: int, rows: int, cols: int, esize: int):
         self.batch, self.rows, self.cols, self.esize = batch, rows, cols, esize
-        self.tr, self.tc = -(-rows // _TILE), -(-cols // _TILE)
-        self.blocks = batch * self.tr * self.tc
-        if self.blocks >= 2 ** 31 or batch * rows * cols >= 2 ** 62:
+        if batch * -(-rows // 64) * -(-cols // 16) >= 2 ** 31 or batch * rows * cols >= 2 ** 62:
             raise NotImplementedError(f"transpose of {batch}x{rows}x{cols} is too large")
+        self._geo = {}
 
-    def vec_ok(self, src: int, dst: int) -> bool:
-        """16-byte loads and stores apply: 16-bit elements, rows and cols multiples of 8, aligned bases."""
-        return self.esize == 2 and self.rows % 8 == 0 and self.cols % 8 == 0 and src % 16 == 0 and dst % 16 == 0
+    def mode(self, src: int, dst: int) -> int:
+        """16-byte tiles for 16-bit elements with rows and cols multiples of 8 and aligned bases; else
+        element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64 otherwise."""
+        if self.esize == 2 and self.rows % 8 == 0 and self.cols % 8 == 0 and src % 16 == 0 and dst % 16 == 0:
+            return VEC
+        return SCALAR16 if self.cols <= 16 else SCALAR64
+
+    def geometry(self, mode: int) -> tuple[int, int, int]:
+        """(row tiles, col tiles, blocks) for a tile kind."""
+        g = self._geo.get(mode)
+        if g is None:
+            tc = _TILE_COLS[mode]
+            tr = 4096 // tc if mode != VEC else 64
+            g = self._geo[mode] = (-(-self.rows // tr), -(-self.cols // tc),
+                                   self.batch * -(-self.rows // tr) * -(-self.cols // tc))
+        return g
 
 
 @lru_cache(maxsize=64)
-def _launcher(esize: int, vec0: bool, vec1: bool, device_id: int, blocks: int):
-    k = _kernel.load(_stub(esize, vec0, vec1), _name(esize, vec0, vec1), "igemm_transpose2", device_id)
+def _launcher(esize: int, mode0: int, mode1: int, device_id: int, blocks: int):
+    k = _kernel.load(_stub(esize, mode0, mode1), _name(esize, mode0, mode1), "igemm_transpose2", device_id)
     return _kernel.Launcher(k, blocks, _THREADS)
 
 
 def launch_pair(device_id: int, stream: int, job0: TransposeJob, src0: int, dst0: int,
                 job1: TransposeJob | None = None, src1: int = 0, dst1: int = 0) -> None:
     """Launch one kernel that runs ``job0`` (and ``job1``, if given) on ``stream``."""
-    v0 = job0.vec_ok(src0, dst0)
-    v1 = job1.vec_ok(src1, dst1) if job1 is not None else False
-    vals = {"src0": src0, "dst0": dst0, "rows0": job0.rows, "cols0": job0.cols, "tr0": job0.tr, "tc0": job0.tc,
-            "blocks0": job0.blocks}
-    blocks = job0.blocks
+    m0 = job0.mode(src0, dst0)
+    tr0, tc0, blocks = job0.geometry(m0)
+    vals = {"src0": src0, "dst0": dst0, "rows0": job0.rows, "cols0": job0.cols, "tr0": tr0, "tc0": tc0,
+            "blocks0": blocks}
+    m1 = SCALAR64
     if job1 is not None:
-        vals.update(src1=src1, dst1=dst1, rows1=job1.rows, cols1=job1.cols, tr1=job1.tr, tc1=job1.tc)
-        blocks += job1.blocks
-    _launcher(job0.esize, v0, v1, device_id, blocks)(stream, _kernel.bind_args(PARAMS, vals))
+        m1 = job1.mode(src1, dst1)
+        tr1, tc1, b1 = job1.geometry(m1)
+        vals.update(src1=src1, dst1=dst1, rows1=job1.rows, cols1=job1.cols, tr1=tr1, tc1=tc1)
+        blocks += b1
+    _launcher(job0.esize, m0, m1, device_id, blocks)(stream, _kernel.bind_args(PARAMS, vals))
+
+
+class Prepared:
+    """A plan's transpose launch with its destinations fixed: ``prep(stream, src0, src1)`` only picks the
+    variant for the sources' alignment (kept per variant: launcher and packed arguments) and launches.
+    Not thread-safe by itself (the conv plan calls it under its lock)."""
+
+    __slots__ = ("device_id", "job0", "dst0", "job1", "dst1", "_variants")
+
+    def __init__(self, device_id: int, job0: TransposeJob, dst0: int, job1: TransposeJob | None = None, dst1: int = 0):
+        self.device_id, self.job0, self.dst0, self.job1, self.dst1 = device_id, job0, dst0, job1, dst1
+        self._variants = {}
+
+    def __call__(self, stream: int, src0: int, src1: int = 0) -> None:
+        j0, j1 = self.job0, self.job1
+        key = (j0.mode(src0, self.dst0), j1.mode(src1, self.dst1) if j1 is not None else SCALAR64)
+        v = self._variants.get(key)
+        if v is None:
+            tr0, tc0, blocks = j0.geometry(key[0])
+            vals = {"dst0": self.dst0, "rows0": j0.rows, "cols0": j0.cols, "tr0": tr0, "tc0": tc0, "blocks0": blocks}
+            if j1 is not None:
+                tr1, tc1, b1 = j1.geometry(key[1])
+                vals.update(dst1=self.dst1, rows1=j1.rows, cols1=j1.cols, tr1=tr1, tc1=tc1)
+                blocks += b1
+            args = _kernel.pack_args(PARAMS, vals)
+            v = self._variants[key] = (_launcher(j0.esize, key[0], key[1], self.device_id, blocks), args,
+                                       args.slots["src0"], args.slots["src1"])
+        launcher, args, s0, s1 = v
+        args.u64[s0] = src0
+        args.u64[s1] = src1
+        launcher(stream, args)
 
 
 def precompile(arch: str, jobs: int | None = None) -> int:
-    """Compile every variant (2- and 4-byte elements x vectorised or not, per job)."""
+    """Compile every variant (2- and 4-byte elements x the tile kind of each job)."""
     from . import _build
-    items = [(_name(e, a, b), _stub(e, a, b)) for e in (2, 4) for a in (False, True) for b in (False, True)
-             if e == 2 or not (a or b)]
-    return _build.compile_many(items, arch, jobs)
+    return _build.compile_many(all_variants(), arch, jobs)
+
+
+def all_variants() -> list[tuple[str, str]]:
+    """(cache name, stub) of every kernel variant."""
+    out = []
+    for e in (2, 4):
+        modes = (SCALAR64, SCALAR16, VEC) if e == 2 else (SCALAR64, SCALAR16)
+        out += [(_name(e, a, b), _stub(e, a, b)) for a in modes for b in modes]
+    return out

@@ -380,7 +380,7 @@ class Conv2dPlan:
 
     def _setup_transpose(self) -> None:
         """The transpose path's scratch (an NHWC copy of x; a KRSC copy of w unless R = S = 1) and jobs."""
-        from ._transpose import TransposeJob
+        from ._transpose import Prepared, TransposeJob
         pb = self.problem
         es = DTYPE_SIZES[self.dtype]
         jx = TransposeJob(pb.N, pb.C, pb.H * pb.W, es)
@@ -389,7 +389,8 @@ class Conv2dPlan:
         if pb.R * pb.S > 1:
             jw = TransposeJob(pb.K, pb.C, pb.R * pb.S, es)
             ws = _runtime.DeviceArray((pb.K, pb.R, pb.S, pb.C), self.dtype, self.device_id)
-        self._xpose = (jx, xs, jw, ws)
+        prep = Prepared(self.device_id, jx, xs.ptr, jw, ws.ptr if ws is not None else 0)
+        self._xpose = (prep, xs, ws)
 
     def _workspace(self, spec: KernelSpec, grid) -> tuple:
         """Split-K partial tiles and per-tile tickets (zeroed once; the kernel resets its tickets)."""
@@ -483,17 +484,14 @@ class Conv2dPlan:
 
     def _launch(self, stream: int, launcher, spec, ws, x, w, y, res, mask, folded) -> None:
         _runtime.device(self.device_id)   # a thread that never touched CUDA has no current context yet
-        if self._xpose is not None:
-            from ._transpose import launch_pair
-            jx, xs, jw, wsc = self._xpose
-            if jw is not None:
-                launch_pair(self.device_id, stream, jx, x, xs.ptr, jw, w, wsc.ptr)
-                w = wsc.ptr
-            else:
-                launch_pair(self.device_id, stream, jx, x, xs.ptr)
-            x = xs.ptr
         sl = self._slot
         with self._lock:   # one plan may be called from several threads
+            if self._xpose is not None:        # NCHW transpose path: x (and w) into the plan's scratch
+                prep, xs, wsc = self._xpose
+                prep(stream, x, w)
+                x = xs.ptr
+                if wsc is not None:
+                    w = wsc.ptr
             a = self._args
             u = a.u64
             u[sl["x"]] = x

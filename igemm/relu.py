@@ -106,7 +106,7 @@ def relu_backward(dy, mask, *, out=None, stream=None):
     n = t_dy.numel
     if n:
         vec = _vec(t_dy.dtype, d_dy.ptr, d_out.ptr)
-        grid = _grid(ctx.device_id, max(n // vec // 4, 1), blocks_per_sm=16)   # one pass at 4 packs a thread
+        grid = _grid(ctx.device_id, max(n // vec // 8, 1))   # one wave, 8 packs in flight a thread
         _launcher("relu_backward", t_dy.dtype, vec, ctx.device_id, grid)(ctx.stream, _kernel.bind_args(
             _BWD_PARAMS, {"dy": d_dy.ptr, "mask": d_mask.ptr, "dx": d_out.ptr, "n": n}))
     if out is not None:

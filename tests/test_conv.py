@@ -159,6 +159,9 @@ def test_choose_config_rules():
     assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("nchw", 8, False)  # 784 % 32 != 0
     nchw56 = choose_config(_pb(layout="NCHW", epilogue=(("ReLU", True),)))
     assert nchw56.fuse_mask
+    for hw, v in ((14, 4), (7, 1), (6, 4), (5, 1)):                       # widest vector dividing P*Q
+        assert choose_config(_pb(layout="NCHW", H=hw, W=hw)).vec_o == v
+    assert choose_config(_pb(layout="NCHW", H=6, W=5)).vec_o == 2
 
 
 def test_split_k_choice():
@@ -258,8 +261,9 @@ def test_kernel_compiles(label, pb, arch, tmp_path, monkeypatch):
 def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
     from igemm import _transpose
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
-    for e, a, b in ((2, True, False), (2, False, False), (4, False, False)):
-        cubin, _ = _build.compile_cubin(_transpose._stub(e, a, b), arch, name=_transpose._name(e, a, b))
+    T = _transpose
+    for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.SCALAR64, T.VEC), (4, T.SCALAR16, T.SCALAR64)):
+        cubin, _ = _build.compile_cubin(T._stub(e, a, b), arch, name=T._name(e, a, b))
         assert cubin[:4] == b"\x7fELF"
 
 
@@ -432,7 +436,8 @@ def test_gpu_nchw_paths(dtype, rng):
     from igemm import epilogues as ep
     cases = [((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, 0, 0), ((3, 72, 7, 7), (130, 72, 3, 3), 1, 1, 0, 0),
              ((2, 16, 14, 14), (64, 16, 1, 1), 1, 0, 0, 1), ((2, 136, 9, 11), (24, 136, 5, 3), 2, 2, 1, 0),
-             ((1, 8, 28, 28), (8, 8, 3, 3), 1, 1, 1, 1), ((2, 200, 6, 6), (72, 200, 1, 1), 2, 0, 0, 0)]
+             ((1, 8, 28, 28), (8, 8, 3, 3), 1, 1, 1, 1), ((2, 200, 6, 6), (72, 200, 1, 1), 2, 0, 0, 0),
+             ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, 0, 0)]                  # P*Q = 30: 4-byte output vectors
     for xs, ws, st, pd, xoff, woff in cases:
         xb = to_torch(rng.standard_normal(int(np.prod(xs)) + 8), dtype)
         wb = to_torch(rng.standard_normal(int(np.prod(ws)) + 8) / np.sqrt(np.prod(ws[1:])), dtype)
@@ -495,7 +500,8 @@ def test_gpu_transpose_kernel(rng):
     torch = pytest.importorskip("torch")
     from igemm import _transpose
     for dt, (B, R, C) in [(torch.float16, (3, 64, 3136)), (torch.bfloat16, (2, 72, 196)),
-                          (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8))]:
+                          (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8)),
+                          (torch.float16, (3, 300, 16)), (torch.float32, (2, 513, 1)), (torch.float16, (2, 9, 17))]:
         es = torch.tensor([], dtype=dt).element_size()
         a = torch.randn(B, R, C, device="cuda").to(dt)
         b = torch.randn(2, 24, 40, device="cuda").to(dt)

@@ -165,9 +165,10 @@ MAINLOOP = {
 NHWC_K = {"lin": [5, 8, 13, 24, 30, 64], "rows": [160, 192, 256], "rows_nofuse": [136, 200],
           "rows_scalar": [130, 150]}
 #: NCHW store classes by the output map P x Q: pq32 (P*Q % 32 == 0: vector stores, mask fused), pq_vec
-#: (P*Q % 8 == 0 only), pq_scalar (P*Q % 4 != 0).
+#: (P*Q % 8 == 0 only), pq_pair (P*Q % 4 == 2: 2-element vectors), pq_scalar (P*Q odd).
 NCHW_PQ = {"pq32": [(4, 8), (8, 4), (2, 16), (8, 8), (1, 32)], "pq_vec": [(2, 4), (4, 4), (3, 8), (6, 4), (5, 8)],
-           "pq_scalar": [(3, 3), (5, 3), (1, 7), (6, 5), (2, 3), (1, 1)]}
+           "pq_pair": [(6, 5), (2, 3), (3, 2), (5, 2), (2, 7)],
+           "pq_scalar": [(3, 3), (5, 3), (1, 7), (7, 7), (3, 5), (1, 1)]}
 NCHW_K = [1, 8, 24, 64, 100, 136]
 NCHW_K_TF32 = [72, 100, 136]     # tf32 tiles are 64 wide up to K = 64, 128 above: one width per cell
 
@@ -212,8 +213,8 @@ def conv_cells(pid: str, layout: str, chain: str) -> list[tuple[str, str]]:
         stores = ["lin", "rows", "rows_nofuse", "rows_scalar"]
         fused, unfused = ["lin", "rows"], ["rows_nofuse", "rows_scalar"]
     else:
-        stores = ["pq32", "pq_vec", "pq_scalar"]
-        fused, unfused = ["pq32"], ["pq_vec", "pq_scalar"]
+        stores = ["pq32", "pq_vec", "pq_pair", "pq_scalar"]
+        fused, unfused = ["pq32"], ["pq_vec", "pq_pair", "pq_scalar"]
     if chain == "none":
         return [(ml, stores[(k + j) % len(stores)]) for k, ml in enumerate(MAINLOOP)]
     ml = ["vec_deep", "vec_shallow"][(i + j) % 2]
@@ -1244,10 +1245,8 @@ def fuzz_stubs(n: int = 300) -> dict:
             for func in ("relu_mask", "relu_backward"):
                 out[relu._stub(func, dt, vec)] = func
     from igemm import _transpose
-    for e in (2, 4):
-        for a in (False, True):
-            for b in (False, True):
-                out[_transpose._stub(e, a, b)] = _transpose._name(e, a, b)
+    for name, stub in _transpose.all_variants():
+        out[stub] = name
     try:        # index_add and prelu mirror their dispatch here; they may change: best effort
         out.update(_index_add_stubs(rng, n))
         out.update(_prelu_stubs(rng, n))

@@ -2,11 +2,12 @@
 
     python benchmarks/bench_index_add.py --out DIR [--quick] [--no-graph]
 
-Per case: igemm median time per call (CUDA events around each call, so a call shorter than its host
-overhead measures the host), with ``check_index=False`` (the kernel: what PyTorch's asynchronous device
-assert costs it) and with the default ``check_index=True`` (an extra kernel and a stream synchronisation);
-``deterministic=True``; torch's ``index_add_``; the ratio; the device time per call of both from a CUDA
-graph of back-to-back calls (no host overhead); GB/s (source read + touched rows of x read and written +
+Per case: igemm median time per call (``bench.time``: replays of a CUDA graph of one input rotation; CUDA
+events around each call where capture is impossible, as for ``check_index=True``, which synchronises), with
+``check_index=False`` (the kernel: what PyTorch's asynchronous device assert costs it) and with the default
+``check_index=True`` (an extra kernel and a stream synchronisation); ``deterministic=True``; torch's
+``index_add_``; the ratio; the device time per call of both from a CUDA graph of 20 back-to-back calls;
+the launch floor (an empty kernel, timed the same way); GB/s (source read + touched rows of x read and written +
 index) and % of the measured copy bandwidth; the host time of one igemm call; and the bar of the issue.
 Indices are distinct (``randperm``); index/source sets rotate past L2 (x is 128 MB in every case).
 """
@@ -113,6 +114,7 @@ def main(argv=None):
         err = float((x - ref).abs().max())
         del x0, ref
         t_ig = bench.time(ig, len(sets))
+        method = bench.last.get("method")
         t_chk = bench.time(ig_checked, len(sets))
         t_det = bench.time(ig_det, len(sets))
         t_th = bench.time(th, len(sets))
@@ -122,7 +124,8 @@ def main(argv=None):
         row = dict(case=name, kernel=f"{cfg.kernel}/v{cfg.vec}", igemm_us=t_ig * 1e6, checked_us=t_chk * 1e6,
                    det_us=t_det * 1e6, det_kernel=det_cfg.kernel, torch_us=t_th * 1e6, ratio=t_ig / t_th,
                    host_us=h_ig * 1e6, GBps=moved / t_ig / 1e9, pct_copy=100 * moved / t_ig / bw,
-                   bar_us=bar_us, bar_met=t_ig * 1e6 <= bar_us, torch_h200_issue_us=torch_h200, max_abs_err=err)
+                   bar_us=bar_us, bar_met=t_ig * 1e6 <= bar_us, torch_h200_issue_us=torch_h200, max_abs_err=err,
+                   method=method)
         if use_graph:
             g_th = graph_time(bench, torch, th, len(sets))
             g_ig = graph_time(bench, torch, ig, len(sets)) if g_th else None
@@ -134,8 +137,13 @@ def main(argv=None):
         bench.row(**row)
         sets = x = None  # free before the next case
         torch.cuda.empty_cache()
-    bench.note("igemm_us/torch_us: eager calls (check_index=False); checked_us: the default check_index=True; "
-               "det_us: deterministic=True; dev_*: device time per call from a CUDA graph of 20 calls; "
+    # the launch floor: an empty kernel (torch.cuda._sleep(0)) timed the same way
+    floor = bench.time(lambda i: torch.cuda._sleep(0), 1)
+    bench.note(f"launch floor: an empty kernel takes {floor * 1e6:.2f} us timed the same way "
+               f"({bench.last.get('method')}); a bar below it cannot be met by any kernel")
+    bench.note("igemm_us/torch_us: per call, from CUDA-graph replays of one input rotation (bench.time; `method` "
+               "says graph, or events if capture failed), check_index=False; checked_us: the default "
+               "check_index=True; det_us: deterministic=True; dev_*: per call from a CUDA graph of 20 calls; "
                "bar: <= 50 us (case 3), <= 6 us (case 5), <= 0.6x torch (others)")
     bench.finish()
 

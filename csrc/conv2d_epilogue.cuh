@@ -206,10 +206,8 @@ IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
         uint32_t word = bits << ((lane % kLanesPerWord) * V);
 #pragma unroll
         for (int o2 = 1; o2 < kLanesPerWord; o2 <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, o2);
-        const int leader = lane - lane % kLanesPerWord;     // its vector starts the word
-        const int has = __shfl_sync(0xffffffffu, nvalid[g], leader);
-        const int64_t woff = __shfl_sync(0xffffffffu, off[g], leader);
-        if (lane % kLanesPerWord == 0 && has > 0) mask[woff >> 5] = word;
+        // the word's first vector is the leader's own (off, nvalid): no broadcast needed
+        if (lane % kLanesPerWord == 0 && nvalid[g] > 0) mask[off[g] >> 5] = word;
       }
     }
   }

@@ -42,7 +42,7 @@ for s in "$@"; do
              stage "$b" "${T_bench:-240}" python3 "benchmarks/$b.py" --out "$L" ${BENCH_ARGS:-}
              tail -45 "$L/$b.log" | grep -E "^\|" | head -45
            done ;;
-    pytest) stage pytest "${T_pytest:-300}" python3 -m pytest ${PYTEST_ARGS:-tests} -q -rfEx --tb=short -p no:cacheprovider ;;
+    pytest) stage pytest "${T_pytest:-300}" bash -c "python3 -m pytest ${PYTEST_ARGS:-tests} -q -rfEx --tb=short -p no:cacheprovider" ;;
     host) stage host_overhead 120 python3 benchmarks/host_overhead.py --out "$L"; cat "$L/host_overhead.log" ;;
     multigpu) # the two-GPU SyncBN test, and the validation rows that need a second GPU
               stage multigpu-validation 120 python3 -m pytest tests/test_validation.py -q -rfEs --tb=short \

@@ -100,7 +100,8 @@ def main(argv=None):
                       igemm_tflops=flops / t_ig / 1e12, cudnn_tflops=flops / t_dnn / 1e12,
                       pct_peak=100 * flops / t_ig / peak, mem_floor_us=io_bytes / bw * 1e6,
                       max_rel_err=err, host_us=host * 1e6,
-                      kernel=("transpose+" if plan.nchw_path == "transpose" else "") + spec.name())
+                      kernel=("transpose+" if plan.nchw_path == "transpose" else "")
+                      + (f"pad{plan.kproblem.C}+" if plan.kproblem.C != plan.problem.C else "") + spec.name())
             del xs, outs
             torch.cuda.empty_cache()
     for cfg, rs in ratios.items():

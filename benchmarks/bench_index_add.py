@@ -137,8 +137,8 @@ def main(argv=None):
         bench.row(**row)
         sets = x = None  # free before the next case
         torch.cuda.empty_cache()
-    # the launch floor: an empty kernel (torch.cuda._sleep(0)) timed the same way
-    floor = bench.time(lambda i: torch.cuda._sleep(0), 1)
+    # the launch floor: an empty kernel timed the same way
+    floor = bench.time(_harness.empty_kernel(0), 1)
     bench.note(f"launch floor: an empty kernel takes {floor * 1e6:.2f} us timed the same way "
                f"({bench.last.get('method')}); a bar below it cannot be met by any kernel")
     bench.note("igemm_us/torch_us: per call, from CUDA-graph replays of one input rotation (bench.time; `method` "

@@ -26,11 +26,9 @@ __device__ void relu_backward(const Params& p) {
     for (int u = 0; u < U; ++u) {
       const int64_t v = v0 + u * stride;
       if (v < nvec) {
-        if constexpr (sizeof(Pack<T, Vec>) == 16) {   // streamed once: no L1 allocation, 256-byte L2 prefetch
-          uint4 r;
-          asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                       : "l"(reinterpret_cast<const Pack<T, Vec>*>(dy) + v));
+        if constexpr (sizeof(Pack<T, Vec>) == 16) {   // streamed once: no L1 allocation (an L2::256B prefetch
+          // hint measured 3% slower on an H200)
+          const uint4 r = ldg_stream16(reinterpret_cast<const Pack<T, Vec>*>(dy) + v);
           in[u] = *reinterpret_cast<const Pack<T, Vec>*>(&r);
         } else {
           in[u] = reinterpret_cast<const Pack<T, Vec>*>(dy)[v];

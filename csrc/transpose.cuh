@@ -1,12 +1,16 @@
-// igemm: batched 2-D transpose, [B][rows][cols] -> [B][cols][rows], for the conv's NCHW transpose path:
-//   x  NCHW  -> NHWC   (B = N, rows = C, cols = H·W)
-//   w  KCRS  -> KRSC   (B = K, rows = C, cols = R·S)
-// Two such jobs run in one launch (blocks [0, blocks0) do job 0, the rest job 1), so the conv's
-// preparation is a single kernel. Elements are moved as raw bits (T = uint16_t or uint32_t).
+// igemm: the conv's input preparation -- batched 2-D transposes [B][rows][cols] -> [B][cols][pitch]
+// (pitch >= rows; entries rows..pitch-1 are zero-filled) and channel pads [n][rows] -> [n][pitch]:
+//   x  NCHW -> NHWC    (B = N, rows = C, cols = H·W, pitch = C, or 8 for C < 8)
+//   w  KCRS -> KRSC    (B = K, rows = C, cols = R·S, pitch as x's)
+//   x, w NHWC/KRSC with C < 8 -> C padded to 8 (pad jobs: n = pixels or K·R·S, rows = C, pitch = 8)
+// Two jobs run in one launch (blocks [0, blocks0) do job 0, the rest job 1), so the preparation is a
+// single kernel. Elements are moved as raw bits (T = uint16_t or uint32_t).
 //
-// A block moves one tile of 4096 elements through shared memory (256 threads); per job one of
-//   kVec      (16-bit, rows % 8 == 0, cols % 8 == 0, 16-byte aligned bases): 64 x 64, 16-byte accesses;
-//   kScalar64 64 x 64 element accesses;  kScalar16  256 x 16 (short rows: a 3x3 filter's 9 taps).
+// A block moves 4096 destination-side elements; per job one of
+//   kVec      (16-bit, rows % 8 == 0, cols % 8 == 0, pitch == rows, 16-byte aligned bases): a 64 x 64
+//             tile through shared memory, 16-byte accesses;
+//   kScalar64 a 64 x 64 tile, element accesses;  kScalar16  a 256 x 16 tile (a 3x3 filter's 9 taps);
+//   kPad      4096 consecutive destination elements (no shared memory).
 #pragma once
 #include "common.cuh"
 
@@ -15,18 +19,18 @@ namespace igemm::xpose {
 constexpr int kThreads = 256;
 constexpr int kElems = 4096;                       // elements per tile
 constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
-enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2 };   // per-job tile kinds (igemm/_transpose.py: mode)
+enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3 };   // per-job kinds (igemm/_transpose.py)
 
 // Scalar tile of (4096 / TC) rows x TC cols (TC = 64, or 16 for short rows such as a filter's R*S):
 // element loads coalesced along cols, element stores coalesced along rows, through a padded tile.
 template <class T, int TC>
 IGEMM_DEVICE void tile_scalar(uint32_t* sm, const T* __restrict__ src, T* __restrict__ dst, int rows, int cols,
-                              int img, int r0, int c0) {
+                              int pitch, int img, int r0, int c0) {
   constexpr int TR = kElems / TC, LD = TC + 1;
   static_assert(TR <= kThreads && TR * LD <= kSmemWords, "tile shape");
   const int tid = threadIdx.x;
   const T* s = src + int64_t(img) * rows * cols;
-  T* d = dst + int64_t(img) * rows * cols;
+  T* d = dst + int64_t(img) * pitch * cols;
 #pragma unroll
   for (int i = 0; i < kElems / kThreads; ++i) {
     const int r = tid / TC + i * (kThreads / TC), c = tid % TC;
@@ -36,7 +40,8 @@ IGEMM_DEVICE void tile_scalar(uint32_t* sm, const T* __restrict__ src, T* __rest
 #pragma unroll
   for (int i = 0; i < kElems / kThreads; ++i) {
     const int r = tid % TR, c = tid / TR + i * (kThreads / TR);
-    if (c0 + c < cols && r0 + r < rows) d[int64_t(c0 + c) * rows + r0 + r] = T(sm[r * LD + c]);
+    if (c0 + c < cols && r0 + r < pitch)
+      d[int64_t(c0 + c) * pitch + r0 + r] = r0 + r < rows ? T(sm[r * LD + c]) : T(0);
   }
 }
 
@@ -70,18 +75,40 @@ IGEMM_DEVICE void tile_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uin
   }
 }
 
+// Channel pad: block b writes destination elements [b·4096, (b+1)·4096) of [n][pitch] (n = cols here).
+template <class T>
+IGEMM_DEVICE void tile_pad(const T* __restrict__ src, T* __restrict__ dst, int rows, int n, int pitch, int b) {
+  const int64_t total = int64_t(n) * pitch;
+#pragma unroll 4
+  for (int i = 0; i < kElems / kThreads; ++i) {
+    const int64_t e = int64_t(b) * kElems + i * kThreads + threadIdx.x;
+    if (e >= total) break;
+    const int64_t px = e / pitch;
+    const int c = int(e - px * pitch);
+    dst[e] = c < rows ? src[px * rows + c] : T(0);
+  }
+}
+
 template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 ? 16 : 64; }
 
 template <class T, int Mode>
-IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, int cols, int tr, int tc, int b) {
-  constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec ? 64 : kElems / TC;
-  const int ct = b % tc, rest = b / tc;   // once per block
-  const int rt = rest % tr, img = rest / tr;
-  if constexpr (Mode == kVec) {
-    static_assert(sizeof(T) == 2, "16-byte tiles are for 16-bit elements");
-    tile_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR, ct * TC);
+IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, int cols, int pitch, int tr, int tc,
+                           int b) {
+  if constexpr (Mode == kPad) {
+    tile_pad<T>(static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch, b);
+    return;
   } else {
-    tile_scalar<T, TC>(sm, static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, img, rt * TR, ct * TC);
+    constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec ? 64 : kElems / TC;
+    const int ct = b % tc, rest = b / tc;   // once per block
+    const int rt = rest % tr, img = rest / tr;
+    if constexpr (Mode == kVec) {
+      static_assert(sizeof(T) == 2, "16-byte tiles are for 16-bit elements");
+      tile_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR,
+                 ct * TC);
+    } else {
+      tile_scalar<T, TC>(sm, static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch, img, rt * TR,
+                         ct * TC);
+    }
   }
 }
 
@@ -89,8 +116,11 @@ template <class T, int Mode0, int Mode1, class P>
 __device__ void transpose2(const P& p) {
   __shared__ uint32_t sm[kSmemWords];
   const int b = blockIdx.x;
-  if (b < p.blocks0) run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.tr0, p.tc0, b);
-  else run_tile<T, Mode1>(sm, p.src1, const_cast<void*>(p.dst1), p.rows1, p.cols1, p.tr1, p.tc1, b - p.blocks0);
+  if (b < p.blocks0)
+    run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.pitch0, p.tr0, p.tc0, b);
+  else
+    run_tile<T, Mode1>(sm, p.src1, const_cast<void*>(p.dst1), p.rows1, p.cols1, p.pitch1, p.tr1, p.tc1,
+                       b - p.blocks0);
 }
 
 }  // namespace igemm::xpose

@@ -86,7 +86,7 @@ def precompile(args) -> int:
     from igemm import _build
     from igemm import epilogues as ep
     from igemm import _transpose
-    from igemm._heuristics import ConvProblem, choose_config, kernel_problem, nchw_path
+    from igemm._heuristics import ConvProblem, choose_config, kernel_setup
     from igemm.conv2d import _stub
     chains = {"none": ep.chain(), "bn_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True)),
               "bn_add_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.Add(), ep.ReLU(mask=True))}
@@ -100,8 +100,8 @@ def precompile(args) -> int:
                 pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
                                  precision if dtype == "float32" else "tensorop", ch.signature(),
                                  dtype if ch.residual_op else None)
-                for path in {nchw_path(pb), "native"}:       # bench_conv times both NCHW paths
-                    spec = choose_config(kernel_problem(pb, path), args.arch)
+                for path in {"auto", "native"} if layout == "NCHW" else {"auto"}:   # bench_conv times both
+                    spec = choose_config(kernel_setup(pb, path)[1], args.arch)
                     specs[spec] = _stub(spec)
     t0 = time.time()
     n = _build.compile_many(((spec.name(), stub) for spec, stub in specs.items()), args.arch, args.jobs)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
 __all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits",
-           "nchw_path", "kernel_problem"]
+           "nchw_path", "kernel_problem", "kernel_channels", "kernel_setup"]
 
 
 @dataclass(frozen=True)
@@ -172,21 +172,44 @@ def nchw_path(pb: ConvProblem, requested: str = "auto") -> str:
     """How an NCHW problem runs: ``"native"`` (the NCHW gather: one 2-byte element per load for 16-bit
     types) or ``"transpose"`` (x and w transposed to NHWC/KRSC in one kernel, the 16-byte NHWC gather,
     NCHW stores from the epilogue). ``auto``: transpose for 16-bit types whose C allows 16-byte loads
-    (C % 8 == 0); measured on an H200 in benchmarks/bench_conv.py (notes/perf.md). NHWC: always native."""
+    (C % 8 == 0) or is padded to 8 (C < 8, see :func:`kernel_channels`); measured on an H200 in
+    benchmarks/bench_conv.py (notes/perf.md). NHWC: always native."""
     if requested not in NCHW_PATHS:
         raise ValueError(f"nchw_path: expected one of {NCHW_PATHS}, got {requested!r}")
     if pb.layout != "NCHW":
         return "native"
     if requested != "auto":
         return requested
-    return "transpose" if DTYPE_SIZES[pb.dtype] == 2 and pb.C % 8 == 0 else "native"
+    return "transpose" if DTYPE_SIZES[pb.dtype] == 2 and (pb.C % 8 == 0 or pb.C < 8) else "native"
 
 
-def kernel_problem(pb: ConvProblem, path: str) -> ConvProblem:
-    """The problem the conv kernel itself sees on ``path`` (the transpose path: NHWC in, NCHW out)."""
-    if path == "transpose":
-        return dataclasses.replace(pb, layout="NHWC", out_layout="NCHW")
-    return pb
+def kernel_channels(pb: ConvProblem, path: str, pad: bool | None = None) -> int:
+    """The channel count the conv kernel sees: 8 when a 16-bit problem with C < 8 has its x and w copied
+    with zero channels added (``pad`` None = auto, True, False), so the gather uses 16-byte loads instead
+    of element loads; else C. The copy needs the NHWC side: an NCHW problem pads on its transpose path."""
+    if pad is False or DTYPE_SIZES[pb.dtype] != 2 or pb.C >= 8 or (pb.layout == "NCHW" and path != "transpose"):
+        if pad and pb.C < 8:
+            raise ValueError("pad_channels=True needs a 16-bit problem with C < 8 (and, for NCHW, the transpose "
+                             "path)")
+        return pb.C
+    return 8
+
+
+def kernel_problem(pb: ConvProblem, path: str, channels: int | None = None) -> ConvProblem:
+    """The problem the conv kernel itself sees on ``path`` (the transpose path: NHWC in, NCHW out) with
+    ``channels`` input channels (:func:`kernel_channels`)."""
+    kp = pb
+    if path == "transpose" and pb.layout == "NCHW":
+        kp = dataclasses.replace(kp, layout="NHWC", out_layout="NCHW")
+    if channels is not None and channels != pb.C:
+        kp = dataclasses.replace(kp, C=channels)
+    return kp
+
+
+def kernel_setup(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None) -> tuple[str, ConvProblem]:
+    """(NCHW path, the kernel's problem) for a plan's problem and its options."""
+    path = nchw_path(pb, nchw)
+    return path, kernel_problem(pb, path, kernel_channels(pb, path, pad))
 
 
 def choose_splits(pb: ConvProblem, bm: int, bn: int, bk: int, sms: int) -> int:

@@ -1,8 +1,12 @@
-"""The conv's NCHW transpose path: x NCHW -> NHWC and w KCRS -> KRSC in one launch (``csrc/transpose.cuh``).
+"""The conv's input preparation (``csrc/transpose.cuh``), x and w in one launch:
 
-An NCHW plan on this path gathers its im2col tiles with 16-byte loads from the NHWC copy (the NCHW
-gather moves one 2-byte element per load) and stores NCHW directly from the epilogue, so only the input
-and the filter make the round trip. ``igemm/_heuristics.nchw_path`` decides when.
+* the NCHW transpose path: x NCHW -> NHWC and w KCRS -> KRSC. The plan then gathers its im2col tiles with
+  16-byte loads from the NHWC copy (the NCHW gather moves one 2-byte element per load) and stores NCHW
+  directly from the epilogue, so only the input and the filter make the round trip;
+* the channel pad (16-bit, C < 8, either layout): x and w copied with C padded to 8 zero channels, so
+  the gather uses 16-byte loads (the element gather of C = 3 is the slowest path there is).
+
+``igemm/_heuristics.input_prep`` decides when.
 """
 from __future__ import annotations
 
@@ -14,13 +18,13 @@ from ._kernel import ParamSpec
 __all__ = ["TransposeJob", "Prepared", "launch_pair", "precompile"]
 
 PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
-          *(ParamSpec(n + "0", "int32") for n in ("rows", "cols", "tr", "tc", "blocks")),
+          *(ParamSpec(n + "0", "int32") for n in ("rows", "cols", "pitch", "tr", "tc", "blocks")),
           ParamSpec("src1", "ptr"), ParamSpec("dst1", "ptr"),
-          *(ParamSpec(n + "1", "int32") for n in ("rows", "cols", "tr", "tc"))]
+          *(ParamSpec(n + "1", "int32") for n in ("rows", "cols", "pitch", "tr", "tc"))]
 _THREADS = 256
 
 
-SCALAR64, SCALAR16, VEC = 0, 1, 2        # tile kinds (csrc/transpose.cuh: kScalar64, kScalar16, kVec)
+SCALAR64, SCALAR16, VEC, PAD = 0, 1, 2, 3     # job kinds (csrc/transpose.cuh: kScalar64, ..., kPad)
 _TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64}
 
 
@@ -39,31 +43,44 @@ def _name(esize: int, mode0: int, mode1: int) -> str:
 
 
 class TransposeJob:
-    """``[batch][rows][cols] -> [batch][cols][rows]`` from ``src`` to ``dst`` (element size ``esize``)."""
+    """``[batch][rows][cols] -> [batch][cols][pitch]`` from ``src`` to ``dst`` (element size ``esize``;
+    ``pitch >= rows``, the extra entries zero); with ``pad=True`` instead ``[cols][rows] -> [cols][pitch]``
+    (a channel pad of ``cols`` pixels; ``batch`` must be 1)."""
 
-    __slots__ = ("batch", "rows", "cols", "esize", "_geo")
+    __slots__ = ("batch", "rows", "cols", "esize", "pitch", "pad", "_geo")
 
-    def __init__(self, batch: int, rows: int, cols: int, esize: int):
+    def __init__(self, batch: int, rows: int, cols: int, esize: int, pitch: int | None = None, pad: bool = False):
         self.batch, self.rows, self.cols, self.esize = batch, rows, cols, esize
-        if batch * -(-rows // 64) * -(-cols // 16) >= 2 ** 31 or batch * rows * cols >= 2 ** 62:
+        self.pitch = rows if pitch is None else pitch
+        self.pad = pad
+        if self.pitch < rows or (pad and batch != 1):
+            raise ValueError(f"bad job: batch {batch}, rows {rows}, pitch {self.pitch}, pad {pad}")
+        if (cols >= 2 ** 31 or batch * -(-self.pitch // 64) * -(-cols // 16) >= 2 ** 31
+                or batch * self.pitch * cols >= 2 ** 62):
             raise NotImplementedError(f"transpose of {batch}x{rows}x{cols} is too large")
         self._geo = {}
 
     def mode(self, src: int, dst: int) -> int:
-        """16-byte tiles for 16-bit elements with rows and cols multiples of 8 and aligned bases; else
-        element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64 otherwise."""
-        if self.esize == 2 and self.rows % 8 == 0 and self.cols % 8 == 0 and src % 16 == 0 and dst % 16 == 0:
+        """``PAD`` for pad jobs; 16-byte tiles for 16-bit elements with rows and cols multiples of 8, no
+        padding and aligned bases; else element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64."""
+        if self.pad:
+            return PAD
+        if (self.esize == 2 and self.pitch == self.rows and self.rows % 8 == 0 and self.cols % 8 == 0
+                and src % 16 == 0 and dst % 16 == 0):
             return VEC
         return SCALAR16 if self.cols <= 16 else SCALAR64
 
     def geometry(self, mode: int) -> tuple[int, int, int]:
-        """(row tiles, col tiles, blocks) for a tile kind."""
+        """(row tiles, col tiles, blocks) for a job kind."""
         g = self._geo.get(mode)
         if g is None:
-            tc = _TILE_COLS[mode]
-            tr = 4096 // tc if mode != VEC else 64
-            g = self._geo[mode] = (-(-self.rows // tr), -(-self.cols // tc),
-                                   self.batch * -(-self.rows // tr) * -(-self.cols // tc))
+            if mode == PAD:
+                g = (1, 1, -(-self.cols * self.pitch // 4096))
+            else:
+                tc = _TILE_COLS[mode]
+                tr = 4096 // tc if mode != VEC else 64
+                g = (-(-self.pitch // tr), -(-self.cols // tc), self.batch * -(-self.pitch // tr) * -(-self.cols // tc))
+            self._geo[mode] = g
         return g
 
 
@@ -78,13 +95,13 @@ def launch_pair(device_id: int, stream: int, job0: TransposeJob, src0: int, dst0
     """Launch one kernel that runs ``job0`` (and ``job1``, if given) on ``stream``."""
     m0 = job0.mode(src0, dst0)
     tr0, tc0, blocks = job0.geometry(m0)
-    vals = {"src0": src0, "dst0": dst0, "rows0": job0.rows, "cols0": job0.cols, "tr0": tr0, "tc0": tc0,
-            "blocks0": blocks}
+    vals = {"src0": src0, "dst0": dst0, "rows0": job0.rows, "cols0": job0.cols, "pitch0": job0.pitch, "tr0": tr0,
+            "tc0": tc0, "blocks0": blocks}
     m1 = SCALAR64
     if job1 is not None:
         m1 = job1.mode(src1, dst1)
         tr1, tc1, b1 = job1.geometry(m1)
-        vals.update(src1=src1, dst1=dst1, rows1=job1.rows, cols1=job1.cols, tr1=tr1, tc1=tc1)
+        vals.update(src1=src1, dst1=dst1, rows1=job1.rows, cols1=job1.cols, pitch1=job1.pitch, tr1=tr1, tc1=tc1)
         blocks += b1
     _launcher(job0.esize, m0, m1, device_id, blocks)(stream, _kernel.bind_args(PARAMS, vals))
 
@@ -106,10 +123,11 @@ class Prepared:
         v = self._variants.get(key)
         if v is None:
             tr0, tc0, blocks = j0.geometry(key[0])
-            vals = {"dst0": self.dst0, "rows0": j0.rows, "cols0": j0.cols, "tr0": tr0, "tc0": tc0, "blocks0": blocks}
+            vals = {"dst0": self.dst0, "rows0": j0.rows, "cols0": j0.cols, "pitch0": j0.pitch, "tr0": tr0,
+                    "tc0": tc0, "blocks0": blocks}
             if j1 is not None:
                 tr1, tc1, b1 = j1.geometry(key[1])
-                vals.update(dst1=self.dst1, rows1=j1.rows, cols1=j1.cols, tr1=tr1, tc1=tc1)
+                vals.update(dst1=self.dst1, rows1=j1.rows, cols1=j1.cols, pitch1=j1.pitch, tr1=tr1, tc1=tc1)
                 blocks += b1
             args = _kernel.pack_args(PARAMS, vals)
             v = self._variants[key] = (_launcher(j0.esize, key[0], key[1], self.device_id, blocks), args,
@@ -130,6 +148,6 @@ def all_variants() -> list[tuple[str, str]]:
     """(cache name, stub) of every kernel variant."""
     out = []
     for e in (2, 4):
-        modes = (SCALAR64, SCALAR16, VEC) if e == 2 else (SCALAR64, SCALAR16)
+        modes = (SCALAR64, SCALAR16, VEC, PAD) if e == 2 else (SCALAR64, SCALAR16, PAD)
         out += [(_name(e, a, b), _stub(e, a, b)) for a in modes for b in modes]
     return out

@@ -276,11 +276,11 @@ def precompile(layers, dtype: str, layout: str, precision: str, algorithms, arch
     for layer in layers:
         pb = layer.problem(dtype, layout, precision)
         if "implicit" in algorithms:
-            from ._heuristics import ConvProblem, choose_config, kernel_problem, nchw_path
+            from ._heuristics import ConvProblem, choose_config, kernel_setup
             from .conv2d import _stub
             cp = ConvProblem(pb.N, pb.C, pb.H, pb.W, pb.K, pb.R, pb.S, pb.stride, pb.padding, pb.dilation, dtype,
                              layout, precision if dtype == "float32" else "tensorop", (), None)
-            spec = choose_config(kernel_problem(cp, nchw_path(cp)), arch, sms=sms)
+            spec = choose_config(kernel_setup(cp)[1], arch, sms=sms)
             stubs[spec.name()] = _stub(spec)
         if "im2col" in algorithms:
             vec = A.im2col_vec(pb)

@@ -17,8 +17,7 @@ import numpy as np
 from . import _kernel, _runtime, reference
 from ._dispatch import CallContext
 from ._runtime import keeps_current_context
-from ._heuristics import ConvProblem, KernelSpec, choose_config, kernel_problem, validate_spec
-from ._heuristics import nchw_path as _choose_nchw_path
+from ._heuristics import ConvProblem, KernelSpec, choose_config, kernel_setup, validate_spec
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_SIZES, Tensor, as_tensor
 from .fastdiv import MAX_DIVIDEND
@@ -255,6 +254,9 @@ class Conv2dPlan:
             16-byte loads; y is still stored NCHW by the epilogue). ``auto`` takes the transpose path for
             16-bit types with C % 8 == 0 (faster on every such ResNet-50 layer measured, notes/perf.md).
             The scratch makes concurrent calls of one such plan on different streams unsafe (as split-K's).
+        pad_channels: 16-bit with C < 8 (conv1's C = 3): copy x and w with C padded to 8 zero channels
+            (one extra kernel, plan-owned scratch; on the transpose path for NCHW) so the gather uses
+            16-byte loads. ``None`` (default): do it; ``False``: the element gather.
 
     Example::
 
@@ -265,7 +267,8 @@ class Conv2dPlan:
     @keeps_current_context
     def __init__(self, x_shape, w_shape, dtype: str, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None,
-                 device: int | None = 0, config=None, nchw_path: str = "auto", _skeleton: bool = False):
+                 device: int | None = 0, config=None, nchw_path: str = "auto", pad_channels: bool | None = None,
+                 _skeleton: bool = False):
         dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
@@ -289,8 +292,11 @@ class Conv2dPlan:
                                    self.chain.signature(), residual_dtype)
         pb = self.problem
         #: "native" or "transpose" (NCHW only); the kernel runs ``kproblem`` (NHWC in, NCHW out on the latter)
-        self.nchw_path = _choose_nchw_path(pb, nchw_path)
-        self.kproblem = kernel_problem(pb, self.nchw_path)
+        self.nchw_path, self.kproblem = kernel_setup(pb, nchw_path, pad_channels)
+        kp = self.kproblem
+        #: the kernel reads prepared copies of x (and of w unless ``_w_in_place``) made by one extra kernel
+        self._prep = kp.layout != pb.layout or kp.C != pb.C
+        self._w_in_place = kp.C == pb.C and (pb.layout == "NHWC" or R * S == 1)
         self.x_shape = tuple(int(v) for v in x_shape)
         self.w_shape = tuple(int(v) for v in w_shape)
         self.y_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
@@ -317,13 +323,13 @@ class Conv2dPlan:
             self._slot = self._args.slots
             self._lock = threading.Lock()
             self._launcher(True, True)   # compile the primary kernel now
-            if self.nchw_path == "transpose":
-                self._setup_transpose()
+            if self._prep:
+                self._setup_prep()
             self._setup_fast()
 
     # -------------------------------------------------------------------------------------- setup
     def _scalar_args(self) -> list:
-        pb = self.problem
+        pb = self.kproblem                  # the channel count the kernel sees (padded copies: 8)
         P, Q = pb.P, pb.Q
         vals = dict(N=pb.N, H=pb.H, W=pb.W, C=pb.C, K=pb.K, R=pb.R, S=pb.S, P=P, Q=Q, PQ=P * Q, M=pb.M,
                     Kred=pb.Kred, sh=pb.stride[0], sw=pb.stride[1], ph=pb.padding[0], pw=pb.padding[1],
@@ -343,8 +349,8 @@ class Conv2dPlan:
         if cfg is None and x_aligned and w_aligned and self.backend == "cuda":
             from ._autotune import tuned_config
             cfg = tuned_config(self)
-        if self.nchw_path == "transpose":   # the kernel reads the plan's aligned copies (see _launcher)
-            x_aligned, w_aligned = True, w_aligned or self.problem.R * self.problem.S > 1
+        if self._prep:                      # the kernel reads the plan's aligned copies (see _launcher)
+            x_aligned, w_aligned = True, w_aligned or not self._w_in_place
         if isinstance(cfg, KernelSpec):
             spec = cfg
         else:
@@ -358,9 +364,9 @@ class Conv2dPlan:
         return spec
 
     def _launcher(self, xa: bool, wa: bool):
-        if self.nchw_path == "transpose":
-            # the kernel reads the plan's aligned NHWC copy of x, and of w unless R = S = 1 (KCRS is KRSC)
-            xa, wa = True, wa or self.problem.R * self.problem.S > 1
+        if self._prep:
+            # the kernel reads the plan's aligned copy of x, and of w unless w is used in place (1x1 KCRS is KRSC)
+            xa, wa = True, wa or not self._w_in_place
         key = (xa, wa)
         l = self._specs.get(key)
         if l is None:
@@ -378,17 +384,20 @@ class Conv2dPlan:
             self._specs[key] = l
         return l
 
-    def _setup_transpose(self) -> None:
-        """The transpose path's scratch (an NHWC copy of x; a KRSC copy of w unless R = S = 1) and jobs."""
+    def _setup_prep(self) -> None:
+        """The prepared copies (scratch owned by the plan) and the one kernel that makes them: NCHW x -> NHWC
+        and KCRS w -> KRSC (transpose path), with C padded to the kernel's channel count where it is larger."""
         from ._transpose import Prepared, TransposeJob
-        pb = self.problem
+        pb, Ck = self.problem, self.kproblem.C
         es = DTYPE_SIZES[self.dtype]
-        jx = TransposeJob(pb.N, pb.C, pb.H * pb.W, es)
-        xs = _runtime.DeviceArray((pb.N, pb.H, pb.W, pb.C), self.dtype, self.device_id)
-        jw = ws = None
-        if pb.R * pb.S > 1:
-            jw = TransposeJob(pb.K, pb.C, pb.R * pb.S, es)
-            ws = _runtime.DeviceArray((pb.K, pb.R, pb.S, pb.C), self.dtype, self.device_id)
+        if pb.layout == "NCHW":
+            jx = TransposeJob(pb.N, pb.C, pb.H * pb.W, es, pitch=Ck)
+            jw = None if self._w_in_place else TransposeJob(pb.K, pb.C, pb.R * pb.S, es, pitch=Ck)
+        else:                                   # NHWC, channels padded
+            jx = TransposeJob(1, pb.C, pb.N * pb.H * pb.W, es, pitch=Ck, pad=True)
+            jw = TransposeJob(1, pb.C, pb.K * pb.R * pb.S, es, pitch=Ck, pad=True)
+        xs = _runtime.DeviceArray((pb.N, pb.H, pb.W, Ck), self.dtype, self.device_id)
+        ws = _runtime.DeviceArray((pb.K, pb.R, pb.S, Ck), self.dtype, self.device_id) if jw is not None else None
         prep = Prepared(self.device_id, jx, xs.ptr, jw, ws.ptr if ws is not None else 0)
         self._xpose = (prep, xs, ws)
 
@@ -613,6 +622,8 @@ class Conv2dPlan:
     def __repr__(self) -> str:
         pb = self.problem
         path = ", nchw_path='transpose'" if self.nchw_path == "transpose" else ""
+        if self.kproblem.C != pb.C:
+            path += f", channels padded to {self.kproblem.C}"
         return (f"Conv2dPlan(x={self.x_shape}, w={self.w_shape}, {self.dtype}, {self.layout}, stride={pb.stride}, "
                 f"padding={pb.padding}, dilation={pb.dilation}, epilogue={self.chain!r}{path})")
 
@@ -672,7 +683,10 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
         x: ``(N, C, H, W)`` (NCHW) or ``(N, H, W, C)`` (NHWC): torch/cupy/jax CUDA tensor or numpy array.
         w: ``(K, C, R, S)`` (NCHW) or ``(K, R, S, C)`` (NHWC), same dtype as x (fp16, bf16 or fp32).
         stride, padding, dilation: int or pair.
-        layout: ``"NCHW"`` or ``"NHWC"`` (x, w and y alike; no transposes).
+        layout: ``"NCHW"`` or ``"NHWC"`` (x, w and y alike). y is always written in ``layout`` by the
+            kernel's epilogue; 16-bit NCHW inputs (and 16-bit inputs with C < 8) are first copied to NHWC
+            (channels padded to 8) by one extra kernel, which measured faster end to end than gathering them
+            in place (see :class:`Conv2dPlan`'s ``nchw_path``/``pad_channels`` to choose).
         epilogue: ``igemm.epilogues`` op or chain fused into the store (BatchNorm, Bias, Add, ReLU, PReLU).
         residual: input of an ``Add`` in the chain (else the one given to ``ep.Add``).
         out, mask_out: preallocated outputs. precision: fp32 ``"strict"`` (default) or ``"tf32"``.

@@ -203,7 +203,8 @@ def test_nchw_path_choice():
     """16-bit NCHW with C % 8 == 0 runs the transpose path: an NHWC-gather kernel that stores NCHW."""
     from igemm._heuristics import kernel_problem, nchw_path
     assert nchw_path(_pb(layout="NCHW")) == "transpose"
-    assert nchw_path(_pb(layout="NCHW", C=3)) == "native"                     # conv1: no 16-byte gather
+    assert nchw_path(_pb(layout="NCHW", C=3)) == "transpose"                  # conv1: transposed and padded
+    assert nchw_path(_pb(layout="NCHW", C=12)) == "native"                    # no 16-byte gather either way
     assert nchw_path(_pb(layout="NCHW", dtype="float32", precision="strict")) == "native"
     assert nchw_path(_pb(layout="NCHW"), "native") == "native"
     assert nchw_path(_pb(), "transpose") == "native"                          # NHWC has nothing to transpose
@@ -224,6 +225,28 @@ def test_nchw_path_choice():
     w = np.random.default_rng(1).standard_normal((4, 8, 3, 3)).astype(np.float16)
     yt = Conv2dPlan(x.shape, w.shape, "float16", "NCHW", padding=1, device=None)(x, w)   # numpy backend
     assert rel_err(yt, reference.conv2d_direct(x, w, 1, 1, 1)) < 1e-2
+
+
+def test_channel_pad_choice():
+    """16-bit problems with C < 8 run on copies padded to 8 channels (16-byte gathers); fp32 and C >= 8 do not."""
+    from igemm._heuristics import kernel_channels, kernel_setup
+    assert kernel_setup(_pb(C=3, R=7, S=7))[1].C == 8
+    assert kernel_setup(_pb(C=3, R=7, S=7), pad=False)[1].C == 3
+    path, kp = kernel_setup(_pb(layout="NCHW", C=5))
+    assert (path, kp.layout, kp.y_layout, kp.C) == ("transpose", "NHWC", "NCHW", 8)
+    assert kernel_setup(_pb(layout="NCHW", C=5), "native")[1].C == 5          # native NCHW cannot pad
+    assert kernel_channels(_pb(C=3, dtype="float32", precision="tf32"), "native") == 3
+    assert kernel_channels(_pb(C=12), "native") == 12
+    with pytest.raises(ValueError, match="pad_channels"):
+        kernel_channels(_pb(C=3, dtype="float32", precision="tf32"), "native", True)
+    plan = Conv2dPlan((2, 17, 17, 3), (32, 7, 7, 3), "float16", "NHWC", 2, 3, device=None)
+    s = plan.spec(x_aligned=False, w_aligned=False)
+    assert (plan.kproblem.C, s.load_a, s.load_b) == (8, "vec", "vec") and "padded to 8" in repr(plan)
+    assert plan.y_shape == (2, 9, 9, 32)
+    x = np.random.default_rng(0).standard_normal((1, 6, 6, 3)).astype(np.float16)
+    w = np.random.default_rng(1).standard_normal((4, 3, 3, 3)).astype(np.float16)
+    y = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, device=None)(x, w)   # numpy backend
+    assert rel_err(y, reference.conv2d_direct(x, w, 1, 1, 1, "NHWC")) < 1e-2
 
 
 def test_plan_limits():
@@ -262,7 +285,7 @@ def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
     from igemm import _transpose
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     T = _transpose
-    for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.SCALAR64, T.VEC), (4, T.SCALAR16, T.SCALAR64)):
+    for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD)):
         cubin, _ = _build.compile_cubin(T._stub(e, a, b), arch, name=T._name(e, a, b))
         assert cubin[:4] == b"\x7fELF"
 
@@ -468,6 +491,43 @@ def test_gpu_nchw_paths(dtype, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_channel_pad(dtype, layout, rng):
+    """C < 8 on copies padded to 8 channels (and with the element gather, pad_channels=False): conv1-like
+    7x7/2, C = 1, 5, 7, a misaligned x, BN+Add+ReLU(mask); y and mask poisoned first."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    for xs, ws, st, pd, xoff in [((2, 3, 37, 41), (16, 3, 7, 7), 2, 3, 0), ((2, 1, 9, 9), (7, 1, 3, 3), 1, 1, 1),
+                                 ((3, 5, 8, 8), (9, 5, 3, 3), 1, 1, 0), ((1, 7, 6, 5), (40, 7, 1, 1), 1, 0, 1)]:
+        x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+        xb = to_torch(np.concatenate([np.zeros(8), x64.ravel()]), dtype)
+        x = xb[8 - xoff:8 - xoff + x64.size].view(x64.shape)
+        w = to_torch(w64, dtype)
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, layout)
+        K = ws[0]
+        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        res = to_torch(rng.standard_normal(ref.shape), dtype)
+        cshape = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
+        sc = (to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)).reshape(cshape)
+        pre = (ref - to_numpy(m_).reshape(cshape)) * sc + to_numpy(b_).reshape(cshape) + to_numpy(res)
+        for pad in (None, False):
+            plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad)
+            assert (plan.kproblem.C == 8) == (pad is None), plan
+            for _ in range(2):
+                y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+                err = rel_err(to_numpy(y), ref)
+                assert err <= TOL[dtype], f"pad={pad} {layout} {xs}: {plan.spec().name()} {err}"
+            fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad,
+                               epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+            mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
+            y, m = fused(x, w, residual=res, mask_out=mo,
+                         out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+            assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= TOL[dtype], f"pad={pad} fused {layout} {xs}"
+            assert torch.equal(m, igemm.relu_mask(y))
+
+
+@pytest.mark.gpu
 def test_gpu_nchw_transpose_path_in_graph(rng):
     """The transpose path (two launches) captured in a CUDA graph, replayed on new inputs."""
     torch = pytest.importorskip("torch")
@@ -502,6 +562,22 @@ def test_gpu_transpose_kernel(rng):
     for dt, (B, R, C) in [(torch.float16, (3, 64, 3136)), (torch.bfloat16, (2, 72, 196)),
                           (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8)),
                           (torch.float16, (3, 300, 16)), (torch.float32, (2, 513, 1)), (torch.float16, (2, 9, 17))]:
+        for pitch in {R, R + 5}:                                 # zero-filled channels past R
+            a = torch.randn(B, R, C, device="cuda").to(dt)
+            o = torch.full((B, C, pitch), float("nan"), device="cuda", dtype=dt)
+            es = a.element_size()
+            _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream,
+                                   _transpose.TransposeJob(B, R, C, es, pitch=pitch), a.data_ptr(), o.data_ptr())
+            p = torch.cat([a.transpose(1, 2), torch.zeros(B, C, pitch - R, device="cuda", dtype=dt)], 2)
+            torch.cuda.synchronize()
+            assert torch.equal(o, p), (dt, B, R, C, pitch)
+            pa = torch.full((C * B, pitch), float("nan"), device="cuda", dtype=dt)   # channel pad of B*C pixels
+            src = a.reshape(B * C, R)                            # the same memory as B*C pixels of R channels
+            _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream,
+                                   _transpose.TransposeJob(1, R, B * C, es, pitch=pitch, pad=True), src.data_ptr(),
+                                   pa.data_ptr())
+            torch.cuda.synchronize()
+            assert torch.equal(pa[:, :R], src) and not pa[:, R:].any(), (dt, B, R, C, pitch, "pad")
         es = torch.tensor([], dtype=dt).element_size()
         a = torch.randn(B, R, C, device="cuda").to(dt)
         b = torch.randn(2, 24, 40, device="cuda").to(dt)

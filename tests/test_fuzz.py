@@ -157,6 +157,8 @@ MAINLOOP = {
     "vec_shallow": [(8, 1, 1), (16, 1, 1), (32, 1, 1)],
     "gather": [(1, 1, 1), (3, 1, 1), (5, 1, 1), (1, 3, 3), (3, 3, 3), (1, 1, 3), (3, 3, 1), (5, 1, 3), (1, 5, 5)],
     "gather_deep": [(3, 7, 7), (5, 5, 7), (1, 13, 13)],
+    # 16-bit C < 8: copies padded to 8 channels (auto); "gather*" cells turn the pad off (pad_channels=False)
+    "padded": [(1, 3, 3), (3, 3, 3), (5, 3, 3), (7, 1, 1), (3, 3, 1), (6, 1, 5)],
 }
 #: NHWC store classes by K (every K > 128 is "rows" for every tile width in use: 64, 128):
 #: lin: K <= 64 (the CTA owns whole output rows; K % 8 != 0 wraps rows inside a vector),
@@ -216,7 +218,9 @@ def conv_cells(pid: str, layout: str, chain: str) -> list[tuple[str, str]]:
         stores = ["pq32", "pq_vec", "pq_pair", "pq_scalar"]
         fused, unfused = ["pq32"], ["pq_vec", "pq_pair", "pq_scalar"]
     if chain == "none":
-        return [(ml, stores[(k + j) % len(stores)]) for k, ml in enumerate(MAINLOOP)]
+        fp32 = next(p for p in CONV_PATHS if p[0] == pid)[1] == "float32"
+        return [(ml, stores[(k + j) % len(stores)]) for k, ml in enumerate(MAINLOOP)
+                if not (fp32 and ml == "padded")]          # fp32 is never padded: that cell is "gather"
     ml = ["vec_deep", "vec_shallow"][(i + j) % 2]
     if chain in _MASK_CHAINS:
         return [(ml, fused[(i + j) % len(fused)]), (ml, unfused[(i + j) % len(unfused)])]
@@ -262,6 +266,11 @@ class ConvCase:
     def res_dtype(self):
         return _other_dtype(self.dtype) if self.chain == "add_res_relu_mask" else self.dtype
 
+    @property
+    def pad_channels(self):
+        """The gather cells test the element gather: no channel padding (a no-op for fp32)."""
+        return False if self.cell[0].startswith("gather") else None
+
     def config(self):
         cfg = {}
         if self.math:
@@ -296,7 +305,8 @@ def gen_conv_case(D, item) -> ConvCase:
     W = _in_size(Q, S, st_[1], pd[1], dl[1], D.int(0, st_[1] - 1))
     kt = -(-(C * R * S) // 64)                     # k-tiles at the widest BK in use: any split fits every path
     splits = min(D.pick([1, 1, 2, 3]), kt)
-    api = "plan" if (math or splits > 1) else D.pick(["function", "plan"])
+    # the function API pads small C (16-bit): cells that test the element gather use a plan
+    api = "plan" if (math or splits > 1 or ml.startswith("gather")) else D.pick(["function", "plan"])
     # a misaligned x adds the narrow-load variant of a kernel: only where the loads are element gathers
     # anyway (NCHW, gather cells) or on the plain chain
     x_off = D.pick([0, 1]) if (chain == "none" or layout == "NCHW" or ml.startswith("gather")) else 0
@@ -313,7 +323,7 @@ def conv_case_spec(case: ConvCase):
     chain = ep.chain(*[_skeleton(o) for o in (_chain_ops(case))])
     plan = Conv2dPlan(case.x_shape, case.w_shape, case.dtype, case.layout, case.stride, case.padding, case.dilation,
                       chain, case.precision, case.res_dtype if chain.residual_op else None, device=None,
-                      config=case.config(), _skeleton=True)
+                      config=case.config(), pad_channels=case.pad_channels, _skeleton=True)
     return plan.spec(x_aligned=case.x_offset == 0)
 
 
@@ -395,7 +405,7 @@ def run_conv_case(torch, case: ConvCase) -> None:
     else:
         plan = Conv2dPlan(x.shape, w.shape, case.dtype, case.layout, case.stride, case.padding, case.dilation,
                           chain if chain.ops else None, case.precision,
-                          case.res_dtype if has_res else None, config=case.config())
+                          case.res_dtype if has_res else None, config=case.config(), pad_channels=case.pad_channels)
         if case.splits > 1:
             assert plan.spec().splits == case.splits, label
         if case.math:

@@ -28,21 +28,24 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--epilogue", default="none", choices=["none", "bn_relu_mask"])
+    ap.add_argument("--layers", default="", help="comma-separated layer indices (default: all)")
     args = ap.parse_args(argv)
     from bench_conv import CONFIGS, RESNET50
 
     from igemm import _build
     from igemm import epilogues as ep
-    from igemm._heuristics import ConvProblem, candidates
+    from igemm._heuristics import ConvProblem, candidates, kernel_setup
     from igemm.conv2d import _stub
     chain = ep.chain() if args.epilogue == "none" else ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True))
     work = []
     for cfg in args.configs.split(","):
         dtype, layout, precision, _ = CONFIGS[cfg]
-        for name, C, K, H, R, st, pd in RESNET50:
+        layers = [RESNET50[int(i)] for i in args.layers.split(",")] if args.layers else RESNET50
+        for name, C, K, H, R, st, pd in layers:
             pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
                              precision if dtype == "float32" else "tensorop", chain.signature())
-            work.append((cfg, name, pb, candidates(pb, args.arch)))
+            # the kernel's own problem (NCHW: the transpose path's NHWC-in/NCHW-out kernel where it applies)
+            work.append((cfg, name, pb, candidates(kernel_setup(pb)[1], args.arch)))
     specs = {s: _stub(s) for _, _, _, cs in work for s in cs}
     print(f"{len(specs)} distinct kernels", flush=True)
 

@@ -168,11 +168,11 @@ def _store(pb: ConvProblem, bn: int) -> tuple[str, int, bool]:
 NCHW_PATHS = ("auto", "native", "transpose")
 
 
-def nchw_path(pb: ConvProblem, requested: str = "auto") -> str:
+def nchw_path(pb: ConvProblem, requested: str = "auto", pad: bool | None = None) -> str:
     """How an NCHW problem runs: ``"native"`` (the NCHW gather: one 2-byte element per load for 16-bit
     types) or ``"transpose"`` (x and w transposed to NHWC/KRSC in one kernel, the 16-byte NHWC gather,
     NCHW stores from the epilogue). ``auto``: transpose for 16-bit types whose C allows 16-byte loads
-    (C % 8 == 0) or is padded to 8 (C < 8, see :func:`kernel_channels`); measured on an H200 in
+    (C % 8 == 0), or that are padded (``pad=True``, see :func:`kernel_channels`); measured on an H200 in
     benchmarks/bench_conv.py (notes/perf.md). NHWC: always native."""
     if requested not in NCHW_PATHS:
         raise ValueError(f"nchw_path: expected one of {NCHW_PATHS}, got {requested!r}")
@@ -180,18 +180,19 @@ def nchw_path(pb: ConvProblem, requested: str = "auto") -> str:
         return "native"
     if requested != "auto":
         return requested
-    return "transpose" if DTYPE_SIZES[pb.dtype] == 2 and (pb.C % 8 == 0 or pb.C < 8) else "native"
+    return "transpose" if DTYPE_SIZES[pb.dtype] == 2 and (pb.C % 8 == 0 or (pad and pb.C < 8)) else "native"
 
 
 def kernel_channels(pb: ConvProblem, path: str, pad: bool | None = None) -> int:
-    """The channel count the conv kernel sees: 8 when a 16-bit problem with C < 8 has its x and w copied
-    with zero channels added (``pad`` None = auto, True, False), so the gather uses 16-byte loads instead
-    of element loads; else C. The copy needs the NHWC side: an NCHW problem pads on its transpose path."""
-    if pad is False or DTYPE_SIZES[pb.dtype] != 2 or pb.C >= 8 or (pb.layout == "NCHW" and path != "transpose"):
-        if pad and pb.C < 8:
-            raise ValueError("pad_channels=True needs a 16-bit problem with C < 8 (and, for NCHW, the transpose "
-                             "path)")
+    """The channel count the conv kernel sees: 8 when a 16-bit problem with C < 8 is run on copies of x
+    and w with zero channels added (``pad=True``; the gather then uses 16-byte loads instead of element
+    loads), else C. Opt-in: on an H200 the padded conv1 (7x7/2, C = 3 -> 8) measured slower than the
+    element gather (218 vs 162 us NHWC; the padded GEMM does 8/3 of the work). The copy needs the NHWC
+    side: an NCHW problem pads on its transpose path."""
+    if not pad:
         return pb.C
+    if DTYPE_SIZES[pb.dtype] != 2 or pb.C >= 8 or (pb.layout == "NCHW" and path != "transpose"):
+        raise ValueError("pad_channels=True needs a 16-bit problem with C < 8 (and, for NCHW, the transpose path)")
     return 8
 
 
@@ -208,7 +209,7 @@ def kernel_problem(pb: ConvProblem, path: str, channels: int | None = None) -> C
 
 def kernel_setup(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None) -> tuple[str, ConvProblem]:
     """(NCHW path, the kernel's problem) for a plan's problem and its options."""
-    path = nchw_path(pb, nchw)
+    path = nchw_path(pb, nchw, pad)
     return path, kernel_problem(pb, path, kernel_channels(pb, path, pad))
 
 
@@ -234,7 +235,11 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # layers (tools/sweep.py, notes/perf.md); 64 columns when that is what fills the GPU.
         math, bk, wn, bm, wm = "wgmma", 64, 1, 64, 1
         bn = 64 if K <= 64 else 128
-        if bn == 128 and -(-M // bm) * -(-K // bn) < 2 * sms:
+        # 64 columns when that is what fills the GPU -- unless the reduction is deep and 128 columns
+        # still give half a wave (3x3 512->512 @7, N=32, Kred 4608, 100 tiles: 64x128 31 us, 64x64 37 us;
+        # tools/sweep.py on an H200)
+        tiles128 = -(-M // bm) * -(-K // bn)
+        if bn == 128 and tiles128 < 2 * sms and not (pb.Kred >= 4096 and 2 * tiles128 >= sms):
             bn = 64
         stages = 4 if bn == 64 else 3
     else:

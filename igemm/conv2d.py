@@ -252,11 +252,13 @@ class Conv2dPlan:
         nchw_path: NCHW only: ``"auto"`` (default), ``"native"`` (the NCHW gather) or ``"transpose"`` (x and
             w are transposed to NHWC/KRSC by one extra kernel into plan-owned scratch, then gathered with
             16-byte loads; y is still stored NCHW by the epilogue). ``auto`` takes the transpose path for
-            16-bit types with C % 8 == 0 (faster on every such ResNet-50 layer measured, notes/perf.md).
+            16-bit types with C % 8 == 0 (faster on every such ResNet-50 layer measured, notes/perf.md)
+            and with ``pad_channels=True``.
             The scratch makes concurrent calls of one such plan on different streams unsafe (as split-K's).
-        pad_channels: 16-bit with C < 8 (conv1's C = 3): copy x and w with C padded to 8 zero channels
-            (one extra kernel, plan-owned scratch; on the transpose path for NCHW) so the gather uses
-            16-byte loads. ``None`` (default): do it; ``False``: the element gather.
+        pad_channels: ``True``: 16-bit with C < 8 (conv1's C = 3) runs on copies of x and w with C padded
+            to 8 zero channels (one extra kernel, plan-owned scratch; on the transpose path for NCHW), so
+            the gather uses 16-byte loads. Off by default: on an H200 the padded conv1 measured slower
+            than the element gather (notes/perf.md).
 
     Example::
 
@@ -684,9 +686,9 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
         w: ``(K, C, R, S)`` (NCHW) or ``(K, R, S, C)`` (NHWC), same dtype as x (fp16, bf16 or fp32).
         stride, padding, dilation: int or pair.
         layout: ``"NCHW"`` or ``"NHWC"`` (x, w and y alike). y is always written in ``layout`` by the
-            kernel's epilogue; 16-bit NCHW inputs (and 16-bit inputs with C < 8) are first copied to NHWC
-            (channels padded to 8) by one extra kernel, which measured faster end to end than gathering them
-            in place (see :class:`Conv2dPlan`'s ``nchw_path``/``pad_channels`` to choose).
+            kernel's epilogue; 16-bit NCHW inputs with C % 8 == 0 are first copied to NHWC by one extra
+            kernel, which measured faster end to end than gathering them
+            in place (see :class:`Conv2dPlan`'s ``nchw_path`` to choose).
         epilogue: ``igemm.epilogues`` op or chain fused into the store (BatchNorm, Bias, Add, ReLU, PReLU).
         residual: input of an ``Add`` in the chain (else the one given to ``ep.Add``).
         out, mask_out: preallocated outputs. precision: fp32 ``"strict"`` (default) or ``"tf32"``.

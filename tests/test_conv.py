@@ -171,6 +171,8 @@ def test_split_k_choice():
     assert s.splits > 1 and tiles * s.splits >= 132
     assert choose_config(_pb()).splits == 1                              # 3x3 64->64 @56 fills the GPU
     assert choose_config(_pb(H=7, W=7, C=8, K=512)).splits == 1           # too few k-tiles to split
+    deep = choose_config(_pb(H=7, W=7, C=512, K=512))                        # ResNet-50 3x3 512 @7, N=32
+    assert (deep.bn, deep.splits) == (128, 1)                                # measured: 31 vs 37 us (bn 64)
 
 
 def test_candidates_are_valid():
@@ -203,7 +205,8 @@ def test_nchw_path_choice():
     """16-bit NCHW with C % 8 == 0 runs the transpose path: an NHWC-gather kernel that stores NCHW."""
     from igemm._heuristics import kernel_problem, nchw_path
     assert nchw_path(_pb(layout="NCHW")) == "transpose"
-    assert nchw_path(_pb(layout="NCHW", C=3)) == "transpose"                  # conv1: transposed and padded
+    assert nchw_path(_pb(layout="NCHW", C=3)) == "native"                     # conv1 (unless padded)
+    assert nchw_path(_pb(layout="NCHW", C=3), pad=True) == "transpose"
     assert nchw_path(_pb(layout="NCHW", C=12)) == "native"                    # no 16-byte gather either way
     assert nchw_path(_pb(layout="NCHW", dtype="float32", precision="strict")) == "native"
     assert nchw_path(_pb(layout="NCHW"), "native") == "native"
@@ -228,24 +231,26 @@ def test_nchw_path_choice():
 
 
 def test_channel_pad_choice():
-    """16-bit problems with C < 8 run on copies padded to 8 channels (16-byte gathers); fp32 and C >= 8 do not."""
+    """pad_channels=True: 16-bit problems with C < 8 run on copies padded to 8 channels (16-byte gathers)."""
     from igemm._heuristics import kernel_channels, kernel_setup
-    assert kernel_setup(_pb(C=3, R=7, S=7))[1].C == 8
-    assert kernel_setup(_pb(C=3, R=7, S=7), pad=False)[1].C == 3
-    path, kp = kernel_setup(_pb(layout="NCHW", C=5))
+    assert kernel_setup(_pb(C=3, R=7, S=7))[1].C == 3                         # opt-in (measured slower)
+    assert kernel_setup(_pb(C=3, R=7, S=7), pad=True)[1].C == 8
+    path, kp = kernel_setup(_pb(layout="NCHW", C=5), pad=True)
     assert (path, kp.layout, kp.y_layout, kp.C) == ("transpose", "NHWC", "NCHW", 8)
-    assert kernel_setup(_pb(layout="NCHW", C=5), "native")[1].C == 5          # native NCHW cannot pad
+    with pytest.raises(ValueError, match="pad_channels"):
+        kernel_setup(_pb(layout="NCHW", C=5), "native", True)                 # native NCHW cannot pad
     assert kernel_channels(_pb(C=3, dtype="float32", precision="tf32"), "native") == 3
-    assert kernel_channels(_pb(C=12), "native") == 12
     with pytest.raises(ValueError, match="pad_channels"):
         kernel_channels(_pb(C=3, dtype="float32", precision="tf32"), "native", True)
-    plan = Conv2dPlan((2, 17, 17, 3), (32, 7, 7, 3), "float16", "NHWC", 2, 3, device=None)
+    with pytest.raises(ValueError, match="pad_channels"):
+        kernel_channels(_pb(C=12), "native", True)
+    plan = Conv2dPlan((2, 17, 17, 3), (32, 7, 7, 3), "float16", "NHWC", 2, 3, device=None, pad_channels=True)
     s = plan.spec(x_aligned=False, w_aligned=False)
     assert (plan.kproblem.C, s.load_a, s.load_b) == (8, "vec", "vec") and "padded to 8" in repr(plan)
     assert plan.y_shape == (2, 9, 9, 32)
     x = np.random.default_rng(0).standard_normal((1, 6, 6, 3)).astype(np.float16)
     w = np.random.default_rng(1).standard_normal((4, 3, 3, 3)).astype(np.float16)
-    y = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, device=None)(x, w)   # numpy backend
+    y = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, device=None, pad_channels=True)(x, w)  # numpy
     assert rel_err(y, reference.conv2d_direct(x, w, 1, 1, 1, "NHWC")) < 1e-2
 
 
@@ -494,7 +499,7 @@ def test_gpu_nchw_paths(dtype, rng):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_channel_pad(dtype, layout, rng):
-    """C < 8 on copies padded to 8 channels (and with the element gather, pad_channels=False): conv1-like
+    """C < 8 on copies padded to 8 channels (pad_channels=True), and with the element gather: conv1-like
     7x7/2, C = 1, 5, 7, a misaligned x, BN+Add+ReLU(mask); y and mask poisoned first."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
@@ -511,9 +516,9 @@ def test_gpu_channel_pad(dtype, layout, rng):
         cshape = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
         sc = (to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)).reshape(cshape)
         pre = (ref - to_numpy(m_).reshape(cshape)) * sc + to_numpy(b_).reshape(cshape) + to_numpy(res)
-        for pad in (None, False):
+        for pad in (True, None):
             plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad)
-            assert (plan.kproblem.C == 8) == (pad is None), plan
+            assert (plan.kproblem.C == 8) == bool(pad), plan
             for _ in range(2):
                 y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
                 err = rel_err(to_numpy(y), ref)

@@ -157,7 +157,7 @@ MAINLOOP = {
     "vec_shallow": [(8, 1, 1), (16, 1, 1), (32, 1, 1)],
     "gather": [(1, 1, 1), (3, 1, 1), (5, 1, 1), (1, 3, 3), (3, 3, 3), (1, 1, 3), (3, 3, 1), (5, 1, 3), (1, 5, 5)],
     "gather_deep": [(3, 7, 7), (5, 5, 7), (1, 13, 13)],
-    # 16-bit C < 8: copies padded to 8 channels (auto); "gather*" cells turn the pad off (pad_channels=False)
+    # 16-bit C < 8 on copies padded to 8 channels (pad_channels=True)
     "padded": [(1, 3, 3), (3, 3, 3), (5, 3, 3), (7, 1, 1), (3, 3, 1), (6, 1, 5)],
 }
 #: NHWC store classes by K (every K > 128 is "rows" for every tile width in use: 64, 128):
@@ -268,8 +268,8 @@ class ConvCase:
 
     @property
     def pad_channels(self):
-        """The gather cells test the element gather: no channel padding (a no-op for fp32)."""
-        return False if self.cell[0].startswith("gather") else None
+        """The padded cells run on channel-padded copies (an opt-in of the plan API)."""
+        return True if self.cell[0] == "padded" else None
 
     def config(self):
         cfg = {}
@@ -305,8 +305,8 @@ def gen_conv_case(D, item) -> ConvCase:
     W = _in_size(Q, S, st_[1], pd[1], dl[1], D.int(0, st_[1] - 1))
     kt = -(-(C * R * S) // 64)                     # k-tiles at the widest BK in use: any split fits every path
     splits = min(D.pick([1, 1, 2, 3]), kt)
-    # the function API pads small C (16-bit): cells that test the element gather use a plan
-    api = "plan" if (math or splits > 1 or ml.startswith("gather")) else D.pick(["function", "plan"])
+    # channel padding is a plan option: the padded cells use a plan
+    api = "plan" if (math or splits > 1 or ml == "padded") else D.pick(["function", "plan"])
     # a misaligned x adds the narrow-load variant of a kernel: only where the loads are element gathers
     # anyway (NCHW, gather cells) or on the plain chain
     x_off = D.pick([0, 1]) if (chain == "none" or layout == "NCHW" or ml.startswith("gather")) else 0

@@ -83,7 +83,7 @@ def bn_vecs(K):
 
 # ------------------------------------------------------------------------------------------ conv
 def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precision="strict", config=None,
-          x_offset=0, residual_dtype=None):
+          x_offset=0, residual_dtype=None, **plan_kw):
     x_np = randn(*xs)
     w_np = randn(*ws) / np.sqrt(np.prod(ws[1:]))
     x, w = dev(x_np, dtype, x_offset), dev(w_np, dtype)
@@ -98,7 +98,7 @@ def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precisio
     c = ep.chain(*ops)
     plan = igemm.Conv2dPlan(x.shape, w.shape, dtype, layout, stride, padding, epilogue=c if ops else None,
                             precision=precision, residual_dtype=residual_dtype if c.residual_op else None,
-                            config=config)
+                            config=config, **plan_kw)
     spec = plan.spec(x_aligned=x_offset == 0)
     r = plan(x, w)
     y, mask = r if c.mask else (r, None)
@@ -134,6 +134,15 @@ CONV = {
                                            padding=1, chain="add_relu_mask", residual_dtype="float32"),
     "misaligned_x_nhwc": lambda: _conv("misaligned x", "float16", "NHWC", (2, 6, 6, 16), (32, 3, 3, 16), padding=1,
                                        x_offset=1),
+    # NCHW transpose path with 16-byte tiles (H*W % 8 == 0), the native NCHW gather, channel padding
+    "transpose_vec_nchw_mask": lambda: _conv("transpose vec", "float16", "NCHW", (2, 64, 8, 8), (72, 64, 3, 3),
+                                             padding=1, chain="bn_relu_mask"),
+    "native_nchw_fp16": lambda: _conv("native NCHW", "float16", "NCHW", (2, 16, 8, 8), (24, 16, 3, 3), padding=1,
+                                      nchw_path="native"),
+    "padded_c3_nchw": lambda: _conv("padded C=3", "bfloat16", "NCHW", (2, 3, 17, 17), (32, 3, 7, 7), stride=2,
+                                    padding=3, chain="bn_relu_mask", pad_channels=True),
+    "padded_c3_nhwc": lambda: _conv("padded C=3", "float16", "NHWC", (2, 17, 17, 3), (32, 7, 7, 3), stride=2,
+                                    padding=3, pad_channels=True),
 }
 
 

@@ -7,8 +7,7 @@
 //   check          first position i with index[i] outside [0, D) -> atomicMin into a status word
 //                  (the host keeps it at UINT64_MAX between calls: no memset on the good path)
 //   few            N <= kFewMax: the block stages the (validated) indices in shared memory once; one
-//                  thread per (o, k-pack) column (a block owns a contiguous range of columns) sweeps all
-//                  N indices, U source packs in flight. A column
+//                  thread per (o, k-pack) column sweeps all N indices, U source packs in flight. A column
 //                  is owned by one thread, so both variants are race-free whatever the duplicates:
 //                  Atomic: fire-and-forget vector reductions into x (no load round trip);
 //                  !Atomic: plain read-modify-write in index order (the default, and deterministic); when
@@ -226,12 +225,7 @@ __device__ void few(const Params& p) {
   // element is touched once, so loads and stores are evict-first (.cs)
   const bool distinct = !Atomic && !s_dup;
   constexpr int UD = 8;
-  // each block sweeps one contiguous range of columns (whole rows segments of x and src stay together
-  // in DRAM pages), its threads striding through it
-  const int64_t per_block = (p.cols + gridDim.x - 1) / gridDim.x;
-  const int64_t span = (per_block + blockDim.x - 1) / blockDim.x * blockDim.x;
-  const int64_t c_end = min(p.cols, int64_t(blockIdx.x + 1) * span);
-  for (int64_t c = int64_t(blockIdx.x) * span + threadIdx.x; c < c_end; c += blockDim.x) {
+  for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
     int64_t o, kv;
     if constexpr (Wide) {
       o = c / p.kv64;

@@ -1,0 +1,66 @@
+"""Where a plan call's host time goes: each piece of the fp16 NHWC plan call timed alone (perf_counter,
+best of 5 rounds of N calls; the GPU queue is drained between rounds).
+
+    python tools/host_micro.py [N]
+"""
+import ctypes
+import sys
+import time
+
+import torch
+
+import igemm
+from igemm import _runtime
+
+
+def t(fn, n):
+    best = 1e9
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    torch.cuda.synchronize()
+    return best * 1e6
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    from cuda.bindings import driver
+    xl = torch.randn(8, 14, 14, 64, device="cuda", dtype=torch.float16)
+    w = torch.randn(64, 3, 3, 64, device="cuda", dtype=torch.float16)
+    plan = igemm.Conv2dPlan(tuple(xl.shape), tuple(w.shape), "float16", "NHWC", padding=1, device=0)
+    y = plan(xl, w)
+    launcher, spec, ws = plan._specs[(True, True)]
+    h = torch.cuda.current_stream().cuda_stream
+    raw = plan.__call__.__wrapped__
+    lib = ctypes.CDLL("libcuda.so.1")
+    f = lib.cuLaunchKernel
+    f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    fn = int(launcher.func)
+    g, b = launcher.grid, launcher.block
+    args = plan._args
+    ctx = ctypes.c_void_p()
+    rows = [
+        ("plan call (decorated)", lambda: plan(xl, w, out=y)),
+        ("plan call, no context decorator", lambda: raw(plan, xl, w, out=y)),
+        ("plan._launch only", lambda: plan._launch(h, launcher, spec, ws, xl.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0, None)),
+        ("Launcher call", lambda: launcher(h, args)),
+        ("cuLaunchKernel via cuda.bindings", lambda: driver.cuLaunchKernel(launcher.func, *g, *b, launcher.smem,
+                                                                          driver.CUstream(h), args.address, 0)),
+        ("cuLaunchKernel via ctypes", lambda: f(fn, *g, *b, launcher.smem, h, args.address, None)),
+        ("cuCtxGetCurrent via cuda.bindings", lambda: driver.cuCtxGetCurrent()),
+        ("cuCtxGetCurrent via ctypes", lambda: lib.cuCtxGetCurrent(ctypes.byref(ctx))),
+        ("_runtime.device(0)", lambda: _runtime.device(0)),
+        ("torch current raw stream", lambda: torch._C._cuda_getCurrentRawStream(0)),
+        ("3 data_ptr() + 2 is_contiguous()", lambda: (xl.data_ptr(), w.data_ptr(), y.data_ptr(), xl.is_contiguous(),
+                                                      w.is_contiguous())),
+    ]
+    print("| piece | host us per call |\n|---|---|")
+    for name, fn_ in rows:
+        print(f"| {name} | {t(fn_, n):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

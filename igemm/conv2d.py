@@ -9,6 +9,7 @@ numbers). Calling it only checks the tensors against the plan, binds pointers an
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections import OrderedDict
 
@@ -127,13 +128,13 @@ def torch_empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _overlaps(yp: int, nb: int, *tensors) -> bool:
-    for t in tensors:
-        if t is not None:
-            lo = t.data_ptr()
-            if lo < yp + nb and yp < lo + t.numel() * t.element_size():
-                return True
-    return False
+def _apart(p: int, n: int, *extents) -> bool:
+    """Whether bytes [p, p+n) overlap none of the (pointer, nbytes) pairs in ``extents`` (0 pointers skipped)."""
+    for i in range(0, len(extents), 2):
+        q = extents[i]
+        if q and q < p + n and p < q + extents[i + 1]:
+            return False
+    return True
 
 
 def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
@@ -494,7 +495,7 @@ class Conv2dPlan:
         return y_res
 
     def _launch(self, stream: int, launcher, spec, ws, x, w, y, res, mask, folded) -> None:
-        _runtime.device(self.device_id)   # a thread that never touched CUDA has no current context yet
+        # (no device() here: each Launcher makes its own context current, e.g. on a thread that never touched CUDA)
         sl = self._slot
         with self._lock:   # one plan may be called from several threads
             if self._xpose is not None:        # NCHW transpose path: x (and w) into the plan's scratch
@@ -538,23 +539,29 @@ class Conv2dPlan:
         tdt = getattr(torch, self.dtype)
         rdt = getattr(torch, self.problem.residual_dtype) if self.problem.residual_dtype else None
         dev = torch.device("cuda", self.device_id)
-        nb = self.numel_y * DTYPE_SIZES[self.dtype]
+        es = DTYPE_SIZES[self.dtype]
+        nb = self.numel_y * es
+        rnb = self.numel_y * DTYPE_SIZES[self.problem.residual_dtype] if rdt is not None else 0
+        xnb, wnb = math.prod(self.x_shape) * es, math.prod(self.w_shape) * es
         self._fast = (torch.Tensor, tdt, rdt, dev, torch.Size(self.x_shape), torch.Size(self.w_shape),
-                      torch.Size(self.y_shape), nb, torch.int32, torch._C._cuda_getCurrentRawStream)
+                      torch.Size(self.y_shape), nb, torch.int32, torch._C._cuda_getCurrentRawStream,
+                      self.device_id, xnb, wnb, rnb, self.chain.residual_op, self.chain.mask)
 
     def _call_torch(self, x, w, out, residual, mask_out, stream, folded):
-        T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur = self._fast
-        if (type(w) is not T or x.dtype is not tdt or w.dtype is not tdt or x.device != dev or w.device != dev
-                or x.shape != xs or w.shape != ws_ or not x.is_contiguous() or not w.is_contiguous()):
+        # checked with ints and cached sizes (tensor.device builds an object per access; the plan fixes
+        # every shape, so byte extents for the overlap checks are constants)
+        T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask = self._fast
+        if (type(w) is not T or x.dtype is not tdt or w.dtype is not tdt or x.get_device() != di
+                or w.get_device() != di or x.shape != xs or w.shape != ws_ or not x.is_contiguous()
+                or not w.is_contiguous()):
             return None
-        res_op = self.chain.residual_op
         if residual is None and res_op is not None:
             residual = res_op.residual
         if (residual is None) != (res_op is None):
             return None
         rp = 0
         if residual is not None:
-            if (type(residual) is not T or residual.dtype is not rdt or residual.device != dev
+            if (type(residual) is not T or residual.dtype is not rdt or residual.get_device() != di
                     or residual.shape != ys or not residual.is_contiguous()):
                 return None
             rp = residual.data_ptr()
@@ -565,21 +572,21 @@ class Conv2dPlan:
             out = torch_empty(ys, tdt, dev)
             yp = out.data_ptr()
         else:
-            if (type(out) is not T or out.dtype is not tdt or out.device != dev or out.shape != ys
+            if (type(out) is not T or out.dtype is not tdt or out.get_device() != di or out.shape != ys
                     or not out.is_contiguous()):
                 return None
             yp = out.data_ptr()
-            if yp % 16 or _overlaps(yp, nb, x, w, residual):
+            if yp % 16 or not _apart(yp, nb, xp, xnb, wp, wnb, rp, rnb):
                 return None
         mp = 0
-        if self.chain.mask:
+        if want_mask:
             if mask_out is None:
                 mask_out = torch_empty((self.mask_words,), i32, dev)
-            elif (type(mask_out) is not T or mask_out.dtype is not i32 or mask_out.device != dev
+            elif (type(mask_out) is not T or mask_out.dtype is not i32 or mask_out.get_device() != di
                   or mask_out.dim() != 1 or mask_out.shape[0] < self.mask_words or not mask_out.is_contiguous()):
                 return None
             mp = mask_out.data_ptr()
-            if _overlaps(mp, self.mask_words * 4, x, w, residual, out):
+            if not _apart(mp, self.mask_words * 4, xp, xnb, wp, wnb, rp, rnb, yp, nb):
                 return None
         elif mask_out is not None:
             return None
@@ -587,7 +594,7 @@ class Conv2dPlan:
                                                                                                 wp % 16 == 0)
         h = cur(self.device_id) if stream is None else _runtime.stream_handle(stream, "torch", self.device_id)
         self._launch(h, launcher, spec, wsp, xp, wp, yp, rp, mp, folded)
-        return (out, mask_out) if self.chain.mask else out
+        return (out, mask_out) if want_mask else out
 
     def _check(self, t: Tensor, name: str, shape, dtype) -> None:
         if tuple(t.shape) != shape:

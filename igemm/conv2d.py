@@ -320,6 +320,7 @@ class Conv2dPlan:
         self._fast = None
         self._ktab = None
         self._xpose = None
+        self._split_args = None          # the launcher whose split-K values are in the argument buffer
         if device is not None:
             self._primary = self.spec()
             self._args = self._scalar_args()
@@ -511,11 +512,13 @@ class Conv2dPlan:
             u[sl["y"]] = y
             u[sl["residual"]] = res
             u[sl["mask"]] = mask
-            if ws is not None:
-                u[sl["ws"]], u[sl["counters"]] = ws[0].ptr, ws[1].ptr
-                a.i32[2 * sl["splits"]], a.i32[2 * sl["kt_per_split"]] = spec.splits, ws[2]
-            else:
-                a.i32[2 * sl["splits"]], a.i32[2 * sl["kt_per_split"]] = 1, 1 << 30
+            if self._split_args is not launcher:     # split-K slots: rewritten when the launcher changes
+                if ws is not None:
+                    u[sl["ws"]], u[sl["counters"]] = ws[0].ptr, ws[1].ptr
+                    a.i32[2 * sl["splits"]], a.i32[2 * sl["kt_per_split"]] = spec.splits, ws[2]
+                else:
+                    a.i32[2 * sl["splits"]], a.i32[2 * sl["kt_per_split"]] = 1, 1 << 30
+                self._split_args = launcher
             if folded is not None:
                 u[sl["scale"]], u[sl["shift"]], u[sl["alpha"]] = folded.ptr_args()
                 a.f32[2 * sl["alpha_scalar"]] = folded.alpha_scalar

@@ -11,7 +11,8 @@
 //                  is owned by one thread, so both variants are race-free whatever the duplicates:
 //                  Atomic: fire-and-forget vector reductions into x (no load round trip);
 //                  !Atomic: plain read-modify-write in index order (the default, and deterministic); when
-//                  the indices are distinct, a window's x and source loads are all issued before its stores.
+//                  the indices are distinct, index-major: the grid sweeps two (source, x) row pairs at a
+//                  time (copy-like DRAM streams), each sweep's loads issued before its stores.
 //   many           one thread per source pack; (o, i, kv) from divmods of the pack number.
 //   sort_tile      \  deterministic path for many indices: sort 64-bit keys (index << pos_bits | position):
 //   sort_merge     /  rank-sort tiles of kSortTile in shared memory, then merge runs pairwise by rank
@@ -220,12 +221,8 @@ __device__ void few(const Params& p) {
     }
     __syncthreads();
   }
-  // distinct indices: no row is touched twice, so the x loads of a window are independent of its
-  // stores -- 2*UD packs in flight per thread (the bandwidth-bound case: a few big rows); every
-  // element is touched once, so loads and stores are evict-first (.cs)
-  const bool distinct = !Atomic && !s_dup;
-  constexpr int UD = 8;
-  for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
+  // column c's source and x bases (a column is one (o, k-pack) pair)
+  auto column = [&](int64_t c, const B*& s0, B*& x0) {
     int64_t o, kv;
     if constexpr (Wide) {
       o = c / p.kv64;
@@ -236,20 +233,30 @@ __device__ void few(const Params& p) {
       o = q;
       kv = r;
     }
-    const B* s0 = src + o * int64_t(n) * p.k + kv * V;
-    B* x0 = x + o * p.d * p.k + kv * V;
-    if (distinct) {
-      for (int i0 = 0; i0 < n; i0 += UD) {
-        Pack<B, V> rs[UD], rx[UD];
+    s0 = src + o * int64_t(n) * p.k + kv * V;
+    x0 = x + o * p.d * p.k + kv * V;
+  };
+  if (!Atomic && !s_dup) {
+    // distinct indices (the bandwidth-bound case: a few big rows), index-major: the whole grid sweeps UI
+    // (source row, x row) pairs at a time, so DRAM sees a few long streams, as in a copy; a thread owns
+    // the same columns in every sweep. No row is touched twice, so a sweep's x loads are independent of
+    // its stores; every element is touched once: loads and stores are evict-first (.cs).
+    constexpr int UI = 2;
+    for (int i0 = 0; i0 < n; i0 += UI) {
+      for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
+        const B* s0;
+        B* x0;
+        column(c, s0, x0);
+        Pack<B, V> rs[UI], rx[UI];
 #pragma unroll
-        for (int j = 0; j < UD; ++j) {
+        for (int j = 0; j < UI; ++j) {
           if (i0 + j < n && s_idx[i0 + j] >= 0) {
             rs[j] = ld_cs<Pack<B, V>>(s0 + int64_t(i0 + j) * p.k);
             rx[j] = ld_cs<Pack<B, V>>(x0 + s_idx[i0 + j] * p.k);
           }
         }
 #pragma unroll
-        for (int j = 0; j < UD; ++j) {
+        for (int j = 0; j < UI; ++j) {
           if (i0 + j < n && s_idx[i0 + j] >= 0) {
 #pragma unroll
             for (int e = 0; e < V; ++e)
@@ -258,8 +265,14 @@ __device__ void few(const Params& p) {
           }
         }
       }
-      continue;
     }
+    return;
+  }
+  // in index order per column (duplicates, or Atomic): U source packs in flight
+  for (int64_t c = global_thread(); c < p.cols; c += grid_threads()) {
+    const B* s0;
+    B* x0;
+    column(c, s0, x0);
     for (int i0 = 0; i0 < n; i0 += U) {
       Pack<B, V> raw[U];  // raw packs (not floats): half the registers for fp16/bf16
 #pragma unroll

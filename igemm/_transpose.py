@@ -92,18 +92,8 @@ def _launcher(esize: int, mode0: int, mode1: int, device_id: int, blocks: int):
 
 def launch_pair(device_id: int, stream: int, job0: TransposeJob, src0: int, dst0: int,
                 job1: TransposeJob | None = None, src1: int = 0, dst1: int = 0) -> None:
-    """Launch one kernel that runs ``job0`` (and ``job1``, if given) on ``stream``."""
-    m0 = job0.mode(src0, dst0)
-    tr0, tc0, blocks = job0.geometry(m0)
-    vals = {"src0": src0, "dst0": dst0, "rows0": job0.rows, "cols0": job0.cols, "pitch0": job0.pitch, "tr0": tr0,
-            "tc0": tc0, "blocks0": blocks}
-    m1 = SCALAR64
-    if job1 is not None:
-        m1 = job1.mode(src1, dst1)
-        tr1, tc1, b1 = job1.geometry(m1)
-        vals.update(src1=src1, dst1=dst1, rows1=job1.rows, cols1=job1.cols, pitch1=job1.pitch, tr1=tr1, tc1=tc1)
-        blocks += b1
-    _launcher(job0.esize, m0, m1, device_id, blocks)(stream, _kernel.bind_args(PARAMS, vals))
+    """Launch one kernel that runs ``job0`` (and ``job1``, if given) on ``stream`` (a one-shot :class:`Prepared`)."""
+    Prepared(device_id, job0, dst0, job1, dst1)(stream, src0, src1)
 
 
 class Prepared:

@@ -50,10 +50,10 @@ def _launcher(func: str, dtype: str, vec: int, device_id: int, grid: int):
     return _kernel.Launcher(k, grid, _THREADS)
 
 
-def _grid(device_id: int, work_items: int, blocks_per_sm: int = 8) -> int:
+def _grid(device_id: int, work_items: int) -> int:
     from ._runtime import device_props
     sms = device_props(device_id).multiprocessor_count
-    return max(1, min(sms * blocks_per_sm, (work_items + _THREADS - 1) // _THREADS))
+    return max(1, min(sms * 8, (work_items + _THREADS - 1) // _THREADS))
 
 
 def _check_mask(mask, numel: int, name: str = "mask") -> None:

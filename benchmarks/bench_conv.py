@@ -1,6 +1,7 @@
 """ResNet-50 conv layers: igemm vs cuDNN (torch, cudnn.benchmark=True), timed in the same run.
 
     python benchmarks/bench_conv.py --out DIR [--configs fp16-NHWC,fp16-NCHW,fp16-NCHW-native,fp32-NCHW] [--batch 32]
+    (also: fp16-NHWC-gather, the cp.async gather instead of TMA loads; bf16-NHWC; tf32-NHWC)
 
 For each layer and configuration: igemm median time (CUDA events, inputs rotated past L2), cuDNN's,
 the ratio, TFLOP/s, % of the measured fp16 GEMM peak, the memory floor (bytes / copy bandwidth), the
@@ -22,6 +23,7 @@ CONFIGS = {  # name: (dtype, layout, igemm precision, cuDNN allow_tf32)
     "fp16-NHWC": ("float16", "NHWC", "strict", False),
     "fp16-NCHW": ("float16", "NCHW", "strict", False),          # igemm's default NCHW path (auto)
     "fp16-NCHW-native": ("float16", "NCHW", "strict", False),   # the NCHW gather, forced (nchw_path="native")
+    "fp16-NHWC-gather": ("float16", "NHWC", "strict", False),   # the cp.async gather forced (no TMA loads)
     "bf16-NHWC": ("bfloat16", "NHWC", "strict", False),
     "fp32-NCHW": ("float32", "NCHW", "strict", False),
     "tf32-NHWC": ("float32", "NHWC", "tf32", True),
@@ -79,6 +81,9 @@ def main(argv=None):
             xs, w = make_inputs(torch, N, C, K, H, R, dtype, layout, io_bytes)
             plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
                                     nchw_path="native" if cfg.endswith("-native") else "auto")
+            if cfg.endswith("-gather") and plan._primary.load_a == "tma":
+                plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
+                                        config={"load_a": "vec", "load_b": "vec"})
             spec = plan._primary
             outs = [torch.empty(plan.y_shape, device="cuda", dtype=xs[0].dtype) for _ in range(2)]
             t_ig = bench.time(lambda i: plan(xs[i], w, out=outs[i % 2]), len(xs))

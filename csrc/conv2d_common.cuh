@@ -11,7 +11,9 @@ namespace igemm::conv {
 
 enum : int { kNCHW = 0, kNHWC = 1 };
 enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2 };
-enum : int { kLoadVec = 0, kLoadElem = 1 };
+// kLoadTma (sm_90a wgmma only): one thread loads each stage with two TMA copies, the im2col-mode one for
+// A (NHWC, C % 64 == 0) and a tiled one for B, completing on an mbarrier (conv2d_sm90.cuh).
+enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2 };
 enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2 };
 
 template <class Element_, class ElementOut_, int Layout_, int Math_, int BM_, int BN_, int BK_, int WM_,
@@ -42,6 +44,8 @@ struct Config {
   static_assert((VecO & (VecO - 1)) == 0 && VecO * sizeof(ElementOut) <= 16, "output vectors: 2^i elements, <= 16 bytes");
   static_assert(!FuseMask || Epi::kMask, "mask fusion needs a ReLU(mask=True) in the chain");
   static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
+  static_assert((LoadA_ == kLoadTma) == (LoadB_ == kLoadTma) && (LoadA_ != kLoadTma || (Math_ == kWgmma && Layout_ == kNHWC)),
+                "TMA loads: both operands, wgmma, NHWC");
   static_assert(Math_ != kWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),
                 "wgmma: 16-bit operands, 128-byte K rows (SW128), 64-row warpgroups, BN in {64,128,192,256}");
 };

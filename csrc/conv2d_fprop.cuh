@@ -1,7 +1,7 @@
 // igemm: implicit-GEMM conv2d forward (the cuDNN paper's design), composed from its parts:
 //   conv2d_common.cuh   configuration, index mapping (magic-number division), the cp.async gather loader
 //   conv2d_sm80.cuh     mma.sync tensor-op and strict-fp32 SIMT mainloops (sm_80+)
-//   conv2d_sm90.cuh     the wgmma mainloop (sm_90a)
+//   conv2d_sm90.cuh     the wgmma mainloops (sm_90a): cp.async gather, or TMA (im2col-mode A, tiled B)
 //   conv2d_epilogue.cuh split-K reduction and the store phase (epilogue chain, ReLU mask)
 // The im2col matrix is never materialised: each CTA gathers BM × BK tiles of it (and BN × BK tiles of
 // the filter) into `Stages` shared-memory buffers with cp.async while earlier stages are multiplied.
@@ -38,7 +38,8 @@ __device__ void fprop(const P& p) {
     mainloop_simt<Cfg>(p, smem, m0, n0, kt0, kt1);
   } else {
 #if defined(IGEMM_WGMMA)
-    mainloop_wgmma<Cfg>(p, smem, m0, n0, kt0, kt1);
+    if constexpr (Cfg::LoadA == kLoadTma) mainloop_wgmma_tma<Cfg>(p, smem, m0, n0, kt0, kt1);
+    else mainloop_wgmma<Cfg>(p, smem, m0, n0, kt0, kt1);
 #else
     static_assert(Cfg::kMath != kWgmma, "the wgmma mainloop needs IGEMM_WGMMA (sm_90a)");
 #endif

@@ -48,6 +48,44 @@ IGEMM_DEVICE uint64_t desc_sw128(uint32_t smem_addr) {
 
 IGEMM_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Accumulators → shared C tile (fp32; layout per Config::kCsPixelMajor), then a barrier. Warp w of
+// warpgroup wg owns rows wg*64 + w*16 + lane/4 (+8); for each 8-column block j the thread holds columns
+// j*8 + 2*(lane%4) + {0, 1} (as mma.sync's C fragment). The stage buffers it overwrites must be idle.
+template <class Cfg>
+IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
+  constexpr int BN = Cfg::BN;
+  float* Cs = reinterpret_cast<float*>(smem);
+  constexpr int LD = Cfg::kCsLd;
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, wg = threadIdx.x / 128;
+  const int r0 = wg * 64 + w * 16 + (lane >> 2);
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int c0 = j * 8 + 2 * (lane & 3);
+    if constexpr (Cfg::kCsPixelMajor) {
+      *reinterpret_cast<float2*>(Cs + r0 * LD + c0) = make_float2(acc[4 * j], acc[4 * j + 1]);
+      *reinterpret_cast<float2*>(Cs + (r0 + 8) * LD + c0) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+    } else {
+      Cs[c0 * LD + r0] = acc[4 * j];
+      Cs[(c0 + 1) * LD + r0] = acc[4 * j + 1];
+      Cs[c0 * LD + r0 + 8] = acc[4 * j + 2];
+      Cs[(c0 + 1) * LD + r0 + 8] = acc[4 * j + 3];
+    }
+  }
+  __syncthreads();
+}
+
+// One wgmma group over a stage (KSTEPS k16 steps along the SW128 atom), committed, not waited for.
+template <class Atom, int NACC, int KSTEPS>
+IGEMM_DEVICE void wgmma_stage(uint64_t da, uint64_t db, float* acc) {
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks)   // +32 bytes along K inside the swizzle atom
+    gmma_issue<Atom>(da + 2 * ks, db + 2 * ks, acc, std::make_index_sequence<NACC>{});
+  cute::warpgroup_commit_batch();
+}
+
 template <class Cfg, class P>
 IGEMM_DEVICE void mainloop_wgmma(const P& p, uint8_t* smem, int m0, int n0, int kt0, int kt1) {
   using T = typename Cfg::Element;
@@ -90,13 +128,7 @@ IGEMM_DEVICE void mainloop_wgmma(const P& p, uint8_t* smem, int m0, int n0, int 
     const int buf = it % S;
     const uint64_t da = desc_sw128(sA_u + buf * L::A_STAGE);
     const uint64_t db = desc_sw128(sB_u + buf * L::B_STAGE);
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks)   // +32 bytes along K inside the swizzle atom
-      gmma_issue<Atom>(da + 2 * ks, db + 2 * ks, acc, std::make_index_sequence<NACC>{});
-    cute::warpgroup_commit_batch();
+    wgmma_stage<Atom, NACC, KSTEPS>(da, db, acc);
     cute::warpgroup_wait<1>();            // the previous group (stage i-1) has finished
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -113,26 +145,109 @@ IGEMM_DEVICE void mainloop_wgmma(const P& p, uint8_t* smem, int m0, int n0, int 
   cp_async_wait<0>();
   __syncthreads();
 
-  // accumulators → shared C tile. Warp w of the warpgroup owns rows w*16 + lane/4 (+8); for each
-  // 8-column block j the thread holds columns j*8 + 2*(lane%4) + {0, 1} (as mma.sync's C fragment).
-  float* Cs = reinterpret_cast<float*>(smem);
-  constexpr int LD = Cfg::kCsLd;
-  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
-  const int r0 = wg * 64 + w * 16 + (lane >> 2);
+  acc_to_cs<Cfg>(acc, smem);
+}
+
+// ------------------------------------------------------------------------------ TMA loads (kLoadTma)
+// A stage is filled by two TMA copies that thread 0 issues: an im2col-mode copy of the BM × 64 A tile
+// (x NHWC as a 4-D tensor map: BM consecutive output pixels from the tile's first one, 64 channels of
+// tap (r, s) from channel c0, zeros outside the image and past the last image) and a tiled copy of the
+// BN × 64 B tile (w as the K × Kred matrix). Both land in the SW128 K-major layout the wgmma
+// descriptors read, and complete on the stage's mbarrier (transaction bytes). The tensor maps are
+// encoded by the plan (igemm/_tma.py) and passed as __grid_constant__ parameters. No thread computes a
+// gather address: the per-k-tile work is one divmod pair for (r, s, c0) in thread 0.
+IGEMM_DEVICE void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+IGEMM_DEVICE void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+IGEMM_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+
+IGEMM_DEVICE void tma_load_im2col_4d(void* dst, const void* map, uint64_t* bar, int c, int w, int h, int n,
+                                     uint16_t off_w, uint16_t off_h) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8};\n"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(c), "r"(w), "r"(h), "r"(n), "r"(smem_u32(bar)), "h"(off_w), "h"(off_h)
+      : "memory");
+}
+
+IGEMM_DEVICE void tma_load_2d(void* dst, const void* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
+}
+
+template <class Cfg, class P>
+IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, int kt0, int kt1) {
+  using T = typename Cfg::Element;
+  using Atom = typename GmmaAtom<T, Cfg::BN>::type;
+  constexpr int BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages;
+  constexpr int A_STAGE = Cfg::BM * BK * 2, B_STAGE = BN * BK * 2;
+  constexpr int NACC = BN / 2, KSTEPS = BK / 16;
+  __shared__ alignas(8) uint64_t full[S];
+  uint8_t* sA = smem;
+  uint8_t* sB = smem + S * A_STAGE;
+  const int KT = kt1 - kt0;
+  const bool leader = threadIdx.x == 0;
+  // the tile's first output pixel m0 = (n, p, q) → the input coordinate of its tap (0, 0)
+  int n, pq, pp, qq;
+  p.fd_PQ.divmod(n, pq, m0);
+  p.fd_Q.divmod(pp, qq, pq);
+  const int h0 = pp * p.sh - p.ph, w0 = qq * p.sw - p.pw;
+  if (leader) {
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int c0 = j * 8 + 2 * (lane & 3);
-    if constexpr (Cfg::kCsPixelMajor) {
-      *reinterpret_cast<float2*>(Cs + r0 * LD + c0) = make_float2(acc[4 * j], acc[4 * j + 1]);
-      *reinterpret_cast<float2*>(Cs + (r0 + 8) * LD + c0) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-    } else {
-      Cs[c0 * LD + r0] = acc[4 * j];
-      Cs[(c0 + 1) * LD + r0] = acc[4 * j + 1];
-      Cs[c0 * LD + r0 + 8] = acc[4 * j + 2];
-      Cs[(c0 + 1) * LD + r0 + 8] = acc[4 * j + 3];
-    }
+    for (int s = 0; s < S; ++s) mbar_init(&full[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(p.tmA) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(p.tmB) : "memory");
   }
   __syncthreads();
+  auto issue = [&](int kt, int buf) {     // thread 0: k-tile kt (taps (r, s), channels c0..c0+63) → buf
+    const int k0 = kt * BK;
+    int rs, c0, r, s;
+    p.fd_C.divmod(rs, c0, k0);
+    p.fd_S.divmod(r, s, rs);
+    mbar_expect_tx(&full[buf], A_STAGE + B_STAGE);
+    tma_load_im2col_4d(sA + buf * A_STAGE, p.tmA, &full[buf], c0, w0, h0, n, uint16_t(s * p.dw), uint16_t(r * p.dh));
+    tma_load_2d(sB + buf * B_STAGE, p.tmB, &full[buf], k0, n0);
+  };
+  if (leader) {
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st)
+      if (st < KT) issue(kt0 + st, st);
+  }
+  float acc[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  const uint32_t sA_u = smem_u32(sA) + (threadIdx.x / 128) * 64 * 128, sB_u = smem_u32(sB);
+  // Iteration i: wait for stage i's bytes → issue its wgmma group → wait until only that group is in
+  // flight → barrier (stage i-1 is free in every warpgroup) → thread 0 refills it with k-tile i+S-1.
+  for (int it = 0; it < KT; ++it) {
+    const int buf = it % S;
+    mbar_wait(&full[buf], (it / S) & 1);
+    wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * A_STAGE), desc_sw128(sB_u + buf * B_STAGE), acc);
+    cute::warpgroup_wait<1>();
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+    __syncthreads();
+    const int nk = it + S - 1;
+    if (leader && nk < KT) issue(kt0 + nk, nk % S);
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+  __syncthreads();                        // every stage read: the C tile may overwrite them
+  acc_to_cs<Cfg>(acc, smem);
 }
 
 }  // namespace igemm::conv

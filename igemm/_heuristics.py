@@ -74,7 +74,7 @@ class KernelSpec:
     wm: int
     wn: int
     stages: int
-    load_a: str               # "vec" | "elem"
+    load_a: str               # "vec" | "elem" | "tma" (sm_90a wgmma, both operands: igemm/_tma.py)
     load_b: str
     store: str                # "rows" | "linear" | "nchw"
     vec_o: int
@@ -100,7 +100,7 @@ class KernelSpec:
 
     @property
     def static_smem(self) -> int:
-        return 3 * self.bn * 4 + 16
+        return 3 * self.bn * 4 + 16 + (8 * self.stages if self.load_a == "tma" else 0)
 
     def config_type(self) -> str:
         t = DTYPE_CTYPE[self.dtype]
@@ -109,8 +109,7 @@ class KernelSpec:
         args = [t, t, ns + ("kNHWC" if self.layout == "NHWC" else "kNCHW"),
                 ns + {"tensorop": "kTensorOp", "simt": "kSimt", "wgmma": "kWgmma"}[self.math],
                 self.bm, self.bn, self.bk, self.wm, self.wn, self.stages,
-                ns + ("kLoadVec" if self.load_a == "vec" else "kLoadElem"),
-                ns + ("kLoadVec" if self.load_b == "vec" else "kLoadElem"),
+                ns + _LOADS[self.load_a], ns + _LOADS[self.load_b],
                 ns + {"rows": "kStoreRows", "linear": "kStoreLinear", "nchw": "kStoreNCHW"}[self.store],
                 self.vec_o, "true" if self.fuse_mask else "false", epi]
         return ns + "Config<" + ", ".join(str(a) for a in args) + ">"
@@ -121,6 +120,18 @@ class KernelSpec:
 
     def prelude(self) -> str:
         return "#define IGEMM_WGMMA 1" if self.math == "wgmma" else ""
+
+
+_LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma"}
+
+
+def use_tma(pb: ConvProblem, arch: str, bm: int) -> bool:
+    """Whether the wgmma kernel loads through TMA (igemm/_tma.py): sm_90, 16-bit NHWC with C % 64 == 0,
+    within the tensor maps' limits. ``IGEMM_TMA=0`` turns it off (the cp.async gather then runs)."""
+    import os
+    from ._tma import tma_unsupported
+    return (arch.startswith("sm_90") and os.environ.get("IGEMM_TMA", "1") != "0"
+            and tma_unsupported(pb, bm) is None)
 
 
 def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
@@ -255,6 +266,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         stages = 2           # nothing to pipeline: the smaller footprint buys CTAs in flight instead
     load_a = "vec" if (pb.layout == "NHWC" and pb.C % ce == 0 and x_aligned) else "elem"
     load_b = "vec" if (pb.Kred % ce == 0 and w_aligned) else "elem"
+    if math == "wgmma" and load_a == load_b == "vec" and use_tma(pb, arch, bm):
+        load_a = load_b = "tma"
     store, vec_o, fuse = _store(pb, bn)
     splits = choose_splits(pb, bm, bn, bk, sms)
     spec = KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
@@ -287,6 +300,8 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, sms))
         if spec not in out and validate_spec(spec, pb, raise_=False):
             out.append(spec)
+    if base.load_a == "tma":
+        add(load_a="vec", load_b="vec")
     if base.math == "wgmma":
         for bm in (64, 128):
             for bn in (64, 128, 256):
@@ -306,6 +321,7 @@ SMEM_LIMIT = 227 * 1024
 
 def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> bool:
     """Whether a (possibly hand-made) spec can run ``pb``; raises NotImplementedError naming why."""
+    from ._tma import tma_unsupported
     eb = DTYPE_SIZES[pb.dtype]
     ce = 16 // eb
     why = None
@@ -318,6 +334,10 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     elif spec.math == "tensorop" and (spec.bk * eb not in (32, 64, 128) or (spec.bn // spec.wn) % 16
                                       or (spec.bm // spec.wm) % 16):
         why = "tensor-op tile"
+    elif (spec.load_a == "tma") != (spec.load_b == "tma") or (spec.load_a == "tma" and spec.math != "wgmma"):
+        why = "TMA loads: both operands, wgmma only"
+    elif spec.load_a == "tma" and tma_unsupported(pb, spec.bm):
+        why = tma_unsupported(pb, spec.bm)
     elif spec.load_a == "vec" and not (pb.layout == "NHWC" and pb.C % ce == 0):
         why = "16-byte activation loads need NHWC and C % %d == 0" % ce
     elif spec.load_b == "vec" and pb.Kred % ce:

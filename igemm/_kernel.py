@@ -22,7 +22,8 @@ __all__ = ["ParamSpec", "PackedArgs", "render_kernel", "pack_args", "Launcher", 
 class ParamSpec:
     """One launch parameter: ``ctype`` is ``ptr`` (a Python int), ``fastdiv`` (a divisor, passed as
     ``int32 d, uint32 mul, uint32 shr`` and rebuilt as ``igemm::FastDiv``), ``int32``, ``uint32``,
-    ``int64`` or ``float32``."""
+    ``int64``, ``float32`` or ``tmap`` (a 128-byte TMA tensor map, ``CUtensorMap``'s bytes, passed as a
+    ``__grid_constant__`` parameter; the kernel sees its address as ``const void*``)."""
     name: str
     ctype: str
 
@@ -35,8 +36,14 @@ def render_kernel(*, include: str, entry: str, params: list[ParamSpec], body: st
                   min_blocks: int | None = None, prelude: str = "") -> str:
     """The whole generated stub: include, Params struct, kernel signature and a one-line body."""
     fields, sig, init = [], [], []
+    tmap_type = ""
     for p in params:
-        if p.ctype == "ptr":
+        if p.ctype == "tmap":
+            tmap_type = "struct alignas(64) IgemmTensorMap { unsigned long long bytes[16]; };\n"
+            fields.append(f"  const void* {p.name};")
+            sig.append(f"const __grid_constant__ IgemmTensorMap {p.name}")
+            init.append(f"&{p.name}")
+        elif p.ctype == "ptr":
             fields.append(f"  const void* {p.name};")
             sig.append(f"const void* {p.name}")
             init.append(p.name)
@@ -50,16 +57,17 @@ def render_kernel(*, include: str, entry: str, params: list[ParamSpec], body: st
             init.append(p.name)
     bounds = f"__launch_bounds__({threads}{', ' + str(min_blocks) if min_blocks else ''})"
     return (f'{prelude}\n#include "{include}"\n'
-            f"namespace {{\nstruct Params {{\n" + "\n".join(fields) + "\n};\n}\n"
+            f"{tmap_type}namespace {{\nstruct Params {{\n" + "\n".join(fields) + "\n};\n}\n"
             f'extern "C" __global__ void {bounds} {entry}({", ".join(sig)}) {{\n'
             f"  const Params p{{{', '.join(init)}}};\n  {body}\n}}\n")
 
 
 class PackedArgs:
-    """Launch arguments packed once into one buffer: 8 bytes a slot, plus the ``void*[]`` that
-    ``cuLaunchKernel`` takes. A plan builds it once and only rewrites its pointer slots per call."""
+    """Launch arguments packed once into one buffer: 8 bytes a slot (16 for a ``tmap``), plus the
+    ``void*[]`` that ``cuLaunchKernel`` takes. A plan builds it once and only rewrites its pointer slots
+    per call."""
 
-    __slots__ = ("slots", "data", "u64", "i32", "f32", "ptrs", "address", "kinds", "_tls")
+    __slots__ = ("slots", "data", "u64", "i32", "f32", "ptrs", "address", "kinds", "_tls", "_starts", "kind_of")
 
     def __init__(self, params: list[ParamSpec], values: dict):
         entries = []
@@ -70,22 +78,29 @@ class PackedArgs:
                 entries += [(p.name + "_d", "int32", d), (p.name + "_m", "uint32", m), (p.name + "_s", "uint32", s)]
             else:
                 entries.append((p.name, p.ctype, v))
-        n = len(entries)
         self.kinds = tuple(e[1] for e in entries)
+        self.kind_of = {e[0]: e[1] for e in entries}
+        starts, n = [], 0
+        for e in entries:
+            starts.append(n)
+            n += 16 if e[1] == "tmap" else 1
+        self._starts = np.asarray(starts, dtype=np.uint64)
         self._tls = None
         self.data = np.zeros(n, dtype=np.uint64)
         self.u64 = self.data
         self.i32 = self.data.view(np.int32)       # slot i's low word is i32[2 * i]
         self.f32 = self.data.view(np.float32)
         self.slots = {}
-        for i, (name, ctype, v) in enumerate(entries):
-            if ctype not in ("ptr", "int64", "int32", "uint32", "float32"):
+        for (name, ctype, v), i in zip(entries, starts):
+            if ctype not in ("ptr", "int64", "int32", "uint32", "float32", "tmap"):
                 raise ValueError(f"unknown parameter type {ctype!r} for {name}")
             self.slots[name] = i
             self._put(i, ctype, v)
-        base = self.data.ctypes.data
-        self.ptrs = np.arange(n, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
-        self.address = int(self.ptrs.ctypes.data)
+        self.ptrs, self.address = self._pointers(self.data)
+
+    def _pointers(self, data):
+        ptrs = self._starts * np.uint64(8) + np.uint64(data.ctypes.data)
+        return ptrs, int(ptrs.ctypes.data)
 
     def copy(self) -> "PackedArgs":
         """These values in this thread's scratch buffer of the template (allocated once per thread):
@@ -98,11 +113,10 @@ class PackedArgs:
         c = getattr(tls, "c", None)
         if c is None:
             c = object.__new__(PackedArgs)
-            c.slots, c.kinds, c._tls = self.slots, self.kinds, None
+            c.slots, c.kinds, c._tls, c._starts, c.kind_of = self.slots, self.kinds, None, self._starts, self.kind_of
             c.data = self.data.copy()
             c.u64, c.i32, c.f32 = c.data, c.data.view(np.int32), c.data.view(np.float32)
-            c.ptrs = np.arange(len(c.data), dtype=np.uint64) * np.uint64(8) + np.uint64(c.data.ctypes.data)
-            c.address = int(c.ptrs.ctypes.data)
+            c.ptrs, c.address = self._pointers(c.data)
             tls.c = c
         else:
             c.data[...] = self.data
@@ -112,14 +126,15 @@ class PackedArgs:
         """:meth:`copy` with the named slots set (pointers, int32/int64/float32 scalars)."""
         c = self.copy()
         for name, v in values.items():
-            i = self.slots[name]
-            c._put(i, self.kinds[i], v)
+            c._put(self.slots[name], self.kind_of[name], v)
         return c
 
     def _put(self, i: int, kind: str, v) -> None:
         """Slot ``i`` = ``v`` as its parameter type (int32/uint32/float32 in the slot's low word)."""
         if kind == "ptr":
             self.u64[i] = int(v)
+        elif kind == "tmap":
+            self.u64[i:i + 16] = np.frombuffer(bytes(v), dtype=np.uint64) if v else 0
         elif kind == "int64":
             self.data.view(np.int64)[i] = int(v)
         elif kind == "float32":

@@ -36,6 +36,7 @@ CONV_PARAMS = [
                                       "sh", "sw", "ph", "pw", "dh", "dw")),
     ParamSpec("x_img", "int64"),
     *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_C", "fd_S", "fd_RS", "fd_K")),
+    ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap"),     # TMA loader only (igemm/_tma.py)
 ]
 
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -321,6 +322,8 @@ class Conv2dPlan:
         self._ktab = None
         self._xpose = None
         self._split_args = None          # the launcher whose split-K values are in the argument buffer
+        self._maps: dict = {}            # launcher -> its TMA tensor maps (igemm/_tma.py), TMA kernels only
+        self._maps_in_args = None        # the ConvMaps whose maps are in the argument buffer
         if device is not None:
             self._primary = self.spec()
             self._args = self._scalar_args()
@@ -362,8 +365,9 @@ class Conv2dPlan:
             if cfg:
                 spec = _override(spec, self.kproblem, cfg)
         if not (x_aligned and w_aligned):
-            spec = dataclasses.replace(spec, load_a="elem" if not x_aligned else spec.load_a,
-                                       load_b="elem" if not w_aligned else spec.load_b)
+            la, lb = ("vec", "vec") if spec.load_a == "tma" else (spec.load_a, spec.load_b)
+            spec = dataclasses.replace(spec, load_a="elem" if not x_aligned else la,
+                                       load_b="elem" if not w_aligned else lb)
         validate_spec(spec, self.kproblem)
         return spec
 
@@ -385,6 +389,9 @@ class Conv2dPlan:
                 self._ktab = d
                 self._args.u64[self._slot["ktab"]] = d.ptr
             l = (_kernel.Launcher(k, grid, spec.threads, spec.smem), spec, ws)
+            if spec.load_a == "tma":
+                from ._tma import ConvMaps
+                self._maps[l[0]] = ConvMaps(self.kproblem, spec, self._slot["tmA"], self._slot["tmB"])
             self._specs[key] = l
         return l
 
@@ -512,6 +519,11 @@ class Conv2dPlan:
             u[sl["y"]] = y
             u[sl["residual"]] = res
             u[sl["mask"]] = mask
+            if self._maps:
+                maps = self._maps.get(launcher)
+                if maps is not None:
+                    maps.write(u, x, w, self._maps_in_args is not maps)
+                    self._maps_in_args = maps
             if self._split_args is not launcher:     # split-K slots: rewritten when the launcher changes
                 if ws is not None:
                     u[sl["ws"]], u[sl["counters"]] = ws[0].ptr, ws[1].ptr

@@ -1,4 +1,5 @@
 """conv2d: references, numpy backend, validation, kernel selection, compilation, and the GPU oracle."""
+import dataclasses
 import shutil
 
 import numpy as np
@@ -140,7 +141,9 @@ def _pb(**kw):
 
 def test_choose_config_rules():
     s = choose_config(_pb())
-    assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("wgmma", "vec", "vec", "linear", 8)
+    assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("wgmma", "tma", "tma", "linear", 8)
+    assert choose_config(_pb(C=32)).load_a == "vec"                       # TMA k-tiles are 64 channels
+    assert choose_config(_pb(), "sm_80").load_a == "vec"
     assert (s.bk, s.bn) == (64, 64)
     s80 = choose_config(_pb(), "sm_80")
     assert (s80.math, s80.bk) == ("tensorop", 32)
@@ -162,6 +165,82 @@ def test_choose_config_rules():
     for hw, v in ((14, 4), (7, 1), (6, 4), (5, 1)):                       # widest vector dividing P*Q
         assert choose_config(_pb(layout="NCHW", H=hw, W=hw)).vec_o == v
     assert choose_config(_pb(layout="NCHW", H=6, W=5)).vec_o == 2
+
+
+def test_tma_choice_and_limits(monkeypatch):
+    """The TMA loader: sm_90 16-bit NHWC with C % 64 == 0 inside the 4-D im2col box limits; the NCHW
+    transpose path's kernel problem qualifies; IGEMM_TMA=0 and misaligned pointers fall back."""
+    from igemm._heuristics import validate_spec, kernel_setup
+    from igemm._tma import tma_unsupported
+    assert tma_unsupported(_pb(), 64) is None
+    assert "C % 64" in tma_unsupported(_pb(C=96), 64)
+    assert "16-bit NHWC" in tma_unsupported(_pb(layout="NCHW"), 64)
+    assert "box" in tma_unsupported(_pb(padding=(129, 1)), 64)
+    assert "box" in tma_unsupported(_pb(R=9, dilation=(20, 1)), 64)        # upper corner 1 - 160
+    assert "stride" in tma_unsupported(_pb(stride=(9, 1), R=9, padding=(4, 1)), 64)
+    assert choose_config(_pb(dtype="bfloat16", C=128, R=1, S=1, stride=(2, 2), padding=(0, 0))).load_a == "tma"
+    assert choose_config(_pb(dtype="float32", precision="tf32")).load_a != "tma"
+    assert choose_config(_pb(), x_aligned=False).load_a == "elem"
+    s = choose_config(_pb(), w_aligned=False)
+    assert (s.load_a, s.load_b) == ("vec", "elem")
+    path, kp = kernel_setup(_pb(layout="NCHW"))
+    assert path == "transpose" and choose_config(kp).load_a == "tma"
+    tma = choose_config(_pb())
+    with pytest.raises(NotImplementedError, match="both operands"):
+        validate_spec(dataclasses.replace(tma, load_b="vec"), _pb())
+    with pytest.raises(NotImplementedError, match="C % 64"):
+        validate_spec(dataclasses.replace(tma, dtype="float16"), _pb(C=32))
+    monkeypatch.setenv("IGEMM_TMA", "0")
+    assert choose_config(_pb()).load_a == "vec"
+    # a plan's unaligned fallback drops TMA for both operands
+    plan = Conv2dPlan((2, 8, 8, 64), (32, 3, 3, 64), "float16", "NHWC", padding=1, device=None,
+                      config=tma)
+    assert (plan.spec().load_a, plan.spec(w_aligned=False).load_b, plan.spec(w_aligned=False).load_a) == \
+        ("tma", "elem", "vec")
+
+
+def test_tma_map_template():
+    """The per-call address patch: learned from two encodes when one word holds the address; otherwise
+    every address is encoded (cached)."""
+    from igemm._tma import MapTemplate
+    enc_calls = []
+
+    def plain(addr):                       # address in word 2, everything else fixed
+        enc_calls.append(addr)
+        w = np.arange(16, dtype=np.uint64)
+        w[2] = addr
+        return w.tobytes()
+    t = MapTemplate(plain)
+    buf = np.zeros(20, dtype=np.uint64)
+    t.write(buf, 3, 0x7f0000001000)
+    n0 = len(enc_calls)
+    for a in (0x7f0000001000, 0x7f0000abc000, 0x10):
+        t.write(buf, 3, a, full=False)
+        assert int(buf[5]) == a and buf[3] == 0 and buf[4] == 1 and buf[0] == 0 and buf[19] == 0
+    assert len(enc_calls) == n0 and t.word == 2
+
+    def packed(addr):                      # address split over two words: no single-word patch
+        w = np.zeros(16, dtype=np.uint64)
+        w[0], w[1] = addr & 0xFFFF, addr >> 16
+        return w.tobytes()
+    t = MapTemplate(packed)
+    for a in (0x123450, 0x999990, 0x123450):
+        t.write(buf, 0, a)
+        assert np.array_equal(buf[:16], np.frombuffer(packed(a), dtype=np.uint64))
+    assert t.word == -1
+
+
+def test_packed_args_tmap_slots():
+    from igemm._kernel import ParamSpec, pack_args, render_kernel
+    params = [ParamSpec("a", "ptr"), ParamSpec("m", "tmap"), ParamSpec("n", "int32")]
+    a = pack_args(params, {"a": 5, "m": bytes(range(128)), "n": 7})
+    assert a.slots == {"a": 0, "m": 1, "n": 17} and len(a.data) == 18
+    assert list(a.ptrs - a.ptrs[0]) == [0, 8, 136]
+    assert a.data[1:17].tobytes() == bytes(range(128)) and a.i32[34] == 7
+    b = a.bind({"n": 9})
+    assert b.i32[34] == 9 and b.data[1:17].tobytes() == bytes(range(128))
+    stub = render_kernel(include="x.cuh", entry="k", params=params, body="", threads=128)
+    assert "const __grid_constant__ IgemmTensorMap m" in stub and "&m" in stub
 
 
 def test_split_k_choice():
@@ -216,9 +295,9 @@ def test_nchw_path_choice():
     kp = kernel_problem(_pb(layout="NCHW", epilogue=(("ReLU", True),)), "transpose")
     s = choose_config(kp)
     assert (kp.layout, kp.y_layout, s.layout, s.load_a, s.store, s.fuse_mask) == (
-        "NHWC", "NCHW", "NHWC", "vec", "nchw", True)
+        "NHWC", "NCHW", "NHWC", "tma", "nchw", True)
     plan = Conv2dPlan((2, 64, 14, 14), (32, 64, 3, 3), "float16", "NCHW", padding=1, device=None)
-    assert plan.nchw_path == "transpose" and plan.spec(x_aligned=False).load_a == "vec"   # reads its own copy
+    assert plan.nchw_path == "transpose" and plan.spec(x_aligned=False).load_a == "tma"   # reads its own copy
     assert plan.y_shape == (2, 32, 14, 14) and "transpose" in repr(plan)
     one = Conv2dPlan((2, 64, 14, 14), (32, 64, 1, 1), "float16", "NCHW", device=None)
     assert one.spec(w_aligned=False).load_b == "elem"                          # 1x1: w is read in place
@@ -265,6 +344,7 @@ COMPILE_CASES = [
     ("bf16 NCHW", _pb(dtype="bfloat16", layout="NCHW", K=128)),
     ("fp32 strict", _pb(dtype="float32", precision="strict", layout="NCHW")),
     ("tf32", _pb(dtype="float32", precision="tf32", K=256)),
+    ("bf16 NHWC TMA 128x128 stride 2", _pb(dtype="bfloat16", C=128, K=256, stride=(2, 2))),
     ("fp16 NCHW transpose path", ConvProblem(**{**_pb(layout="NCHW", epilogue=(("ReLU", True),)).__dict__,
                                                 "layout": "NHWC", "out_layout": "NCHW"})),
 ]
@@ -423,6 +503,74 @@ def test_gpu_split_k(dtype, precision, layout, rng):
         y1 = _check_plan(torch, plan, x, w, layout, st, pd, dl, TOL["tf32" if precision == "tf32" else dtype])
         for _ in range(3):
             assert torch.equal(plan(x, w), y1)
+
+
+TMA_CASES = [   # NCHW-order shapes, stride, padding, dilation, config override
+    ((2, 64, 9, 11), (40, 64, 3, 3), 1, 1, 1, None),              # M tail, K = 40 (OOB filter rows)
+    ((3, 128, 13, 7), (72, 128, 3, 3), 2, 1, 1, None),            # stride 2, odd map
+    ((2, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, None),             # dilation 2
+    ((2, 64, 10, 10), (96, 64, 5, 5), 1, 0, 1, None),             # no padding, 5x5
+    ((2, 64, 6, 7), (64, 64, 7, 7), 3, 3, 1, None),               # stride 3, 7x7, pad 3
+    ((2, 192, 8, 8), (130, 192, 1, 1), 1, 0, 1, None),            # 1x1, K = 130
+    ((2, 128, 15, 15), (256, 128, 1, 1), 2, 0, 1, None),          # 1x1 stride 2 (downsample)
+    ((4, 64, 14, 14), (128, 64, 3, 3), 1, 1, 1, {"bm": 128, "wm": 2}),   # two warpgroups, BM = 128
+    ((2, 64, 9, 9), (256, 64, 3, 3), 1, 1, 1, {"bn": 256}),
+    ((1, 256, 7, 7), (128, 256, 3, 3), 1, 1, 1, {"splits": 3}),   # split-K over the TMA k-tiles
+    ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, 1, {"stages": 5}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_tma_loader(dtype, layout, rng):
+    """The TMA loader (im2col-mode A, tiled B; NCHW runs it on its transpose path) against the float64
+    reference and bitwise against the cp.async gather (same k-tiles, same wgmma order), plain and with
+    BN+Add+ReLU(mask); three different x/w buffers per plan exercise the per-call address patch."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    for xs, ws, st, pd, dl, cfg in TMA_CASES:
+        K = ws[0]
+        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        chain = ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))
+        plans = {}
+        for kind, extra in (("tma", {}), ("vec", {"load_a": "vec", "load_b": "vec"})):
+            c = {**(cfg or {}), **extra}
+            plans[kind] = (Conv2dPlan(to_layout_shape(xs, layout), to_layout_shape(ws, layout), dtype, layout,
+                                      st, pd, dl, config=c or None),
+                           Conv2dPlan(to_layout_shape(xs, layout), to_layout_shape(ws, layout), dtype, layout,
+                                      st, pd, dl, config=c or None, epilogue=chain))
+        assert plans["tma"][0].spec().load_a == "tma" and plans["tma"][1].spec().load_a == "tma"
+        assert plans["vec"][0].spec().load_a == "vec"
+        for _ in range(3):                          # fresh buffers: new addresses in the tensor maps
+            x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+            x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+            ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), (st, st), (pd, pd), (dl, dl), layout)
+            res = to_torch(rng.standard_normal(ref.shape), dtype)
+            ch = 1 if layout == "NCHW" else 3
+            shape = [1, 1, 1, 1]
+            shape[ch] = K
+            scale = to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)
+            pre = (ref - to_numpy(m_).reshape(shape)) * scale.reshape(shape) + to_numpy(b_).reshape(shape) \
+                + to_numpy(res)
+            outs = {}
+            for kind, (plain, fused) in plans.items():
+                y = plain(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+                err = rel_err(to_numpy(y), ref)
+                name = f"{kind} {layout} {xs} {ws} s{st} p{pd} d{dl} {cfg}: {plain.spec().name()}"
+                assert err <= TOL[dtype], f"{name}: {err}"
+                yf, mf = fused(x, w, residual=res, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")),
+                               mask_out=torch.full(((ref.size + 31) // 32,), -1, dtype=torch.int32, device="cuda"))
+                err = rel_err(to_numpy(yf), np.maximum(pre, 0))
+                assert err <= TOL[dtype], f"{name} fused: {err}"
+                assert torch.equal(mf, igemm.relu_mask(yf)), f"{name}: mask differs from y > 0"
+                outs[kind] = (y, yf, mf)
+            for a, b in zip(outs["tma"], outs["vec"]):
+                assert torch.equal(a, b), f"TMA and gather differ: {layout} {xs} {ws} {cfg}"
+
+
+def to_layout_shape(shape, layout):
+    return (shape[0], shape[2], shape[3], shape[1]) if layout == "NHWC" else shape
 
 
 @pytest.mark.gpu

@@ -1,0 +1,141 @@
+"""TMA tensor maps for the conv kernel's TMA loader (``KernelSpec.load_a == "tma"``, sm_90a).
+
+The kernel loads each stage with two TMA copies (``csrc/conv2d_sm90.cuh``): A through an *im2col-mode*
+map of x (NHWC as a 4-D tensor, the bounding box given by the padding and the filter extent, traversal
+strides = the conv stride, so one copy gathers BM consecutive output pixels' taps, zero-filled outside
+the image), B through a tiled map of w as the K x Kred matrix. Both use the 128-byte swizzle the wgmma
+descriptors read. A map holds its tensor's address, so a plan encodes each map once and then only
+patches the address word per call (:class:`MapTemplate`); the field is found by encoding two addresses
+and comparing (re-encoding per call is the fallback if that ever fails).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+__all__ = ["tma_unsupported", "MapTemplate", "ConvMaps"]
+
+BK = 64            # channels per copy: 128 bytes of a 16-bit type (the SW128 row)
+
+
+def tma_unsupported(pb, bm: int) -> str | None:
+    """Why the TMA loader cannot run the kernel problem ``pb`` with BM-row tiles (None: it can)."""
+    from ._runtime import DTYPE_SIZES
+    if pb.layout != "NHWC" or DTYPE_SIZES[pb.dtype] != 2:
+        return "TMA loads need a 16-bit NHWC kernel problem"
+    if pb.C % BK:
+        return f"TMA loads need C % {BK} == 0 (a k-tile is 64 channels of one tap)"
+    lower = (-pb.padding[1], -pb.padding[0])
+    upper = (pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0])
+    if not all(-128 <= v <= 127 for v in lower + upper):
+        return "padding/filter extent outside the 4-D im2col box range [-128, 127]"
+    if max(pb.stride) > 8:
+        return "stride > 8 (TMA traversal strides are 1..8)"
+    if bm > 256 or max(pb.N, pb.H, pb.W, pb.C, pb.K, pb.Kred) >= 2 ** 31:
+        return "tile or tensor too large for a tensor map"
+    return None
+
+
+def _encode_im2col(pb, bm: int, addr: int) -> bytes:
+    from cuda.bindings import driver as d
+    es = 2
+    C, H, W, N = pb.C, pb.H, pb.W, pb.N
+    u64, u32 = d.cuuint64_t, d.cuuint32_t
+    dt = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if pb.dtype == "float16"
+          else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    err, tm = d.cuTensorMapEncodeIm2col(
+        dt, 4, addr, [u64(C), u64(W), u64(H), u64(N)],
+        [u64(C * es), u64(W * C * es), u64(H * W * C * es)],
+        [-pb.padding[1], -pb.padding[0]],
+        [pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0]],
+        BK, bm, [u32(1), u32(pb.stride[1]), u32(pb.stride[0]), u32(1)],
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if int(err):
+        raise RuntimeError(f"cuTensorMapEncodeIm2col failed ({err}) for {pb}")
+    return ctypes.string_at(tm.getPtr(), 128)
+
+
+def _encode_tiled(pb, bn: int, addr: int) -> bytes:
+    from cuda.bindings import driver as d
+    es = 2
+    u64, u32 = d.cuuint64_t, d.cuuint32_t
+    dt = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if pb.dtype == "float16"
+          else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    err, tm = d.cuTensorMapEncodeTiled(
+        dt, 2, addr, [u64(pb.Kred), u64(pb.K)], [u64(pb.Kred * es)], [u32(BK), u32(bn)], [u32(1), u32(1)],
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if int(err):
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for {pb}")
+    return ctypes.string_at(tm.getPtr(), 128)
+
+
+class MapTemplate:
+    """A tensor map encoded once, re-addressed per call by patching one 64-bit word.
+
+    ``encode(addr) -> 128 bytes``. On the first address the map is encoded for it and for three others
+    (+16 bytes, +16 MiB, +64 GiB: low, middle and high address bits); if each time exactly one word, the
+    same one, differs and by exactly the address difference, that word is the address field and later
+    calls only add ``addr - first``. Otherwise every new address is encoded (cached per address)."""
+
+    __slots__ = ("_encode", "base", "word", "addr0", "_cache")
+
+    def __init__(self, encode):
+        self._encode = encode
+        self.base = None
+        self.word = -1
+        self.addr0 = 0
+        self._cache: dict = {}
+
+    def _learn(self, addr: int) -> None:
+        b0 = np.frombuffer(self._encode(addr), dtype=np.uint64).copy()
+        word = None
+        try:
+            for delta in (16, 16 << 20, 1 << 36):      # low, middle and high address bits
+                b1 = np.frombuffer(self._encode(addr + delta), dtype=np.uint64)
+                diff = np.nonzero(b1 != b0)[0]
+                if (len(diff) != 1 or int(b1[diff[0]]) - int(b0[diff[0]]) != delta
+                        or word not in (None, int(diff[0]))):
+                    word = -1
+                    break
+                word = int(diff[0])
+        except RuntimeError:                           # the encoder refused a probe address
+            word = -1
+        self.base, self.addr0, self.word = b0, addr, word
+
+    def write(self, u64: np.ndarray, slot: int, addr: int, full: bool = True) -> None:
+        """Put the map for ``addr`` into ``u64[slot:slot + 16]`` (a PackedArgs buffer); ``full=False``: the
+        buffer already holds this template's map for another address, patch the address word only."""
+        if self.base is None:
+            self._learn(addr)
+        if self.word >= 0:
+            if full:
+                u64[slot:slot + 16] = self.base
+            u64[slot + self.word] = (int(self.base[self.word]) + addr - self.addr0) & 0xFFFFFFFFFFFFFFFF
+            return
+        m = self._cache.get(addr)
+        if m is None:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            m = self._cache[addr] = np.frombuffer(self._encode(addr), dtype=np.uint64).copy()
+        u64[slot:slot + 16] = m
+
+
+class ConvMaps:
+    """The two maps of one conv kernel (x im2col-mode, w tiled), written into a plan's argument buffer."""
+
+    __slots__ = ("a", "b", "slot_a", "slot_b")
+
+    def __init__(self, kproblem, spec, slot_a: int, slot_b: int):
+        self.a = MapTemplate(lambda addr: _encode_im2col(kproblem, spec.bm, addr))
+        self.b = MapTemplate(lambda addr: _encode_tiled(kproblem, spec.bn, addr))
+        self.slot_a, self.slot_b = slot_a, slot_b
+
+    def write(self, u64: np.ndarray, x: int, w: int, full: bool) -> None:
+        """``full``: the buffer's map slots do not hold these maps yet (else only the addresses change)."""
+        self.a.write(u64, self.slot_a, x, full)
+        self.b.write(u64, self.slot_b, w, full)

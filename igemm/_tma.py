@@ -128,14 +128,20 @@ class MapTemplate:
 class ConvMaps:
     """The two maps of one conv kernel (x im2col-mode, w tiled), written into a plan's argument buffer."""
 
-    __slots__ = ("a", "b", "slot_a", "slot_b")
+    __slots__ = ("a", "b", "slot_a", "slot_b", "patch")
 
     def __init__(self, kproblem, spec, slot_a: int, slot_b: int):
         self.a = MapTemplate(lambda addr: _encode_im2col(kproblem, spec.bm, addr))
         self.b = MapTemplate(lambda addr: _encode_tiled(kproblem, spec.bn, addr))
         self.slot_a, self.slot_b = slot_a, slot_b
+        #: after the first write, where both maps have one address word: (index, offset) per map, so that a
+        #: call whose buffer already holds these maps sets ``u64[index] = offset + address`` (the plan inlines it)
+        self.patch = None
 
     def write(self, u64: np.ndarray, x: int, w: int, full: bool) -> None:
         """``full``: the buffer's map slots do not hold these maps yet (else only the addresses change)."""
         self.a.write(u64, self.slot_a, x, full)
         self.b.write(u64, self.slot_b, w, full)
+        if self.patch is None and self.a.word >= 0 and self.b.word >= 0:
+            self.patch = (self.slot_a + self.a.word, int(self.a.base[self.a.word]) - self.a.addr0,
+                          self.slot_b + self.b.word, int(self.b.base[self.b.word]) - self.b.addr0)

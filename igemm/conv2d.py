@@ -145,6 +145,11 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
     if bad:
         raise ValueError(f"config: unknown fields {sorted(bad)}")
     spec = dataclasses.replace(spec, **cfg)
+    if spec.load_a == "tma" and (spec.math != "wgmma" or "load_b" in cfg and cfg["load_b"] != "tma"
+                                 or "load_a" in cfg and cfg["load_a"] != "tma"):
+        # TMA loads are the wgmma kernel's: another mainloop (or one operand overridden) gathers both
+        la, lb = cfg.get("load_a", "vec"), cfg.get("load_b", "vec")
+        spec = dataclasses.replace(spec, load_a="vec" if la == "tma" else la, load_b="vec" if lb == "tma" else lb)
     if "math" in cfg and cfg["math"] != "wgmma" and "bk" not in cfg:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
         if cfg["math"] == "tensorop" and "wn" not in cfg:
@@ -522,8 +527,13 @@ class Conv2dPlan:
             if self._maps:
                 maps = self._maps.get(launcher)
                 if maps is not None:
-                    maps.write(u, x, w, self._maps_in_args is not maps)
-                    self._maps_in_args = maps
+                    if maps is self._maps_in_args and maps.patch is not None:   # only the addresses change
+                        ia, oa, ib, ob = maps.patch
+                        u[ia] = oa + x
+                        u[ib] = ob + w
+                    else:
+                        maps.write(u, x, w, maps is not self._maps_in_args)
+                        self._maps_in_args = maps
             if self._split_args is not launcher:     # split-K slots: rewritten when the launcher changes
                 if ws is not None:
                     u[sl["ws"]], u[sl["counters"]] = ws[0].ptr, ws[1].ptr

@@ -190,6 +190,9 @@ def test_tma_choice_and_limits(monkeypatch):
         validate_spec(dataclasses.replace(tma, load_b="vec"), _pb())
     with pytest.raises(NotImplementedError, match="C % 64"):
         validate_spec(dataclasses.replace(tma, dtype="float16"), _pb(C=32))
+    over = Conv2dPlan((2, 8, 8, 64), (32, 3, 3, 64), "float16", "NHWC", padding=1, device=None,
+                      config={"math": "tensorop"}).spec()
+    assert (over.math, over.load_a, over.load_b) == ("tensorop", "vec", "vec")
     monkeypatch.setenv("IGEMM_TMA", "0")
     assert choose_config(_pb()).load_a == "vec"
     # a plan's unaligned fallback drops TMA for both operands

@@ -115,6 +115,12 @@ CONV = {
                                                         padding=1, chain="bn_relu_mask"),
     "wgmma_bf16_nchw_residual": lambda: _conv("wgmma bf16", "bfloat16", "NCHW", (2, 32, 10, 10), (48, 32, 3, 3),
                                               padding=1, chain="bn_add_relu"),
+    # the TMA loader (C % 64 == 0): 128-row tiles, a stride-2 odd map with an M tail; and the cp.async gather forced
+    "tma_bf16_nhwc_bm128_stride2": lambda: _conv("TMA bf16", "bfloat16", "NHWC", (3, 13, 7, 128), (72, 3, 3, 128),
+                                                 stride=2, padding=1, chain="bn_add_relu",
+                                                 config={"bm": 128, "wm": 2}),
+    "gather_fp16_nhwc_c64": lambda: _conv("gather fp16", "float16", "NHWC", (2, 9, 9, 64), (40, 3, 3, 64), padding=1,
+                                          config={"load_a": "vec", "load_b": "vec"}),
     "mma_sync_fp16_nhwc": lambda: _conv("mma.sync fp16", "float16", "NHWC", (2, 8, 8, 32), (64, 3, 3, 32), padding=1,
                                         chain="bias_relu", config={"math": "tensorop"}),
     "mma_sync_bf16_nchw_split_k": lambda: _conv("mma.sync bf16 split", "bfloat16", "NCHW", (1, 64, 6, 6),

@@ -253,6 +253,19 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         if bn == 128 and tiles128 < 2 * sms and not (pb.Kred >= 4096 and 2 * tiles128 >= sms):
             bn = 64
         stages = 4 if bn == 64 else 3
+        if use_tma(pb, arch, 128):
+            # TMA loads free the warps of gather work: filters with taps take 128-row tiles (two warpgroups
+            # sharing B) when they still give half a wave, and 4 stages when one CTA per SM is all there
+            # is (tools/sweep.py with TMA on an H100, N=32: 3x3 256->256 @14 128x128 s4 15.7 us vs 64x64
+            # s4 23.7; 3x3 64->64 @56 128x64 s3 32.0 vs 35.0; 3x3 512->512 @7 64x128 s4 20.4 vs s3 21.2;
+            # the 1x1 layers are fastest as before; notes/perf.md)
+            bn128 = 64 if K <= 64 else 128
+            tiles = -(-M // 128) * -(-K // bn128)
+            if pb.R * pb.S > 1 and 2 * tiles >= sms:
+                bm, wm, bn = 128, 2, bn128
+                stages = 3 if tiles >= sms else 4
+            elif -(-M // bm) * -(-K // bn) < sms:
+                stages = 4
     else:
         math = "tensorop"
         bk = 32 if eb == 2 else 16

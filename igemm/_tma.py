@@ -37,41 +37,36 @@ def tma_unsupported(pb, bm: int) -> str | None:
     return None
 
 
-def _encode_im2col(pb, bm: int, addr: int) -> bytes:
+def _encode(pb, kind: str, args, l2: str) -> bytes:
+    """``cuTensorMapEncode<kind>(element type, *args, no interleave, 128-byte swizzle, L2 promotion
+    ``l2``, zero fill)`` -> the map's 128 bytes."""
     from cuda.bindings import driver as d
-    es = 2
-    C, H, W, N = pb.C, pb.H, pb.W, pb.N
-    u64, u32 = d.cuuint64_t, d.cuuint32_t
-    dt = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if pb.dtype == "float16"
-          else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
-    err, tm = d.cuTensorMapEncodeIm2col(
-        dt, 4, addr, [u64(C), u64(W), u64(H), u64(N)],
-        [u64(C * es), u64(W * C * es), u64(H * W * C * es)],
-        [-pb.padding[1], -pb.padding[0]],
-        [pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0]],
-        BK, bm, [u32(1), u32(pb.stride[1]), u32(pb.stride[0]), u32(1)],
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+    T = d.CUtensorMapDataType
+    dt = T.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if pb.dtype == "float16" else T.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    err, tm = getattr(d, "cuTensorMapEncode" + kind)(
+        dt, *args, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, getattr(d.CUtensorMapL2promotion, l2),
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if int(err):
-        raise RuntimeError(f"cuTensorMapEncodeIm2col failed ({err}) for {pb}")
+        raise RuntimeError(f"cuTensorMapEncode{kind} failed ({err}) for {pb}")
     return ctypes.string_at(tm.getPtr(), 128)
+
+
+def _encode_im2col(pb, bm: int, addr: int) -> bytes:
+    from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
+    es = 2
+    C, H, W, N = pb.C, pb.H, pb.W, pb.N
+    return _encode(pb, "Im2col", (
+        4, addr, [u64(C), u64(W), u64(H), u64(N)], [u64(C * es), u64(W * C * es), u64(H * W * C * es)],
+        [-pb.padding[1], -pb.padding[0]],
+        [pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0]],
+        BK, bm, [u32(1), u32(pb.stride[1]), u32(pb.stride[0]), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_L2_128B")
 
 
 def _encode_tiled(pb, bn: int, addr: int) -> bytes:
-    from cuda.bindings import driver as d
-    es = 2
-    u64, u32 = d.cuuint64_t, d.cuuint32_t
-    dt = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if pb.dtype == "float16"
-          else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
-    err, tm = d.cuTensorMapEncodeTiled(
-        dt, 2, addr, [u64(pb.Kred), u64(pb.K)], [u64(pb.Kred * es)], [u32(BK), u32(bn)], [u32(1), u32(1)],
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if int(err):
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for {pb}")
-    return ctypes.string_at(tm.getPtr(), 128)
+    from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
+    return _encode(pb, "Tiled", (2, addr, [u64(pb.Kred), u64(pb.K)], [u64(pb.Kred * 2)], [u32(BK), u32(bn)],
+                                 [u32(1), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_L2_256B")
 
 
 class MapTemplate:

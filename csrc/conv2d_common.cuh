@@ -10,7 +10,9 @@
 namespace igemm::conv {
 
 enum : int { kNCHW = 0, kNHWC = 1 };
-enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2 };
+// kWgmmaWs (sm_90a, TMA loads only): the persistent warp-specialised kernel: WM consumer warpgroups, each
+// computing its own BM × BN tiles (BM = 64), and one producer warp issuing their TMA loads (conv2d_sm90.cuh).
+enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3 };
 // kLoadTma (sm_90a wgmma only): one thread loads each stage with two TMA copies, the im2col-mode one for
 // A (NHWC, C % 64 == 0) and a tiled one for B, completing on an mbarrier (conv2d_sm90.cuh).
 enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2 };
@@ -27,7 +29,8 @@ struct Config {
   static constexpr int VecO = VecO_;
   static constexpr bool FuseMask = FuseMask_;
   // kTensorOp: WM × WN warps; kWgmma: WM warpgroups along M (64 rows each), one along N; kSimt: 256.
-  static constexpr int kThreads = Math_ == kTensorOp ? WM * WN * 32 : (Math_ == kWgmma ? WM * 128 : 256);
+  static constexpr int kThreads = Math_ == kTensorOp ? WM * WN * 32
+                                 : Math_ == kWgmma ? WM * 128 : Math_ == kWgmmaWs ? WM * 128 + 32 : 256;
   static constexpr int EB = sizeof(Element);
   static constexpr int CE = 16 / EB;               // elements per 16-byte chunk
   // shared-memory C tile (fp32), padded against bank conflicts: pixel-major (BM rows of BN channels) for
@@ -38,15 +41,20 @@ struct Config {
   static constexpr int kCsLd = kCsPixelMajor ? BN + kCsPad : BM + kCsPad;
   static constexpr int kCsBytes = (kCsPixelMajor ? BM : BN) * kCsLd * 4;
   static constexpr int kMainBytes = Stages * (BM + BN) * BK * (Math_ == kSimt ? 4 : EB);
-  static constexpr int kAlign = Math_ == kWgmma ? 1024 : 128;   // SW128 atoms need 1024-byte alignment
-  static constexpr int kSmemBytes = (kMainBytes > kCsBytes ? kMainBytes : kCsBytes) + kAlign;
+  static constexpr bool kIsWgmma = Math_ == kWgmma || Math_ == kWgmmaWs;
+  static constexpr int kAlign = kIsWgmma ? 1024 : 128;   // SW128 atoms need 1024-byte alignment
+  // kWgmmaWs: per consumer warpgroup its own stage ring and C tile (the producer refills the ring while the
+  // consumer's epilogue reads its C tile), rings first (1024-aligned stages)
+  static constexpr int kSmemBytes = (Math_ == kWgmmaWs ? WM * (kMainBytes + kCsBytes)
+                                                        : (kMainBytes > kCsBytes ? kMainBytes : kCsBytes)) + kAlign;
   static_assert(Stages >= 2, "at least double buffering");
   static_assert((VecO & (VecO - 1)) == 0 && VecO * sizeof(ElementOut) <= 16, "output vectors: 2^i elements, <= 16 bytes");
   static_assert(!FuseMask || Epi::kMask, "mask fusion needs a ReLU(mask=True) in the chain");
   static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
-  static_assert((LoadA_ == kLoadTma) == (LoadB_ == kLoadTma) && (LoadA_ != kLoadTma || (Math_ == kWgmma && Layout_ == kNHWC)),
+  static_assert((LoadA_ == kLoadTma) == (LoadB_ == kLoadTma) && (LoadA_ != kLoadTma || (kIsWgmma && Layout_ == kNHWC)),
                 "TMA loads: both operands, wgmma, NHWC");
-  static_assert(Math_ != kWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),
+  static_assert(Math_ != kWgmmaWs || (LoadA_ == kLoadTma && BM == 64), "the persistent kernel: TMA loads, 64-row tiles");
+  static_assert(!kIsWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),
                 "wgmma: 16-bit operands, 128-byte K rows (SW128), 64-row warpgroups, BN in {64,128,192,256}");
 };
 

@@ -130,30 +130,37 @@ struct StoreMap {
   }
 };
 
-template <class Cfg, class P>
-IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
+struct CtaSync {
+  IGEMM_DEVICE void operator()() const { __syncthreads(); }
+};
+
+// The store phase of one tile by NT threads (tid = 0..NT-1), which `sync` synchronises; s_vec: 3 × BN
+// floats of shared memory for the per-channel vectors. The whole CTA by default; one consumer warpgroup
+// of the persistent kernel (conv2d_sm90.cuh) with a named barrier.
+template <class Cfg, int NT, class P, class Sync>
+IGEMM_DEVICE void epilogue_store_by(const P& p, const float* Cs, int m0, int n0, int tid, float (*s_vec)[Cfg::BN],
+                                    Sync sync) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
   using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
-  constexpr int V = Cfg::VecO, BN = Cfg::BN, NT = Cfg::kThreads, G = 4;
-  __shared__ __align__(16) float s_vec[3][BN];
+  constexpr int V = Cfg::VecO, BN = Cfg::BN, G = 4;
   {
     const float* sc = static_cast<const float*>(p.scale);
     const float* sh = static_cast<const float*>(p.shift);
     const float* al = static_cast<const float*>(p.alpha);
-    for (int i = threadIdx.x; i < BN; i += NT) {
+    for (int i = tid; i < BN; i += NT) {
       const int n = min(n0 + i, p.K - 1);
       s_vec[0][i] = sc ? __ldg(sc + n) : 1.f;
       s_vec[1][i] = sh ? __ldg(sh + n) : 0.f;
       s_vec[2][i] = al ? __ldg(al + n) : 0.f;
     }
   }
-  __syncthreads();
+  sync();
   const epi::Ctx ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));
   const RT* resp = static_cast<const RT*>(p.residual);
   uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
-  const int lane = threadIdx.x & 31;
+  const int lane = tid & 31;
   const StoreMap<Cfg, P> map(p, m0);
   const int passes = (map.nvec + NT - 1) / NT;
 
@@ -163,7 +170,7 @@ IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
     epi::Vec<RT, V> rv[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      map.locate(p, (pass0 + g) * NT + threadIdx.x, m0, n0, off[g], nvalid[g]);
+      map.locate(p, (pass0 + g) * NT + tid, m0, n0, off[g], nvalid[g]);
       if constexpr (Epi::kResidual) {
         if (nvalid[g] == V) {
           rv[g] = *reinterpret_cast<const epi::Vec<RT, V>*>(resp + off[g]);
@@ -179,7 +186,7 @@ IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
       if (nvalid[g] > 0) {
         float val[V], res[V];
         int ch[V];
-        map.gather(p, Cs, (pass0 + g) * NT + threadIdx.x, val, ch);
+        map.gather(p, Cs, (pass0 + g) * NT + tid, val, ch);
 #pragma unroll
         for (int e = 0; e < V; ++e) res[e] = Epi::kResidual ? to_float(rv[g].v[e]) : 0.f;
         // channels are consecutive in rows mode, and in linear mode when K % V == 0 (no row wrap)
@@ -211,6 +218,12 @@ IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
       }
     }
   }
+}
+
+template <class Cfg, class P>
+IGEMM_DEVICE void epilogue_store(const P& p, const float* Cs, int m0, int n0) {
+  __shared__ __align__(16) float s_vec[3][Cfg::BN];
+  epilogue_store_by<Cfg, Cfg::kThreads>(p, Cs, m0, n0, int(threadIdx.x), s_vec, CtaSync{});
 }
 
 }  // namespace igemm::conv

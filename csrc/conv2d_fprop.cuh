@@ -8,7 +8,7 @@
 //
 // Launch parameters: igemm/conv2d.py (CONV_PARAMS), rendered into `struct Params` by the stub.
 // Grid: (ceil(M / BM), ceil(K / BN), splits); each CTA computes a BM × BN output tile over the k-tiles
-// [z · kt_per_split, min(KT, (z + 1) · kt_per_split)).
+// [z · kt_per_split, min(KT, (z + 1) · kt_per_split)). The persistent kernel (kWgmmaWs): (min(tiles, SMs)).
 #pragma once
 #include "conv2d_common.cuh"
 #include "conv2d_epilogue.cuh"
@@ -19,14 +19,9 @@
 
 namespace igemm::conv {
 
+// One CTA per output tile (and split): the mainloop, then split-K's reduction and the store phase.
 template <class Cfg, class P>
-__device__ void fprop(const P& p) {
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  uint8_t* smem = smem_raw;
-  if constexpr (Cfg::kAlign > 128) {   // round up (the launch reserves kAlign extra bytes)
-    const uint32_t a = smem_u32(smem_raw);
-    smem += (Cfg::kAlign - (a & (Cfg::kAlign - 1))) & (Cfg::kAlign - 1);
-  }
+IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
   const int m0 = blockIdx.x * Cfg::BM;
   const int n0 = blockIdx.y * Cfg::BN;
   const int KT = (p.Kred + Cfg::BK - 1) / Cfg::BK;
@@ -47,6 +42,25 @@ __device__ void fprop(const P& p) {
   float* Cs = reinterpret_cast<float*>(smem);
   if (p.splits > 1 && !splitk_reduce<Cfg>(p, Cs, blockIdx.y * gridDim.x + blockIdx.x)) return;
   epilogue_store<Cfg>(p, Cs, m0, n0);
+}
+
+template <class Cfg, class P>
+__device__ void fprop(const P& p) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw;
+  if constexpr (Cfg::kAlign > 128) {   // round up (the launch reserves kAlign extra bytes)
+    const uint32_t a = smem_u32(smem_raw);
+    smem += (Cfg::kAlign - (a & (Cfg::kAlign - 1))) & (Cfg::kAlign - 1);
+  }
+  if constexpr (Cfg::kMath == kWgmmaWs) {
+#if defined(IGEMM_WGMMA)
+    fprop_ws<Cfg>(p, smem);
+#else
+    static_assert(Cfg::kMath != kWgmmaWs, "the persistent kernel needs IGEMM_WGMMA (sm_90a)");
+#endif
+  } else {
+    fprop_tile<Cfg>(p, smem);
+  }
 }
 
 }  // namespace igemm::conv

@@ -12,6 +12,7 @@
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include "conv2d_common.cuh"
+#include "conv2d_epilogue.cuh"
 
 namespace igemm::conv {
 
@@ -48,16 +49,15 @@ IGEMM_DEVICE uint64_t desc_sw128(uint32_t smem_addr) {
 
 IGEMM_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Accumulators → shared C tile (fp32; layout per Config::kCsPixelMajor), then a barrier. Warp w of
-// warpgroup wg owns rows wg*64 + w*16 + lane/4 (+8); for each 8-column block j the thread holds columns
-// j*8 + 2*(lane%4) + {0, 1} (as mma.sync's C fragment). The stage buffers it overwrites must be idle.
+// Accumulators → shared C tile (fp32; layout per Config::kCsPixelMajor). Warp w of the warpgroup owns
+// rows r_base + w*16 + lane/4 (+8); for each 8-column block j the thread holds columns j*8 + 2*(lane%4)
+// + {0, 1} (as mma.sync's C fragment). No barrier: the caller publishes the tile.
 template <class Cfg>
-IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
+IGEMM_DEVICE void acc_to_cs_rows(const float* acc, float* Cs, int r_base) {
   constexpr int BN = Cfg::BN;
-  float* Cs = reinterpret_cast<float*>(smem);
   constexpr int LD = Cfg::kCsLd;
-  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, wg = threadIdx.x / 128;
-  const int r0 = wg * 64 + w * 16 + (lane >> 2);
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
+  const int r0 = r_base + w * 16 + (lane >> 2);
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int c0 = j * 8 + 2 * (lane & 3);
@@ -71,6 +71,12 @@ IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
       Cs[(c0 + 1) * LD + r0 + 8] = acc[4 * j + 3];
     }
   }
+}
+
+// ... for the CTA's tile (warpgroup wg owns rows wg*64..), over the idle stage buffers, then a barrier.
+template <class Cfg>
+IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
+  acc_to_cs_rows<Cfg>(acc, reinterpret_cast<float*>(smem), (threadIdx.x / 128) * 64);
   __syncthreads();
 }
 
@@ -187,6 +193,40 @@ IGEMM_DEVICE void tma_load_2d(void* dst, const void* map, uint64_t* bar, int c0,
       ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
 }
 
+// Where the im2col copies of a tile start: its first output pixel m0 = (n, p, q) → the input coordinate
+// of that pixel's tap (0, 0).
+struct TileOrigin {
+  int n, h0, w0;
+};
+
+template <class P>
+IGEMM_DEVICE TileOrigin tile_origin(const P& p, int m0) {
+  int n, pq, pp, qq;
+  p.fd_PQ.divmod(n, pq, m0);
+  p.fd_Q.divmod(pp, qq, pq);
+  return {n, pp * p.sh - p.ph, qq * p.sw - p.pw};
+}
+
+// One thread: k-tile kt (taps (r, s), channels c0..c0+63) of the tile at (o, n0) → a_dst/b_dst, completing
+// on `bar` (the expected bytes are set first).
+template <class Cfg, class P>
+IGEMM_DEVICE void tma_issue_stage(const P& p, uint8_t* a_dst, uint8_t* b_dst, uint64_t* bar, int kt,
+                                  const TileOrigin& o, int n0) {
+  constexpr int BK = Cfg::BK;
+  const int k0 = kt * BK;
+  int rs, c0, r, s;
+  p.fd_C.divmod(rs, c0, k0);
+  p.fd_S.divmod(r, s, rs);
+  mbar_expect_tx(bar, (Cfg::BM + Cfg::BN) * BK * 2);
+  tma_load_im2col_4d(a_dst, p.tmA, bar, c0, o.w0, o.h0, o.n, uint16_t(s * p.dw), uint16_t(r * p.dh));
+  tma_load_2d(b_dst, p.tmB, bar, k0, n0);
+}
+
+IGEMM_DEVICE void tma_prefetch_maps(const void* a, const void* b) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(a) : "memory");
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(b) : "memory");
+}
+
 template <class Cfg, class P>
 IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, int kt0, int kt1) {
   using T = typename Cfg::Element;
@@ -199,27 +239,16 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   uint8_t* sB = smem + S * A_STAGE;
   const int KT = kt1 - kt0;
   const bool leader = threadIdx.x == 0;
-  // the tile's first output pixel m0 = (n, p, q) → the input coordinate of its tap (0, 0)
-  int n, pq, pp, qq;
-  p.fd_PQ.divmod(n, pq, m0);
-  p.fd_Q.divmod(pp, qq, pq);
-  const int h0 = pp * p.sh - p.ph, w0 = qq * p.sw - p.pw;
+  const TileOrigin o = tile_origin(p, m0);
   if (leader) {
 #pragma unroll
     for (int s = 0; s < S; ++s) mbar_init(&full[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(p.tmA) : "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(p.tmB) : "memory");
+    tma_prefetch_maps(p.tmA, p.tmB);
   }
   __syncthreads();
-  auto issue = [&](int kt, int buf) {     // thread 0: k-tile kt (taps (r, s), channels c0..c0+63) → buf
-    const int k0 = kt * BK;
-    int rs, c0, r, s;
-    p.fd_C.divmod(rs, c0, k0);
-    p.fd_S.divmod(r, s, rs);
-    mbar_expect_tx(&full[buf], A_STAGE + B_STAGE);
-    tma_load_im2col_4d(sA + buf * A_STAGE, p.tmA, &full[buf], c0, w0, h0, n, uint16_t(s * p.dw), uint16_t(r * p.dh));
-    tma_load_2d(sB + buf * B_STAGE, p.tmB, &full[buf], k0, n0);
+  auto issue = [&](int kt, int buf) {     // thread 0
+    tma_issue_stage<Cfg>(p, sA + buf * A_STAGE, sB + buf * B_STAGE, &full[buf], kt, o, n0);
   };
   if (leader) {
 #pragma unroll
@@ -248,6 +277,105 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                        // every stage read: the C tile may overwrite them
   acc_to_cs<Cfg>(acc, smem);
+}
+
+// ------------------------------------------------------------ persistent warp-specialised kernel (kWgmmaWs)
+// Grid: one CTA per SM (at most one per tile), looping over the tiles t = blockIdx.x + i · gridDim.x
+// (m-major). WM consumer warpgroups take turns: tile i goes to consumer i % WM, which has its own ring of
+// `Stages` stage buffers and its own C tile. One producer warp (thread 0 of warp 4·WM) walks the same tile
+// sequence and fills each consumer's ring with TMA copies, waiting on the ring's "empty" barriers (128
+// arrivals: every consumer thread once its wgmma group has read the stage); consumers wait on "full"
+// barriers (transaction bytes). Because the producer serves the tiles in order, one consumer's mainloop
+// runs while the other stores its previous tile (ping-pong): the epilogue chain, the mask and the
+// residual loads overlap MMA work. Consumers synchronise only among themselves (named barriers 1..WM).
+IGEMM_DEVICE void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+struct NamedSync {
+  int id;
+  IGEMM_DEVICE void operator()() const { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+};
+
+template <class Cfg, class P>
+IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
+  using T = typename Cfg::Element;
+  using Atom = typename GmmaAtom<T, Cfg::BN>::type;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages, NC = Cfg::WM;
+  constexpr int A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2, RING = S * (A_STAGE + B_STAGE);
+  constexpr int NACC = BN / 2, KSTEPS = BK / 16;
+  static_assert(NC == 2, "two consumer warpgroups");
+  __shared__ alignas(8) uint64_t full[NC][S], empty[NC][S];
+  __shared__ __align__(16) float s_vec[NC][3][BN];
+  const int TM = (p.M + BM - 1) / BM, NT = TM * ((p.K + BN - 1) / BN);   // tiles
+  const int KT = (p.Kred + BK - 1) / BK;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int c = 0; c < NC; ++c)
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        mbar_init(&full[c][s], 1);
+        mbar_init(&empty[c][s], 128);
+      }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == NC) {                                   // the producer warp
+    if ((threadIdx.x & 31) != 0) return;
+    tma_prefetch_maps(p.tmA, p.tmB);
+    int k0 = 0, k1 = 0;                             // stages filled so far, per consumer ring
+    for (int i = 0;; ++i) {
+      const int t = blockIdx.x + i * gridDim.x;
+      if (t >= NT) break;
+      const int c = i & 1;
+      const int m0 = (t % TM) * BM, n0 = (t / TM) * BN;
+      const TileOrigin o = tile_origin(p, m0);
+      uint8_t* ring = smem + c * RING;
+      int k = c ? k1 : k0;
+      for (int kt = 0; kt < KT; ++kt, ++k) {
+        const int slot = k % S;
+        mbar_wait(&empty[c][slot], ((k / S) & 1) ^ 1);   // a fresh barrier counts as emptied once
+        tma_issue_stage<Cfg>(p, ring + slot * A_STAGE, ring + S * A_STAGE + slot * B_STAGE, &full[c][slot], kt, o, n0);
+      }
+      if (c) k1 = k; else k0 = k;
+    }
+    return;
+  }
+  // consumer warpgroup wg
+  uint8_t* ring = smem + wg * RING;
+  float* Cs = reinterpret_cast<float*>(smem + NC * RING + wg * Cfg::kCsBytes);
+  const uint32_t sA_u = smem_u32(ring), sB_u = smem_u32(ring + S * A_STAGE);
+  const int tid = threadIdx.x - wg * 128;
+  int k = 0;
+  for (int i = wg;; i += NC) {
+    const int t = blockIdx.x + i * gridDim.x;
+    if (t >= NT) break;
+    const int m0 = (t % TM) * BM, n0 = (t / TM) * BN;
+    float acc[NACC];
+#pragma unroll
+    for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
+    int prev = -1;
+    for (int kt = 0; kt < KT; ++kt, ++k) {
+      const int slot = k % S;
+      mbar_wait(&full[wg][slot], (k / S) & 1);
+      wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + slot * A_STAGE), desc_sw128(sB_u + slot * B_STAGE), acc);
+      cute::warpgroup_wait<1>();
+#pragma unroll
+      for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);
+      if (prev >= 0) mbar_arrive(&empty[wg][prev]);   // the group that read it has finished
+      prev = slot;
+    }
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);
+    mbar_arrive(&empty[wg][prev]);
+    acc_to_cs_rows<Cfg>(acc, Cs, 0);
+    const NamedSync sync{1 + wg};
+    sync();
+    epilogue_store_by<Cfg, 128>(p, Cs, m0, n0, tid, s_vec[wg], sync);
+    sync();                                         // C tile and channel vectors free for the next tile
+  }
 }
 
 }  // namespace igemm::conv

@@ -85,7 +85,14 @@ class KernelSpec:
 
     @property
     def threads(self) -> int:
-        return {"tensorop": self.wm * self.wn * 32, "wgmma": self.wm * 128}.get(self.math, 256)
+        return {"tensorop": self.wm * self.wn * 32, "wgmma": self.wm * 128,
+                "wgmma_ws": self.wm * 128 + 32}.get(self.math, 256)
+
+    @property
+    def persistent(self) -> bool:
+        """The persistent warp-specialised kernel: grid min(tiles, SMs), WM consumer warpgroups of
+        BM-row tiles and a producer warp (``Config`` kWgmmaWs)."""
+        return self.math == "wgmma_ws"
 
     @property
     def smem(self) -> int:
@@ -96,10 +103,14 @@ class KernelSpec:
             cs = self.bm * (self.bn + 8) * 4
         else:
             cs = self.bn * (self.bm + 4) * 4
+        if self.persistent:                  # a stage ring and a C tile per consumer warpgroup
+            return self.wm * (main + cs) + 1024
         return max(main, cs) + (1024 if self.math == "wgmma" else 128)
 
     @property
     def static_smem(self) -> int:
+        if self.persistent:                  # per consumer: channel vectors, full and empty barriers
+            return self.wm * (3 * self.bn * 4 + 16 * self.stages)
         return 3 * self.bn * 4 + 16 + (8 * self.stages if self.load_a == "tma" else 0)
 
     def config_type(self) -> str:
@@ -107,7 +118,7 @@ class KernelSpec:
         ns = "igemm::conv::"
         epi = "igemm::epi::Chain<" + ", ".join(self.epilogue) + ">"
         args = [t, t, ns + ("kNHWC" if self.layout == "NHWC" else "kNCHW"),
-                ns + {"tensorop": "kTensorOp", "simt": "kSimt", "wgmma": "kWgmma"}[self.math],
+                ns + {"tensorop": "kTensorOp", "simt": "kSimt", "wgmma": "kWgmma", "wgmma_ws": "kWgmmaWs"}[self.math],
                 self.bm, self.bn, self.bk, self.wm, self.wn, self.stages,
                 ns + _LOADS[self.load_a], ns + _LOADS[self.load_b],
                 ns + {"rows": "kStoreRows", "linear": "kStoreLinear", "nchw": "kStoreNCHW"}[self.store],
@@ -119,7 +130,7 @@ class KernelSpec:
                 f"_s{self.stages}_{self.load_a}{self.load_b}_{self.store}{self.vec_o}{'_m' if self.fuse_mask else ''}")
 
     def prelude(self) -> str:
-        return "#define IGEMM_WGMMA 1" if self.math == "wgmma" else ""
+        return "#define IGEMM_WGMMA 1" if self.math in ("wgmma", "wgmma_ws") else ""
 
 
 _LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma"}
@@ -315,6 +326,9 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             out.append(spec)
     if base.load_a == "tma":
         add(load_a="vec", load_b="vec")
+        for bn in (64, 128):
+            for stages in (3, 4):
+                add(math="wgmma_ws", bm=64, wm=2, bn=bn, stages=stages, splits=1)
     if base.math == "wgmma":
         for bm in (64, 128):
             for bn in (64, 128, 256):
@@ -340,15 +354,18 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     why = None
     if spec.dtype != pb.dtype or spec.layout != pb.layout:
         why = "dtype/layout differ from the problem"
-    elif spec.math == "wgmma" and (eb != 2 or spec.bk * eb != 128 or spec.bm % 64 or spec.bn not in (64, 128, 192, 256)):
+    elif spec.math.startswith("wgmma") and (eb != 2 or spec.bk * eb != 128 or spec.bm % 64 or spec.bn not in (64, 128, 192, 256)):
         why = "wgmma needs 16-bit types, BK*size = 128 bytes, BM % 64 == 0, BN in {64,128,192,256}"
     elif spec.math == "simt" and (pb.dtype != "float32" or (spec.bm, spec.bn, spec.bk) != (128, 128, 8)):
         why = "the SIMT kernel is fp32 128x128x8"
     elif spec.math == "tensorop" and (spec.bk * eb not in (32, 64, 128) or (spec.bn // spec.wn) % 16
                                       or (spec.bm // spec.wm) % 16):
         why = "tensor-op tile"
-    elif (spec.load_a == "tma") != (spec.load_b == "tma") or (spec.load_a == "tma" and spec.math != "wgmma"):
+    elif (spec.load_a == "tma") != (spec.load_b == "tma") or (spec.load_a == "tma" and not spec.math.startswith("wgmma")):
         why = "TMA loads: both operands, wgmma only"
+    elif spec.persistent and (spec.load_a != "tma" or spec.bm != 64 or spec.wm != 2 or spec.splits != 1
+                              or spec.bn not in (64, 128, 256)):
+        why = "the persistent kernel: TMA loads, two consumer warpgroups of 64-row tiles, no split-K"
     elif spec.load_a == "tma" and tma_unsupported(pb, spec.bm):
         why = tma_unsupported(pb, spec.bm)
     elif spec.load_a == "vec" and not (pb.layout == "NHWC" and pb.C % ce == 0):

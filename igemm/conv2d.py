@@ -145,19 +145,19 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
     if bad:
         raise ValueError(f"config: unknown fields {sorted(bad)}")
     spec = dataclasses.replace(spec, **cfg)
-    if spec.load_a == "tma" and (spec.math != "wgmma" or "load_b" in cfg and cfg["load_b"] != "tma"
+    if spec.load_a == "tma" and (not spec.math.startswith("wgmma") or "load_b" in cfg and cfg["load_b"] != "tma"
                                  or "load_a" in cfg and cfg["load_a"] != "tma"):
         # TMA loads are the wgmma kernel's: another mainloop (or one operand overridden) gathers both
         la, lb = cfg.get("load_a", "vec"), cfg.get("load_b", "vec")
         spec = dataclasses.replace(spec, load_a="vec" if la == "tma" else la, load_b="vec" if lb == "tma" else lb)
-    if "math" in cfg and cfg["math"] != "wgmma" and "bk" not in cfg:
+    if "math" in cfg and not cfg["math"].startswith("wgmma") and "bk" not in cfg:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
         if cfg["math"] == "tensorop" and "wn" not in cfg:
             spec = dataclasses.replace(spec, wn=2, wm=spec.bm // 64)
     store, vec_o, fuse = _store(pb, spec.bn)
     spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
     if "splits" not in cfg:
-        spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
+        spec = dataclasses.replace(spec, splits=1 if spec.persistent else choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
     if "min_blocks" not in cfg:
         from ._heuristics import min_blocks_for
         spec = dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
@@ -370,6 +370,8 @@ class Conv2dPlan:
             if cfg:
                 spec = _override(spec, self.kproblem, cfg)
         if not (x_aligned and w_aligned):
+            if spec.persistent:             # TMA-only kernel: the per-tile wgmma kernel gathers instead
+                spec = dataclasses.replace(spec, math="wgmma", wm=1)
             la, lb = ("vec", "vec") if spec.load_a == "tma" else (spec.load_a, spec.load_b)
             spec = dataclasses.replace(spec, load_a="elem" if not x_aligned else la,
                                        load_b="elem" if not w_aligned else lb)
@@ -386,6 +388,8 @@ class Conv2dPlan:
             spec = self._primary if key == (True, True) else self.spec(xa, wa)
             k = _kernel.load(_stub(spec), spec.name(), "igemm_conv2d_fprop", self.device_id, smem=spec.smem)
             grid = ((self.problem.M + spec.bm - 1) // spec.bm, (self.problem.K + spec.bn - 1) // spec.bn, spec.splits)
+            if spec.persistent:         # one CTA per SM at most, looping over the tiles
+                grid = (min(grid[0] * grid[1], self.sms), 1, 1)
             ws = self._workspace(spec, grid) if spec.splits > 1 else None
             if spec.load_a == "elem" and self._ktab is None:
                 tab = _k_table(self.kproblem, 64)      # padded for every BK the kernels use (8..64)

@@ -368,6 +368,20 @@ def test_kernel_compiles(label, pb, arch, tmp_path, monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_persistent_kernel_compiles(tmp_path, monkeypatch):
+    from igemm._heuristics import candidates, validate_spec
+    monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
+    pb = _pb(K=256, epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)), residual_dtype="float16")
+    ws = [c for c in candidates(pb) if c.persistent]
+    assert ws and all(validate_spec(c, pb) and c.threads == 288 and c.splits == 1 for c in ws)
+    cubin, _ = _build.compile_cubin(_stub(ws[-1]), "sm_90a", name=ws[-1].name())
+    assert cubin[:4] == b"\x7fELF"
+    log = next(tmp_path.glob("*.log")).read_text()
+    assert " 0 bytes spill stores" in log, log
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
     from igemm import _transpose
@@ -570,6 +584,53 @@ def test_gpu_tma_loader(dtype, layout, rng):
                 outs[kind] = (y, yf, mf)
             for a, b in zip(outs["tma"], outs["vec"]):
                 assert torch.equal(a, b), f"TMA and gather differ: {layout} {xs} {ws} {cfg}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sms", [None, 5], ids=["all-SMs", "5-CTAs"])
+def test_gpu_persistent_kernel(dtype, layout, sms, rng, monkeypatch):
+    """The persistent warp-specialised kernel (a producer warp, two consumer warpgroups taking turns)
+    against the float64 reference and bitwise against the per-tile TMA kernel, plain and with
+    BN+Add+ReLU(mask). With 5 CTAs every CTA loops over many tiles: the stage rings wrap many times
+    and the two consumers get unequal tile counts."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from igemm import epilogues as ep
+    import igemm.conv2d as conv_mod
+    if sms is not None:
+        monkeypatch.setattr(conv_mod._runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
+    cases = [((2, 64, 9, 11), (40, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 3}),
+             ((3, 128, 13, 7), (72, 128, 3, 3), 2, 1, 1, {"bn": 128, "stages": 3}),
+             ((4, 64, 14, 14), (256, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4}),      # 4 column tiles
+             ((2, 192, 8, 8), (130, 192, 1, 1), 1, 0, 1, {"bn": 128, "stages": 3}),
+             ((2, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, {"bn": 64, "stages": 4})]
+    for xs, ws, st, pd, dl, cfg in cases:
+        K = ws[0]
+        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        chain = ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))
+        xsl, wsl = to_layout_shape(xs, layout), to_layout_shape(ws, layout)
+        pers = {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, **cfg}
+        plans = {kind: [Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, config=c, epilogue=e) for e in (None, chain)]
+                 for kind, c in (("ws", pers), ("tile", {"bn": cfg["bn"], "splits": 1}))}
+        assert all(p.spec().persistent for p in plans["ws"]) and plans["tile"][0].spec().load_a == "tma"
+        for _ in range(2):
+            x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+            x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+            ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), (st, st), (pd, pd), (dl, dl), layout)
+            res = to_torch(rng.standard_normal(ref.shape), dtype)
+            outs = {}
+            for kind, (plain, fused) in plans.items():
+                y = plain(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+                name = f"{kind} {layout} {xs} {ws} {cfg} sms={sms}: {plain.spec().name()}"
+                assert rel_err(to_numpy(y), ref) <= TOL[dtype], name
+                yf, mf = fused(x, w, residual=res, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")),
+                               mask_out=torch.full(((ref.size + 31) // 32,), -1, dtype=torch.int32, device="cuda"))
+                assert torch.equal(mf, igemm.relu_mask(yf)), f"{name}: mask differs from y > 0"
+                outs[kind] = (y, yf, mf)
+            for a, b in zip(outs["ws"], outs["tile"]):
+                assert torch.equal(a, b), f"persistent and per-tile kernels differ: {layout} {xs} {ws} {cfg} sms={sms}"
 
 
 def to_layout_shape(shape, layout):

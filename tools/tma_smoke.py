@@ -1,4 +1,4 @@
-"""One TMA-loader conv per kind of geometry against torch, each in a subprocess-free loop with a hard
+"""One TMA-loader conv (per-tile and persistent kernels) per kind of geometry against torch, each in a subprocess-free loop with a hard
 time limit per case (a lost mbarrier transaction would hang, not fail): run this before the test tiers.
 
     timeout 120 python tools/tma_smoke.py
@@ -18,6 +18,10 @@ CASES = [  # N, C, H, W, K, R, stride, pad, dil, config
     (4, 64, 14, 14, 128, 3, 1, 1, 1, {"bm": 128, "wm": 2}),
     (1, 256, 7, 7, 128, 3, 1, 1, 1, {"splits": 3}),
     (32, 64, 56, 56, 64, 3, 1, 1, 1, None),
+    # the persistent warp-specialised kernel
+    (2, 64, 9, 11, 40, 3, 1, 1, 1, {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, "bn": 64, "stages": 4}),
+    (32, 64, 56, 56, 64, 3, 1, 1, 1, {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, "bn": 64, "stages": 4}),
+    (8, 128, 28, 28, 256, 3, 1, 1, 1, {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, "bn": 128, "stages": 3}),
 ]
 
 

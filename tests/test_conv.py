@@ -598,9 +598,9 @@ def test_gpu_persistent_kernel(dtype, layout, sms, rng, monkeypatch):
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
     from igemm import epilogues as ep
-    import igemm.conv2d as conv_mod
-    if sms is not None:
-        monkeypatch.setattr(conv_mod._runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
+    from igemm import _runtime
+    if sms is not None:     # the plan sizes the persistent grid from the SM count
+        monkeypatch.setattr(_runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
     cases = [((2, 64, 9, 11), (40, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 3}),
              ((3, 128, 13, 7), (72, 128, 3, 3), 2, 1, 1, {"bn": 128, "stages": 3}),
              ((4, 64, 14, 14), (256, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4}),      # 4 column tiles

@@ -334,6 +334,11 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             for bn in (64, 128, 256):
                 for stages in (3, 4, 5):
                     add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
+        if base.load_a == "tma":            # taller tiles: three or four warpgroups share each B stage
+            for bm in (192, 256):
+                for bn in (64, 128):
+                    for stages in (3, 4):
+                        add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
     elif base.math == "tensorop":
         for bm, bn, wm, wn in ((128, 128, 2, 2), (128, 64, 2, 2), (64, 128, 1, 2), (128, 128, 2, 4), (64, 64, 2, 2)):
             for stages in (3, 4):

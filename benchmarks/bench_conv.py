@@ -24,6 +24,8 @@ CONFIGS = {  # name: (dtype, layout, igemm precision, cuDNN allow_tf32)
     "fp16-NCHW": ("float16", "NCHW", "strict", False),          # igemm's default NCHW path (auto)
     "fp16-NCHW-native": ("float16", "NCHW", "strict", False),   # the NCHW gather, forced (nchw_path="native")
     "fp16-NHWC-gather": ("float16", "NHWC", "strict", False),   # the cp.async gather forced (no TMA loads)
+    "fp16-NHWC-pad": ("float16", "NHWC", "strict", False),      # pad_channels=True (C < 8 -> 8: conv1)
+    "fp16-NCHW-pad": ("float16", "NCHW", "strict", False),
     "bf16-NHWC": ("bfloat16", "NHWC", "strict", False),
     "fp32-NCHW": ("float32", "NCHW", "strict", False),
     "tf32-NHWC": ("float32", "NHWC", "tf32", True),
@@ -80,8 +82,9 @@ def main(argv=None):
             io_bytes = (N * C * H * H + N * K * P * P + K * C * R * R) * eb
             xs, w = make_inputs(torch, N, C, K, H, R, dtype, layout, io_bytes)
             plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
-                                    nchw_path="native" if cfg.endswith("-native") else "auto")
-            if cfg.endswith("-gather") and plan._primary.load_a == "tma":
+                                    nchw_path="native" if cfg.endswith("-native") else "auto",
+                                    pad_channels=True if cfg.endswith("-pad") and C < 8 else None)
+            if cfg.endswith("-gather") and plan._primary.load_b == "tma":
                 plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
                                         config={"load_a": "vec", "load_b": "vec"})
             spec = plan._primary

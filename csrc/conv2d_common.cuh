@@ -15,7 +15,9 @@ enum : int { kNCHW = 0, kNHWC = 1 };
 enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3 };
 // kLoadTma (sm_90a wgmma only): one thread loads each stage with two TMA copies, the im2col-mode one for
 // A (NHWC, C % 64 == 0) and a tiled one for B, completing on an mbarrier (conv2d_sm90.cuh).
-enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2 };
+// kLoadTmaC8: the A side of kLoadTma for 8-channel inputs (16-bit C padded to 8): a k-tile is 8 taps, one
+// im2col copy each, into 8 BM × 16-byte regions (the wgmma no-swizzle K-major layout).
+enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3 };
 enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2 };
 
 template <class Element_, class ElementOut_, int Layout_, int Math_, int BM_, int BN_, int BK_, int WM_,
@@ -51,7 +53,8 @@ struct Config {
   static_assert((VecO & (VecO - 1)) == 0 && VecO * sizeof(ElementOut) <= 16, "output vectors: 2^i elements, <= 16 bytes");
   static_assert(!FuseMask || Epi::kMask, "mask fusion needs a ReLU(mask=True) in the chain");
   static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
-  static_assert((LoadA_ == kLoadTma) == (LoadB_ == kLoadTma) && (LoadA_ != kLoadTma || (kIsWgmma && Layout_ == kNHWC)),
+  static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8;
+  static_assert(kTma == (LoadB_ == kLoadTma) && (!kTma || (kIsWgmma && Layout_ == kNHWC)),
                 "TMA loads: both operands, wgmma, NHWC");
   static_assert(Math_ != kWgmmaWs || (LoadA_ == kLoadTma && BM == 64), "the persistent kernel: TMA loads, 64-row tiles");
   static_assert(!kIsWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),

@@ -33,7 +33,7 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
     mainloop_simt<Cfg>(p, smem, m0, n0, kt0, kt1);
   } else {
 #if defined(IGEMM_WGMMA)
-    if constexpr (Cfg::LoadA == kLoadTma) mainloop_wgmma_tma<Cfg>(p, smem, m0, n0, kt0, kt1);
+    if constexpr (Cfg::kTma) mainloop_wgmma_tma<Cfg>(p, smem, m0, n0, kt0, kt1);
     else mainloop_wgmma<Cfg>(p, smem, m0, n0, kt0, kt1);
 #else
     static_assert(Cfg::kMath != kWgmma, "the wgmma mainloop needs IGEMM_WGMMA (sm_90a)");

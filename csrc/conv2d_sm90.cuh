@@ -47,6 +47,18 @@ IGEMM_DEVICE uint64_t desc_sw128(uint32_t smem_addr) {
   return d.desc_;
 }
 
+// K-major, no swizzle (the INTERLEAVE layout): 8-row × 16-byte core matrices, rows 16 bytes apart, the next
+// 8 rows `sbo` bytes on, the next 8 elements of K `lbo` bytes on.
+IGEMM_DEVICE uint64_t desc_interleave(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>((smem_addr & 0x3FFFF) >> 4);
+  d.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo >> 4);
+  d.bitfield.stride_byte_offset_ = static_cast<uint16_t>(sbo >> 4);
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = 0;
+  return d.desc_;
+}
+
 IGEMM_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Accumulators → shared C tile (fp32; layout per Config::kCsPixelMajor). Warp w of the warpgroup owns
@@ -80,15 +92,17 @@ IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
   __syncthreads();
 }
 
-// One wgmma group over a stage (KSTEPS k16 steps along the SW128 atom), committed, not waited for.
-template <class Atom, int NACC, int KSTEPS>
+// One wgmma group over a stage (KSTEPS k16 steps), committed, not waited for. Each k16 step advances the A
+// descriptor by ASTEP 16-byte units: 2 (+32 bytes inside the SW128 atom) or, for the no-swizzle 8-channel A
+// layout, two 16-byte regions.
+template <class Atom, int NACC, int KSTEPS, int ASTEP = 2>
 IGEMM_DEVICE void wgmma_stage(uint64_t da, uint64_t db, float* acc) {
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   cute::warpgroup_arrive();
 #pragma unroll
-  for (int ks = 0; ks < KSTEPS; ++ks)   // +32 bytes along K inside the swizzle atom
-    gmma_issue<Atom>(da + 2 * ks, db + 2 * ks, acc, std::make_index_sequence<NACC>{});
+  for (int ks = 0; ks < KSTEPS; ++ks)
+    gmma_issue<Atom>(da + ASTEP * ks, db + 2 * ks, acc, std::make_index_sequence<NACC>{});
   cute::warpgroup_commit_batch();
 }
 
@@ -218,7 +232,20 @@ IGEMM_DEVICE void tma_issue_stage(const P& p, uint8_t* a_dst, uint8_t* b_dst, ui
   p.fd_C.divmod(rs, c0, k0);
   p.fd_S.divmod(r, s, rs);
   mbar_expect_tx(bar, (Cfg::BM + Cfg::BN) * BK * 2);
-  tma_load_im2col_4d(a_dst, p.tmA, bar, c0, o.w0, o.h0, o.n, uint16_t(s * p.dw), uint16_t(r * p.dh));
+  if constexpr (Cfg::LoadA == kLoadTmaC8) {
+    // 8 taps of 8 channels: tap j = 8·kt + i into region i. Taps past R·S read zeros: their w offset puts
+    // every pixel outside the image (tma_unsupported keeps W below it).
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      int tr, ts;
+      p.fd_S.divmod(tr, ts, kt * 8 + i);
+      const bool ok = tr < p.R;
+      tma_load_im2col_4d(a_dst + i * Cfg::BM * 16, p.tmA, bar, 0, o.w0, o.h0, o.n,
+                         uint16_t(ok ? ts * p.dw : 0x4000), uint16_t(ok ? tr * p.dh : 0));
+    }
+  } else {
+    tma_load_im2col_4d(a_dst, p.tmA, bar, c0, o.w0, o.h0, o.n, uint16_t(s * p.dw), uint16_t(r * p.dh));
+  }
   tma_load_2d(b_dst, p.tmB, bar, k0, n0);
 }
 
@@ -259,12 +286,17 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   const uint32_t sA_u = smem_u32(sA) + (threadIdx.x / 128) * 64 * 128, sB_u = smem_u32(sB);
+  const uint32_t sA8 = smem_u32(sA) + (threadIdx.x / 128) * 64 * 16;   // kLoadTmaC8: rows of a region are 16 B
   // Iteration i: wait for stage i's bytes → issue its wgmma group → wait until only that group is in
   // flight → barrier (stage i-1 is free in every warpgroup) → thread 0 refills it with k-tile i+S-1.
   for (int it = 0; it < KT; ++it) {
     const int buf = it % S;
     mbar_wait(&full[buf], (it / S) & 1);
-    wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * A_STAGE), desc_sw128(sB_u + buf * B_STAGE), acc);
+    if constexpr (Cfg::LoadA == kLoadTmaC8)   // A: 8 regions of BM 16-byte rows; this warpgroup's rows
+      wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * A_STAGE, Cfg::BM * 16, 128),
+                                                    desc_sw128(sB_u + buf * B_STAGE), acc);
+    else
+      wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * A_STAGE), desc_sw128(sB_u + buf * B_STAGE), acc);
     cute::warpgroup_wait<1>();
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -304,7 +336,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages, NC = Cfg::WM;
   constexpr int A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2, RING = S * (A_STAGE + B_STAGE);
   constexpr int NACC = BN / 2, KSTEPS = BK / 16;
-  static_assert(NC == 2, "two consumer warpgroups");
+  static_assert(NC == 2 && Cfg::LoadA == kLoadTma, "two consumer warpgroups, 64-channel TMA k-tiles");
   __shared__ alignas(8) uint64_t full[NC][S], empty[NC][S];
   __shared__ __align__(16) float s_vec[NC][3][BN];
   const int TM = (p.M + BM - 1) / BM, NT = TM * ((p.K + BN - 1) / BN);   // tiles

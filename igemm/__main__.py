@@ -104,7 +104,7 @@ def precompile(args) -> int:
                 for path in {"auto", "native"} if layout == "NCHW" else {"auto"}:   # bench_conv times both
                     spec = choose_config(kernel_setup(pb, path)[1], args.arch)
                     specs[spec] = _stub(spec)
-                    if spec.load_a == "tma":       # bench_conv's fp16-NHWC-gather times the cp.async gather too
+                    if spec.load_b == "tma":       # bench_conv's fp16-NHWC-gather times the cp.async gather too
                         g = dataclasses.replace(spec, load_a="vec", load_b="vec")
                         specs[g] = _stub(g)
     t0 = time.time()

@@ -74,7 +74,7 @@ class KernelSpec:
     wm: int
     wn: int
     stages: int
-    load_a: str               # "vec" | "elem" | "tma" (sm_90a wgmma, both operands: igemm/_tma.py)
+    load_a: str               # "vec" | "elem" | "tma" | "tma8" (sm_90a wgmma; load_b "tma": igemm/_tma.py)
     load_b: str
     store: str                # "rows" | "linear" | "nchw"
     vec_o: int
@@ -111,7 +111,7 @@ class KernelSpec:
     def static_smem(self) -> int:
         if self.persistent:                  # per consumer: channel vectors, full and empty barriers
             return self.wm * (3 * self.bn * 4 + 16 * self.stages)
-        return 3 * self.bn * 4 + 16 + (8 * self.stages if self.load_a == "tma" else 0)
+        return 3 * self.bn * 4 + 16 + (8 * self.stages if self.load_b == "tma" else 0)
 
     def config_type(self) -> str:
         t = DTYPE_CTYPE[self.dtype]
@@ -133,7 +133,7 @@ class KernelSpec:
         return "#define IGEMM_WGMMA 1" if self.math in ("wgmma", "wgmma_ws") else ""
 
 
-_LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma"}
+_LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8"}
 
 
 def use_tma(pb: ConvProblem, arch: str, bm: int) -> bool:
@@ -291,7 +291,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     load_a = "vec" if (pb.layout == "NHWC" and pb.C % ce == 0 and x_aligned) else "elem"
     load_b = "vec" if (pb.Kred % ce == 0 and w_aligned) else "elem"
     if math == "wgmma" and load_a == load_b == "vec" and use_tma(pb, arch, bm):
-        load_a = load_b = "tma"
+        from ._tma import tma_kind
+        load_a, load_b = tma_kind(pb), "tma"
     store, vec_o, fuse = _store(pb, bn)
     splits = choose_splits(pb, bm, bn, bk, sms)
     spec = KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
@@ -324,8 +325,9 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, sms))
         if spec not in out and validate_spec(spec, pb, raise_=False):
             out.append(spec)
-    if base.load_a == "tma":
+    if base.load_b == "tma":
         add(load_a="vec", load_b="vec")
+    if base.load_a == "tma":
         for bn in (64, 128):
             for stages in (3, 4):
                 add(math="wgmma_ws", bm=64, wm=2, bn=bn, stages=stages, splits=1)
@@ -334,7 +336,7 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             for bn in (64, 128, 256):
                 for stages in (3, 4, 5):
                     add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
-        if base.load_a == "tma":            # taller tiles: three or four warpgroups share each B stage
+        if base.load_b == "tma":            # taller tiles: three or four warpgroups share each B stage
             for bm in (192, 256):
                 for bn in (64, 128):
                     for stages in (3, 4):
@@ -353,7 +355,7 @@ SMEM_LIMIT = 227 * 1024
 
 def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> bool:
     """Whether a (possibly hand-made) spec can run ``pb``; raises NotImplementedError naming why."""
-    from ._tma import tma_unsupported
+    from ._tma import tma_kind, tma_unsupported
     eb = DTYPE_SIZES[pb.dtype]
     ce = 16 // eb
     why = None
@@ -366,12 +368,14 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     elif spec.math == "tensorop" and (spec.bk * eb not in (32, 64, 128) or (spec.bn // spec.wn) % 16
                                       or (spec.bm // spec.wm) % 16):
         why = "tensor-op tile"
-    elif (spec.load_a == "tma") != (spec.load_b == "tma") or (spec.load_a == "tma" and not spec.math.startswith("wgmma")):
+    elif (spec.load_a.startswith("tma")) != (spec.load_b == "tma") or (spec.load_b == "tma" and not spec.math.startswith("wgmma")):
         why = "TMA loads: both operands, wgmma only"
+    elif spec.load_a.startswith("tma") and spec.load_a != tma_kind(pb):
+        why = f"TMA loads of this problem are {tma_kind(pb)!r}"
     elif spec.persistent and (spec.load_a != "tma" or spec.bm != 64 or spec.wm != 2 or spec.splits != 1
                               or spec.bn not in (64, 128, 256)):
         why = "the persistent kernel: TMA loads, two consumer warpgroups of 64-row tiles, no split-K"
-    elif spec.load_a == "tma" and tma_unsupported(pb, spec.bm):
+    elif spec.load_b == "tma" and tma_unsupported(pb, spec.bm):
         why = tma_unsupported(pb, spec.bm)
     elif spec.load_a == "vec" and not (pb.layout == "NHWC" and pb.C % ce == 0):
         why = "16-byte activation loads need NHWC and C % %d == 0" % ce

@@ -14,9 +14,15 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["tma_unsupported", "MapTemplate", "ConvMaps"]
+__all__ = ["tma_kind", "tma_unsupported", "MapTemplate", "ConvMaps"]
 
 BK = 64            # channels per copy: 128 bytes of a 16-bit type (the SW128 row)
+
+
+def tma_kind(pb) -> str:
+    """The TMA loader kind for the kernel problem ``pb``: ``"tma"`` (a k-tile is 64 channels of one tap) or,
+    for 8-channel problems (16-bit C padded to 8: ``pad_channels``), ``"tma8"`` (8 taps of 8 channels)."""
+    return "tma8" if pb.C == 8 else "tma"
 
 
 def tma_unsupported(pb, bm: int) -> str | None:
@@ -24,8 +30,10 @@ def tma_unsupported(pb, bm: int) -> str | None:
     from ._runtime import DTYPE_SIZES
     if pb.layout != "NHWC" or DTYPE_SIZES[pb.dtype] != 2:
         return "TMA loads need a 16-bit NHWC kernel problem"
-    if pb.C % BK:
-        return f"TMA loads need C % {BK} == 0 (a k-tile is 64 channels of one tap)"
+    if pb.C % BK and pb.C != 8:
+        return f"TMA loads need C % {BK} == 0 (a k-tile is 64 channels of one tap) or C == 8"
+    if pb.C == 8 and pb.W + pb.padding[1] >= 0x4000:
+        return "8-channel TMA loads zero the taps past R*S with a w offset of 0x4000: W must stay below it"
     lower = (-pb.padding[1], -pb.padding[0])
     upper = (pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0])
     if not all(-128 <= v <= 127 for v in lower + upper):
@@ -37,15 +45,15 @@ def tma_unsupported(pb, bm: int) -> str | None:
     return None
 
 
-def _encode(pb, kind: str, args, l2: str) -> bytes:
-    """``cuTensorMapEncode<kind>(element type, *args, no interleave, 128-byte swizzle, L2 promotion
-    ``l2``, zero fill)`` -> the map's 128 bytes."""
+def _encode(pb, kind: str, args, l2: str, swizzle: str = "CU_TENSOR_MAP_SWIZZLE_128B") -> bytes:
+    """``cuTensorMapEncode<kind>(element type, *args, no interleave, swizzle, L2 promotion ``l2``, zero
+    fill)`` -> the map's 128 bytes."""
     from cuda.bindings import driver as d
     T = d.CUtensorMapDataType
     dt = T.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if pb.dtype == "float16" else T.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
     err, tm = getattr(d, "cuTensorMapEncode" + kind)(
         dt, *args, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, getattr(d.CUtensorMapL2promotion, l2),
+        getattr(d.CUtensorMapSwizzle, swizzle), getattr(d.CUtensorMapL2promotion, l2),
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if int(err):
         raise RuntimeError(f"cuTensorMapEncode{kind} failed ({err}) for {pb}")
@@ -60,7 +68,8 @@ def _encode_im2col(pb, bm: int, addr: int) -> bytes:
         4, addr, [u64(C), u64(W), u64(H), u64(N)], [u64(C * es), u64(W * C * es), u64(H * W * C * es)],
         [-pb.padding[1], -pb.padding[0]],
         [pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0]],
-        BK, bm, [u32(1), u32(pb.stride[1]), u32(pb.stride[0]), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_L2_128B")
+        min(BK, C), bm, [u32(1), u32(pb.stride[1]), u32(pb.stride[0]), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_L2_128B",
+        "CU_TENSOR_MAP_SWIZZLE_NONE" if C == 8 else "CU_TENSOR_MAP_SWIZZLE_128B")   # 8 channels: 16-byte rows
 
 
 def _encode_tiled(pb, bn: int, addr: int) -> bytes:

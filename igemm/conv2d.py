@@ -145,11 +145,11 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
     if bad:
         raise ValueError(f"config: unknown fields {sorted(bad)}")
     spec = dataclasses.replace(spec, **cfg)
-    if spec.load_a == "tma" and (not spec.math.startswith("wgmma") or "load_b" in cfg and cfg["load_b"] != "tma"
-                                 or "load_a" in cfg and cfg["load_a"] != "tma"):
+    if spec.load_b == "tma" and (not spec.math.startswith("wgmma") or "load_b" in cfg and cfg["load_b"] != "tma"
+                                 or "load_a" in cfg and not cfg["load_a"].startswith("tma")):
         # TMA loads are the wgmma kernel's: another mainloop (or one operand overridden) gathers both
         la, lb = cfg.get("load_a", "vec"), cfg.get("load_b", "vec")
-        spec = dataclasses.replace(spec, load_a="vec" if la == "tma" else la, load_b="vec" if lb == "tma" else lb)
+        spec = dataclasses.replace(spec, load_a="vec" if la.startswith("tma") else la, load_b="vec" if lb == "tma" else lb)
     if "math" in cfg and not cfg["math"].startswith("wgmma") and "bk" not in cfg:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
         if cfg["math"] == "tensorop" and "wn" not in cfg:
@@ -372,7 +372,7 @@ class Conv2dPlan:
         if not (x_aligned and w_aligned):
             if spec.persistent:             # TMA-only kernel: the per-tile wgmma kernel gathers instead
                 spec = dataclasses.replace(spec, math="wgmma", wm=1)
-            la, lb = ("vec", "vec") if spec.load_a == "tma" else (spec.load_a, spec.load_b)
+            la, lb = ("vec", "vec") if spec.load_b == "tma" else (spec.load_a, spec.load_b)
             spec = dataclasses.replace(spec, load_a="elem" if not x_aligned else la,
                                        load_b="elem" if not w_aligned else lb)
         validate_spec(spec, self.kproblem)
@@ -398,7 +398,7 @@ class Conv2dPlan:
                 self._ktab = d
                 self._args.u64[self._slot["ktab"]] = d.ptr
             l = (_kernel.Launcher(k, grid, spec.threads, spec.smem), spec, ws)
-            if spec.load_a == "tma":
+            if spec.load_b == "tma":
                 from ._tma import ConvMaps
                 self._maps[l[0]] = ConvMaps(self.kproblem, spec, self._slot["tmA"], self._slot["tmB"])
             self._specs[key] = l

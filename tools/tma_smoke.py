@@ -22,6 +22,9 @@ CASES = [  # N, C, H, W, K, R, stride, pad, dil, config
     (2, 64, 9, 11, 40, 3, 1, 1, 1, {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, "bn": 64, "stages": 4}),
     (32, 64, 56, 56, 64, 3, 1, 1, 1, {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, "bn": 64, "stages": 4}),
     (8, 128, 28, 28, 256, 3, 1, 1, 1, {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, "bn": 128, "stages": 3}),
+    # 8-tap TMA k-tiles on copies padded to 8 channels (conv1)
+    (2, 3, 37, 41, 16, 7, 2, 3, 1, "pad"),
+    (4, 3, 224, 224, 64, 7, 2, 3, 1, "pad"),
 ]
 
 
@@ -30,7 +33,9 @@ def main() -> int:
     for N, C, H, W, K, R, st, pd, dl, cfg in CASES:
         x = torch.randn(N, H, W, C, device="cuda", dtype=torch.float16)
         w = torch.randn(K, R, R, C, device="cuda", dtype=torch.float16) / (C * R * R) ** 0.5
-        plan = igemm.Conv2dPlan(x.shape, w.shape, "float16", "NHWC", st, pd, dl, config=cfg)
+        pad = cfg == "pad"
+        plan = igemm.Conv2dPlan(x.shape, w.shape, "float16", "NHWC", st, pd, dl, config=None if pad else cfg,
+                                pad_channels=True if pad else None)
         t = time.perf_counter()
         y = plan(x, w)
         torch.cuda.synchronize()

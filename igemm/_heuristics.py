@@ -137,8 +137,8 @@ _LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kL
 
 
 def use_tma(pb: ConvProblem, arch: str, bm: int) -> bool:
-    """Whether the wgmma kernel loads through TMA (igemm/_tma.py): sm_90, 16-bit NHWC with C % 64 == 0,
-    within the tensor maps' limits. ``IGEMM_TMA=0`` turns it off (the cp.async gather then runs)."""
+    """Whether the wgmma kernel can load through TMA (igemm/_tma.py): sm_90, 16-bit NHWC with C % 64 == 0
+    (or C == 8: 8-tap k-tiles, a candidate only), within the tensor maps' limits. ``IGEMM_TMA=0`` turns it off (the cp.async gather then runs)."""
     import os
     from ._tma import tma_unsupported
     return (arch.startswith("sm_90") and os.environ.get("IGEMM_TMA", "1") != "0"
@@ -290,9 +290,10 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         stages = 2           # nothing to pipeline: the smaller footprint buys CTAs in flight instead
     load_a = "vec" if (pb.layout == "NHWC" and pb.C % ce == 0 and x_aligned) else "elem"
     load_b = "vec" if (pb.Kred % ce == 0 and w_aligned) else "elem"
-    if math == "wgmma" and load_a == load_b == "vec" and use_tma(pb, arch, bm):
-        from ._tma import tma_kind
-        load_a, load_b = tma_kind(pb), "tma"
+    if math == "wgmma" and load_a == load_b == "vec" and pb.C % 64 == 0 and use_tma(pb, arch, bm):
+        # (8-tap TMA k-tiles for 8-channel copies are a candidate only: on an H200 the padded conv1 took
+        # 255 us with them, 172 us with the element gather; notes/perf.md)
+        load_a = load_b = "tma"
     store, vec_o, fuse = _store(pb, bn)
     splits = choose_splits(pb, bm, bn, bk, sms)
     spec = KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
@@ -327,6 +328,8 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             out.append(spec)
     if base.load_b == "tma":
         add(load_a="vec", load_b="vec")
+    if base.load_a == base.load_b == "vec" and pb.C == 8 and use_tma(pb, arch, base.bm):
+        add(load_a="tma8", load_b="tma")
     if base.load_a == "tma":
         for bn in (64, 128):
             for stages in (3, 4):

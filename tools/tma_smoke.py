@@ -34,7 +34,8 @@ def main() -> int:
         x = torch.randn(N, H, W, C, device="cuda", dtype=torch.float16)
         w = torch.randn(K, R, R, C, device="cuda", dtype=torch.float16) / (C * R * R) ** 0.5
         pad = cfg == "pad"
-        plan = igemm.Conv2dPlan(x.shape, w.shape, "float16", "NHWC", st, pd, dl, config=None if pad else cfg,
+        plan = igemm.Conv2dPlan(x.shape, w.shape, "float16", "NHWC", st, pd, dl,
+                                config={"load_a": "tma8", "load_b": "tma"} if pad else cfg,
                                 pad_channels=True if pad else None)
         t = time.perf_counter()
         y = plan(x, w)

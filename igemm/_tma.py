@@ -1,12 +1,13 @@
-"""TMA tensor maps for the conv kernel's TMA loader (``KernelSpec.load_a == "tma"``, sm_90a).
+"""TMA tensor maps for the conv kernel's TMA loader (``KernelSpec.load_b == "tma"``, sm_90a).
 
 The kernel loads each stage with two TMA copies (``csrc/conv2d_sm90.cuh``): A through an *im2col-mode*
 map of x (NHWC as a 4-D tensor, the bounding box given by the padding and the filter extent, traversal
 strides = the conv stride, so one copy gathers BM consecutive output pixels' taps, zero-filled outside
 the image), B through a tiled map of w as the K x Kred matrix. Both use the 128-byte swizzle the wgmma
-descriptors read. A map holds its tensor's address, so a plan encodes each map once and then only
-patches the address word per call (:class:`MapTemplate`); the field is found by encoding two addresses
-and comparing (re-encoding per call is the fallback if that ever fails).
+descriptors read. ``load_a == "tma8"`` (8-channel problems, an autotune candidate) takes eight 16-byte
+copies per k-tile into the no-swizzle layout instead. A map holds its tensor's address, so a plan encodes
+each map once and then only patches the address word per call (:class:`MapTemplate`); the word is found
+by three probe encodes (re-encoding per new address is the fallback if no single word holds it).
 """
 from __future__ import annotations
 

@@ -378,8 +378,8 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     elif spec.persistent and (spec.load_a != "tma" or spec.bm != 64 or spec.wm != 2 or spec.splits != 1
                               or spec.bn not in (64, 128, 256)):
         why = "the persistent kernel: TMA loads, two consumer warpgroups of 64-row tiles, no split-K"
-    elif spec.load_b == "tma" and tma_unsupported(pb, spec.bm):
-        why = tma_unsupported(pb, spec.bm)
+    elif spec.load_b == "tma" and (no_tma := tma_unsupported(pb, spec.bm)):
+        why = no_tma
     elif spec.load_a == "vec" and not (pb.layout == "NHWC" and pb.C % ce == 0):
         why = "16-byte activation loads need NHWC and C % %d == 0" % ce
     elif spec.load_b == "vec" and pb.Kred % ce:

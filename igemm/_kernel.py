@@ -67,7 +67,7 @@ class PackedArgs:
     ``void*[]`` that ``cuLaunchKernel`` takes. A plan builds it once and only rewrites its pointer slots
     per call."""
 
-    __slots__ = ("slots", "data", "u64", "i32", "f32", "ptrs", "address", "kinds", "_tls", "_starts", "kind_of")
+    __slots__ = ("slots", "data", "u64", "i32", "f32", "ptrs", "address", "_tls", "_starts", "kind_of")
 
     def __init__(self, params: list[ParamSpec], values: dict):
         entries = []
@@ -78,7 +78,6 @@ class PackedArgs:
                 entries += [(p.name + "_d", "int32", d), (p.name + "_m", "uint32", m), (p.name + "_s", "uint32", s)]
             else:
                 entries.append((p.name, p.ctype, v))
-        self.kinds = tuple(e[1] for e in entries)
         self.kind_of = {e[0]: e[1] for e in entries}
         starts, n = [], 0
         for e in entries:
@@ -113,7 +112,7 @@ class PackedArgs:
         c = getattr(tls, "c", None)
         if c is None:
             c = object.__new__(PackedArgs)
-            c.slots, c.kinds, c._tls, c._starts, c.kind_of = self.slots, self.kinds, None, self._starts, self.kind_of
+            c.slots, c._tls, c._starts, c.kind_of = self.slots, None, self._starts, self.kind_of
             c.data = self.data.copy()
             c.u64, c.i32, c.f32 = c.data, c.data.view(np.int32), c.data.view(np.float32)
             c.ptrs, c.address = self._pointers(c.data)

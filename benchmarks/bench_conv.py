@@ -26,8 +26,11 @@ CONFIGS = {  # name: (dtype, layout, igemm precision, cuDNN allow_tf32)
     "fp16-NHWC-gather": ("float16", "NHWC", "strict", False),   # the cp.async gather forced (no TMA loads)
     "fp16-NHWC-pad": ("float16", "NHWC", "strict", False),      # pad_channels=True (C < 8 -> 8: conv1)
     "fp16-NCHW-pad": ("float16", "NCHW", "strict", False),
+    "fp16-NHWC-elem": ("float16", "NHWC", "strict", False),     # unfold=False (conv1: the element gather)
+    "fp16-NCHW-elem": ("float16", "NCHW", "strict", False),
     "bf16-NHWC": ("bfloat16", "NHWC", "strict", False),
     "fp32-NCHW": ("float32", "NCHW", "strict", False),
+    "fp32-NCHW-elem": ("float32", "NCHW", "strict", False),
     "tf32-NHWC": ("float32", "NHWC", "tf32", True),
 }
 
@@ -83,7 +86,8 @@ def main(argv=None):
             xs, w = make_inputs(torch, N, C, K, H, R, dtype, layout, io_bytes)
             plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
                                     nchw_path="native" if cfg.endswith("-native") else "auto",
-                                    pad_channels=True if cfg.endswith("-pad") and C < 8 else None)
+                                    pad_channels=True if cfg.endswith("-pad") and C < 8 else None,
+                                    unfold=False if cfg.endswith(("-elem", "-pad")) else None)
             if cfg.endswith("-gather") and plan._primary.load_b == "tma":
                 plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
                                         config={"load_a": "vec", "load_b": "vec"})
@@ -109,7 +113,8 @@ def main(argv=None):
                       pct_peak=100 * flops / t_ig / peak, mem_floor_us=io_bytes / bw * 1e6,
                       max_rel_err=err, host_us=host * 1e6,
                       kernel=("transpose+" if plan.nchw_path == "transpose" else "")
-                      + (f"pad{plan.kproblem.C}+" if plan.kproblem.C != plan.problem.C else "") + spec.name())
+                      + ("unfold+" if plan.nchw_path == "unfold" else
+                         f"pad{plan.kproblem.C}+" if plan.kproblem.C != plan.problem.C else "") + spec.name())
             del xs, outs
             torch.cuda.empty_cache()
     for cfg, rs in ratios.items():

@@ -86,7 +86,7 @@ def precompile(args) -> int:
     """Compile the kernels of the ResNet-50 benchmark set (and their fused epilogues) in parallel."""
     from igemm import _build
     from igemm import epilogues as ep
-    from igemm import _transpose
+    from igemm import _transpose, _unfold
     from igemm._heuristics import ConvProblem, choose_config, kernel_setup
     from igemm.conv2d import _stub
     chains = {"none": ep.chain(), "bn_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True)),
@@ -101,8 +101,11 @@ def precompile(args) -> int:
                 pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
                                  precision if dtype == "float32" else "tensorop", ch.signature(),
                                  dtype if ch.residual_op else None)
-                for path in {"auto", "native"} if layout == "NCHW" else {"auto"}:   # bench_conv times both
-                    spec = choose_config(kernel_setup(pb, path)[1], args.arch)
+                paths = [("auto", None), ("native", None)] if layout == "NCHW" else [("auto", None)]
+                if C * (4 if dtype == "float32" else 2) < 16:      # bench_conv's -elem configs: no unfold
+                    paths.append(("auto", False))
+                for path, unfold in paths:                          # bench_conv times each
+                    spec = choose_config(kernel_setup(pb, path, None, unfold)[1], args.arch)
                     specs[spec] = _stub(spec)
                     if spec.load_b == "tma":       # bench_conv's fp16-NHWC-gather times the cp.async gather too
                         g = dataclasses.replace(spec, load_a="vec", load_b="vec")
@@ -110,6 +113,7 @@ def precompile(args) -> int:
     t0 = time.time()
     n = _build.compile_many(((spec.name(), stub) for spec, stub in specs.items()), args.arch, args.jobs)
     n += _transpose.precompile(args.arch, args.jobs)      # the NCHW transpose path's kernels
+    n += _unfold.precompile(args.arch, args.jobs)         # the width unfold's (conv1)
     print(f"{n} kernels for {args.arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}")
     return 0
 

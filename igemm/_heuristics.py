@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
 __all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits",
-           "nchw_path", "kernel_problem", "kernel_channels", "kernel_setup"]
+           "nchw_path", "kernel_problem", "kernel_channels", "kernel_setup", "use_unfold"]
 
 
 @dataclass(frozen=True)
@@ -229,8 +229,36 @@ def kernel_problem(pb: ConvProblem, path: str, channels: int | None = None) -> C
     return kp
 
 
-def kernel_setup(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None) -> tuple[str, ConvProblem]:
-    """(NCHW path, the kernel's problem) for a plan's problem and its options."""
+def use_unfold(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None, unfold: bool | None = None) -> bool:
+    """Whether the plan runs on width-unfolded copies of x and w (``igemm/_unfold.py``: C -> roundup(S*C, V),
+    S -> 1, so the gather moves 16 bytes a load). ``auto`` (``None``): for inputs whose pixel is under 16
+    bytes (C * element size < 16: conv1's C = 3) with S > 1, either layout, unless ``pad_channels`` or an
+    explicit ``nchw_path`` is asked for. conv1 (7x7/2, C = 3 -> 24): notes/perf.md."""
+    if unfold is None:
+        es = DTYPE_SIZES[pb.dtype]
+        return (not pad and nchw == "auto" and pb.C * es < 16 and pb.S > 1
+                and _unfold_fits(pb, es))
+    if unfold and (pad or nchw != "auto"):
+        raise ValueError("unfold=True replaces the channel pad and the NCHW paths: leave pad_channels and "
+                         "nchw_path unset")
+    if unfold and not _unfold_fits(pb, DTYPE_SIZES[pb.dtype]):
+        raise NotImplementedError("unfold=True: the unfolded copy of x is too large for igemm's 32-bit index math")
+    return bool(unfold)
+
+
+def _unfold_fits(pb: ConvProblem, es: int) -> bool:
+    from ._unfold import unfold_channels
+    cp = unfold_channels(pb.C, pb.S, es)
+    return pb.N * pb.H * pb.Q * cp * es // 16 < 2 ** 31 - 1024 and cp * pb.H * pb.Q < 2 ** 31 and cp * pb.R < 2 ** 31
+
+
+def kernel_setup(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None,
+                 unfold: bool | None = None) -> tuple[str, ConvProblem]:
+    """(path, the kernel's problem) for a plan's problem and its options: path ``"unfold"``
+    (:func:`use_unfold`), else the NCHW path (:func:`nchw_path`; ``"native"`` for NHWC)."""
+    if use_unfold(pb, nchw, pad, unfold):
+        from ._unfold import unfolded_problem
+        return "unfold", unfolded_problem(pb, DTYPE_SIZES[pb.dtype])
     path = nchw_path(pb, nchw, pad)
     return path, kernel_problem(pb, path, kernel_channels(pb, path, pad))
 

@@ -266,6 +266,11 @@ class Conv2dPlan:
             to 8 zero channels (one extra kernel, plan-owned scratch; on the transpose path for NCHW), so
             the gather uses 16-byte loads. Off by default: on an H200 the padded conv1 measured slower
             than the element gather (notes/perf.md).
+        unfold: run on copies of x and w unfolded along the width (``igemm/_unfold.py``): C channels and
+            an R x S filter become C' = S*C (rounded up to 16 bytes) channels and an R x 1 filter, so the
+            gather uses 16-byte loads and the reduction is R*C' (conv1: 168, against 392 padded). ``None``
+            (default): on for pixels under 16 bytes (C * element size < 16, conv1's C = 3) with S > 1,
+            either layout (y is still stored in ``layout``); ``False``: the element gather.
 
     Example::
 
@@ -277,7 +282,7 @@ class Conv2dPlan:
     def __init__(self, x_shape, w_shape, dtype: str, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None,
                  device: int | None = 0, config=None, nchw_path: str = "auto", pad_channels: bool | None = None,
-                 _skeleton: bool = False):
+                 unfold: bool | None = None, _skeleton: bool = False):
         dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
@@ -300,12 +305,14 @@ class Conv2dPlan:
                                    precision if dtype == "float32" else "tensorop",
                                    self.chain.signature(), residual_dtype)
         pb = self.problem
-        #: "native" or "transpose" (NCHW only); the kernel runs ``kproblem`` (NHWC in, NCHW out on the latter)
-        self.nchw_path, self.kproblem = kernel_setup(pb, nchw_path, pad_channels)
+        #: "native" or "transpose" (NCHW), "unfold" (either layout); the kernel runs ``kproblem`` (NHWC in,
+        #: ``layout`` out on the latter two)
+        self.nchw_path, self.kproblem = kernel_setup(pb, nchw_path, pad_channels, unfold)
         kp = self.kproblem
+        unf = self.nchw_path == "unfold"
         #: the kernel reads prepared copies of x (and of w unless ``_w_in_place``) made by one extra kernel
-        self._prep = kp.layout != pb.layout or kp.C != pb.C
-        self._w_in_place = kp.C == pb.C and (pb.layout == "NHWC" or R * S == 1)
+        self._prep = unf or kp.layout != pb.layout or kp.C != pb.C
+        self._w_in_place = not unf and kp.C == pb.C and (pb.layout == "NHWC" or R * S == 1)
         self.x_shape = tuple(int(v) for v in x_shape)
         self.w_shape = tuple(int(v) for v in w_shape)
         self.y_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
@@ -410,6 +417,14 @@ class Conv2dPlan:
         from ._transpose import Prepared, TransposeJob
         pb, Ck = self.problem, self.kproblem.C
         es = DTYPE_SIZES[self.dtype]
+        if self.nchw_path == "unfold":          # x -> [N][H][Q][C'], w -> [K][R][1][C'] (igemm/_unfold.py)
+            from ._unfold import Unfolded, UnfoldJob
+            kp = self.kproblem
+            xs = _runtime.DeviceArray((kp.N, kp.H, kp.W, Ck), self.dtype, self.device_id)
+            ws = _runtime.DeviceArray((kp.K, kp.R, 1, Ck), self.dtype, self.device_id)
+            prep = Unfolded(self.device_id, UnfoldJob.for_x(pb, es), xs.ptr, UnfoldJob.for_w(pb, es), ws.ptr)
+            self._xpose = (prep, xs, ws)
+            return
         if pb.layout == "NCHW":
             jx = TransposeJob(pb.N, pb.C, pb.H * pb.W, es, pitch=Ck)
             jw = None if self._w_in_place else TransposeJob(pb.K, pb.C, pb.R * pb.S, es, pitch=Ck)
@@ -659,8 +674,10 @@ class Conv2dPlan:
 
     def __repr__(self) -> str:
         pb = self.problem
-        path = ", nchw_path='transpose'" if self.nchw_path == "transpose" else ""
-        if self.kproblem.C != pb.C:
+        path = f", nchw_path={self.nchw_path!r}" if self.nchw_path == "transpose" else ""
+        if self.nchw_path == "unfold":
+            path += f", unfolded to {self.kproblem.C} channels"
+        elif self.kproblem.C != pb.C:
             path += f", channels padded to {self.kproblem.C}"
         return (f"Conv2dPlan(x={self.x_shape}, w={self.w_shape}, {self.dtype}, {self.layout}, stride={pb.stride}, "
                 f"padding={pb.padding}, dilation={pb.dilation}, epilogue={self.chain!r}{path})")

@@ -320,7 +320,7 @@ def test_nchw_path_choice():
 def test_channel_pad_choice():
     """pad_channels=True: 16-bit problems with C < 8 run on copies padded to 8 channels (16-byte gathers)."""
     from igemm._heuristics import kernel_channels, kernel_setup
-    assert kernel_setup(_pb(C=3, R=7, S=7))[1].C == 3                         # opt-in (measured slower)
+    assert kernel_setup(_pb(C=3, R=7, S=7), unfold=False)[1].C == 3          # opt-in (measured slower)
     assert kernel_setup(_pb(C=3, R=7, S=7), pad=True)[1].C == 8
     path, kp = kernel_setup(_pb(layout="NCHW", C=5), pad=True)
     assert (path, kp.layout, kp.y_layout, kp.C) == ("transpose", "NHWC", "NCHW", 8)
@@ -339,6 +339,64 @@ def test_channel_pad_choice():
     w = np.random.default_rng(1).standard_normal((4, 3, 3, 3)).astype(np.float16)
     y = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, device=None, pad_channels=True)(x, w)  # numpy
     assert rel_err(y, reference.conv2d_direct(x, w, 1, 1, 1, "NHWC")) < 1e-2
+
+
+def _unfold_numpy(src: np.ndarray, job) -> np.ndarray:
+    """csrc/unfold.cuh's job in numpy, from the job's own fields (strides in elements)."""
+    flat = src.ravel()
+    out = np.zeros((job.A, job.B, job.Q, job.Cp), src.dtype)
+    sa, sb, sc, sw = job.strides
+    for s in range(job.S):
+        for c in range(job.C):
+            w = np.arange(job.Q) * job.stride - job.pad + s * job.dil
+            ok = (w >= 0) & (w < job.width)
+            idx = (np.arange(job.A)[:, None, None] * sa + np.arange(job.B)[None, :, None] * sb + c * sc
+                   + np.where(ok, w, 0)[None, None, :] * sw)
+            out[:, :, :, s * job.C + c] = np.where(ok[None, None, :], flat[idx], 0)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unfold_choice_and_geometry(layout, rng):
+    """The width unfold: when it is chosen, and that a conv of the unfolded copies (the jobs' index math,
+    emulated in numpy) with the unfolded problem equals the conv, over strides, paddings and dilations."""
+    from igemm._heuristics import kernel_setup, use_unfold
+    from igemm._unfold import UnfoldJob, unfold_channels
+    assert use_unfold(_pb(C=3, R=7, S=7, layout=layout))                               # conv1, fp16
+    assert use_unfold(_pb(C=3, R=7, S=7, layout=layout, dtype="float32", precision="strict"))
+    assert not use_unfold(_pb(C=4, R=3, S=3, dtype="float32", precision="strict"))    # 16-byte pixels already
+    assert not use_unfold(_pb(C=3, R=3, S=1))                                          # nothing to unfold
+    assert not use_unfold(_pb(C=3, R=7, S=7), pad=True) and not use_unfold(_pb(C=3, R=7, S=7), "native")
+    assert use_unfold(_pb(C=12, R=3, S=3), unfold=True) and not use_unfold(_pb(C=3, R=7, S=7), unfold=False)
+    with pytest.raises(ValueError, match="unfold"):
+        use_unfold(_pb(C=3), pad=True, unfold=True)
+    assert (unfold_channels(3, 7, 2), unfold_channels(3, 7, 4), unfold_channels(1, 3, 2)) == (24, 24, 8)
+    path, kp = kernel_setup(_pb(C=3, R=7, S=7, H=30, W=30, stride=(2, 2), padding=(3, 3), layout=layout))
+    assert (path, kp.C, kp.S, kp.W, kp.layout, kp.y_layout, kp.stride, kp.padding) == (
+        "unfold", 24, 1, 15, "NHWC", layout, (2, 1), (3, 0))
+    s = choose_config(kp)
+    assert (s.load_a, s.load_b, kp.Kred) == ("vec", "vec", 168)
+    plan = Conv2dPlan((2, 3, 30, 30) if layout == "NCHW" else (2, 30, 30, 3),
+                      (64, 3, 7, 7) if layout == "NCHW" else (64, 7, 7, 3), "float16", layout, 2, 3, device=None)
+    assert plan.nchw_path == "unfold" and "unfolded to 24" in repr(plan)
+    assert plan.spec(x_aligned=False, w_aligned=False).load_a == "vec"                # reads its own copies
+    for _ in range(12):
+        C, R, S = int(rng.integers(1, 6)), int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        st, pd, dl = ((int(rng.integers(1, 4)), int(rng.integers(1, 4))), (int(rng.integers(0, 3)),
+                      int(rng.integers(0, 3))), (int(rng.integers(1, 3)), int(rng.integers(1, 3))))
+        H, W = int(rng.integers(dl[0] * (R - 1) + 1, 14)), int(rng.integers(dl[1] * (S - 1) + 1, 14))
+        pb = _pb(N=2, C=C, H=H, W=W, K=5, R=R, S=S, stride=st, padding=pd, dilation=dl, layout=layout,
+                 dtype="float32", precision="strict")
+        x, w = to_layout(rng.standard_normal((2, C, H, W)), rng.standard_normal((5, C, R, S)), layout)
+        path, kp = kernel_setup(pb, unfold=True)
+        jx, jw = UnfoldJob.for_x(pb, 4), UnfoldJob.for_w(pb, 4)
+        xu = _unfold_numpy(x, jx).reshape(kp.N, kp.H, kp.W, kp.C)
+        wu = _unfold_numpy(w, jw).reshape(kp.K, kp.R, 1, kp.C)
+        got = reference.conv2d_direct(xu, wu, kp.stride, kp.padding, kp.dilation, "NHWC")
+        want = reference.conv2d_direct(x, w, st, pd, dl, layout)
+        if layout == "NCHW":
+            got = got.transpose(0, 3, 1, 2)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(pb))
 
 
 def test_plan_limits():
@@ -400,6 +458,24 @@ def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
     for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD)):
         cubin, _ = _build.compile_cubin(T._stub(e, a, b), arch, name=T._name(e, a, b))
         assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_unfold_kernels_compile(arch, tmp_path, monkeypatch):
+    """The width unfold (2- and 4-byte elements) and the conv kernel of an unfolded conv1."""
+    from igemm import _unfold
+    from igemm._heuristics import kernel_setup
+    monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
+    for name, stub in _unfold.all_variants():
+        cubin, _ = _build.compile_cubin(stub, arch, name=name)
+        assert cubin[:4] == b"\x7fELF"
+    kp = kernel_setup(_pb(C=3, R=7, S=7, stride=(2, 2), padding=(3, 3), layout="NCHW",
+                          epilogue=(("ReLU", True),)))[1]
+    spec = choose_config(kp, arch)
+    cubin, _ = _build.compile_cubin(_stub(spec), arch, name=spec.name())
+    assert cubin[:4] == b"\x7fELF"
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -738,14 +814,14 @@ def test_gpu_channel_pad(dtype, layout, rng):
         cshape = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
         sc = (to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)).reshape(cshape)
         pre = (ref - to_numpy(m_).reshape(cshape)) * sc + to_numpy(b_).reshape(cshape) + to_numpy(res)
-        for pad in (True, None):
-            plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad)
+        for pad, unf in ((True, None), (None, False)):
+            plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad, unfold=unf)
             assert (plan.kproblem.C == 8) == bool(pad), plan
             for _ in range(2):
                 y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
                 err = rel_err(to_numpy(y), ref)
                 assert err <= TOL[dtype], f"pad={pad} {layout} {xs}: {plan.spec().name()} {err}"
-            fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad,
+            fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad, unfold=unf,
                                epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
             mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
             y, m = fused(x, w, residual=res, mask_out=mo,
@@ -758,6 +834,76 @@ def test_gpu_channel_pad(dtype, layout, rng):
         gat = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=True)
         assert (tma.spec().load_a, gat.spec().load_a) == ("tma8", "vec")
         assert torch.equal(tma(x, w), gat(x, w)), f"tma8 vs gather {layout} {xs}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype, precision", PRECISIONS, ids=["fp16", "bf16", "fp32", "tf32"])
+def test_gpu_unfold(dtype, precision, layout, rng):
+    """The width unfold (conv1's default path) against the float64 reference: conv1-like 7x7/2, odd C,
+    stride/padding/dilation along the width, a misaligned x, BN+Add+ReLU(mask); y and mask poisoned first;
+    the element gather (unfold=False) on the same inputs agrees."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    tol = TOL["tf32" if precision == "tf32" else dtype]
+    for xs, ws, st, pd, dl, xoff in [((2, 3, 37, 41), (16, 3, 7, 7), 2, 3, 1, 0),
+                                     ((2, 1, 9, 9), (7, 1, 3, 3), 1, 1, 1, 1),
+                                     ((3, 2, 11, 13), (40, 2, 3, 5), (1, 2), (2, 1), (1, 2), 0),
+                                     ((1, 3, 20, 19), (70, 3, 5, 3), (2, 3), (0, 2), (2, 1), 1)]:
+        x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+        xb = to_torch(np.concatenate([np.zeros(8), x64.ravel()]), dtype)
+        x = xb[8 - xoff:8 - xoff + x64.size].view(x64.shape)
+        w = to_torch(w64, dtype)
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=True)
+        assert plan.nchw_path == "unfold" and plan.spec().load_a == "vec", plan
+        for _ in range(2):
+            y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+            err = rel_err(to_numpy(y), ref)
+            assert err <= tol, f"{layout} {xs} {ws}: {plan.spec().name()} {err}"
+        y0 = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=False)(x, w)
+        assert rel_err(to_numpy(y0), to_numpy(y)) <= 2 * tol
+        K = ws[0]
+        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        res = to_torch(rng.standard_normal(ref.shape), dtype)
+        cshape = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
+        sc = (to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)).reshape(cshape)
+        pre = (ref - to_numpy(m_).reshape(cshape)) * sc + to_numpy(b_).reshape(cshape) + to_numpy(res)
+        fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=True,
+                           epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+        mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
+        y, m = fused(x, w, residual=res, mask_out=mo, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+        assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= tol, f"fused {layout} {xs}"
+        assert torch.equal(m, igemm.relu_mask(y))
+
+
+@pytest.mark.gpu
+def test_gpu_unfold_in_graph_and_function(rng):
+    """conv1 through igemm.conv2d takes the unfold by default; its two launches replay in a CUDA graph."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 64, 64, 3, device="cuda", dtype=torch.float16)
+    w = torch.randn(64, 7, 7, 3, device="cuda", dtype=torch.float16) / 12
+    plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", 2, 3)
+    assert plan.nchw_path == "unfold"
+    y = torch.empty(2, 32, 32, 64, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan(x, w, out=y)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan(x, w, out=y)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        w.copy_(torch.randn_like(w) / 12)
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), 2, 3, 1, "NHWC")
+        assert rel_err(to_numpy(y), ref) <= TOL["float16"]
+    yf = igemm.conv2d(x, w, 2, 3, layout="NHWC")
+    assert rel_err(to_numpy(yf), reference.conv2d_direct(to_numpy(x), to_numpy(w), 2, 3, 1, "NHWC")) <= TOL["float16"]
 
 
 @pytest.mark.gpu

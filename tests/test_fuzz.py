@@ -150,8 +150,8 @@ def _tdev(torch, a, dtype: str, offset: int = 0):
 # ================================================================================================ conv cells
 #: mainloop classes: (C, R, S) triples that fix the loaders and the pipeline depth of every math path
 #: (wgmma BK=64, mma.sync BK=32, tf32 BK=16, SIMT BK=8): vec_* have C % 8 == 0 and C*R*S % 8 == 0 (16-byte
-#: loads), gather_* an odd C*R*S (element gathers); *_shallow/gather have C*R*S <= 32 (2 stages everywhere),
-#: *_deep C*R*S > 128 (the deep pipeline everywhere).
+#: loads), gather_* an odd C*R*S (element gathers: plan API with unfold=False); *_shallow/gather have
+#: C*R*S <= 32 (2 stages everywhere), *_deep C*R*S > 128 (the deep pipeline everywhere).
 MAINLOOP = {
     "vec_deep": [(16, 3, 3), (24, 3, 3), (32, 3, 3)],
     "vec_shallow": [(8, 1, 1), (16, 1, 1), (32, 1, 1)],
@@ -159,6 +159,9 @@ MAINLOOP = {
     "gather_deep": [(3, 7, 7), (5, 5, 7), (1, 13, 13)],
     # 16-bit C < 8 on copies padded to 8 channels (pad_channels=True)
     "padded": [(1, 3, 3), (3, 3, 3), (5, 3, 3), (7, 1, 1), (3, 3, 1), (6, 1, 5)],
+    # x and w unfolded along the width (unfold=True: C -> roundup(S*C, 16 bytes), S -> 1; conv1's default);
+    # R * roundup(S*C) > 128 for 2- and 4-byte elements: the deep pipeline everywhere
+    "unfold": [(3, 7, 7), (5, 5, 5), (7, 3, 7), (6, 3, 7), (3, 11, 5)],
 }
 #: NHWC store classes by K (every K > 128 is "rows" for every tile width in use: 64, 128):
 #: lin: K <= 64 (the CTA owns whole output rows; K % 8 != 0 wraps rows inside a vector),
@@ -271,6 +274,13 @@ class ConvCase:
         """The padded cells run on channel-padded copies (an opt-in of the plan API)."""
         return True if self.cell[0] == "padded" else None
 
+    @property
+    def unfold(self):
+        """unfold=True on the unfold cells; the gather cells keep the element gather (unfold=False)."""
+        if self.cell[0] == "unfold":
+            return True
+        return False if self.cell[0].startswith("gather") else None
+
     def config(self):
         cfg = {}
         if self.math:
@@ -306,7 +316,9 @@ def gen_conv_case(D, item) -> ConvCase:
     kt = -(-(C * R * S) // 64)                     # k-tiles at the widest BK in use: any split fits every path
     splits = min(D.pick([1, 1, 2, 3]), kt)
     # channel padding is a plan option: the padded cells use a plan
-    api = "plan" if (math or splits > 1 or ml == "padded") else D.pick(["function", "plan"])
+    # (the gather cells keep the element gather: unfold=False, a plan option, as the default unfolds C < 8)
+    api = "plan" if (math or splits > 1 or ml in ("padded", "unfold") or ml.startswith("gather")) \
+        else D.pick(["function", "plan"])
     # a misaligned x adds the narrow-load variant of a kernel: only where the loads are element gathers
     # anyway (NCHW, gather cells) or on the plain chain
     x_off = D.pick([0, 1]) if (chain == "none" or layout == "NCHW" or ml.startswith("gather")) else 0
@@ -323,7 +335,7 @@ def conv_case_spec(case: ConvCase):
     chain = ep.chain(*[_skeleton(o) for o in (_chain_ops(case))])
     plan = Conv2dPlan(case.x_shape, case.w_shape, case.dtype, case.layout, case.stride, case.padding, case.dilation,
                       chain, case.precision, case.res_dtype if chain.residual_op else None, device=None,
-                      config=case.config(), pad_channels=case.pad_channels, _skeleton=True)
+                      config=case.config(), pad_channels=case.pad_channels, unfold=case.unfold, _skeleton=True)
     return plan.spec(x_aligned=case.x_offset == 0)
 
 
@@ -405,7 +417,8 @@ def run_conv_case(torch, case: ConvCase) -> None:
     else:
         plan = Conv2dPlan(x.shape, w.shape, case.dtype, case.layout, case.stride, case.padding, case.dilation,
                           chain if chain.ops else None, case.precision,
-                          case.res_dtype if has_res else None, config=case.config(), pad_channels=case.pad_channels)
+                          case.res_dtype if has_res else None, config=case.config(), pad_channels=case.pad_channels,
+                          unfold=case.unfold)
         if case.splits > 1:
             assert plan.spec().splits == case.splits, label
         if case.math:

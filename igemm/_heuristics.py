@@ -233,10 +233,11 @@ def use_unfold(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None, unf
     """Whether the plan runs on width-unfolded copies of x and w (``igemm/_unfold.py``: C -> roundup(S*C, V),
     S -> 1, so the gather moves 16 bytes a load). ``auto`` (``None``): for inputs whose pixel is under 16
     bytes (C * element size < 16: conv1's C = 3) with S > 1, either layout, unless ``pad_channels`` or an
-    explicit ``nchw_path`` is asked for. conv1 (7x7/2, C = 3 -> 24): notes/perf.md."""
+    explicit ``nchw_path`` is asked for; 16-bit types only (fp32 conv1 measured slower unfolded: 668 vs
+    493 us on an H100, N=32). conv1 (7x7/2, C = 3 -> 24): notes/perf.md."""
     if unfold is None:
         es = DTYPE_SIZES[pb.dtype]
-        return (not pad and nchw == "auto" and pb.C * es < 16 and pb.S > 1
+        return (not pad and nchw == "auto" and es == 2 and pb.C * es < 16 and pb.S > 1
                 and _unfold_fits(pb, es))
     if unfold and (pad or nchw != "auto"):
         raise ValueError("unfold=True replaces the channel pad and the NCHW paths: leave pad_channels and "
@@ -305,6 +306,14 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
                 stages = 3 if tiles >= sms else 4
             elif -(-M // bm) * -(-K // bn) < sms:
                 stages = 4
+        elif pb.R * pb.S > 1 and K <= 64 and pb.layout == "NHWC" and pb.C % ce == 0:
+            # the 16-byte gather with few output channels (conv1 unfolded: 7x1, C' = 24, K = 64): 128-row
+            # tiles halve the filter's L2 traffic per output row, which bounds it (ncu: L2 62%, DRAM 17%);
+            # tools/sweep.py on an H100, N=32: 128x64 s3 125.6 us, s4 124.1, 64x64 s4 152.0
+            tiles = -(-M // 128)
+            if 2 * tiles >= sms:
+                bm, wm = 128, 2
+                stages = 3 if tiles >= sms else 4
     else:
         math = "tensorop"
         bk = 32 if eb == 2 else 16
@@ -367,7 +376,8 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             for bn in (64, 128, 256):
                 for stages in (3, 4, 5):
                     add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
-        if base.load_b == "tma":            # taller tiles: three or four warpgroups share each B stage
+        if base.load_b == "tma" or (base.load_a == "vec" and pb.K <= 64):
+            # taller tiles: three or four warpgroups share each B stage
             for bm in (192, 256):
                 for bn in (64, 128):
                     for stages in (3, 4):

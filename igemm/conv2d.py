@@ -442,7 +442,7 @@ class Conv2dPlan:
         ws = _runtime.DeviceArray((tiles * spec.splits * spec.bm * spec.bn,), "float32", self.device_id)
         cnt = _runtime.DeviceArray((tiles,), "int32", self.device_id)
         _runtime.memset_d32_sync(cnt.ptr, 0, tiles)
-        kt = -(-self.problem.Kred // spec.bk)
+        kt = -(-self.kproblem.Kred // spec.bk)     # the kernel's reduction (padded or unfolded copies: longer)
         return ws, cnt, -(-kt // spec.splits)
 
     # -------------------------------------------------------------------------------------- call

@@ -309,11 +309,9 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         elif pb.R * pb.S > 1 and K <= 64 and pb.layout == "NHWC" and pb.C % ce == 0:
             # the 16-byte gather with few output channels (conv1 unfolded: 7x1, C' = 24, K = 64): 128-row
             # tiles halve the filter's L2 traffic per output row, which bounds it (ncu: L2 62%, DRAM 17%);
-            # tools/sweep.py on an H100, N=32: 128x64 s3 125.6 us, s4 124.1, 64x64 s4 152.0
-            tiles = -(-M // 128)
-            if 2 * tiles >= sms:
-                bm, wm = 128, 2
-                stages = 3 if tiles >= sms else 4
+            # tools/sweep.py on an H100: N=32 128x64 s4 123.8 us, s3 128.7, 64x64 s4 152.0; N=8 s4 37.3, s3 38.3
+            if 2 * -(-M // 128) >= sms:
+                bm, wm, stages = 128, 2, 4
     else:
         math = "tensorop"
         bk = 32 if eb == 2 else 16

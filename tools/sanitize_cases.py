@@ -153,6 +153,13 @@ CONV = {
                                     padding=3, chain="bn_relu_mask", pad_channels=True),
     "padded_c3_nhwc": lambda: _conv("padded C=3", "float16", "NHWC", (2, 17, 17, 3), (32, 7, 7, 3), stride=2,
                                     padding=3, pad_channels=True),
+    # the width unfold (conv1's default for 16-bit): the unfold kernel, then the conv on its copies
+    "unfold_c3_nchw_mask": lambda: _conv("unfold C=3", "bfloat16", "NCHW", (2, 3, 17, 17), (32, 3, 7, 7), stride=2,
+                                         padding=3, chain="bn_relu_mask"),
+    "unfold_c3_nhwc_misaligned": lambda: _conv("unfold C=3", "float16", "NHWC", (2, 17, 19, 3), (40, 7, 7, 3),
+                                               stride=2, padding=3, x_offset=1),
+    "unfold_fp32_split": lambda: _conv("unfold fp32", "float32", "NHWC", (2, 37, 41, 3), (16, 7, 7, 3), stride=2,
+                                       padding=3, unfold=True),
 }
 
 

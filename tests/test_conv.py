@@ -795,6 +795,17 @@ def test_gpu_nchw_paths(dtype, rng):
             assert torch.equal(m, igemm.relu_mask(y)), f"{path} fused {xs}: mask differs from y > 0"
 
 
+def _bn_add_case(torch, rng, ref, K, layout, dtype):
+    """BatchNorm vectors (gamma, beta, mean, var on the GPU), a residual, and the float64 BN(ref) + residual
+    (before the ReLU) for a BN+Add+ReLU chain on a conv whose float64 result is ``ref``."""
+    g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+    res = to_torch(rng.standard_normal(ref.shape), dtype)
+    cshape = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
+    sc = (to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)).reshape(cshape)
+    pre = (ref - to_numpy(m_).reshape(cshape)) * sc + to_numpy(b_).reshape(cshape) + to_numpy(res)
+    return (g_, b_, m_, v_), res, pre
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -810,12 +821,7 @@ def test_gpu_channel_pad(dtype, layout, rng):
         x = xb[8 - xoff:8 - xoff + x64.size].view(x64.shape)
         w = to_torch(w64, dtype)
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, layout)
-        K = ws[0]
-        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
-        res = to_torch(rng.standard_normal(ref.shape), dtype)
-        cshape = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
-        sc = (to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)).reshape(cshape)
-        pre = (ref - to_numpy(m_).reshape(cshape)) * sc + to_numpy(b_).reshape(cshape) + to_numpy(res)
+        (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], layout, dtype)
         for pad, unf in ((True, None), (None, False)):
             plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad, unfold=unf)
             assert (plan.kproblem.C == 8) == bool(pad), plan
@@ -865,12 +871,7 @@ def test_gpu_unfold(dtype, precision, layout, rng):
             assert err <= tol, f"{layout} {xs} {ws}: {plan.spec().name()} {err}"
         y0 = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=False)(x, w)
         assert rel_err(to_numpy(y0), to_numpy(y)) <= 2 * tol
-        K = ws[0]
-        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
-        res = to_torch(rng.standard_normal(ref.shape), dtype)
-        cshape = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
-        sc = (to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)).reshape(cshape)
-        pre = (ref - to_numpy(m_).reshape(cshape)) * sc + to_numpy(b_).reshape(cshape) + to_numpy(res)
+        (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], layout, dtype)
         fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=True,
                            epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
         mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")

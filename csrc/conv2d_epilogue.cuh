@@ -130,6 +130,21 @@ struct StoreMap {
   }
 };
 
+// The tile's per-channel vectors (scale, shift, alpha of channels n0..n0+BN-1) into shared memory, by NT
+// threads; the caller synchronises before reading them.
+template <int BN, int NT, class P>
+IGEMM_DEVICE void stage_channel_vectors(const P& p, int n0, int tid, float (*s_vec)[BN]) {
+  const float* sc = static_cast<const float*>(p.scale);
+  const float* sh = static_cast<const float*>(p.shift);
+  const float* al = static_cast<const float*>(p.alpha);
+  for (int i = tid; i < BN; i += NT) {
+    const int n = min(n0 + i, p.K - 1);
+    s_vec[0][i] = sc ? __ldg(sc + n) : 1.f;
+    s_vec[1][i] = sh ? __ldg(sh + n) : 0.f;
+    s_vec[2][i] = al ? __ldg(al + n) : 0.f;
+  }
+}
+
 struct CtaSync {
   IGEMM_DEVICE void operator()() const { __syncthreads(); }
 };
@@ -144,17 +159,7 @@ IGEMM_DEVICE void epilogue_store_by(const P& p, const float* Cs, int m0, int n0,
   using Epi = typename Cfg::Epi;
   using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
   constexpr int V = Cfg::VecO, BN = Cfg::BN, G = 4;
-  {
-    const float* sc = static_cast<const float*>(p.scale);
-    const float* sh = static_cast<const float*>(p.shift);
-    const float* al = static_cast<const float*>(p.alpha);
-    for (int i = tid; i < BN; i += NT) {
-      const int n = min(n0 + i, p.K - 1);
-      s_vec[0][i] = sc ? __ldg(sc + n) : 1.f;
-      s_vec[1][i] = sh ? __ldg(sh + n) : 0.f;
-      s_vec[2][i] = al ? __ldg(al + n) : 0.f;
-    }
-  }
+  stage_channel_vectors<BN, NT>(p, n0, tid, s_vec);
   sync();
   const epi::Ctx ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));

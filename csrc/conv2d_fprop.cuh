@@ -39,9 +39,11 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
     static_assert(Cfg::kMath != kWgmma, "the wgmma mainloop needs IGEMM_WGMMA (sm_90a)");
 #endif
   }
-  float* Cs = reinterpret_cast<float*>(smem);
-  if (p.splits > 1 && !splitk_reduce<Cfg>(p, Cs, blockIdx.y * gridDim.x + blockIdx.x)) return;
-  epilogue_store<Cfg>(p, Cs, m0, n0);
+  if constexpr (Cfg::StoreMode != kStoreRegs) {          // (kStoreRegs: stored from registers, no split-K)
+    float* Cs = reinterpret_cast<float*>(smem);
+    if (p.splits > 1 && !splitk_reduce<Cfg>(p, Cs, blockIdx.y * gridDim.x + blockIdx.x)) return;
+    epilogue_store<Cfg>(p, Cs, m0, n0);
+  }
 }
 
 template <class Cfg, class P>

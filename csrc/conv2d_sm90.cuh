@@ -92,6 +92,78 @@ IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
   __syncthreads();
 }
 
+// The register epilogue (kStoreRegs: NHWC output, no residual, no split-K), called where acc_to_cs would be
+// (every stage read): the chain runs on the accumulators in registers (channels from the fragment layout),
+// each value is rounded once into a 16-bit C tile in shared memory (BN + 8 elements a row: the fragment
+// writes are conflict-free), the ReLU mask words are assembled in registers (a quad of lanes holds 32
+// consecutive channels of a row: two shuffles; FuseMask needs K % 32 == 0) and stored by the quad's first
+// lane, and the tile leaves in 16-byte vectors. Against the fp32 C tile: half the shared-memory bytes, and
+// no index math, chain or mask work per vector in the store loop.
+template <class Cfg, class P>
+IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
+  using TO = typename Cfg::ElementOut;
+  using Epi = typename Cfg::Epi;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
+  __shared__ __align__(16) float s_vec[3][BN];
+  const int tid = threadIdx.x;
+  stage_channel_vectors<BN, Cfg::kThreads>(p, n0, tid, s_vec);
+  __syncthreads();
+  const epi::Ctx ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
+  TO* ct = reinterpret_cast<TO*>(smem);
+  uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
+  const int lane = tid & 31;
+  const int r0 = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+  uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int c = j * 8 + 2 * (lane & 3);
+    float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
+    const int ch[4] = {c, c + 1, c, c + 1};
+    const float none[4] = {0.f, 0.f, 0.f, 0.f};
+    Epi::template apply<4, false>(v, ch, none, ctx);
+    epi::Vec<TO, 2> o0, o1;
+    o0.v[0] = from_float<TO>(v[0]);
+    o0.v[1] = from_float<TO>(v[1]);
+    o1.v[0] = from_float<TO>(v[2]);
+    o1.v[1] = from_float<TO>(v[3]);
+    *reinterpret_cast<epi::Vec<TO, 2>*>(ct + r0 * LDH + c) = o0;
+    *reinterpret_cast<epi::Vec<TO, 2>*>(ct + (r0 + 8) * LDH + c) = o1;
+    if constexpr (Cfg::FuseMask) {
+      const int sh = (j & 3) * 8 + 2 * (lane & 3);
+      bits0 |= (uint32_t(to_float(o0.v[0]) > 0.f) | (uint32_t(to_float(o0.v[1]) > 0.f) << 1)) << sh;
+      bits1 |= (uint32_t(to_float(o1.v[0]) > 0.f) | (uint32_t(to_float(o1.v[1]) > 0.f) << 1)) << sh;
+      if ((j & 3) == 3) {                 // columns (j - 3) * 8 .. j * 8 + 7: one word per row
+        bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 1);
+        bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 2);
+        bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 1);
+        bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 2);
+        const int n = n0 + (j - 3) * 8, m = m0 + r0;
+        if ((lane & 3) == 0 && n < p.K) {
+          if (m < p.M) mask[(int64_t(m) * p.K + n) >> 5] = bits0;
+          if (m + 8 < p.M) mask[(int64_t(m + 8) * p.K + n) >> 5] = bits1;
+        }
+        bits0 = bits1 = 0;
+      }
+    }
+  }
+  __syncthreads();
+  TO* y = static_cast<TO*>(const_cast<void*>(p.y));
+  const int rows = min(BM, p.M - m0);
+#pragma unroll 4
+  for (int v = tid; v < BM * CPR; v += Cfg::kThreads) {
+    const int row = v / CPR, col = (v % CPR) * V;
+    if (row < rows && n0 + col < p.K)
+      *reinterpret_cast<uint4*>(y + int64_t(m0 + row) * p.K + n0 + col) =
+          *reinterpret_cast<const uint4*>(ct + row * LDH + col);
+  }
+}
+
+template <class Cfg, class P>
+IGEMM_DEVICE void finish_tile(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
+  if constexpr (Cfg::StoreMode == kStoreRegs) epilogue_regs<Cfg>(p, acc, smem, m0, n0);
+  else acc_to_cs<Cfg>(acc, smem);
+}
+
 // One wgmma group over a stage (KSTEPS k16 steps), committed, not waited for. Each k16 step advances the A
 // descriptor by ASTEP 16-byte units: 2 (+32 bytes inside the SW128 atom) or, for the no-swizzle 8-channel A
 // layout, two 16-byte regions.
@@ -165,7 +237,7 @@ IGEMM_DEVICE void mainloop_wgmma(const P& p, uint8_t* smem, int m0, int n0, int 
   cp_async_wait<0>();
   __syncthreads();
 
-  acc_to_cs<Cfg>(acc, smem);
+  finish_tile<Cfg>(p, acc, smem, m0, n0);
 }
 
 // ------------------------------------------------------------------------------ TMA loads (kLoadTma)
@@ -308,7 +380,7 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                        // every stage read: the C tile may overwrite them
-  acc_to_cs<Cfg>(acc, smem);
+  finish_tile<Cfg>(p, acc, smem, m0, n0);
 }
 
 // ------------------------------------------------------------ persistent warp-specialised kernel (kWgmmaWs)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
 __all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits",
-           "nchw_path", "kernel_problem", "kernel_channels", "kernel_setup", "use_unfold"]
+           "nchw_path", "kernel_problem", "kernel_channels", "kernel_setup", "use_unfold", "store_for",
+           "regs_epilogue_ok"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class KernelSpec:
     stages: int
     load_a: str               # "vec" | "elem" | "tma" | "tma8" (sm_90a wgmma; load_b "tma": igemm/_tma.py)
     load_b: str
-    store: str                # "rows" | "linear" | "nchw"
+    store: str                # "rows" | "linear" | "nchw" | "regs" (the register epilogue: store_for)
     vec_o: int
     fuse_mask: bool
     epilogue: tuple = ()      # C++ functor types, in order
@@ -121,7 +122,8 @@ class KernelSpec:
                 ns + {"tensorop": "kTensorOp", "simt": "kSimt", "wgmma": "kWgmma", "wgmma_ws": "kWgmmaWs"}[self.math],
                 self.bm, self.bn, self.bk, self.wm, self.wn, self.stages,
                 ns + _LOADS[self.load_a], ns + _LOADS[self.load_b],
-                ns + {"rows": "kStoreRows", "linear": "kStoreLinear", "nchw": "kStoreNCHW"}[self.store],
+                ns + {"rows": "kStoreRows", "linear": "kStoreLinear", "nchw": "kStoreNCHW",
+                      "regs": "kStoreRegs"}[self.store],
                 self.vec_o, "true" if self.fuse_mask else "false", epi]
         return ns + "Config<" + ", ".join(str(a) for a in args) + ">"
 
@@ -171,6 +173,23 @@ def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
             raise NotImplementedError(f"epilogue op {kind}")
         i += 1
     return tuple(out)
+
+
+def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
+    """Whether the register epilogue (store ``"regs"``: the chain on the accumulators, a 16-bit C tile, mask
+    words from registers; ``csrc/conv2d_sm90.cuh`` epilogue_regs) can store this problem: the per-tile
+    wgmma kernel, 16-bit NHWC output with K % 8 == 0 (16-byte vectors), no residual, no split-K."""
+    return (math == "wgmma" and splits == 1 and pb.y_layout == "NHWC" and DTYPE_SIZES[pb.dtype] == 2
+            and pb.K % 8 == 0 and not any(sig[0] == "Add" for sig in pb.epilogue))
+
+
+def store_for(pb: ConvProblem, math: str, bn: int, splits: int) -> tuple[str, int, bool]:
+    """Store mode, output vector width and mask fusion for a kernel: the register epilogue where
+    :func:`regs_epilogue_ok` (``IGEMM_REG_EPI=0`` turns it off), else :func:`_store`'s."""
+    import os
+    if regs_epilogue_ok(pb, math, splits) and os.environ.get("IGEMM_REG_EPI", "1") != "0":
+        return "regs", 8, pb.mask and pb.K % 32 == 0
+    return _store(pb, bn)
 
 
 def _store(pb: ConvProblem, bn: int) -> tuple[str, int, bool]:
@@ -329,8 +348,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # (8-tap TMA k-tiles for 8-channel copies are a candidate only: on an H200 the padded conv1 took
         # 255 us with them, 172 us with the element gather; notes/perf.md)
         load_a = load_b = "tma"
-    store, vec_o, fuse = _store(pb, bn)
     splits = choose_splits(pb, bm, bn, bk, sms)
+    store, vec_o, fuse = store_for(pb, math, bn, splits)
     spec = KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
                       fuse, epilogue_functors(pb), splits)
     return dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
@@ -352,15 +371,17 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
     """Valid alternatives to ``choose_config`` for autotuning (tile shape, stages, split-K)."""
     base = choose_config(pb, arch, sms=sms)
     out = [base]
-    def add(**kw):
+    def add(smem_store=False, **kw):
         spec = dataclasses.replace(base, **kw)
-        store, vec_o, fuse = _store(pb, spec.bn)
-        spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
-        spec = dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
         if "splits" not in kw:
             spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, sms))
+        store, vec_o, fuse = _store(pb, spec.bn) if smem_store else store_for(pb, spec.math, spec.bn, spec.splits)
+        spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
+        spec = dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
         if spec not in out and validate_spec(spec, pb, raise_=False):
             out.append(spec)
+    if base.store == "regs":
+        add(smem_store=True)                # the fp32 C tile's store phase
     if base.load_b == "tma":
         add(load_a="vec", load_b="vec")
     if base.load_a == base.load_b == "vec" and pb.C == 8 and use_tma(pb, arch, base.bm):
@@ -420,9 +441,12 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "16-byte activation loads need NHWC and C % %d == 0" % ce
     elif spec.load_b == "vec" and pb.Kred % ce:
         why = "16-byte filter loads need C*R*S %% %d == 0" % ce
-    elif (spec.store, spec.vec_o, spec.fuse_mask) != _store(pb, spec.bn)[:2] + (spec.fuse_mask and _store(pb, spec.bn)[2],):
+    elif spec.store == "regs" and (not regs_epilogue_ok(pb, spec.math, spec.splits) or spec.vec_o != 8
+                                   or spec.fuse_mask != (pb.mask and pb.K % 32 == 0)):
+        why = "the register epilogue: wgmma, 16-bit NHWC output, K % 8 == 0, no residual, no split-K"
+    elif spec.store != "regs" and (spec.store, spec.vec_o, spec.fuse_mask) != _store(pb, spec.bn)[:2] + (spec.fuse_mask and _store(pb, spec.bn)[2],):
         why = "store mode does not match the tile"
-    elif spec.fuse_mask and not _store(pb, spec.bn)[2]:
+    elif spec.store != "regs" and spec.fuse_mask and not _store(pb, spec.bn)[2]:
         why = "the mask cannot be fused for this shape"
     elif spec.smem + spec.static_smem > SMEM_LIMIT:
         why = f"{spec.smem} bytes of shared memory"

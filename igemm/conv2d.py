@@ -140,7 +140,7 @@ def _apart(p: int, n: int, *extents) -> bool:
 
 def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
     """Apply user overrides to a spec, re-deriving what depends on them (store mode, split-K)."""
-    from ._heuristics import _store, choose_splits
+    from ._heuristics import _store, choose_splits, store_for
     bad = set(cfg) - {f.name for f in dataclasses.fields(KernelSpec)}
     if bad:
         raise ValueError(f"config: unknown fields {sorted(bad)}")
@@ -154,10 +154,13 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
         if cfg["math"] == "tensorop" and "wn" not in cfg:
             spec = dataclasses.replace(spec, wn=2, wm=spec.bm // 64)
-    store, vec_o, fuse = _store(pb, spec.bn)
-    spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
     if "splits" not in cfg:
         spec = dataclasses.replace(spec, splits=1 if spec.persistent else choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
+    # the store mode follows the tile: the register epilogue where it can run (unless the fp32 C tile's
+    # store phase is asked for by name), else the one the tile's width allows
+    store, vec_o, fuse = (_store(pb, spec.bn) if cfg.get("store", "regs") != "regs"
+                          else store_for(pb, spec.math, spec.bn, spec.splits))
+    spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
     if "min_blocks" not in cfg:
         from ._heuristics import min_blocks_for
         spec = dataclasses.replace(spec, min_blocks=min_blocks_for(spec))

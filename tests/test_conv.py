@@ -139,9 +139,9 @@ def _pb(**kw):
     return ConvProblem(**base)
 
 
-def test_choose_config_rules():
+def test_choose_config_rules(monkeypatch):
     s = choose_config(_pb())
-    assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("wgmma", "tma", "tma", "linear", 8)
+    assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("wgmma", "tma", "tma", "regs", 8)
     assert choose_config(_pb(C=32)).load_a == "vec"                       # TMA k-tiles are 64 channels
     assert choose_config(_pb(), "sm_80").load_a == "vec"
     assert (s.bk, s.bn) == (64, 64)
@@ -155,7 +155,15 @@ def test_choose_config_rules():
     tf = choose_config(_pb(dtype="float32", precision="tf32"))
     assert (tf.math, tf.bk) == ("tensorop", 16)
     big = choose_config(_pb(K=256, epilogue=(("ReLU", True),)))
-    assert (big.store, big.fuse_mask) == ("rows", True)
+    assert (big.store, big.fuse_mask) == ("regs", True)                   # the register epilogue
+    assert choose_config(_pb(K=264, epilogue=(("ReLU", True),))).fuse_mask is False   # words straddle tiles
+    res = choose_config(_pb(K=256, epilogue=(("Add",), ("ReLU", True)), residual_dtype="float16"))
+    assert (res.store, res.fuse_mask) == ("rows", True)                   # a residual: the fp32 C tile
+    assert choose_config(_pb(K=256), "sm_80").store == "rows"
+    assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512)).store == "rows"           # split-K
+    monkeypatch.setenv("IGEMM_REG_EPI", "0")
+    assert choose_config(_pb(K=256, epilogue=(("ReLU", True),))).store == "rows"
+    monkeypatch.delenv("IGEMM_REG_EPI")
     odd = choose_config(_pb(K=300, epilogue=(("ReLU", True),)))
     assert (odd.store, odd.vec_o, odd.fuse_mask) == ("rows", 1, False)    # words would straddle CTAs
     nchw = choose_config(_pb(layout="NCHW", H=28, W=28, epilogue=(("ReLU", True),)))
@@ -723,6 +731,50 @@ def test_gpu_persistent_kernel(dtype, layout, sms, rng, monkeypatch):
 
 def to_layout_shape(shape, layout):
     return (shape[0], shape[2], shape[3], shape[1]) if layout == "NHWC" else shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_register_epilogue_bitwise(dtype, rng):
+    """The register epilogue (store "regs": chain on the accumulators, 16-bit C tile, mask words from
+    registers) against the fp32 C tile's store phase of the same tile: identical bits of y and mask, over
+    M and K tails, 64/128-row tiles (TMA and gather loads), mask fused (K % 32 == 0) or not, every chain
+    without a residual; y and mask poisoned first."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    for xs, K, R, st, cfg in [((2, 9, 11, 64), 256, 3, 1, None), ((3, 7, 5, 64), 136, 1, 1, None),
+                              ((2, 13, 13, 32), 64, 3, 2, None), ((1, 30, 30, 64), 128, 3, 1, {"bm": 128, "wm": 2}),
+                              ((2, 5, 6, 16), 24, 3, 1, None), ((2, 40, 33, 64), 64, 3, 1, {"bm": 128, "wm": 2})]:
+        C = xs[-1]
+        x = to_torch(rng.standard_normal(xs), dtype)
+        w = to_torch(rng.standard_normal((K, R, R, C)) / np.sqrt(R * R * C), dtype)
+        V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
+        for chain in (None, ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)), ep.chain(ep.PReLU(V[0] - 1.0)),
+                      ep.chain(ep.Bias(V[1]), ep.ReLU()), ep.chain(ep.Bias(V[1]), ep.PReLU(0.25))):
+            outs = []
+            for store in ("regs", "smem"):
+                c = dict(cfg or {})
+                if store == "smem":
+                    c["store"] = "rows"
+                plan = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, R // 2, epilogue=chain, config=c or None)
+                spec = plan.spec()
+                assert (spec.store == "regs") == (store == "regs"), spec.name()
+                y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
+                kw = {"out": y}
+                if chain is not None and chain.mask:
+                    kw["mask_out"] = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
+                r = plan(x, w, **kw)
+                outs.append(r if isinstance(r, tuple) else (r,))
+            label = f"{dtype} x{xs} K={K} R={R} {chain!r} {cfg}"
+            for a, b in zip(*outs):
+                assert torch.equal(a.view(torch.int16) if a.is_floating_point() else a,
+                                   b.view(torch.int16) if b.is_floating_point() else b), label
+            assert not torch.isnan(outs[0][0]).any(), f"unwritten (poisoned) elements: {label}"
+            ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, R // 2, 1, "NHWC")
+            if chain is None:
+                assert rel_err(to_numpy(outs[0][0]), ref) <= TOL[dtype], label
+            if len(outs[0]) == 2:
+                assert torch.equal(outs[0][1], igemm.relu_mask(outs[0][0])), label
 
 
 @pytest.mark.gpu

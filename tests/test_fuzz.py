@@ -163,7 +163,8 @@ MAINLOOP = {
     # R * roundup(S*C) > 128 for 2- and 4-byte elements: the deep pipeline everywhere
     "unfold": [(3, 7, 7), (5, 5, 5), (7, 3, 7), (6, 3, 7), (3, 11, 5)],
 }
-#: NHWC store classes by K (every K > 128 is "rows" for every tile width in use: 64, 128):
+#: NHWC store classes by K (every K > 128 is "rows" for every tile width in use: 64, 128; on the 16-bit
+#: wgmma paths every K % 8 == 0 takes the register epilogue, "regs", unless split):
 #: lin: K <= 64 (the CTA owns whole output rows; K % 8 != 0 wraps rows inside a vector),
 #: rows: K % 32 == 0 (mask fused), rows_nofuse: K % 8 == 0 but K % 32 != 0 (mask by the relu_mask kernel),
 #: rows_scalar: K % 4 != 0 (scalar stores).
@@ -1238,7 +1239,9 @@ def test_conv_cells_pin_the_spec():
                         break
                 s = conv_case_spec(case)
                 specs.add((s.load_a, s.load_b, s.stages, s.store, s.vec_o, s.fuse_mask, s.math))
-            assert len(specs) == 1, (item, cell, specs)
+            # the register epilogue runs without split-K: a cell's split draws add the fp32 C tile's kernel
+            assert len(specs) == 1 or (len(specs) == 2 and sum(k[3] == "regs" for k in specs) == 1
+                                       and len({k[:3] + k[6:] for k in specs}) == 1), (item, cell, specs)
 
 
 # ================================================================================================ precompile

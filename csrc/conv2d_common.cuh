@@ -18,7 +18,7 @@ enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3 };
 // kLoadTmaC8: the A side of kLoadTma for 8-channel inputs (16-bit C padded to 8): a k-tile is 8 taps, one
 // im2col copy each, into 8 BM × 16-byte regions (the wgmma no-swizzle K-major layout).
 enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3 };
-// kStoreRegs (sm_90a wgmma, NHWC output, no residual, no split-K): the chain runs on the accumulators in
+// kStoreRegs (sm_90a wgmma, NHWC output, no split-K): the chain runs on the accumulators in
 // registers and a 16-bit C tile leaves shared memory in 16-byte vectors (conv2d_sm90.cuh, epilogue_regs).
 enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2, kStoreRegs = 3 };
 
@@ -55,9 +55,9 @@ struct Config {
   static_assert((VecO & (VecO - 1)) == 0 && VecO * sizeof(ElementOut) <= 16, "output vectors: 2^i elements, <= 16 bytes");
   static_assert(!FuseMask || Epi::kMask, "mask fusion needs a ReLU(mask=True) in the chain");
   static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
-  static_assert(StoreMode != kStoreRegs || (Math_ == kWgmma && !Epi::kResidual && VecO * sizeof(ElementOut) == 16
+  static_assert(StoreMode != kStoreRegs || (Math_ == kWgmma && VecO * sizeof(ElementOut) == 16
                                             && sizeof(ElementOut) == 2),
-                "register epilogue: the per-tile wgmma kernel, 16-bit outputs in 16-byte vectors, no residual");
+                "register epilogue: the per-tile wgmma kernel, 16-bit outputs in 16-byte vectors");
   static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8;
   static_assert(kTma == (LoadB_ == kLoadTma) && (!kTma || (kIsWgmma && Layout_ == kNHWC)),
                 "TMA loads: both operands, wgmma, NHWC");

@@ -92,8 +92,9 @@ IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
   __syncthreads();
 }
 
-// The register epilogue (kStoreRegs: NHWC output, no residual, no split-K), called where acc_to_cs would be
-// (every stage read): the chain runs on the accumulators in registers (channels from the fragment layout),
+// The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
+// stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
+// residual's element pairs at the fragment's positions, four column blocks' worth loaded ahead),
 // each value is rounded once into a 16-bit C tile in shared memory (BN + 8 elements a row: the fragment
 // writes are conflict-free), the ReLU mask words are assembled in registers (a quad of lanes holds 32
 // consecutive channels of a row: two shuffles; FuseMask needs K % 32 == 0) and stored by the quad's first
@@ -113,36 +114,63 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
   uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
   const int lane = tid & 31;
   const int r0 = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+  using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
+  const RT* resp = static_cast<const RT*>(p.residual);
+  const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
+  const int64_t row0 = int64_t(m0 + r0) * p.K + n0, row1 = row0 + int64_t(8) * p.K;
+  constexpr int G = 4;                  // column blocks per group: their residual pairs are loaded first
+  static_assert((BN / 8) % G == 0, "BN / 8 blocks in groups of 4 (one mask word)");
   uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int c = j * 8 + 2 * (lane & 3);
-    float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
-    const int ch[4] = {c, c + 1, c, c + 1};
-    const float none[4] = {0.f, 0.f, 0.f, 0.f};
-    Epi::template apply<4, false>(v, ch, none, ctx);
-    epi::Vec<TO, 2> o0, o1;
-    o0.v[0] = from_float<TO>(v[0]);
-    o0.v[1] = from_float<TO>(v[1]);
-    o1.v[0] = from_float<TO>(v[2]);
-    o1.v[1] = from_float<TO>(v[3]);
-    *reinterpret_cast<epi::Vec<TO, 2>*>(ct + r0 * LDH + c) = o0;
-    *reinterpret_cast<epi::Vec<TO, 2>*>(ct + (r0 + 8) * LDH + c) = o1;
-    if constexpr (Cfg::FuseMask) {
-      const int sh = (j & 3) * 8 + 2 * (lane & 3);
-      bits0 |= (uint32_t(to_float(o0.v[0]) > 0.f) | (uint32_t(to_float(o0.v[1]) > 0.f) << 1)) << sh;
-      bits1 |= (uint32_t(to_float(o1.v[0]) > 0.f) | (uint32_t(to_float(o1.v[1]) > 0.f) << 1)) << sh;
-      if ((j & 3) == 3) {                 // columns (j - 3) * 8 .. j * 8 + 7: one word per row
-        bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 1);
-        bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 2);
-        bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 1);
-        bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 2);
-        const int n = n0 + (j - 3) * 8, m = m0 + r0;
-        if ((lane & 3) == 0 && n < p.K) {
-          if (m < p.M) mask[(int64_t(m) * p.K + n) >> 5] = bits0;
-          if (m + 8 < p.M) mask[(int64_t(m + 8) * p.K + n) >> 5] = bits1;
+  for (int j0 = 0; j0 < BN / 8; j0 += G) {
+    epi::Vec<RT, 2> ra[G], rb[G];
+    if constexpr (Epi::kResidual) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int c = (j0 + g) * 8 + 2 * (lane & 3);
+        const bool okc = n0 + c < p.K;
+        ra[g].v[0] = ra[g].v[1] = rb[g].v[0] = rb[g].v[1] = RT(0.f);
+        if (ok0 && okc) ra[g] = *reinterpret_cast<const epi::Vec<RT, 2>*>(resp + row0 + c);
+        if (ok1 && okc) rb[g] = *reinterpret_cast<const epi::Vec<RT, 2>*>(resp + row1 + c);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int j = j0 + g;
+      const int c = j * 8 + 2 * (lane & 3);
+      float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
+      const int ch[4] = {c, c + 1, c, c + 1};
+      float res[4] = {0.f, 0.f, 0.f, 0.f};
+      if constexpr (Epi::kResidual) {
+        res[0] = to_float(ra[g].v[0]);
+        res[1] = to_float(ra[g].v[1]);
+        res[2] = to_float(rb[g].v[0]);
+        res[3] = to_float(rb[g].v[1]);
+      }
+      Epi::template apply<4, false>(v, ch, res, ctx);
+      epi::Vec<TO, 2> o0, o1;
+      o0.v[0] = from_float<TO>(v[0]);
+      o0.v[1] = from_float<TO>(v[1]);
+      o1.v[0] = from_float<TO>(v[2]);
+      o1.v[1] = from_float<TO>(v[3]);
+      *reinterpret_cast<epi::Vec<TO, 2>*>(ct + r0 * LDH + c) = o0;
+      *reinterpret_cast<epi::Vec<TO, 2>*>(ct + (r0 + 8) * LDH + c) = o1;
+      if constexpr (Cfg::FuseMask) {
+        const int sh = (j & 3) * 8 + 2 * (lane & 3);
+        bits0 |= (uint32_t(to_float(o0.v[0]) > 0.f) | (uint32_t(to_float(o0.v[1]) > 0.f) << 1)) << sh;
+        bits1 |= (uint32_t(to_float(o1.v[0]) > 0.f) | (uint32_t(to_float(o1.v[1]) > 0.f) << 1)) << sh;
+        if ((j & 3) == 3) {                 // columns (j - 3) * 8 .. j * 8 + 7: one word per row
+          bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 1);
+          bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 2);
+          bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 1);
+          bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 2);
+          const int n = n0 + (j - 3) * 8, m = m0 + r0;
+          if ((lane & 3) == 0 && n < p.K) {
+            if (m < p.M) mask[(int64_t(m) * p.K + n) >> 5] = bits0;
+            if (m + 8 < p.M) mask[(int64_t(m + 8) * p.K + n) >> 5] = bits1;
+          }
+          bits0 = bits1 = 0;
         }
-        bits0 = bits1 = 0;
       }
     }
   }

@@ -178,9 +178,9 @@ def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
 def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
     """Whether the register epilogue (store ``"regs"``: the chain on the accumulators, a 16-bit C tile, mask
     words from registers; ``csrc/conv2d_sm90.cuh`` epilogue_regs) can store this problem: the per-tile
-    wgmma kernel, 16-bit NHWC output with K % 8 == 0 (16-byte vectors), no residual, no split-K."""
+    wgmma kernel, 16-bit NHWC output with K % 8 == 0 (16-byte vectors), no split-K."""
     return (math == "wgmma" and splits == 1 and pb.y_layout == "NHWC" and DTYPE_SIZES[pb.dtype] == 2
-            and pb.K % 8 == 0 and not any(sig[0] == "Add" for sig in pb.epilogue))
+            and pb.K % 8 == 0)
 
 
 def store_for(pb: ConvProblem, math: str, bn: int, splits: int) -> tuple[str, int, bool]:
@@ -443,7 +443,7 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "16-byte filter loads need C*R*S %% %d == 0" % ce
     elif spec.store == "regs" and (not regs_epilogue_ok(pb, spec.math, spec.splits) or spec.vec_o != 8
                                    or spec.fuse_mask != (pb.mask and pb.K % 32 == 0)):
-        why = "the register epilogue: wgmma, 16-bit NHWC output, K % 8 == 0, no residual, no split-K"
+        why = "the register epilogue: wgmma, 16-bit NHWC output, K % 8 == 0, no split-K"
     elif spec.store != "regs" and (spec.store, spec.vec_o, spec.fuse_mask) != _store(pb, spec.bn)[:2] + (spec.fuse_mask and _store(pb, spec.bn)[2],):
         why = "store mode does not match the tile"
     elif spec.store != "regs" and spec.fuse_mask and not _store(pb, spec.bn)[2]:

@@ -157,8 +157,9 @@ def test_choose_config_rules(monkeypatch):
     big = choose_config(_pb(K=256, epilogue=(("ReLU", True),)))
     assert (big.store, big.fuse_mask) == ("regs", True)                   # the register epilogue
     assert choose_config(_pb(K=264, epilogue=(("ReLU", True),))).fuse_mask is False   # words straddle tiles
-    res = choose_config(_pb(K=256, epilogue=(("Add",), ("ReLU", True)), residual_dtype="float16"))
-    assert (res.store, res.fuse_mask) == ("rows", True)                   # a residual: the fp32 C tile
+    res = choose_config(_pb(K=256, epilogue=(("Add",), ("ReLU", True)), residual_dtype="float32"))
+    assert (res.store, res.fuse_mask) == ("regs", True)
+    assert choose_config(_pb(K=256, layout="NCHW", H=28, W=28)).store == "nchw"      # NCHW output
     assert choose_config(_pb(K=256), "sm_80").store == "rows"
     assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512)).store == "rows"           # split-K
     monkeypatch.setenv("IGEMM_REG_EPI", "0")
@@ -738,8 +739,8 @@ def to_layout_shape(shape, layout):
 def test_gpu_register_epilogue_bitwise(dtype, rng):
     """The register epilogue (store "regs": chain on the accumulators, 16-bit C tile, mask words from
     registers) against the fp32 C tile's store phase of the same tile: identical bits of y and mask, over
-    M and K tails, 64/128-row tiles (TMA and gather loads), mask fused (K % 32 == 0) or not, every chain
-    without a residual; y and mask poisoned first."""
+    M and K tails, 64/128-row tiles (TMA and gather loads), mask fused (K % 32 == 0) or not, the chains
+    with a 16-bit or fp32 residual among them; y and mask poisoned first."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
     for xs, K, R, st, cfg in [((2, 9, 11, 64), 256, 3, 1, None), ((3, 7, 5, 64), 136, 1, 1, None),
@@ -749,8 +750,14 @@ def test_gpu_register_epilogue_bitwise(dtype, rng):
         x = to_torch(rng.standard_normal(xs), dtype)
         w = to_torch(rng.standard_normal((K, R, R, C)) / np.sqrt(R * R * C), dtype)
         V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
+        P = (xs[1] + 2 * (R // 2) - R) // st + 1
+        Q = (xs[2] + 2 * (R // 2) - R) // st + 1
+        r16 = to_torch(rng.standard_normal((xs[0], P, Q, K)), dtype)
+        r32 = to_torch(rng.standard_normal((xs[0], P, Q, K)), "float32")
         for chain in (None, ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)), ep.chain(ep.PReLU(V[0] - 1.0)),
-                      ep.chain(ep.Bias(V[1]), ep.ReLU()), ep.chain(ep.Bias(V[1]), ep.PReLU(0.25))):
+                      ep.chain(ep.Bias(V[1]), ep.ReLU()), ep.chain(ep.Bias(V[1]), ep.PReLU(0.25)),
+                      ep.chain(ep.BatchNorm(*V), ep.Add(r16), ep.ReLU(mask=True)),
+                      ep.chain(ep.Add(r32), ep.BatchNorm(*V), ep.ReLU())):
             outs = []
             for store in ("regs", "smem"):
                 c = dict(cfg or {})

@@ -104,9 +104,7 @@ def autotune(plan, reps: int = 10, verbose: bool = None) -> KernelSpec:
         try:
             p = Conv2dPlan(plan.x_shape, plan.w_shape, pb.dtype, pb.layout, pb.stride, pb.padding, pb.dilation,
                            plan.chain, "tf32" if pb.precision == "tf32" else "strict", pb.residual_dtype, dev,
-                           config=spec, nchw_path="auto" if plan.nchw_path == "unfold" else plan.nchw_path,
-                           pad_channels=plan.kproblem.C != pb.C and plan.nchw_path != "unfold" or None,
-                           unfold=plan.nchw_path == "unfold", _skeleton=True)
+                           config=spec, **plan._path_options, _skeleton=True)
             kw = dict(out=out, stream=0)
             if res is not None:
                 kw["residual"] = res

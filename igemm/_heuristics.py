@@ -183,12 +183,18 @@ def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
             and pb.K % 8 == 0)
 
 
-def store_for(pb: ConvProblem, math: str, bn: int, splits: int) -> tuple[str, int, bool]:
+def _regs_store(pb: ConvProblem) -> tuple[str, int, bool]:
+    """The register epilogue's (store, output vector width, mask fusion): whole 32-channel mask words."""
+    return "regs", 8, pb.mask and pb.K % 32 == 0
+
+
+def store_for(pb: ConvProblem, math: str, bn: int, splits: int, regs: bool = True) -> tuple[str, int, bool]:
     """Store mode, output vector width and mask fusion for a kernel: the register epilogue where
-    :func:`regs_epilogue_ok` (``IGEMM_REG_EPI=0`` turns it off), else :func:`_store`'s."""
+    :func:`regs_epilogue_ok` (unless ``regs=False``; ``IGEMM_REG_EPI=0`` turns it off), else :func:`_store`'s
+    (the fp32 C tile's modes)."""
     import os
-    if regs_epilogue_ok(pb, math, splits) and os.environ.get("IGEMM_REG_EPI", "1") != "0":
-        return "regs", 8, pb.mask and pb.K % 32 == 0
+    if regs and regs_epilogue_ok(pb, math, splits) and os.environ.get("IGEMM_REG_EPI", "1") != "0":
+        return _regs_store(pb)
     return _store(pb, bn)
 
 
@@ -256,20 +262,18 @@ def use_unfold(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None, unf
     493 us on an H100, N=32). conv1 (7x7/2, C = 3 -> 24): notes/perf.md."""
     if unfold is None:
         es = DTYPE_SIZES[pb.dtype]
-        return (not pad and nchw == "auto" and es == 2 and pb.C * es < 16 and pb.S > 1
-                and _unfold_fits(pb, es))
+        return not pad and nchw == "auto" and es == 2 and pb.C * es < 16 and pb.S > 1 and _unfold_fits(pb)
     if unfold and (pad or nchw != "auto"):
         raise ValueError("unfold=True replaces the channel pad and the NCHW paths: leave pad_channels and "
                          "nchw_path unset")
-    if unfold and not _unfold_fits(pb, DTYPE_SIZES[pb.dtype]):
+    if unfold and not _unfold_fits(pb):
         raise NotImplementedError("unfold=True: the unfolded copy of x is too large for igemm's 32-bit index math")
     return bool(unfold)
 
 
-def _unfold_fits(pb: ConvProblem, es: int) -> bool:
-    from ._unfold import unfold_channels
-    cp = unfold_channels(pb.C, pb.S, es)
-    return pb.N * pb.H * pb.Q * cp * es // 16 < 2 ** 31 - 1024 and cp * pb.H * pb.Q < 2 ** 31 and cp * pb.R < 2 ** 31
+def _unfold_fits(pb: ConvProblem) -> bool:
+    from ._unfold import fits
+    return fits(pb, DTYPE_SIZES[pb.dtype])
 
 
 def kernel_setup(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None,
@@ -375,7 +379,7 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
         spec = dataclasses.replace(base, **kw)
         if "splits" not in kw:
             spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, sms))
-        store, vec_o, fuse = _store(pb, spec.bn) if smem_store else store_for(pb, spec.math, spec.bn, spec.splits)
+        store, vec_o, fuse = store_for(pb, spec.math, spec.bn, spec.splits, regs=not smem_store)
         spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
         spec = dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
         if spec not in out and validate_spec(spec, pb, raise_=False):
@@ -441,8 +445,8 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "16-byte activation loads need NHWC and C % %d == 0" % ce
     elif spec.load_b == "vec" and pb.Kred % ce:
         why = "16-byte filter loads need C*R*S %% %d == 0" % ce
-    elif spec.store == "regs" and (not regs_epilogue_ok(pb, spec.math, spec.splits) or spec.vec_o != 8
-                                   or spec.fuse_mask != (pb.mask and pb.K % 32 == 0)):
+    elif spec.store == "regs" and (not regs_epilogue_ok(pb, spec.math, spec.splits)
+                                   or (spec.vec_o, spec.fuse_mask) != _regs_store(pb)[1:]):
         why = "the register epilogue: wgmma, 16-bit NHWC output, K % 8 == 0, no split-K"
     elif spec.store != "regs" and (spec.store, spec.vec_o, spec.fuse_mask) != _store(pb, spec.bn)[:2] + (spec.fuse_mask and _store(pb, spec.bn)[2],):
         why = "store mode does not match the tile"

@@ -19,7 +19,7 @@ from functools import lru_cache
 from . import _kernel
 from ._kernel import ParamSpec
 
-__all__ = ["unfold_channels", "unfolded_problem", "UnfoldJob", "Unfolded", "precompile", "all_variants"]
+__all__ = ["unfold_channels", "fits", "unfolded_problem", "UnfoldJob", "Unfolded", "precompile", "all_variants"]
 
 _FIELDS = (("src", "ptr"), ("dst", "ptr"), ("sa", "int64"), ("sb", "int64"), ("sc", "int64"), ("sw", "int64"),
            ("rows", "int32"), ("chunks", "fastdiv"), ("Q", "fastdiv"), ("B", "fastdiv"), ("C", "int32"),
@@ -27,12 +27,21 @@ _FIELDS = (("src", "ptr"), ("dst", "ptr"), ("sa", "int64"), ("sb", "int64"), ("s
 PARAMS = ([ParamSpec(n + "0", t) for n, t in _FIELDS] + [ParamSpec("blocks0", "int32")]
           + [ParamSpec(n + "1", t) for n, t in _FIELDS])
 _THREADS = 256
+_MAX_THREADS = 2 ** 31 - 2 * _THREADS          # a job's chunks (one thread each) as FastDiv dividends
 
 
 def unfold_channels(C: int, S: int, esize: int) -> int:
     """C' = S*C rounded up to a 16-byte multiple of elements."""
     v = 16 // esize
     return -(-S * C // v) * v
+
+
+def fits(pb, esize: int) -> bool:
+    """Whether the unfold (one thread per 16-byte chunk of x's copy) and the conv on the copies stay within
+    32-bit index math."""
+    cp = unfold_channels(pb.C, pb.S, esize)
+    return (pb.N * pb.H * pb.Q * (cp * esize // 16) < _MAX_THREADS and cp * pb.H * pb.Q < 2 ** 31
+            and cp * pb.R < 2 ** 31)
 
 
 def unfolded_problem(pb, esize: int):
@@ -64,7 +73,7 @@ class UnfoldJob:
     def __init__(self, A, B, Q, C, S, Cp, strides, stride, pad, dil, width, esize):
         self.A, self.B, self.Q, self.C, self.S, self.Cp = A, B, Q, C, S, Cp
         self.strides, self.stride, self.pad, self.dil, self.width, self.esize = strides, stride, pad, dil, width, esize
-        if Cp < S * C or Cp * esize % 16 or A * B * Q * (Cp * esize // 16) >= 2 ** 31 - 2 * _THREADS:
+        if Cp < S * C or Cp * esize % 16 or A * B * Q * (Cp * esize // 16) >= _MAX_THREADS:
             raise NotImplementedError(f"unfold of {A}x{B}x{Q} rows of {Cp} elements")
 
     @classmethod

@@ -140,7 +140,7 @@ def _apart(p: int, n: int, *extents) -> bool:
 
 def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
     """Apply user overrides to a spec, re-deriving what depends on them (store mode, split-K)."""
-    from ._heuristics import _store, choose_splits, store_for
+    from ._heuristics import choose_splits, store_for
     bad = set(cfg) - {f.name for f in dataclasses.fields(KernelSpec)}
     if bad:
         raise ValueError(f"config: unknown fields {sorted(bad)}")
@@ -158,8 +158,7 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
         spec = dataclasses.replace(spec, splits=1 if spec.persistent else choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
     # the store mode follows the tile: the register epilogue where it can run (unless the fp32 C tile's
     # store phase is asked for by name), else the one the tile's width allows
-    store, vec_o, fuse = (_store(pb, spec.bn) if cfg.get("store", "regs") != "regs"
-                          else store_for(pb, spec.math, spec.bn, spec.splits))
+    store, vec_o, fuse = store_for(pb, spec.math, spec.bn, spec.splits, regs=cfg.get("store", "regs") == "regs")
     spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
     if "min_blocks" not in cfg:
         from ._heuristics import min_blocks_for
@@ -310,6 +309,7 @@ class Conv2dPlan:
         pb = self.problem
         #: "native" or "transpose" (NCHW), "unfold" (either layout); the kernel runs ``kproblem`` (NHWC in,
         #: ``layout`` out on the latter two)
+        self._path_options = dict(nchw_path=nchw_path, pad_channels=pad_channels, unfold=unfold)   # (autotune)
         self.nchw_path, self.kproblem = kernel_setup(pb, nchw_path, pad_channels, unfold)
         kp = self.kproblem
         unf = self.nchw_path == "unfold"

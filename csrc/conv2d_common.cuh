@@ -68,6 +68,25 @@ struct Config {
 
 IGEMM_DEVICE uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+// Output tile t (of ceil(M / BM) · ceil(K / BN)) → its first row and column. n-fastest: the ceil(K / BN)
+// tiles of one row block are consecutive, so CTAs in flight together read the same A rows (the
+// activations, the large operand) and a 1x1 layer's input leaves DRAM once, not once per column block.
+// (IGEMM_RASTER_M: the former m-fastest order, for A/B measurements in tools/epi_probe.py.)
+struct TileCoord {
+  int m0, n0;
+};
+
+template <class Cfg, class P>
+IGEMM_DEVICE TileCoord tile_coord(const P& p, int t) {
+#if defined(IGEMM_RASTER_M)
+  const int TM = (p.M + Cfg::BM - 1) / Cfg::BM;
+  return {(t % TM) * Cfg::BM, (t / TM) * Cfg::BN};
+#else
+  const int TN = (p.K + Cfg::BN - 1) / Cfg::BN;
+  return {(t / TN) * Cfg::BM, (t % TN) * Cfg::BN};
+#endif
+}
+
 // ------------------------------------------------------------------------------------ index mapping
 // One output pixel (GEMM row) as the loaders need it. Rows past M get h0 = -2^30, so every (h, w)
 // bounds check fails and they load zeros.

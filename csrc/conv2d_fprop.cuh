@@ -7,8 +7,9 @@
 // the filter) into `Stages` shared-memory buffers with cp.async while earlier stages are multiplied.
 //
 // Launch parameters: igemm/conv2d.py (CONV_PARAMS), rendered into `struct Params` by the stub.
-// Grid: (ceil(M / BM), ceil(K / BN), splits); each CTA computes a BM × BN output tile over the k-tiles
-// [z · kt_per_split, min(KT, (z + 1) · kt_per_split)). The persistent kernel (kWgmmaWs): (min(tiles, SMs)).
+// Grid: (ceil(M / BM) · ceil(K / BN), 1, splits); each CTA computes the BM × BN output tile blockIdx.x
+// (tile_coord: n-fastest) over the k-tiles [z · kt_per_split, min(KT, (z + 1) · kt_per_split)).
+// The persistent kernel (kWgmmaWs): (min(tiles, SMs)).
 #pragma once
 #include "conv2d_common.cuh"
 #include "conv2d_epilogue.cuh"
@@ -22,11 +23,14 @@ namespace igemm::conv {
 // One CTA per output tile (and split): the mainloop, then split-K's reduction and the store phase.
 template <class Cfg, class P>
 IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
-  const int m0 = blockIdx.x * Cfg::BM;
-  const int n0 = blockIdx.y * Cfg::BN;
+  const TileCoord tc = tile_coord<Cfg>(p, blockIdx.x);
+  const int m0 = tc.m0, n0 = tc.n0;
   const int KT = (p.Kred + Cfg::BK - 1) / Cfg::BK;
   const int kt0 = blockIdx.z * p.kt_per_split;
   const int kt1 = min(KT, kt0 + p.kt_per_split);
+#if defined(IGEMM_WGMMA)
+  if constexpr (Cfg::StoreMode == kStoreRegs) epilogue_regs_prologue<Cfg>(p, m0, n0);
+#endif
   if constexpr (Cfg::kMath == kTensorOp) {
     mainloop_tensorop<Cfg>(p, smem, m0, n0, kt0, kt1);
   } else if constexpr (Cfg::kMath == kSimt) {
@@ -41,7 +45,7 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
   }
   if constexpr (Cfg::StoreMode != kStoreRegs) {          // (kStoreRegs: stored from registers, no split-K)
     float* Cs = reinterpret_cast<float*>(smem);
-    if (p.splits > 1 && !splitk_reduce<Cfg>(p, Cs, blockIdx.y * gridDim.x + blockIdx.x)) return;
+    if (p.splits > 1 && !splitk_reduce<Cfg>(p, Cs, blockIdx.x)) return;
     epilogue_store<Cfg>(p, Cs, m0, n0);
   }
 }

@@ -92,22 +92,107 @@ IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
   __syncthreads();
 }
 
+// The register epilogue's channel vectors (3 × BN floats of static shared memory, one array per kernel).
+template <int BN>
+IGEMM_DEVICE float (*regs_channel_vectors())[BN] {
+  __shared__ __align__(16) float s_vec[3][BN];
+  return s_vec;
+}
+
+// Before the mainloop (fprop_tile), so that none of it waits after the last MMA: the tile's channel
+// vectors go to shared memory by cp.async (its own group; epilogue_regs waits for it), and, when the
+// reduction is short (KT <= 2 · Stages: nothing else hides the residual's DRAM latency), the residual
+// tile's 128-byte lines are prefetched into L2, so the epilogue's fragment loads hit L2. H100, N=32,
+// fp16 (tools/epi_probe.py): 1x1 64->256 conv+BN+Add+ReLU+mask 60.0 -> 52.9 us; with a deep reduction
+// (3x3 128->128, 18 k-tiles) the prefetch cost 1 us, hence the limit.
+// (IGEMM_NO_EPI_PROLOGUE: stage the vectors in the epilogue and prefetch nothing, for A/B measurements.)
+template <class Cfg>
+constexpr bool kEarlyVectors =
+#if defined(IGEMM_NO_EPI_PROLOGUE)
+    false;
+#else
+    !Cfg::Epi::kEmpty;
+#endif
+
+template <class Cfg, class P>
+IGEMM_DEVICE void epilogue_regs_prologue(const P& p, int m0, int n0) {
+#if !defined(IGEMM_NO_EPI_PROLOGUE)
+  using Epi = typename Cfg::Epi;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::kThreads;
+  if constexpr (kEarlyVectors<Cfg>) {
+    float (*s_vec)[BN] = regs_channel_vectors<BN>();
+    const float* src[3] = {static_cast<const float*>(p.scale), static_cast<const float*>(p.shift),
+                           static_cast<const float*>(p.alpha)};
+    const float dflt[3] = {1.f, 0.f, 0.f};
+    for (int i = threadIdx.x; i < BN; i += NT) {
+      const int n = min(n0 + i, p.K - 1);
+#pragma unroll
+      for (int v = 0; v < 3; ++v) {
+        if (src[v]) cp_async_zfill<4>(&s_vec[v][i], src[v] + n, true);
+        else s_vec[v][i] = dflt[v];
+      }
+    }
+    cp_async_commit();
+  }
+  if constexpr (Epi::kResidual) {
+    if ((p.Kred + Cfg::BK - 1) / Cfg::BK > 2 * Cfg::Stages) return;   // (no split-K here)
+    using RT = typename Epi::Res;
+    constexpr int LPR = (BN * int(sizeof(RT)) + 127) / 128;     // 128-byte lines per tile row
+    const RT* res = static_cast<const RT*>(p.residual);
+    const int cols = min(BN, p.K - n0), rows = min(BM, p.M - m0);
+    for (int i = threadIdx.x; i < rows * LPR; i += NT) {
+      const int r = i / LPR, c = min((i % LPR) * (128 / int(sizeof(RT))), cols - 1);
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + int64_t(m0 + r) * p.K + n0 + c));
+    }
+  }
+#endif
+}
+
+// 0xFFFF in each 16-bit half of the result whose stored value is > 0 (false for ±0 and NaN): one set.gt
+// on the packed pair, so the mask bit is exactly (stored y > 0).
+template <class TO>
+IGEMM_DEVICE uint32_t gt0_pair(const epi::Vec<TO, 2>& o) {
+  static_assert(sizeof(TO) == 2, "16-bit outputs");
+  const uint32_t u = *reinterpret_cast<const uint32_t*>(&o);
+  uint32_t r;
+  if constexpr (std::is_same_v<TO, cutlass::bfloat16_t>)
+    asm("set.gt.u32.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(u), "r"(0u));
+  else
+    asm("set.gt.u32.f16x2 %0, %1, %2;" : "=r"(r) : "r"(u), "r"(0u));
+  return r;
+}
+
+// Bits jj and 16 + jj (jj < 4: the pair of 8-column block jj) → bits 8·jj + 2q and 8·jj + 2q + 1 of the
+// row's mask word (q = lane % 4: the pair's first column in the block is 2q). v · 0x204081 puts bit jj of a
+// 4-bit v at jj + 7·k for k < 4, all 16 positions distinct (no carries); k = jj is the wanted 8·jj.
+IGEMM_DEVICE uint32_t pair_bits_to_word(uint32_t b, int q) {
+  const uint32_t lo = ((b & 0xFu) * 0x204081u) & 0x01010101u;
+  const uint32_t hi = (((b >> 16) & 0xFu) * 0x204081u) & 0x01010101u;
+  return (lo | (hi << 1)) << (2 * q);
+}
+
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, four column blocks' worth loaded ahead),
 // each value is rounded once into a 16-bit C tile in shared memory (BN + 8 elements a row: the fragment
-// writes are conflict-free), the ReLU mask words are assembled in registers (a quad of lanes holds 32
-// consecutive channels of a row: two shuffles; FuseMask needs K % 32 == 0) and stored by the quad's first
-// lane, and the tile leaves in 16-byte vectors. Against the fp32 C tile: half the shared-memory bytes, and
-// no index math, chain or mask work per vector in the store loop.
+// writes are conflict-free), the ReLU mask words are assembled in registers (one set.gt per stored pair;
+// a quad of lanes holds 32 consecutive channels of a row: two shuffles; FuseMask needs K % 32 == 0) and
+// stored by the quad's first lane, and the tile leaves in 16-byte vectors. Against the fp32 C tile: half
+// the shared-memory bytes, and no index math, chain or mask work per vector in the store loop.
 template <class Cfg, class P>
 IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
-  __shared__ __align__(16) float s_vec[3][BN];
+  float (*s_vec)[BN] = regs_channel_vectors<BN>();
   const int tid = threadIdx.x;
-  stage_channel_vectors<BN, Cfg::kThreads>(p, n0, tid, s_vec);
+  // A tile past the last row has nothing to store (uniform per CTA). The branch also ends the basic block
+  // that holds the mainloop's last wgmma wait: with the accumulators' first reads in that block (the
+  // identity chain has nothing else before them), ptxas 13.0 serialises every wgmma of the mainloop
+  // (C7514) -- 3x3 512->512 @7, N=32, H100: 20 -> 34 us.
+  if (m0 >= p.M) return;
+  if constexpr (kEarlyVectors<Cfg>) cp_async_wait<0>();      // the prologue's channel vectors
+  else if constexpr (!Epi::kEmpty) stage_channel_vectors<BN, Cfg::kThreads>(p, n0, tid, s_vec);
   __syncthreads();
   const epi::Ctx ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
   TO* ct = reinterpret_cast<TO*>(smem);
@@ -147,7 +232,7 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
         res[2] = to_float(rb[g].v[0]);
         res[3] = to_float(rb[g].v[1]);
       }
-      Epi::template apply<4, false>(v, ch, res, ctx);
+      Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
       epi::Vec<TO, 2> o0, o1;
       o0.v[0] = from_float<TO>(v[0]);
       o0.v[1] = from_float<TO>(v[1]);
@@ -156,10 +241,14 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
       *reinterpret_cast<epi::Vec<TO, 2>*>(ct + r0 * LDH + c) = o0;
       *reinterpret_cast<epi::Vec<TO, 2>*>(ct + (r0 + 8) * LDH + c) = o1;
       if constexpr (Cfg::FuseMask) {
-        const int sh = (j & 3) * 8 + 2 * (lane & 3);
-        bits0 |= (uint32_t(to_float(o0.v[0]) > 0.f) | (uint32_t(to_float(o0.v[1]) > 0.f) << 1)) << sh;
-        bits1 |= (uint32_t(to_float(o1.v[0]) > 0.f) | (uint32_t(to_float(o1.v[1]) > 0.f) << 1)) << sh;
+        // (stored value > 0) of the pair, as bits jj and 16 + jj (jj = j % 4) ...
+        const uint32_t sel = 0x00010001u << (j & 3);
+        bits0 |= gt0_pair<TO>(o0) & sel;
+        bits1 |= gt0_pair<TO>(o1) & sel;
         if ((j & 3) == 3) {                 // columns (j - 3) * 8 .. j * 8 + 7: one word per row
+          // ... moved to bits 8·jj + 2·(lane % 4) + {0, 1} of the word, then OR-ed over the quad
+          bits0 = pair_bits_to_word(bits0, lane & 3);
+          bits1 = pair_bits_to_word(bits1, lane & 3);
           bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 1);
           bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 2);
           bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 1);
@@ -359,11 +448,13 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   using T = typename Cfg::Element;
   using Atom = typename GmmaAtom<T, Cfg::BN>::type;
   constexpr int BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages;
-  constexpr int A_STAGE = Cfg::BM * BK * 2, B_STAGE = BN * BK * 2;
+  // stage s = [A tile | B tile] at s · STAGE: a problem with KT < S k-tiles touches only its first KT
+  // stages, so the plan may launch it with less shared memory (more CTAs per SM; KernelSpec.launch_smem)
+  constexpr int A_STAGE = Cfg::BM * BK * 2, B_STAGE = BN * BK * 2, STAGE = A_STAGE + B_STAGE;
   constexpr int NACC = BN / 2, KSTEPS = BK / 16;
   __shared__ alignas(8) uint64_t full[S];
   uint8_t* sA = smem;
-  uint8_t* sB = smem + S * A_STAGE;
+  uint8_t* sB = smem + A_STAGE;
   const int KT = kt1 - kt0;
   const bool leader = threadIdx.x == 0;
   const TileOrigin o = tile_origin(p, m0);
@@ -375,7 +466,7 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   }
   __syncthreads();
   auto issue = [&](int kt, int buf) {     // thread 0
-    tma_issue_stage<Cfg>(p, sA + buf * A_STAGE, sB + buf * B_STAGE, &full[buf], kt, o, n0);
+    tma_issue_stage<Cfg>(p, sA + buf * STAGE, sB + buf * STAGE, &full[buf], kt, o, n0);
   };
   if (leader) {
 #pragma unroll
@@ -393,10 +484,10 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     const int buf = it % S;
     mbar_wait(&full[buf], (it / S) & 1);
     if constexpr (Cfg::LoadA == kLoadTmaC8)   // A: 8 regions of BM 16-byte rows; this warpgroup's rows
-      wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * A_STAGE, Cfg::BM * 16, 128),
-                                                    desc_sw128(sB_u + buf * B_STAGE), acc);
+      wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * STAGE, Cfg::BM * 16, 128),
+                                                    desc_sw128(sB_u + buf * STAGE), acc);
     else
-      wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * A_STAGE), desc_sw128(sB_u + buf * B_STAGE), acc);
+      wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * STAGE), desc_sw128(sB_u + buf * STAGE), acc);
     cute::warpgroup_wait<1>();
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -461,7 +552,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       const int t = blockIdx.x + i * gridDim.x;
       if (t >= NT) break;
       const int c = i & 1;
-      const int m0 = (t % TM) * BM, n0 = (t / TM) * BN;
+      const auto [m0, n0] = tile_coord<Cfg>(p, t);
       const TileOrigin o = tile_origin(p, m0);
       uint8_t* ring = smem + c * RING;
       int k = c ? k1 : k0;
@@ -483,7 +574,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   for (int i = wg;; i += NC) {
     const int t = blockIdx.x + i * gridDim.x;
     if (t >= NT) break;
-    const int m0 = (t % TM) * BM, n0 = (t / TM) * BN;
+    const auto [m0, n0] = tile_coord<Cfg>(p, t);
     float acc[NACC];
 #pragma unroll
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;

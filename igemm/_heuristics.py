@@ -108,6 +108,19 @@ class KernelSpec:
             return self.wm * (main + cs) + 1024
         return max(main, cs) + (1024 if self.math == "wgmma" else 128)
 
+    def launch_smem(self, kt: int) -> int:
+        """Dynamic shared memory for a launch whose CTAs run ``kt`` k-tiles each: the TMA mainloop lays its
+        stages out one after another and touches only the first ``min(kt, stages)``, so a short reduction
+        (a 1x1 conv over 64 channels: one k-tile) launches with less and fits more CTAs per SM.
+        ``IGEMM_SMEM_TRIM=0``: always :attr:`smem`."""
+        import os
+        if (self.math != "wgmma" or self.load_b != "tma" or kt >= self.stages
+                or os.environ.get("IGEMM_SMEM_TRIM", "1") == "0"):
+            return self.smem
+        main = max(kt, 1) * (self.bm + self.bn) * self.bk * DTYPE_SIZES[self.dtype]
+        cs = self.bm * (self.bn + 8) * 4 if self.store != "nchw" else self.bn * (self.bm + 4) * 4
+        return max(main, cs) + 1024
+
     @property
     def static_smem(self) -> int:
         if self.persistent:                  # per consumer: channel vectors, full and empty barriers

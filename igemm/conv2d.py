@@ -397,9 +397,10 @@ class Conv2dPlan:
         if l is None:
             spec = self._primary if key == (True, True) else self.spec(xa, wa)
             k = _kernel.load(_stub(spec), spec.name(), "igemm_conv2d_fprop", self.device_id, smem=spec.smem)
-            grid = ((self.problem.M + spec.bm - 1) // spec.bm, (self.problem.K + spec.bn - 1) // spec.bn, spec.splits)
-            if spec.persistent:         # one CTA per SM at most, looping over the tiles
-                grid = (min(grid[0] * grid[1], self.sms), 1, 1)
+            tiles = -(-self.problem.M // spec.bm) * -(-self.problem.K // spec.bn)
+            grid = (tiles, 1, spec.splits)      # tile blockIdx.x, n-fastest (csrc/conv2d_common.cuh, tile_coord)
+            if spec.persistent:                 # one CTA per SM at most, looping over the tiles
+                grid = (min(tiles, self.sms), 1, 1)
             ws = self._workspace(spec, grid) if spec.splits > 1 else None
             if spec.load_a == "elem" and self._ktab is None:
                 tab = _k_table(self.kproblem, 64)      # padded for every BK the kernels use (8..64)
@@ -407,7 +408,8 @@ class Conv2dPlan:
                 _runtime.memcpy_htod(d.ptr, tab.ctypes.data, tab.nbytes)
                 self._ktab = d
                 self._args.u64[self._slot["ktab"]] = d.ptr
-            l = (_kernel.Launcher(k, grid, spec.threads, spec.smem), spec, ws)
+            kt = -(-self.kproblem.Kred // spec.bk)
+            l = (_kernel.Launcher(k, grid, spec.threads, spec.launch_smem(-(-kt // spec.splits))), spec, ws)
             if spec.load_b == "tma":
                 from ._tma import ConvMaps
                 self._maps[l[0]] = ConvMaps(self.kproblem, spec, self._slot["tmA"], self._slot["tmB"])

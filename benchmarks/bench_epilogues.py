@@ -31,6 +31,7 @@ def main(argv=None):
     from igemm import epilogues as ep
     torch.backends.cudnn.benchmark = True
     bench = Bench("bench_epilogues", args)
+    bw = _harness.copy_bandwidth(bench)
     layers = [RESNET50[int(i)] for i in args.layers.split(",")] if args.layers else RESNET50
     stats = {}
     for cfg in args.configs.split(","):
@@ -84,7 +85,11 @@ def main(argv=None):
                 bench.note(f"{cfg} {name}: cuDNN fused call failed: {type(e).__name__}: {str(e)[:120]}")
                 td_b = td_c = float("nan")
             st_ = stats.setdefault(cfg, {"b_over_a": [], "c_over_a": [], "b_over_eager": [], "b_over_dnn": [],
-                                         "c_over_dnn": []})
+                                         "c_over_dnn": [], "c_bound": []})
+            # DRAM floor of (c): x, w, y, the residual and the mask once each at the measured copy bandwidth;
+            # (c)/(a) cannot go below max(ta, floor) / ta, whatever the kernel
+            c_floor = ((N * C * H * H + K * C * R * R + 2 * N * K * P * P) * eb + 4 * words) / bw
+            st_["c_bound"].append(max(ta, c_floor) / ta)
             st_["b_over_a"].append(tb / ta)
             st_["c_over_a"].append(tc / ta)
             st_["b_over_eager"].append(tb / te_b)
@@ -94,14 +99,15 @@ def main(argv=None):
                       bn_add_relu_mask_us=tc * 1e6, b_over_a=tb / ta, c_over_a=tc / ta,
                       eager_bn_relu_us=te_b * 1e6, eager_bn_add_relu_us=te_c * 1e6, b_over_eager=tb / te_b,
                       cudnn_relu_us=td_b * 1e6, cudnn_add_relu_us=td_c * 1e6, b_over_cudnn=tb / td_b,
-                      c_over_cudnn=tc / td_c)
+                      c_over_cudnn=tc / td_c, c_floor_us=c_floor * 1e6, c_over_a_bound=max(ta, c_floor) / ta)
             del xs, res, outs, masks
             torch.cuda.empty_cache()
     for cfg, s in stats.items():
         bench.note(f"{cfg}: (b)/(a) worst {max(s['b_over_a']):.3f}, (c)/(a) worst {max(s['c_over_a']):.3f} "
                    f"(bar <= 1.10); (b)/eager geomean {geomean(s['b_over_eager']):.3f} (bar <= 0.6); "
                    f"(b)/cudnn_convolution_relu geomean {geomean(s['b_over_dnn']):.3f}; "
-                   f"(c)/cudnn_convolution_add_relu geomean {geomean(s['c_over_dnn']):.3f}")
+                   f"(c)/cudnn_convolution_add_relu geomean {geomean(s['c_over_dnn']):.3f}; "
+                   f"(c)/(a) lower bound from (c)'s DRAM bytes: worst {max(s['c_bound']):.2f}")
     # relu_backward vs threshold_backward
     shape = (16, 32, 112, 112)
     n_sets = _harness.n_rotations(3 * 4 * 16 * 32 * 112 * 112)

@@ -15,9 +15,27 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 LAYERS = [("1x1 64->256 @56", 64, 256, 56, 1, 1, 0), ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0),
-          ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1)]
-VARIANTS = [{}, {"min_blocks": 4}, {"bn": 64, "min_blocks": 4}, {"bn": 64, "min_blocks": 5}, {"bn": 256, "min_blocks": 2}]
+          ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1), ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1)]
+# spec overrides; "define": macros prepended to the kernel source (the kernels' A/B switches:
+# IGEMM_RASTER_M = the m-fastest tile order, IGEMM_NO_EPI_PROLOGUE = no early vectors / residual prefetch)
+# "env": environment variables set while the variant's plans are made (IGEMM_SMEM_TRIM=0: launch with
+# every stage's shared memory even when the reduction has fewer k-tiles than stages)
+VARIANTS = [{}, {"define": "IGEMM_RASTER_M"}, {"define": "IGEMM_RASTER_M IGEMM_NO_EPI_PROLOGUE"},
+            {"define": "IGEMM_NO_EPI_PROLOGUE"}, {"env": {"IGEMM_SMEM_TRIM": "0"}}, {"min_blocks": 5},
+            {"bn": 256}, {"bn": 64}]
 N = 32
+
+
+def _defines(v) -> str:
+    return "".join(f"#define {d} 1\n" for d in v.get("define", "").split())
+
+
+def _patch_stub(defines: str) -> None:
+    """Make igemm.conv2d render kernels with `defines` in front (the kernel cache key follows the text)."""
+    c = sys.modules["igemm.conv2d"]
+    orig = getattr(c, "_stub_orig", c._stub)
+    c._stub_orig = orig
+    c._stub = lambda spec: defines + orig(spec)
 
 
 def _chains(ep, vecs=None):
@@ -37,13 +55,32 @@ def specs(arch="sm_90a"):
                              ch.signature(), "float16" if ch.residual_op else None)
             base = choose_config(pb, arch)
             for i, v in enumerate(VARIANTS):
+                kw = {k: x for k, x in v.items() if k not in ("define", "env")}
                 try:
-                    s = _override(base, pb, v) if v else base
+                    s = _override(base, pb, kw) if kw else base
                 except Exception:
                     continue
-                if validate_spec(s, pb, raise_=False):
+                if validate_spec(s, pb, raise_=False) and 65536 // (s.threads * s.min_blocks) >= 80:
                     out[(name, cn, i)] = s
     return out
+
+
+def _check(x, w, res, vec, st, pd, plan) -> str:
+    """(c) of the last variant against torch in fp32: max relative error, and mask == (y > 0) everywhere."""
+    import torch
+    g, b, m, v = vec
+    y, mask = plan(x, w, residual=res, out=torch.full_like(res, float("nan")))
+    ref = torch.nn.functional.conv2d(x.permute(0, 3, 1, 2).float(), w.permute(0, 3, 1, 2).float(), stride=st, padding=pd)
+    sc = g / torch.sqrt(v + 1e-5)
+    ref = ref * sc[None, :, None, None] + (b - m * sc)[None, :, None, None]
+    ref = torch.relu(ref.permute(0, 2, 3, 1) + res.float())
+    rel = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    bits = (y.reshape(-1) > 0).to(torch.int64)
+    n = bits.numel()
+    bits = torch.nn.functional.pad(bits, (0, (-n) % 32)).reshape(-1, 32)
+    words = (bits << torch.arange(32, device=bits.device)).sum(1)
+    ok = torch.equal(words.to(torch.int64) & 0xFFFFFFFF, mask.reshape(-1).to(torch.int64) & 0xFFFFFFFF)
+    return f"rel {rel:.1e}, mask {'ok' if ok else 'MISMATCH'}"
 
 
 def main() -> int:
@@ -51,8 +88,8 @@ def main() -> int:
         from igemm import _build
         from igemm.conv2d import _stub
         arch = sys.argv[2] if len(sys.argv) > 2 else "sm_90a"
-        sp = {s: _stub(s) for s in specs(arch).values()}
-        n = _build.compile_many(((s.name(), st) for s, st in sp.items()), arch, None)
+        sp = {(s, _defines(VARIANTS[k[2]])): _defines(VARIANTS[k[2]]) + _stub(s) for k, s in specs(arch).items()}
+        n = _build.compile_many(((s.name(), st) for (s, _), st in sp.items()), arch, None)
         print(f"{n} kernels")
         return 0
     import argparse
@@ -64,7 +101,7 @@ def main() -> int:
     from igemm import epilogues as ep
     bench = _harness.Bench("epi_probe", argparse.Namespace(quick=True, reps=30, warmup=3, out=None))
     table = specs()
-    print("| layer | variant | spec | a_us | b_us | c_us | b/a | c/a |\n|---|---|---|---|---|---|---|---|")
+    print("| layer | variant | spec | a_us | b_us | c_us | b/a | c/a | (c) check |\n|---|---|---|---|---|---|---|---|---|")
     for name, C, K, H, R, st, pd in LAYERS:
         P = (H + 2 * pd - R) // st + 1
         nset = _harness.n_rotations((N * H * H * C + 2 * N * P * P * K) * 2)
@@ -78,6 +115,9 @@ def main() -> int:
         for i, v in enumerate(VARIANTS):
             t = {}
             desc = ""
+            _patch_stub(_defines(v))
+            for k, x in v.get("env", {}).items():
+                os.environ[k] = x
             for cn, ch in _chains(ep, vec).items():
                 s = table.get((name, cn, i))
                 if s is None:
@@ -92,9 +132,12 @@ def main() -> int:
                 else:
                     t[cn] = bench.time(lambda j: plan(xs[j], w, residual=res[j], out=outs[j % 2],
                                                       mask_out=masks[j % 2]), nset)
+            err = _check(xs[0], w, res[0], vec, st, pd, plan) if len(t) == 3 else ""
+            for k in v.get("env", {}):
+                del os.environ[k]
             if len(t) == 3:
                 print(f"| {name} | {v or 'chosen'} | {desc} | {t['a'] * 1e6:.1f} | {t['b'] * 1e6:.1f} | "
-                      f"{t['c'] * 1e6:.1f} | {t['b'] / t['a']:.2f} | {t['c'] / t['a']:.2f} |", flush=True)
+                      f"{t['c'] * 1e6:.1f} | {t['b'] / t['a']:.2f} | {t['c'] / t['a']:.2f} | {err} |", flush=True)
         del xs, res, outs, masks
         torch.cuda.empty_cache()
     return 0

@@ -38,6 +38,14 @@ def _patch_stub(defines: str) -> None:
     c._stub = lambda spec: defines + orig(spec)
 
 
+def precompile_variants(table: dict, variants: list, arch: str) -> int:
+    """Compile every spec of a probe's table ({(..., variant index): spec}) with its variant's macros."""
+    from igemm import _build
+    from igemm.conv2d import _stub
+    sp = {(s, _defines(variants[k[-1]])): _defines(variants[k[-1]]) + _stub(s) for k, s in table.items()}
+    return _build.compile_many(((s.name(), st) for (s, _), st in sp.items()), arch, None)
+
+
 def _chains(ep, vecs=None):
     g = vecs or (0, 0, 0, 0)
     return {"a": ep.chain(), "b": ep.chain(ep.BatchNorm(*g), ep.ReLU(mask=True)),
@@ -85,12 +93,8 @@ def _check(x, w, res, vec, st, pd, plan) -> str:
 
 def main() -> int:
     if sys.argv[1:2] == ["precompile"]:
-        from igemm import _build
-        from igemm.conv2d import _stub
         arch = sys.argv[2] if len(sys.argv) > 2 else "sm_90a"
-        sp = {(s, _defines(VARIANTS[k[2]])): _defines(VARIANTS[k[2]]) + _stub(s) for k, s in specs(arch).items()}
-        n = _build.compile_many(((s.name(), st) for (s, _), st in sp.items()), arch, None)
-        print(f"{n} kernels")
+        print(f"{precompile_variants(specs(arch), VARIANTS, arch)} kernels")
         return 0
     import argparse
 

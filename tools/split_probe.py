@@ -12,6 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from epi_probe import _defines, _patch_stub, precompile_variants  # noqa: E402  (tools/, the script's folder)
 
 LAYERS = [("3x3 512->512 @7", 512, 512, 7), ("3x3 256->256 @14", 256, 256, 14)]
 BATCHES = (1, 8, 32)
@@ -20,8 +21,6 @@ VARIANTS = [{}, {"define": "IGEMM_RASTER_M"}, {"bn": 64}, {"splits": 1}, {"split
             {"splits": 8}, {"bn": 64, "splits": 2}, {"bn": 64, "splits": 4}, {"bn": 64, "splits": 8}]
 
 
-def _defines(v) -> str:
-    return "".join(f"#define {d} 1\n" for d in v.get("define", "").split())
 
 
 def specs(arch="sm_90a"):
@@ -45,12 +44,8 @@ def specs(arch="sm_90a"):
 
 def main() -> int:
     if sys.argv[1:2] == ["precompile"]:
-        from igemm import _build
-        from igemm.conv2d import _stub
         arch = sys.argv[2] if len(sys.argv) > 2 else "sm_90a"
-        sp = {(s, _defines(VARIANTS[k[2]])): _defines(VARIANTS[k[2]]) + _stub(s) for k, s in specs(arch).items()}
-        n = _build.compile_many(((s.name(), st) for (s, _), st in sp.items()), arch, None)
-        print(f"{n} kernels")
+        print(f"{precompile_variants(specs(arch), VARIANTS, arch)} kernels")
         return 0
     import argparse
 
@@ -75,9 +70,7 @@ def main() -> int:
                 s = table.get((name, n, i))
                 if s is None:
                     continue
-                c = sys.modules["igemm.conv2d"]
-                c._stub_orig = getattr(c, "_stub_orig", c._stub)
-                c._stub = (lambda d: lambda spec: d + c._stub_orig(spec))(_defines(v))
+                _patch_stub(_defines(v))
                 plan = igemm.Conv2dPlan(tuple(xs[0].shape), tuple(w.shape), "float16", "NHWC", 1, 1, config=s)
                 t = bench.time(lambda j: plan(xs[j], w, out=out), nset)
                 out.fill_(float("nan"))

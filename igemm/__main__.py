@@ -88,7 +88,7 @@ def precompile(args) -> int:
     from igemm import epilogues as ep
     from igemm import _transpose, _unfold
     from igemm._heuristics import ConvProblem, choose_config, kernel_setup
-    from igemm.conv2d import _stub
+    from igemm.conv2d import _override, _stub
     chains = {"none": ep.chain(), "bn_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True)),
               "bn_add_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.Add(), ep.ReLU(mask=True))}
     configs = [c.split(":") for c in args.configs.split(",")]
@@ -108,7 +108,7 @@ def precompile(args) -> int:
                     spec = choose_config(kernel_setup(pb, path, None, unfold)[1], args.arch)
                     specs[spec] = _stub(spec)
                     if spec.load_b == "tma":       # bench_conv's fp16-NHWC-gather times the cp.async gather too
-                        g = dataclasses.replace(spec, load_a="vec", load_b="vec")
+                        g = _override(spec, kernel_setup(pb, path, None, unfold)[1], {"load_a": "vec", "load_b": "vec"})
                         specs[g] = _stub(g)
     t0 = time.time()
     n = _build.compile_many(((spec.name(), stub) for spec, stub in specs.items()), args.arch, args.jobs)

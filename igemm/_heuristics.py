@@ -366,6 +366,16 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # 255 us with them, 172 us with the element gather; notes/perf.md)
         load_a = load_b = "tma"
     splits = choose_splits(pb, bm, bn, bk, sms)
+    tiles, kt = -(-M // bm) * -(-K // bn), -(-pb.Kred // bk)
+    if (math == "wgmma" and load_a == "tma" and bm == 64 and splits > 1 and 10 * tiles >= sms
+            and (kt <= 48 or 4 * tiles >= sms)):
+        # Few tiles and a deep reduction (batch 1-8 on the 3x3 layers): the persistent kernel's producer
+        # warp keeps the TMA loads ahead of the MMA with no CTA barrier per k-tile, which beats split-K
+        # unless the tiles are very few and each would run a long reduction alone (tools/sweep.py on an
+        # H100, fp16 NHWC: N=1 3x3 128->128 @28, 26 tiles x 18 k-tiles, 5.7 us vs split-K 8.5; N=1 3x3
+        # 256->256 @14, 16 x 36: 8.8 vs 10.1; N=8 3x3 512->512 @7, 56 x 72: 15.4 vs 15.9; N=1 @7,
+        # 8 x 72, keeps split-K: 9.3 us with 9 splits)
+        math, wm, stages, splits = "wgmma_ws", 2, 4, 1
     store, vec_o, fuse = store_for(pb, math, bn, splits)
     spec = KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
                       fuse, epilogue_functors(pb), splits)
@@ -388,8 +398,11 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
     """Valid alternatives to ``choose_config`` for autotuning (tile shape, stages, split-K)."""
     base = choose_config(pb, arch, sms=sms)
     out = [base]
+    # the alternatives derive from the per-tile kernel (the persistent one, when it is the choice, has no
+    # tile, stage or split-K variants of its own)
+    tile = base if not base.persistent else dataclasses.replace(base, math="wgmma", wm=base.bm // 64)
     def add(smem_store=False, **kw):
-        spec = dataclasses.replace(base, **kw)
+        spec = dataclasses.replace(tile, **kw)
         if "splits" not in kw:
             spec = dataclasses.replace(spec, splits=choose_splits(pb, spec.bm, spec.bn, spec.bk, sms))
         store, vec_o, fuse = store_for(pb, spec.math, spec.bn, spec.splits, regs=not smem_store)
@@ -397,7 +410,9 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
         spec = dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
         if spec not in out and validate_spec(spec, pb, raise_=False):
             out.append(spec)
-    if base.store == "regs":
+    if base.persistent:
+        add()                               # the per-tile kernel (split-K as choose_splits says)
+    if tile.store == "regs":
         add(smem_store=True)                # the fp32 C tile's store phase
     if base.load_b == "tma":
         add(load_a="vec", load_b="vec")
@@ -407,7 +422,7 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
         for bn in (64, 128):
             for stages in (3, 4):
                 add(math="wgmma_ws", bm=64, wm=2, bn=bn, stages=stages, splits=1)
-    if base.math == "wgmma":
+    if tile.math == "wgmma":
         for bm in (64, 128):
             for bn in (64, 128, 256):
                 for stages in (3, 4, 5):

@@ -140,6 +140,7 @@ def _pb(**kw):
 
 
 def test_choose_config_rules(monkeypatch):
+    from igemm._heuristics import validate_spec
     s = choose_config(_pb())
     assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("wgmma", "tma", "tma", "regs", 8)
     assert choose_config(_pb(C=32)).load_a == "vec"                       # TMA k-tiles are 64 channels
@@ -162,6 +163,12 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(K=256, layout="NCHW", H=28, W=28)).store == "nchw"      # NCHW output
     assert choose_config(_pb(K=256), "sm_80").store == "rows"
     assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512)).store == "rows"           # split-K
+    small = choose_config(_pb(N=1, H=7, W=7, C=512, K=512))                      # 8 tiles: split-K
+    assert (small.math, small.splits) == ("wgmma", 9)
+    for kw in (dict(N=1, H=14, W=14, C=256, K=256), dict(N=8, H=7, W=7, C=512, K=512)):
+        ws = choose_config(_pb(**kw))                   # few tiles, deep reduction: the persistent kernel
+        assert (ws.math, ws.splits, ws.persistent) == ("wgmma_ws", 1, True) and validate_spec(ws, _pb(**kw))
+    assert choose_config(_pb(N=32, H=7, W=7, C=512, K=512)).math == "wgmma"      # enough tiles
     monkeypatch.setenv("IGEMM_REG_EPI", "0")
     assert choose_config(_pb(K=256, epilogue=(("ReLU", True),))).store == "rows"
     monkeypatch.delenv("IGEMM_REG_EPI")
@@ -735,6 +742,35 @@ def test_gpu_persistent_kernel(dtype, layout, sms, rng, monkeypatch):
                 outs[kind] = (y, yf, mf)
             for a, b in zip(outs["ws"], outs["tile"]):
                 assert torch.equal(a, b), f"persistent and per-tile kernels differ: {layout} {xs} {ws} {cfg} sms={sms}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_small_batch_default_configs(dtype, rng):
+    """The default plans of the small-batch 3x3 layers (the persistent kernel for few tiles and a deep
+    reduction, split-K for very few tiles) against the float64 reference, plain and with BN+ReLU+mask."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    for n, c, h, want in ((1, 256, 14, "wgmma_ws"), (8, 512, 7, "wgmma_ws"), (1, 512, 7, "wgmma"),
+                          (1, 128, 28, "wgmma_ws")):
+        xs, ws = (n, h, h, c), (c, 3, 3, c)
+        g_, b_, m_, v_ = (torch.rand(c, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        for chain in (None, ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.ReLU(mask=True))):
+            plan = Conv2dPlan(xs, ws, dtype, "NHWC", 1, 1, epilogue=chain)
+            assert plan.spec().math == want, plan.spec().name()
+            x64 = rng.standard_normal(xs)
+            w64 = rng.standard_normal(ws) / np.sqrt(9 * c)
+            x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+            ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), (1, 1), (1, 1), (1, 1), "NHWC")
+            out = poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda"))
+            if chain is None:
+                assert rel_err(to_numpy(plan(x, w, out=out)), ref) <= TOL[dtype], plan.spec().name()
+                continue
+            sc = to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)
+            ref = np.maximum(ref * sc + (to_numpy(b_) - to_numpy(m_) * sc), 0)
+            y, mask = plan(x, w, out=out)
+            assert rel_err(to_numpy(y), ref) <= TOL[dtype], plan.spec().name()
+            assert torch.equal(mask, igemm.relu_mask(y)), plan.spec().name()
 
 
 def to_layout_shape(shape, layout):

@@ -169,6 +169,12 @@ def test_choose_config_rules(monkeypatch):
         ws = choose_config(_pb(**kw))                   # few tiles, deep reduction: the persistent kernel
         assert (ws.math, ws.splits, ws.persistent) == ("wgmma_ws", 1, True) and validate_spec(ws, _pb(**kw))
     assert choose_config(_pb(N=32, H=7, W=7, C=512, K=512)).math == "wgmma"      # enough tiles
+    # config overrides the persistent kernel cannot run fall back to the per-tile kernel
+    xs, wsh = (8, 7, 7, 512), (512, 3, 3, 512)
+    for cfg, want in (({"splits": 4}, ("wgmma", 4)), ({"load_a": "vec", "load_b": "vec"}, ("wgmma", 3)),
+                      ({"stages": 3}, ("wgmma_ws", 1))):
+        sp = Conv2dPlan(xs, wsh, "float16", "NHWC", 1, 1, config=cfg, device=None).spec()
+        assert (sp.math, sp.splits) == want, (cfg, sp.name())
     monkeypatch.setenv("IGEMM_REG_EPI", "0")
     assert choose_config(_pb(K=256, epilogue=(("ReLU", True),))).store == "rows"
     monkeypatch.delenv("IGEMM_REG_EPI")

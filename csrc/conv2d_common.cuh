@@ -17,7 +17,9 @@ enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3 };
 // A (NHWC, C % 64 == 0) and a tiled one for B, completing on an mbarrier (conv2d_sm90.cuh).
 // kLoadTmaC8: the A side of kLoadTma for 8-channel inputs (16-bit C padded to 8): a k-tile is 8 taps, one
 // im2col copy each, into 8 BM × 16-byte regions (the wgmma no-swizzle K-major layout).
-enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3 };
+// kLoadPatch (sm_90a wgmma, few-channel NHWC x, with kLoadVec B): the CTA's input patch arrives once by TMA
+// and each A k-tile is built from it in shared memory -- the width unfold on the fly (conv2d_patch.cuh).
+enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3, kLoadPatch = 4 };
 // kStoreRegs (sm_90a wgmma, NHWC output, no split-K): the chain runs on the accumulators in
 // registers and a 16-bit C tile leaves shared memory in 16-byte vectors (conv2d_sm90.cuh, epilogue_regs).
 enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2, kStoreRegs = 3 };
@@ -62,6 +64,8 @@ struct Config {
   static_assert(kTma == (LoadB_ == kLoadTma) && (!kTma || (kIsWgmma && Layout_ == kNHWC)),
                 "TMA loads: both operands, wgmma, NHWC");
   static_assert(Math_ != kWgmmaWs || (LoadA_ == kLoadTma && BM == 64), "the persistent kernel: TMA loads, 64-row tiles");
+  static_assert(LoadA_ != kLoadPatch || (Math_ == kWgmma && Layout_ == kNHWC && LoadB_ == kLoadVec),
+                "patch loads: the per-tile wgmma kernel, NHWC x, a gathered filter");
   static_assert(!kIsWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),
                 "wgmma: 16-bit operands, 128-byte K rows (SW128), 64-row warpgroups, BN in {64,128,192,256}");
 };

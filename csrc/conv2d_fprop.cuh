@@ -2,6 +2,7 @@
 //   conv2d_common.cuh   configuration, index mapping (magic-number division), the cp.async gather loader
 //   conv2d_sm80.cuh     mma.sync tensor-op and strict-fp32 SIMT mainloops (sm_80+)
 //   conv2d_sm90.cuh     the wgmma mainloops (sm_90a): cp.async gather, or TMA (im2col-mode A, tiled B)
+//   conv2d_patch.cuh    the wgmma mainloop for few-channel inputs: A built from a TMA-loaded input patch
 //   conv2d_epilogue.cuh split-K reduction and the store phase (epilogue chain, ReLU mask)
 // The im2col matrix is never materialised: each CTA gathers BM × BK tiles of it (and BN × BK tiles of
 // the filter) into `Stages` shared-memory buffers with cp.async while earlier stages are multiplied.
@@ -38,6 +39,7 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
   } else {
 #if defined(IGEMM_WGMMA)
     if constexpr (Cfg::kTma) mainloop_wgmma_tma<Cfg>(p, smem, m0, n0, kt0, kt1);
+    else if constexpr (Cfg::LoadA == kLoadPatch) mainloop_wgmma_patch<Cfg>(p, smem, m0, n0, kt0, kt1);
     else mainloop_wgmma<Cfg>(p, smem, m0, n0, kt0, kt1);
 #else
     static_assert(Cfg::kMath != kWgmma, "the wgmma mainloop needs IGEMM_WGMMA (sm_90a)");

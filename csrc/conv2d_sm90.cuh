@@ -602,3 +602,5 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
 }
 
 }  // namespace igemm::conv
+
+#include "conv2d_patch.cuh"

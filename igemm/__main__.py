@@ -105,10 +105,10 @@ def precompile(args) -> int:
                 if C * (4 if dtype == "float32" else 2) < 16:      # bench_conv's -elem configs: no unfold
                     paths.append(("auto", False))
                 for path, unfold in paths:                          # bench_conv times each
-                    spec = choose_config(kernel_setup(pb, path, None, unfold)[1], args.arch)
+                    spec = choose_config(kernel_setup(pb, path, None, unfold, args.arch)[1], args.arch)
                     specs[spec] = _stub(spec)
                     if spec.load_b == "tma":       # bench_conv's fp16-NHWC-gather times the cp.async gather too
-                        g = _override(spec, kernel_setup(pb, path, None, unfold)[1], {"load_a": "vec", "load_b": "vec"})
+                        g = _override(spec, kernel_setup(pb, path, None, unfold, args.arch)[1], {"load_a": "vec", "load_b": "vec"})
                         specs[g] = _stub(g)
     t0 = time.time()
     n = _build.compile_many(((spec.name(), stub) for spec, stub in specs.items()), args.arch, args.jobs)

@@ -13,7 +13,7 @@ from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
 __all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits",
            "nchw_path", "kernel_problem", "kernel_channels", "kernel_setup", "use_unfold", "store_for",
-           "regs_epilogue_ok"]
+           "regs_epilogue_ok", "patch_config", "patch_bytes", "patch_unsupported"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class ConvProblem:
     epilogue: tuple = ()  # Chain.signature()
     residual_dtype: str | None = None
     out_layout: str | None = None   # the output's layout when it differs from the input's (NCHW transpose path)
+    #: the patch loader's problem (csrc/conv2d_patch.cuh): x as given, the reduction over the width-unfolded
+    #: filter, R x roundup(S*C, 16 bytes) long (igemm/_unfold.py)
+    patch: bool = False
 
     @property
     def P(self) -> int:
@@ -49,6 +52,9 @@ class ConvProblem:
 
     @property
     def Kred(self) -> int:
+        if self.patch:
+            from ._unfold import unfold_channels
+            return self.R * unfold_channels(self.C, self.S, DTYPE_SIZES[self.dtype])
         return self.C * self.R * self.S
 
     @property
@@ -83,6 +89,7 @@ class KernelSpec:
     epilogue: tuple = ()      # C++ functor types, in order
     splits: int = 1           # split-K factor (a launch parameter, not a template argument)
     min_blocks: int = 1
+    patch_bytes: int = 0      # load_a "patch": the input patch's shared memory (problem-dependent, not in the code)
 
     @property
     def threads(self) -> int:
@@ -106,6 +113,8 @@ class KernelSpec:
             cs = self.bn * (self.bm + 4) * 4
         if self.persistent:                  # a stage ring and a C tile per consumer warpgroup
             return self.wm * (main + cs) + 1024
+        if self.load_a == "patch":           # two A buffers, B for the whole reduction, then the patch
+            main = (2 * self.bm + self.stages * self.bn) * self.bk * eb + self.patch_bytes
         return max(main, cs) + (1024 if self.math == "wgmma" else 128)
 
     def launch_smem(self, kt: int) -> int:
@@ -125,7 +134,7 @@ class KernelSpec:
     def static_smem(self) -> int:
         if self.persistent:                  # per consumer: channel vectors, full and empty barriers
             return self.wm * (3 * self.bn * 4 + 16 * self.stages)
-        return 3 * self.bn * 4 + 16 + (8 * self.stages if self.load_b == "tma" else 0)
+        return 3 * self.bn * 4 + 16 + (8 * self.stages if self.load_b == "tma" else 8 if self.load_a == "patch" else 0)
 
     def config_type(self) -> str:
         t = DTYPE_CTYPE[self.dtype]
@@ -148,7 +157,56 @@ class KernelSpec:
         return "#define IGEMM_WGMMA 1" if self.math in ("wgmma", "wgmma_ws") else ""
 
 
-_LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8"}
+_LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8", "patch": "kLoadPatch"}
+
+PATCH_BOX, PATCH_STEP = 128, 120       # csrc/conv2d_patch.cuh: kPatchBox, kPatchStep
+
+
+def patch_slots(pb: ConvProblem, bm: int) -> int:
+    """Box slots the patch of the worst BM-row tile takes (csrc/conv2d_patch.cuh: line 0 from its q0, full
+    lines, the last line), over every start q0 a tile can have."""
+    Q, sw, SC = pb.Q, pb.stride[1], pb.S * pb.C
+    def boxes(count):
+        return (((count - 1) * sw) * pb.C + SC - 1) // PATCH_STEP + 1
+    nbf = boxes(Q)
+    best = 0
+    for q0 in range(Q):
+        first = min(Q - q0, bm)
+        rest = bm - first
+        best = max(best, boxes(first) + (rest // Q) * nbf + (boxes(rest % Q) if rest % Q else 0))
+    return best
+
+
+def patch_bytes(pb: ConvProblem, bm: int) -> int:
+    """The patch's shared memory for BM-row tiles (+16 bytes: a chunk's last 4-byte load may pass the end)."""
+    return patch_slots(pb, bm) * pb.R * PATCH_BOX * 2 + 16
+
+
+PATCH_MAX_BYTES = 64 * 1024
+
+
+def patch_unsupported(pb: ConvProblem, arch: str) -> str | None:
+    """Why the patch loader (the width unfold in shared memory, csrc/conv2d_patch.cuh) cannot run ``pb``
+    (the user's problem; None: it can)."""
+    import os
+    from ._unfold import unfold_channels
+    if os.environ.get("IGEMM_PATCH", "1") == "0":
+        return "IGEMM_PATCH=0"
+    if not arch.startswith("sm_90"):
+        return "the patch loader is sm_90 code (TMA, wgmma)"
+    if pb.layout != "NHWC" or DTYPE_SIZES[pb.dtype] != 2:
+        return "the patch loader reads 16-bit NHWC x"
+    if pb.dilation != (1, 1):
+        return "the patch loader needs dilation 1"
+    if pb.W * pb.C * 2 % 16:
+        return "the patch's tensor map needs rows of x (W*C elements) in multiples of 16 bytes"
+    if pb.R > 256 or max(pb.N, pb.H, pb.W * pb.C) >= 2 ** 31 or pb.stride[1] * pb.C * 128 >= 2 ** 31:
+        return "tensor too large for the patch's tensor map"
+    if -(-pb.R * unfold_channels(pb.C, pb.S, 2) // 64) > 8:
+        return "the patch kernel keeps the whole filter tile resident: at most 8 k-tiles"
+    if patch_bytes(pb, 64) > PATCH_MAX_BYTES:
+        return "the patch of a tile would exceed 64 KB of shared memory"
+    return None
 
 
 def use_tma(pb: ConvProblem, arch: str, bm: int) -> bool:
@@ -290,10 +348,20 @@ def _unfold_fits(pb: ConvProblem) -> bool:
 
 
 def kernel_setup(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None,
-                 unfold: bool | None = None) -> tuple[str, ConvProblem]:
-    """(path, the kernel's problem) for a plan's problem and its options: path ``"unfold"``
-    (:func:`use_unfold`), else the NCHW path (:func:`nchw_path`; ``"native"`` for NHWC)."""
-    if use_unfold(pb, nchw, pad, unfold):
+                 unfold: bool | str | None = None, arch: str | None = None) -> tuple[str, ConvProblem]:
+    """(path, the kernel's problem) for a plan's problem and its options: the width unfold
+    (:func:`use_unfold`) as path ``"patch"`` (in shared memory: :func:`patch_unsupported`; ``arch`` given,
+    ``unfold`` not ``"copy"``) or ``"unfold"`` (copies of x and w), else the NCHW path (:func:`nchw_path`;
+    ``"native"`` for NHWC). ``unfold="patch"`` insists on the former."""
+    if unfold not in (None, True, False, "copy", "patch"):
+        raise ValueError(f"unfold: expected None, True, False, 'copy' or 'patch', got {unfold!r}")
+    if use_unfold(pb, nchw, pad, bool(unfold) if unfold is not None else None):
+        if unfold != "copy":
+            why = patch_unsupported(pb, arch) if arch else "no architecture given"
+            if why is None:
+                return "patch", dataclasses.replace(pb, patch=True)
+            if unfold == "patch":
+                raise NotImplementedError(f"unfold='patch': {why}")
         from ._unfold import unfolded_problem
         return "unfold", unfolded_problem(pb, DTYPE_SIZES[pb.dtype])
     path = nchw_path(pb, nchw, pad)
@@ -315,6 +383,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     eb = DTYPE_SIZES[pb.dtype]
     ce = 16 // eb
     M, K = pb.M, pb.K
+    if pb.patch:
+        return patch_config(pb, sms)
     if pb.dtype == "float32" and pb.precision == "strict":
         math, bm, bn, bk, wm, wn, stages = "simt", 128, 128, 8, 4, 2, 3
     elif eb == 2 and arch.startswith("sm_90"):
@@ -382,6 +452,20 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     return dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
 
 
+def patch_config(pb: ConvProblem, sms: int = 132, **kw) -> KernelSpec:
+    """The patch kernel for a patch problem: 128-row tiles (two warpgroups) when they give two waves, 64 or
+    128 columns, the whole filter tile resident (stages = k-tiles); ``kw`` overrides."""
+    kt = -(-pb.Kred // 64)
+    bm = 128 if 2 * -(-pb.M // 128) >= sms else 64
+    spec = KernelSpec(pb.dtype, pb.layout, "wgmma", bm, 64 if pb.K <= 64 else 128, 64, bm // 64, 1, max(kt, 2),
+                      "patch", "vec", "rows", 8, False, epilogue_functors(pb), 1)
+    spec = dataclasses.replace(spec, **kw)
+    store, vec_o, fuse = store_for(pb, "wgmma", spec.bn, 1, regs=kw.get("store", "regs") == "regs")
+    spec = dataclasses.replace(spec, wm=spec.bm // 64, store=store, vec_o=vec_o, fuse_mask=fuse,
+                               patch_bytes=patch_bytes(pb, spec.bm))
+    return dataclasses.replace(spec, min_blocks=kw.get("min_blocks", min_blocks_for(spec)))
+
+
 def min_blocks_for(spec: KernelSpec) -> int:
     """The register cap (``__launch_bounds__`` min blocks) of a spec: single-warpgroup wgmma tiles get 3
     CTAs per SM, 4 where shared memory holds 4 and the accumulators are at most 64 registers a thread
@@ -398,6 +482,14 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
     """Valid alternatives to ``choose_config`` for autotuning (tile shape, stages, split-K)."""
     base = choose_config(pb, arch, sms=sms)
     out = [base]
+    if base.load_a == "patch":              # tile shapes and both store phases of the patch kernel
+        for bm in (64, 128, 256):
+            for bn in (64, 128):
+                for store in ("regs", "rows"):
+                    spec = patch_config(pb, sms, bm=bm, bn=bn, store=store)
+                    if spec not in out and validate_spec(spec, pb, raise_=False):
+                        out.append(spec)
+        return out
     # the alternatives derive from the per-tile kernel (the persistent one, when it is the choice, has no
     # tile, stage or split-K variants of its own)
     tile = base if not base.persistent else dataclasses.replace(base, math="wgmma", wm=base.bm // 64)
@@ -469,6 +561,11 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "the persistent kernel: TMA loads, two consumer warpgroups of 64-row tiles, no split-K"
     elif spec.load_b == "tma" and (no_tma := tma_unsupported(pb, spec.bm)):
         why = no_tma
+    elif (spec.load_a == "patch") != pb.patch:
+        why = "patch loads are the patch problem's, and only its"
+    elif spec.load_a == "patch" and (spec.math != "wgmma" or spec.load_b != "vec" or spec.splits != 1
+                                     or spec.stages < -(-pb.Kred // spec.bk) or spec.patch_bytes < patch_bytes(pb, spec.bm)):
+        why = "the patch kernel: per-tile wgmma, gathered filter, no split-K, stages >= k-tiles, its patch's smem"
     elif spec.load_a == "vec" and not (pb.layout == "NHWC" and pb.C % ce == 0):
         why = "16-byte activation loads need NHWC and C % %d == 0" % ce
     elif spec.load_b == "vec" and pb.Kred % ce:

@@ -15,7 +15,7 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["tma_kind", "tma_unsupported", "MapTemplate", "ConvMaps"]
+__all__ = ["tma_kind", "tma_unsupported", "MapTemplate", "ConvMaps", "PatchMap"]
 
 BK = 64            # channels per copy: 128 bytes of a 16-bit type (the SW128 row)
 
@@ -128,6 +128,31 @@ class MapTemplate:
                 self._cache.clear()
             m = self._cache[addr] = np.frombuffer(self._encode(addr), dtype=np.uint64).copy()
         u64[slot:slot + 16] = m
+
+
+def _encode_patch(pb, addr: int) -> bytes:
+    """The patch loader's map (csrc/conv2d_patch.cuh): x NHWC as [N][H][W*C], boxes of {128 elements, R rows,
+    1 image}, no swizzle; zero fill outside x is the conv's padding."""
+    from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
+    from ._heuristics import PATCH_BOX
+    wc = pb.W * pb.C
+    return _encode(pb, "Tiled", (3, addr, [u64(wc), u64(pb.H), u64(pb.N)], [u64(wc * 2), u64(pb.H * wc * 2)],
+                                 [u32(PATCH_BOX), u32(pb.R), u32(1)], [u32(1), u32(1), u32(1)]),
+                   "CU_TENSOR_MAP_L2_PROMOTION_L2_128B", "CU_TENSOR_MAP_SWIZZLE_NONE")
+
+
+class PatchMap:
+    """The patch kernel's one map (x), with :class:`ConvMaps`' interface (``patch`` stays None: each call
+    re-addresses it through its template)."""
+
+    __slots__ = ("a", "slot_a", "patch")
+
+    def __init__(self, kproblem, slot_a: int):
+        self.a = MapTemplate(lambda addr: _encode_patch(kproblem, addr))
+        self.slot_a, self.patch = slot_a, None
+
+    def write(self, u64: np.ndarray, x: int, w: int, full: bool) -> None:
+        self.a.write(u64, self.slot_a, x, full)
 
 
 class ConvMaps:

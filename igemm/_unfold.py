@@ -119,10 +119,12 @@ class Unfolded:
 
     __slots__ = ("launcher", "args", "s0", "s1")
 
-    def __init__(self, device_id: int, jx: UnfoldJob, dst_x: int, jw: UnfoldJob, dst_w: int):
-        vals = {**jx.values(0, dst_x), **jw.values(1, dst_w), "blocks0": jx.blocks}
+    def __init__(self, device_id: int, jx: UnfoldJob | None, dst_x: int, jw: UnfoldJob, dst_w: int):
+        # jx None (the patch path: the kernel unfolds x itself): every block does w's job
+        nx = jx.blocks if jx is not None else 0
+        vals = {**(jx or jw).values(0, dst_x if jx is not None else dst_w), **jw.values(1, dst_w), "blocks0": nx}
         self.args = _kernel.pack_args(PARAMS, vals)
-        self.launcher = _launcher(jx.esize, device_id, jx.blocks + jw.blocks)
+        self.launcher = _launcher(jw.esize, device_id, nx + jw.blocks)
         self.s0, self.s1 = self.args.slots["src0"], self.args.slots["src1"]
 
     def __call__(self, stream: int, x: int, w: int) -> None:

@@ -144,6 +144,9 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
     bad = set(cfg) - {f.name for f in dataclasses.fields(KernelSpec)}
     if bad:
         raise ValueError(f"config: unknown fields {sorted(bad)}")
+    if spec.load_a == "patch" and cfg.get("load_a", "patch") == "patch":
+        from ._heuristics import patch_config        # (the patch kernel re-derives its store and patch size)
+        return patch_config(pb, 132, **{k: v for k, v in cfg.items() if k != "load_a"})
     spec = dataclasses.replace(spec, **cfg)
     if spec.load_b == "tma" and (not spec.math.startswith("wgmma") or "load_b" in cfg and cfg["load_b"] != "tma"
                                  or "load_a" in cfg and not cfg["load_a"].startswith("tma")):
@@ -272,11 +275,14 @@ class Conv2dPlan:
             to 8 zero channels (one extra kernel, plan-owned scratch; on the transpose path for NCHW), so
             the gather uses 16-byte loads. Off by default: on an H200 the padded conv1 measured slower
             than the element gather (notes/perf.md).
-        unfold: run on copies of x and w unfolded along the width (``igemm/_unfold.py``): C channels and
-            an R x S filter become C' = S*C (rounded up to 16 bytes) channels and an R x 1 filter, so the
-            gather uses 16-byte loads and the reduction is R*C' (conv1: 168, against 392 padded). ``None``
-            (default): on for pixels under 16 bytes (C * element size < 16, conv1's C = 3) with S > 1,
-            either layout (y is still stored in ``layout``); ``False``: the element gather.
+        unfold: the width unfold (``igemm/_unfold.py``): C channels and an R x S filter become C' = S*C
+            (rounded up to 16 bytes) channels and an R x 1 filter, so A is moved 16 bytes at a time and the
+            reduction is R*C' (conv1: 168, against 392 padded). On sm_90, 16-bit NHWC (dilation 1) it runs in
+            shared memory: each CTA loads its input patch once by TMA and builds its A tiles from it
+            (``csrc/conv2d_patch.cuh``; only w is copied); elsewhere on copies of x and w made by one extra
+            kernel. ``None`` (default): on for pixels under 16 bytes (C * element size < 16, conv1's C = 3)
+            with S > 1, either layout (y is still stored in ``layout``); ``True``: on; ``"copy"`` / ``"patch"``:
+            on, that way; ``False``: the element gather.
 
     Example::
 
@@ -288,7 +294,7 @@ class Conv2dPlan:
     def __init__(self, x_shape, w_shape, dtype: str, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None,
                  device: int | None = 0, config=None, nchw_path: str = "auto", pad_channels: bool | None = None,
-                 unfold: bool | None = None, _skeleton: bool = False):
+                 unfold: bool | str | None = None, _skeleton: bool = False):
         dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
@@ -314,9 +320,12 @@ class Conv2dPlan:
         #: "native" or "transpose" (NCHW), "unfold" (either layout); the kernel runs ``kproblem`` (NHWC in,
         #: ``layout`` out on the latter two)
         self._path_options = dict(nchw_path=nchw_path, pad_channels=pad_channels, unfold=unfold)   # (autotune)
-        self.nchw_path, self.kproblem = kernel_setup(pb, nchw_path, pad_channels, unfold)
+        self.arch = _runtime.device_arch(device) if device is not None else "sm_90a"
+        #: "patch" (the width unfold in shared memory): the kernel problem is ``pb`` with the unfolded filter's
+        #: reduction (``ConvProblem.patch``), and only w is copied
+        self.nchw_path, self.kproblem = kernel_setup(pb, nchw_path, pad_channels, unfold, self.arch)
         kp = self.kproblem
-        unf = self.nchw_path == "unfold"
+        unf = self.nchw_path in ("unfold", "patch")
         #: the kernel reads prepared copies of x (and of w unless ``_w_in_place``) made by one extra kernel
         self._prep = unf or kp.layout != pb.layout or kp.C != pb.C
         self._w_in_place = not unf and kp.C == pb.C and (pb.layout == "NHWC" or R * S == 1)
@@ -335,7 +344,7 @@ class Conv2dPlan:
         self._specs: dict = {}
         self._folded = _Folded(self.chain, K, device) if not _skeleton else _Folded(_as_epilogue(None), K, None)
         self._config = config
-        self.arch = _runtime.device_arch(device) if device is not None else "sm_90a"
+        self._copy = None                # a patch plan's twin on the copy path, for a misaligned x (built on use)
         self.sms = _runtime.device_props(device).multiprocessor_count if device is not None else 132
         self._fast = None
         self._ktab = None
@@ -417,6 +426,9 @@ class Conv2dPlan:
             if spec.load_b == "tma":
                 from ._tma import ConvMaps
                 self._maps[l[0]] = ConvMaps(self.kproblem, spec, self._slot["tmA"], self._slot["tmB"])
+            elif spec.load_a == "patch":
+                from ._tma import PatchMap
+                self._maps[l[0]] = PatchMap(self.kproblem, self._slot["tmA"])
             self._specs[key] = l
         return l
 
@@ -426,12 +438,16 @@ class Conv2dPlan:
         from ._transpose import Prepared, TransposeJob
         pb, Ck = self.problem, self.kproblem.C
         es = DTYPE_SIZES[self.dtype]
-        if self.nchw_path == "unfold":          # x -> [N][H][Q][C'], w -> [K][R][1][C'] (igemm/_unfold.py)
-            from ._unfold import Unfolded, UnfoldJob
+        if self.nchw_path in ("unfold", "patch"):  # x -> [N][H][Q][C'] (copy path), w -> [K][R][1][C'] (igemm/_unfold.py)
+            from ._unfold import Unfolded, UnfoldJob, unfold_channels
             kp = self.kproblem
-            xs = _runtime.DeviceArray((kp.N, kp.H, kp.W, Ck), self.dtype, self.device_id)
-            ws = _runtime.DeviceArray((kp.K, kp.R, 1, Ck), self.dtype, self.device_id)
-            prep = Unfolded(self.device_id, UnfoldJob.for_x(pb, es), xs.ptr, UnfoldJob.for_w(pb, es), ws.ptr)
+            cu = unfold_channels(pb.C, pb.S, es)
+            xs = None
+            if self.nchw_path == "unfold":
+                xs = _runtime.DeviceArray((kp.N, kp.H, kp.W, Ck), self.dtype, self.device_id)
+            ws = _runtime.DeviceArray((kp.K, kp.R, 1, cu), self.dtype, self.device_id)
+            prep = Unfolded(self.device_id, UnfoldJob.for_x(pb, es) if xs is not None else None,
+                            xs.ptr if xs is not None else 0, UnfoldJob.for_w(pb, es), ws.ptr)
             self._xpose = (prep, xs, ws)
             return
         if pb.layout == "NCHW":
@@ -508,6 +524,9 @@ class Conv2dPlan:
         if ctx.device_id != self.device_id:
             raise ValueError(f"tensors are on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
         dx, dw = ctx.device_view("x"), ctx.device_view("w")
+        if dx.ptr % 16 and self.nchw_path == "patch":
+            return self._copy_plan()(x, w, out=out, residual=residual, mask_out=mask_out, stream=stream,
+                                     _folded=_folded or self._folded)
         launcher, spec, ws = self._launcher(dx.ptr % 16 == 0, dw.ptr % 16 == 0)
         if out is None:
             y_obj, dy = ctx.empty(self.y_shape, self.dtype)
@@ -542,7 +561,8 @@ class Conv2dPlan:
             if self._xpose is not None:        # NCHW transpose path: x (and w) into the plan's scratch
                 prep, xs, wsc = self._xpose
                 prep(stream, x, w)
-                x = xs.ptr
+                if xs is not None:
+                    x = xs.ptr
                 if wsc is not None:
                     w = wsc.ptr
             a = self._args
@@ -580,6 +600,17 @@ class Conv2dPlan:
         if mask and not spec.fuse_mask:
             from .relu import launch_mask
             launch_mask(self.device_id, _runtime.RawStream(stream), self.dtype, y, mask, self.numel_y)
+
+    def _copy_plan(self) -> "Conv2dPlan":
+        """This plan on the copy path (``unfold="copy"``): a patch plan's kernel reads x through a tensor map,
+        which needs a 16-byte aligned address; calls with another x run here, with this plan's folded
+        epilogue vectors."""
+        if self._copy is None:
+            pb = self.problem
+            self._copy = Conv2dPlan(self.x_shape, self.w_shape, self.dtype, self.layout, pb.stride, pb.padding,
+                                    pb.dilation, epilogue=self.chain, residual_dtype=pb.residual_dtype,
+                                    device=self.device_id, unfold="copy")
+        return self._copy
 
     def _setup_fast(self) -> None:
         """The torch fast path: what a call checks, precomputed (anything unusual takes the general path,
@@ -621,6 +652,8 @@ class Conv2dPlan:
             if rp % 16:
                 return None
         xp, wp = x.data_ptr(), w.data_ptr()
+        if xp % 16 and self.nchw_path == "patch":
+            return None                        # (the general path hands it to the copy plan)
         if out is None:
             out = torch_empty(ys, tdt, dev)
             yp = out.data_ptr()
@@ -686,6 +719,8 @@ class Conv2dPlan:
         path = f", nchw_path={self.nchw_path!r}" if self.nchw_path == "transpose" else ""
         if self.nchw_path == "unfold":
             path += f", unfolded to {self.kproblem.C} channels"
+        elif self.nchw_path == "patch":
+            path += f", unfolded to {self.kproblem.Kred // self.kproblem.R} channels in shared memory"
         elif self.kproblem.C != pb.C:
             path += f", channels padded to {self.kproblem.C}"
         return (f"Conv2dPlan(x={self.x_shape}, w={self.w_shape}, {self.dtype}, {self.layout}, stride={pb.stride}, "

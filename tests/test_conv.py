@@ -401,7 +401,8 @@ def test_unfold_choice_and_geometry(layout, rng):
     big = kernel_setup(_pb(N=32, C=3, R=7, S=7, H=224, W=224, K=64, stride=(2, 2), padding=(3, 3)))[1]
     assert (choose_config(big).bm, choose_config(big).wm) == (128, 2)                  # conv1, N=32
     plan = Conv2dPlan((2, 3, 30, 30) if layout == "NCHW" else (2, 30, 30, 3),
-                      (64, 3, 7, 7) if layout == "NCHW" else (64, 7, 7, 3), "float16", layout, 2, 3, device=None)
+                      (64, 3, 7, 7) if layout == "NCHW" else (64, 7, 7, 3), "float16", layout, 2, 3, device=None,
+                      unfold="copy")
     assert plan.nchw_path == "unfold" and "unfolded to 24" in repr(plan)
     assert plan.spec(x_aligned=False, w_aligned=False).load_a == "vec"                # reads its own copies
     for _ in range(12):
@@ -421,6 +422,103 @@ def test_unfold_choice_and_geometry(layout, rng):
         if layout == "NCHW":
             got = got.transpose(0, 3, 1, 2)
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(pb))
+
+
+def _patch_a_tiles(x: np.ndarray, pb, bm: int) -> np.ndarray:
+    """csrc/conv2d_patch.cuh in numpy, from its own index math: every tile's patch (boxes of x viewed as
+    [N][H][W*C], zero outside) in a NaN-poisoned region of the plan's size, then the A k-tiles built from it
+    (an 8-lane chunk: the kept lanes read at the chunk's element offset). Returns A, M x KT*64."""
+    from igemm._heuristics import PATCH_BOX as BOX, PATCH_STEP as STEP, patch_slots
+    N, H, W, C = x.shape
+    R, S, sw, pw, sh, ph = pb.R, pb.S, pb.stride[1], pb.padding[1], pb.stride[0], pb.padding[0]
+    P, Q, M, cu, sc = pb.P, pb.Q, pb.M, pb.Kred // pb.R, pb.S * pb.C
+    KT = -(-pb.Kred // 64)
+    xf = x.reshape(N, H, W * C)
+    elems = lambda count: ((count - 1) * sw + S) * C
+    boxes = lambda e: (e - 1) // STEP + 1
+    slots = patch_slots(pb, bm)
+    A = np.full((M, KT * 64), np.nan)
+    for m0 in range(0, M, bm):
+        g0, q0 = divmod(m0, Q)
+        gL, qL = divmod(min(m0 + bm, M) - 1, Q)
+        nb0, nbf = boxes(elems((qL + 1 if gL == g0 else Q) - q0)), boxes(elems(Q))
+        slot = lambda l: 0 if l == 0 else nb0 + (l - 1) * nbf
+        patch = np.full(slots * R * BOX + 8, np.nan)          # + 16 bytes (patch_bytes)
+        for g in range(g0, gL + 1):
+            qa, qb = (q0 if g == g0 else 0), (qL if g == gL else Q - 1)
+            n, p_ = divmod(g, P)
+            h, c0 = p_ * sh - ph, (qa * sw - pw) * C
+            for k in range(boxes(elems(qb - qa + 1))):
+                base = (slot(g - g0) + k) * R * BOX
+                assert base + R * BOX <= slots * R * BOX, "patch slots overflow"
+                hh = h + np.arange(R)[:, None]
+                cc = c0 + k * STEP + np.arange(BOX)[None, :]
+                ok = (hh >= 0) & (hh < H) & (cc >= 0) & (cc < W * C)
+                patch[base:base + R * BOX] = np.where(ok, xf[n, np.clip(hh, 0, H - 1), np.clip(cc, 0, W * C - 1)], 0).ravel()
+        for m in range(m0, min(m0 + bm, M)):
+            g, q = divmod(m, Q)
+            l = g - g0
+            jb, rb = (q - (q0 if l == 0 else 0)) * sw * C, slot(l) * R * BOX
+            for kk0 in range(0, KT * 64, 8):
+                r, lane0 = divmod(kk0, cu)
+                keep = max(0, min(8, sc - lane0)) if r < R else 0
+                A[m, kk0:kk0 + 8] = 0
+                if keep:
+                    e = jb + lane0
+                    bx = e // STEP
+                    idx = rb + bx * R * BOX + r * BOX + (e - bx * STEP)
+                    assert idx + 9 <= patch.size                  # the fifth 4-byte load stays inside
+                    A[m, kk0:kk0 + keep] = patch[idx:idx + keep]
+    return A
+
+
+def test_patch_loader_index_math(rng):
+    """The patch kernel's tiles, lines, box slots and chunk offsets (emulated in numpy, NaN-poisoned patch)
+    build exactly the im2col matrix of the width-unfolded problem, for random few-channel problems and both
+    tile heights; the slot count the plan reserves is never exceeded; the path choice."""
+    from igemm._heuristics import kernel_setup, patch_config, patch_unsupported, validate_spec
+    from igemm._unfold import UnfoldJob, unfolded_problem
+    conv1 = _pb(N=32, C=3, H=224, W=224, K=64, R=7, S=7, stride=(2, 2), padding=(3, 3))
+    path, kp = kernel_setup(conv1, arch="sm_90a")
+    assert (path, kp.patch, kp.Kred, kp.C, kp.W) == ("patch", True, 168, 3, 224)
+    spec = choose_config(kp)
+    assert (spec.load_a, spec.load_b, spec.bm, spec.stages, spec.splits, spec.store) == ("patch", "vec", 128, 3, 1, "regs")
+    assert spec.smem + spec.static_smem <= 75 * 1024                   # three CTAs an SM
+    assert kernel_setup(conv1)[0] == "unfold" and kernel_setup(conv1, arch="sm_80a")[0] == "unfold"
+    assert kernel_setup(conv1, unfold="copy", arch="sm_90a")[0] == "unfold"
+    assert kernel_setup(_pb(C=3, R=7, S=7, layout="NCHW"), arch="sm_90a")[0] == "unfold"
+    assert patch_unsupported(_pb(C=3, R=3, S=3, dilation=(1, 2)), "sm_90a")
+    with pytest.raises(NotImplementedError, match="patch"):
+        kernel_setup(_pb(C=3, R=7, S=7, layout="NCHW"), unfold="patch", arch="sm_90a")
+    with pytest.raises(NotImplementedError, match="patch kernel"):
+        validate_spec(patch_config(kp, splits=2), kp)
+    tested = 0
+    for i in range(10):
+        C, R, S = int(rng.integers(1, 8)), int(rng.integers(1, 8)), int(rng.integers(2, 8))
+        sw, pw = int(rng.integers(1, 4)), int(rng.integers(0, S))
+        W = 8 * int(rng.integers(1, 6))                                  # W*C*2 % 16 == 0
+        H, N = int(rng.integers(1, 12)), int(rng.integers(1, 3))
+        pb = _pb(N=N, C=C, H=H, W=W, K=8, R=R, S=S, stride=(int(rng.integers(1, 3)), sw),
+                 padding=(int(rng.integers(0, R)), pw))
+        if pb.P < 1 or pb.Q < 1 or C * 2 >= 16:
+            continue
+        path, kp = kernel_setup(pb, unfold=True, arch="sm_90a")
+        assert path == "patch", patch_unsupported(pb, "sm_90a")
+        x = rng.standard_normal((N, H, W, C))
+        up = unfolded_problem(pb, 2)
+        xu = _unfold_numpy(x, UnfoldJob.for_x(pb, 2)).reshape(up.N, up.H, up.W, up.C)
+        # the unfolded problem's im2col: row m = (n, p, q), column r*C' + lane
+        n_, p_, q_ = np.unravel_index(np.arange(pb.M), (N, pb.P, pb.Q))
+        want = np.zeros((pb.M, -(-kp.Kred // 64) * 64))
+        for r in range(R):
+            h = p_ * pb.stride[0] - pb.padding[0] + r
+            ok = (h >= 0) & (h < H)
+            want[:, r * up.C:(r + 1) * up.C] = np.where(ok[:, None], xu[n_, np.clip(h, 0, H - 1), q_], 0)
+        for bm in (64, 128):
+            got = _patch_a_tiles(x, kp, bm)
+            np.testing.assert_array_equal(got, want, err_msg=f"{pb} bm={bm}")
+        tested += 1
+    assert tested >= 5
 
 
 def test_plan_limits():
@@ -472,11 +570,15 @@ def test_persistent_and_tma8_kernels_compile(tmp_path, monkeypatch):
     assert ws and all(validate_spec(c, pb) and c.threads == 288 and c.splits == 1 for c in ws)
     c8pb = _pb(C=8, R=7, S=7, stride=(2, 2), padding=(3, 3), epilogue=(("ReLU", True),))
     t8 = [c for c in candidates(c8pb) if c.load_a == "tma8"]          # and the 8-tap TMA candidate
-    for spec in (ws[-1], t8[0]):
+    from igemm._heuristics import kernel_setup                          # and the patch kernel (conv1 + BN+ReLU+mask)
+    patch = choose_config(kernel_setup(_pb(C=3, R=7, S=7, stride=(2, 2), padding=(3, 3), K=64,
+                                           epilogue=(("BatchNorm",), ("ReLU", True))), arch="sm_90a")[1])
+    assert patch.load_a == "patch"
+    for spec in (ws[-1], t8[0], patch):
         cubin, _ = _build.compile_cubin(_stub(spec), "sm_90a", name=spec.name())
         assert cubin[:4] == b"\x7fELF"
     for log in tmp_path.glob("*.log"):
-        assert " 0 bytes spill stores" in log.read_text()
+        assert " 0 bytes spill stores" in log.read_text() and "C7514" not in log.read_text()
 
 
 @pytest.mark.compile
@@ -971,7 +1073,7 @@ def test_gpu_unfold(dtype, precision, layout, rng):
         x = xb[8 - xoff:8 - xoff + x64.size].view(x64.shape)
         w = to_torch(w64, dtype)
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
-        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=True)
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold="copy")
         assert plan.nchw_path == "unfold" and plan.spec().load_a == "vec", plan
         for _ in range(2):
             y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
@@ -980,12 +1082,57 @@ def test_gpu_unfold(dtype, precision, layout, rng):
         y0 = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=False)(x, w)
         assert rel_err(to_numpy(y0), to_numpy(y)) <= 2 * tol
         (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], layout, dtype)
-        fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=True,
+        fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold="copy",
                            epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
         mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
         y, m = fused(x, w, residual=res, mask_out=mo, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
         assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= tol, f"fused {layout} {xs}"
         assert torch.equal(m, igemm.relu_mask(y))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_patch(dtype, rng):
+    """The width unfold in shared memory (the patch kernel, NHWC) against the float64 reference: conv1-like
+    7x7/2; many lines a tile (Q = 16, 7); a box wider than x's row (W*C < 128); K tails (40, 70: the fp32 C
+    tile's store); C = 1; R > H; a tile across images; plain and BN+Add+ReLU(mask), y and mask poisoned;
+    the copy path's result (bitwise where the tile is the same); a misaligned x (the copy plan)."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    for xs, ws, st, pd in [((2, 37, 48, 3), (16, 7, 7, 3), 2, 3),
+                           ((3, 12, 16, 4), (40, 3, 5, 4), 1, (1, 2)),
+                           ((2, 20, 40, 2), (70, 3, 4, 2), (1, 3), (0, 1)),
+                           ((2, 30, 64, 1), (24, 5, 7, 1), 2, 2),
+                           ((1, 2, 40, 3), (8, 3, 3, 3), 1, 1),
+                           ((5, 7, 8, 6), (64, 3, 3, 6), 1, 1)]:
+        x64 = rng.standard_normal(xs)
+        w64 = rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))
+        x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NHWC")
+        plan = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, pd)
+        assert plan.nchw_path == "patch" and plan.spec().load_a == "patch", plan
+        copy = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, pd, unfold="copy")
+        for _ in range(2):
+            y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+            err = rel_err(to_numpy(y), ref)
+            assert err <= TOL[dtype], f"{xs} {ws}: {plan.spec().name()} {err}"
+        yc = copy(x, w)
+        if (plan.spec().bm, plan.spec().bn, plan.spec().store) == (copy.spec().bm, copy.spec().bn, copy.spec().store):
+            assert torch.equal(y, yc), f"patch vs copy {xs} {ws}"          # the same tile and reduction order
+        assert rel_err(to_numpy(yc), to_numpy(y)) <= TOL[dtype]
+        xb = to_torch(np.concatenate([np.zeros(8), x64.ravel()]), dtype)
+        xm = xb[7:7 + x64.size].view(x64.shape)                     # 2 bytes past a 16-byte boundary
+        assert rel_err(to_numpy(plan(xm, w)), ref) <= TOL[dtype]
+        (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], "NHWC", dtype)
+        fused = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, pd,
+                           epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+        assert fused.spec().load_a == "patch"
+        mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
+        y, m = fused(x, w, residual=res, mask_out=mo, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+        assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= TOL[dtype], f"fused {xs} {ws}"
+        assert torch.equal(m, igemm.relu_mask(y))
+        ym, mm = fused(xm, w, residual=res)
+        assert torch.equal(ym, y) and torch.equal(mm, m), f"fused, misaligned x {xs}"
 
 
 @pytest.mark.gpu
@@ -995,7 +1142,7 @@ def test_gpu_unfold_in_graph_and_function(rng):
     x = torch.randn(2, 64, 64, 3, device="cuda", dtype=torch.float16)
     w = torch.randn(64, 7, 7, 3, device="cuda", dtype=torch.float16) / 12
     plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", 2, 3)
-    assert plan.nchw_path == "unfold"
+    assert plan.nchw_path == "patch"                   # (sm_90; two launches: w's unfold, the conv)
     y = torch.empty(2, 32, 32, 64, device="cuda", dtype=torch.float16)
     _replay_in_graph(torch, plan, x, w, y, 12, lambda: reference.conv2d_direct(to_numpy(x), to_numpy(w), 2, 3, 1, "NHWC"))
     yf = igemm.conv2d(x, w, 2, 3, layout="NHWC")

@@ -45,7 +45,7 @@ def main(argv=None):
             pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
                              precision if dtype == "float32" else "tensorop", chain.signature())
             # the kernel's own problem (NCHW: the transpose path's NHWC-in/NCHW-out kernel where it applies)
-            work.append((cfg, name, pb, candidates(kernel_setup(pb)[1], args.arch)))
+            work.append((cfg, name, pb, candidates(kernel_setup(pb, arch=args.arch)[1], args.arch)))
     specs = {s: _stub(s) for _, _, _, cs in work for s in cs}
     print(f"{len(specs)} distinct kernels", flush=True)
 

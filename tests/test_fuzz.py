@@ -309,7 +309,8 @@ def gen_conv_case(D, item) -> ConvCase:
     C, R, S = D.pick(MAINLOOP[ml])
     if layout == "NHWC":
         K = D.pick(NHWC_K[store])
-        P, Q = D.int(1, 8), D.int(1, 8)
+        # (patch cells: few pixels a line would put too many lines' patches in one tile's shared memory)
+        P, Q = D.int(1, 8), (D.int(1, 8) if ml != "patch" else D.int(6, 12))
     else:
         K = D.pick(NCHW_K_TF32 if precision == "tf32" else NCHW_K)
         P, Q = D.pick(NCHW_PQ[store])

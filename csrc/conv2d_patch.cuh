@@ -26,6 +26,7 @@ namespace igemm::conv {
 
 constexpr int kPatchBox = 128;                 // elements in a box row (256 bytes)
 constexpr int kPatchStep = kPatchBox - 8;      // box k covers [k·kPatchStep, k·kPatchStep + kPatchBox)
+constexpr int kPatchAlign = 8;                 // box starts: whole 16 bytes of x (a line's first box starts up to 7 early)
 
 IGEMM_DEVICE int patch_boxes(int elems) { return (elems - 1) / kPatchStep + 1; }
 
@@ -40,6 +41,10 @@ IGEMM_DEVICE void tma_load_3d(void* dst, const void* map, uint64_t* bar, int c0,
 
 // Barrier 1 + wg over warpgroup wg's 128 threads (immediate ids: ptxas then reserves WM + 1 barriers, not 16)
 IGEMM_DEVICE void warpgroup_sync(int wg) {
+#if defined(IGEMM_PATCH_NO_NAMED)
+  __syncthreads();
+  return;
+#endif
   switch (wg) {
     case 0: asm volatile("bar.sync 1, 128;\n" ::: "memory"); break;
     case 1: asm volatile("bar.sync 2, 128;\n" ::: "memory"); break;
@@ -50,7 +55,7 @@ IGEMM_DEVICE void warpgroup_sync(int wg) {
 
 // The tile's output lines g0 .. gL (g = n·P + p = m / Q): the first starts at q0, the last ends at qL.
 struct PatchTile {
-  int g0, q0, gL, qL, nb0, nbf;
+  int g0, q0, gL, qL, nb0, nbf, a0, af;     // a0/af: line 0's / the other lines' box-start misalignment (elements)
   IGEMM_DEVICE int slot(int l) const { return l == 0 ? 0 : nb0 + (l - 1) * nbf; }
 };
 
@@ -59,8 +64,10 @@ IGEMM_DEVICE PatchTile patch_tile(const P& p, int m0) {
   PatchTile t;
   p.fd_Q.divmod(t.g0, t.q0, m0);
   p.fd_Q.divmod(t.gL, t.qL, min(m0 + Cfg::BM, p.M) - 1);
-  t.nb0 = patch_boxes(patch_line_elems(p, (t.gL == t.g0 ? t.qL + 1 : p.Q) - t.q0));
-  t.nbf = patch_boxes(patch_line_elems(p, p.Q));
+  t.a0 = ((t.q0 * p.sw - p.pw) * p.C) & (kPatchAlign - 1);
+  t.af = (-p.pw * p.C) & (kPatchAlign - 1);
+  t.nb0 = patch_boxes(patch_line_elems(p, (t.gL == t.g0 ? t.qL + 1 : p.Q) - t.q0) + t.a0);
+  t.nbf = patch_boxes(patch_line_elems(p, p.Q) + t.af);
   return t;
 }
 
@@ -71,16 +78,17 @@ IGEMM_DEVICE void patch_issue(const P& p, const PatchTile& t, uint16_t* patch, u
   int boxes = 0;
   for (int g = t.g0; g <= t.gL; ++g) {
     const int qa = g == t.g0 ? t.q0 : 0, qb = g == t.gL ? t.qL : p.Q - 1;
-    boxes += patch_boxes(patch_line_elems(p, qb - qa + 1));
+    boxes += patch_boxes(patch_line_elems(p, qb - qa + 1) + (g == t.g0 ? t.a0 : t.af));
   }
   mbar_expect_tx(bar, uint32_t(boxes * slot_elems * 2));
   for (int g = t.g0; g <= t.gL; ++g) {
     const int qa = g == t.g0 ? t.q0 : 0, qb = g == t.gL ? t.qL : p.Q - 1;
-    const int nb = patch_boxes(patch_line_elems(p, qb - qa + 1));
+    const int a = g == t.g0 ? t.a0 : t.af;
+    const int nb = patch_boxes(patch_line_elems(p, qb - qa + 1) + a);
     int n, pq;
     p.fd_PQ.divmod(n, pq, g * p.Q);
     const int h = (g - n * p.P) * p.sh - p.ph;
-    const int c0 = (qa * p.sw - p.pw) * p.C;
+    const int c0 = (qa * p.sw - p.pw) * p.C - a;      // a multiple of 8 elements
     uint16_t* dst = patch + t.slot(g - t.g0) * slot_elems;
     for (int k = 0; k < nb; ++k) tma_load_3d(dst + k * slot_elems, p.tmA, bar, c0 + k * kPatchStep, h, n);
   }
@@ -106,7 +114,11 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
     mbar_init(&bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(p.tmA) : "memory");
+#if defined(IGEMM_PATCH_NO_TMA)
+    mbar_expect_tx(&bar, 0);
+#else
     patch_issue(p, pt, patch, &bar);
+#endif
   }
   // B: the reduction's whole filter tile, SW128-swizzled like the gather loader's, one cp.async group
   const T* w = static_cast<const T*>(p.w);
@@ -131,7 +143,7 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
     p.fd_Q.divmod(g, q, m);
     const int l = g - pt.g0;
     rbase[i] = m < p.M ? pt.slot(l) * slot_elems : -1;
-    rjb[i] = (q - (l == 0 ? pt.q0 : 0)) * p.sw * p.C;
+    rjb[i] = (q - (l == 0 ? pt.q0 : 0)) * p.sw * p.C + (l == 0 ? pt.a0 : pt.af);
   }
   const int cu = p.Kred / p.R, sc = p.S * p.C;
   const uint32_t* pw32 = reinterpret_cast<const uint32_t*>(patch);
@@ -178,7 +190,9 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
   // been read) → build k-tile i+1 into it, publish to this warpgroup.
   for (int it = 0; it < KT; ++it) {
     const int buf = it & 1;
+#if !defined(IGEMM_PATCH_NO_WGMMA)
     wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * A_STAGE), desc_sw128(sB_u + it * B_STAGE), acc);
+#endif
     if (it + 1 < KT) {
       cute::warpgroup_wait<1>();
 #pragma unroll

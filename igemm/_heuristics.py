@@ -159,21 +159,23 @@ class KernelSpec:
 
 _LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8", "patch": "kLoadPatch"}
 
-PATCH_BOX, PATCH_STEP = 128, 120       # csrc/conv2d_patch.cuh: kPatchBox, kPatchStep
+PATCH_BOX, PATCH_STEP, PATCH_ALIGN = 128, 120, 8      # csrc/conv2d_patch.cuh: kPatchBox, kPatchStep, kPatchAlign
 
 
 def patch_slots(pb: ConvProblem, bm: int) -> int:
     """Box slots the patch of the worst BM-row tile takes (csrc/conv2d_patch.cuh: line 0 from its q0, full
     lines, the last line), over every start q0 a tile can have."""
-    Q, sw, SC = pb.Q, pb.stride[1], pb.S * pb.C
-    def boxes(count):
-        return (((count - 1) * sw) * pb.C + SC - 1) // PATCH_STEP + 1
-    nbf = boxes(Q)
+    Q, sw, SC, C = pb.Q, pb.stride[1], pb.S * pb.C, pb.C
+    def boxes(count, a):        # a line's boxes; its first box starts a (0..7) elements early (16-byte starts)
+        return ((count - 1) * sw * C + SC + a - 1) // PATCH_STEP + 1
+    af = (-pb.padding[1] * C) % PATCH_ALIGN
+    nbf = boxes(Q, af)
     best = 0
     for q0 in range(Q):
         first = min(Q - q0, bm)
         rest = bm - first
-        best = max(best, boxes(first) + (rest // Q) * nbf + (boxes(rest % Q) if rest % Q else 0))
+        best = max(best, boxes(first, (q0 * sw - pb.padding[1]) * C % PATCH_ALIGN) + (rest // Q) * nbf
+                   + (boxes(rest % Q, af) if rest % Q else 0))
     return best
 
 

@@ -428,7 +428,7 @@ def _patch_a_tiles(x: np.ndarray, pb, bm: int) -> np.ndarray:
     """csrc/conv2d_patch.cuh in numpy, from its own index math: every tile's patch (boxes of x viewed as
     [N][H][W*C], zero outside) in a NaN-poisoned region of the plan's size, then the A k-tiles built from it
     (an 8-lane chunk: the kept lanes read at the chunk's element offset). Returns A, M x KT*64."""
-    from igemm._heuristics import PATCH_BOX as BOX, PATCH_STEP as STEP, patch_slots
+    from igemm._heuristics import PATCH_ALIGN as AL, PATCH_BOX as BOX, PATCH_STEP as STEP, patch_slots
     N, H, W, C = x.shape
     R, S, sw, pw, sh, ph = pb.R, pb.S, pb.stride[1], pb.padding[1], pb.stride[0], pb.padding[0]
     P, Q, M, cu, sc = pb.P, pb.Q, pb.M, pb.Kred // pb.R, pb.S * pb.C
@@ -441,14 +441,17 @@ def _patch_a_tiles(x: np.ndarray, pb, bm: int) -> np.ndarray:
     for m0 in range(0, M, bm):
         g0, q0 = divmod(m0, Q)
         gL, qL = divmod(min(m0 + bm, M) - 1, Q)
-        nb0, nbf = boxes(elems((qL + 1 if gL == g0 else Q) - q0)), boxes(elems(Q))
+        a0, af = (q0 * sw - pw) * C % AL, (-pw * C) % AL                # box starts on 16-byte boundaries
+        nb0, nbf = boxes(elems((qL + 1 if gL == g0 else Q) - q0) + a0), boxes(elems(Q) + af)
         slot = lambda l: 0 if l == 0 else nb0 + (l - 1) * nbf
         patch = np.full(slots * R * BOX + 8, np.nan)          # + 16 bytes (patch_bytes)
         for g in range(g0, gL + 1):
             qa, qb = (q0 if g == g0 else 0), (qL if g == gL else Q - 1)
             n, p_ = divmod(g, P)
-            h, c0 = p_ * sh - ph, (qa * sw - pw) * C
-            for k in range(boxes(elems(qb - qa + 1))):
+            a = a0 if g == g0 else af
+            h, c0 = p_ * sh - ph, (qa * sw - pw) * C - a
+            assert c0 % AL == 0
+            for k in range(boxes(elems(qb - qa + 1) + a)):
                 base = (slot(g - g0) + k) * R * BOX
                 assert base + R * BOX <= slots * R * BOX, "patch slots overflow"
                 hh = h + np.arange(R)[:, None]
@@ -458,7 +461,7 @@ def _patch_a_tiles(x: np.ndarray, pb, bm: int) -> np.ndarray:
         for m in range(m0, min(m0 + bm, M)):
             g, q = divmod(m, Q)
             l = g - g0
-            jb, rb = (q - (q0 if l == 0 else 0)) * sw * C, slot(l) * R * BOX
+            jb, rb = (q - (q0 if l == 0 else 0)) * sw * C + (a0 if l == 0 else af), slot(l) * R * BOX
             for kk0 in range(0, KT * 64, 8):
                 r, lane0 = divmod(kk0, cu)
                 keep = max(0, min(8, sc - lane0)) if r < R else 0

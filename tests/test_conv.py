@@ -1123,8 +1123,9 @@ def test_gpu_patch(dtype, rng):
         if (plan.spec().bm, plan.spec().bn, plan.spec().store) == (copy.spec().bm, copy.spec().bn, copy.spec().store):
             assert torch.equal(y, yc), f"patch vs copy {xs} {ws}"          # the same tile and reduction order
         assert rel_err(to_numpy(yc), to_numpy(y)) <= TOL[dtype]
-        xb = to_torch(np.concatenate([np.zeros(8), x64.ravel()]), dtype)
-        xm = xb[7:7 + x64.size].view(x64.shape)                     # 2 bytes past a 16-byte boundary
+        xb = to_torch(np.concatenate([np.zeros(7), x64.ravel(), np.zeros(1)]), dtype)
+        xm = xb[7:7 + x64.size].view(x64.shape)                     # x's values, 14 bytes past a 16-byte boundary
+        assert xm.data_ptr() % 16 and torch.equal(xm, x)
         assert rel_err(to_numpy(plan(xm, w)), ref) <= TOL[dtype]
         (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], "NHWC", dtype)
         fused = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, pd,

@@ -138,6 +138,8 @@ CONV = {
                                             padding=1, chain="bn_relu_mask", config={"splits": 3}),
     "gather_c3_nhwc_7x7s2": lambda: _conv("gather C=3", "float16", "NHWC", (2, 17, 17, 3), (32, 7, 7, 3), stride=2,
                                           padding=3, chain="bn_relu_mask"),
+    "patch_c3_nhwc_7x7s2": lambda: _conv("patch C=3", "float16", "NHWC", (2, 21, 48, 3), (64, 7, 7, 3), stride=2,
+                                         padding=3, chain="bn_relu_mask", unfold="patch"),
     "unfused_mask_nchw": lambda: _conv("unfused mask", "float16", "NCHW", (2, 8, 7, 7), (16, 8, 3, 3), padding=1,
                                        chain="bn_relu_mask"),
     "residual_fp32_on_fp16": lambda: _conv("fp32 residual", "float16", "NHWC", (2, 5, 5, 16), (24, 3, 3, 16),

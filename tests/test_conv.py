@@ -1140,6 +1140,25 @@ def test_gpu_patch(dtype, rng):
 
 
 @pytest.mark.gpu
+def test_gpu_patch_kernel_smem_grows(rng):
+    """One patch kernel, two problems: the second needs more dynamic shared memory (more lines a tile, more
+    boxes) than the one that loaded the kernel, so the plan raises the function's limit (a random problem
+    on the H100 once failed its launch with CUDA_ERROR_INVALID_VALUE)."""
+    torch = pytest.importorskip("torch")
+    plans = []
+    for xs, ws, st, pd in [((2, 37, 48, 3), (16, 7, 7, 3), 2, 3), ((4, 40, 4, 6), (16, 7, 3, 6), 1, (3, 1))]:
+        x = to_torch(rng.standard_normal(xs), "float16")
+        w = to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), "float16")
+        plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", st, pd)
+        plans.append(plan)
+        y = plan(x, w, out=poison(torch.empty((xs[0], plan.problem.P, plan.problem.Q, ws[0]), dtype=x.dtype, device="cuda")))
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NHWC")
+        assert rel_err(to_numpy(y), ref) <= TOL["float16"], plan
+    a, b = (p.spec() for p in plans)
+    assert a.name() == b.name() and b.smem > a.smem > 48 * 1024, (a.smem, b.smem)
+
+
+@pytest.mark.gpu
 def test_gpu_unfold_in_graph_and_function(rng):
     """conv1 through igemm.conv2d takes the unfold by default; its two launches replay in a CUDA graph."""
     torch = pytest.importorskip("torch")

@@ -208,6 +208,9 @@ def patch_unsupported(pb: ConvProblem, arch: str) -> str | None:
         return "the patch kernel keeps the whole filter tile resident: at most 8 k-tiles"
     if patch_bytes(pb, 64) > PATCH_MAX_BYTES:
         return "the patch of a tile would exceed 64 KB of shared memory"
+    spec = patch_config(dataclasses.replace(pb, patch=True), bm=64)
+    if spec.smem + spec.static_smem > SMEM_LIMIT:
+        return f"the patch kernel would need {spec.smem} bytes of shared memory"
     return None
 
 
@@ -461,6 +464,10 @@ def patch_config(pb: ConvProblem, sms: int = 132, **kw) -> KernelSpec:
     bm = 128 if 2 * -(-pb.M // 128) >= sms else 64
     spec = KernelSpec(pb.dtype, pb.layout, "wgmma", bm, 64 if pb.K <= 64 else 128, 64, bm // 64, 1, max(kt, 2),
                       "patch", "vec", "rows", 8, False, epilogue_functors(pb), 1)
+    if "bm" not in kw and bm == 128:        # 64-row tiles where the taller tile's patch would not fit
+        tall = dataclasses.replace(spec, patch_bytes=patch_bytes(pb, 128))
+        if tall.smem + tall.static_smem > SMEM_LIMIT:
+            spec = dataclasses.replace(spec, bm=64, wm=1)
     spec = dataclasses.replace(spec, **kw)
     store, vec_o, fuse = store_for(pb, "wgmma", spec.bn, 1, regs=kw.get("store", "regs") == "regs")
     spec = dataclasses.replace(spec, wm=spec.bm // 64, store=store, vec_o=vec_o, fuse_mask=fuse,

@@ -495,6 +495,10 @@ def test_patch_loader_index_math(rng):
         kernel_setup(_pb(C=3, R=7, S=7, layout="NCHW"), unfold="patch", arch="sm_90a")
     with pytest.raises(NotImplementedError, match="patch kernel"):
         validate_spec(patch_config(kp, splits=2), kp)
+    for deep in (_pb(N=64, C=7, H=64, W=64, K=256, R=7, S=7, padding=(3, 3)),      # 7 k-tiles, 128 columns
+                 _pb(N=64, C=3, H=64, W=8, K=64, R=7, S=7, padding=(3, 3))):        # 8 pixels a line
+        path, dp = kernel_setup(deep, arch="sm_90a")
+        assert path == "patch" and validate_spec(choose_config(dp), dp)          # a default that fits
     tested = 0
     for i in range(10):
         C, R, S = int(rng.integers(1, 8)), int(rng.integers(1, 8)), int(rng.integers(2, 8))

@@ -57,9 +57,8 @@ struct Config {
   static_assert((VecO & (VecO - 1)) == 0 && VecO * sizeof(ElementOut) <= 16, "output vectors: 2^i elements, <= 16 bytes");
   static_assert(!FuseMask || Epi::kMask, "mask fusion needs a ReLU(mask=True) in the chain");
   static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
-  static_assert(StoreMode != kStoreRegs || (Math_ == kWgmma && VecO * sizeof(ElementOut) == 16
-                                            && sizeof(ElementOut) == 2),
-                "register epilogue: the per-tile wgmma kernel, 16-bit outputs in 16-byte vectors");
+  static_assert(StoreMode != kStoreRegs || (kIsWgmma && VecO * sizeof(ElementOut) == 16 && sizeof(ElementOut) == 2),
+                "register epilogue: the wgmma kernels, 16-bit outputs in 16-byte vectors");
   static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8;
   static_assert(kTma == (LoadB_ == kLoadTma) && (!kTma || (kIsWgmma && Layout_ == kNHWC)),
                 "TMA loads: both operands, wgmma, NHWC");

@@ -10,7 +10,7 @@
 // Launch parameters: igemm/conv2d.py (CONV_PARAMS), rendered into `struct Params` by the stub.
 // Grid: (ceil(M / BM) · ceil(K / BN), 1, splits); each CTA computes the BM × BN output tile blockIdx.x
 // (tile_coord: n-fastest) over the k-tiles [z · kt_per_split, min(KT, (z + 1) · kt_per_split)).
-// The persistent kernel (kWgmmaWs): (min(tiles, SMs)).
+// The persistent kernel (kWgmmaWs): (min(tiles, SMs)). Stream-K (IGEMM_STREAMK): (SMs × CTAs per SM).
 #pragma once
 #include "conv2d_common.cuh"
 #include "conv2d_epilogue.cuh"
@@ -67,7 +67,11 @@ __device__ void fprop(const P& p) {
     static_assert(Cfg::kMath != kWgmmaWs, "the persistent kernel needs IGEMM_WGMMA (sm_90a)");
 #endif
   } else {
+#if defined(IGEMM_STREAMK) && defined(IGEMM_WGMMA)
+    fprop_streamk<Cfg>(p, smem);
+#else
     fprop_tile<Cfg>(p, smem);
+#endif
   }
 }
 

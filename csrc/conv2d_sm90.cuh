@@ -114,17 +114,18 @@ constexpr bool kEarlyVectors =
     !Cfg::Epi::kEmpty;
 #endif
 
-template <class Cfg, class P>
-IGEMM_DEVICE void epilogue_regs_prologue(const P& p, int m0, int n0) {
+// NT threads (tid = 0..NT-1): the CTA's, or one consumer warpgroup's in the persistent kernel (its own
+// s_vec, refilled per tile before the tile's mainloop).
+template <class Cfg, int NT, class P>
+IGEMM_DEVICE void epilogue_regs_prologue_by(const P& p, int m0, int n0, int tid, float (*s_vec)[Cfg::BN]) {
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
   using Epi = typename Cfg::Epi;
-  constexpr int BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::kThreads;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM;
   if constexpr (kEarlyVectors<Cfg>) {
-    float (*s_vec)[BN] = regs_channel_vectors<BN>();
     const float* src[3] = {static_cast<const float*>(p.scale), static_cast<const float*>(p.shift),
                            static_cast<const float*>(p.alpha)};
     const float dflt[3] = {1.f, 0.f, 0.f};
-    for (int i = threadIdx.x; i < BN; i += NT) {
+    for (int i = tid; i < BN; i += NT) {
       const int n = min(n0 + i, p.K - 1);
 #pragma unroll
       for (int v = 0; v < 3; ++v) {
@@ -140,7 +141,7 @@ IGEMM_DEVICE void epilogue_regs_prologue(const P& p, int m0, int n0) {
     constexpr int LPR = (BN * int(sizeof(RT)) + 127) / 128;     // 128-byte lines per tile row
     const RT* res = static_cast<const RT*>(p.residual);
     const int cols = min(BN, p.K - n0), rows = min(BM, p.M - m0);
-    for (int i = threadIdx.x; i < rows * LPR; i += NT) {
+    for (int i = tid; i < rows * LPR; i += NT) {
       const int r = i / LPR, c = min((i % LPR) * (128 / int(sizeof(RT))), cols - 1);
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + int64_t(m0 + r) * p.K + n0 + c));
     }
@@ -148,18 +149,51 @@ IGEMM_DEVICE void epilogue_regs_prologue(const P& p, int m0, int n0) {
 #endif
 }
 
+template <class Cfg, class P>
+IGEMM_DEVICE void epilogue_regs_prologue(const P& p, int m0, int n0) {
+  epilogue_regs_prologue_by<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x, regs_channel_vectors<Cfg::BN>());
+}
+
 // 0xFFFF in each 16-bit half of the result whose stored value is > 0 (false for ±0 and NaN): one set.gt
 // on the packed pair, so the mask bit is exactly (stored y > 0).
 template <class TO>
-IGEMM_DEVICE uint32_t gt0_pair(const epi::Vec<TO, 2>& o) {
+IGEMM_DEVICE uint32_t gt0_pair(uint32_t u) {
   static_assert(sizeof(TO) == 2, "16-bit outputs");
-  const uint32_t u = *reinterpret_cast<const uint32_t*>(&o);
   uint32_t r;
   if constexpr (std::is_same_v<TO, cutlass::bfloat16_t>)
     asm("set.gt.u32.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(u), "r"(0u));
   else
     asm("set.gt.u32.f16x2 %0, %1, %2;" : "=r"(r) : "r"(u), "r"(0u));
   return r;
+}
+
+// (lo, hi) rounded to nearest-even into one packed 16-bit pair, lo in the low half: one cvt (F2FP), where
+// two scalar conversions gave the pack in the other order and a PRMT to swap it back (ptxas 13.0).
+template <class TO>
+IGEMM_DEVICE uint32_t pack_pair(float lo, float hi) {
+  static_assert(sizeof(TO) == 2, "16-bit outputs");
+  uint32_t r;
+  if constexpr (std::is_same_v<TO, cutlass::bfloat16_t>)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// A residual pair (raw bits for 16-bit types: the low half is the first element) as two floats.
+template <class RT, class Raw>
+IGEMM_DEVICE void unpack_pair(const Raw& u, float& lo, float& hi) {
+  if constexpr (std::is_same_v<RT, cutlass::half_t>) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u));
+    lo = f.x;
+    hi = f.y;
+  } else if constexpr (std::is_same_v<RT, cutlass::bfloat16_t>) {
+    lo = __uint_as_float(u << 16);
+    hi = __uint_as_float(u & 0xFFFF0000u);
+  } else {
+    lo = to_float(u.v[0]);
+    hi = to_float(u.v[1]);
+  }
 }
 
 // Bits jj and 16 + jj (jj < 4: the pair of 8-column block jj) → bits 8·jj + 2q and 8·jj + 2q + 1 of the
@@ -179,44 +213,46 @@ IGEMM_DEVICE uint32_t pair_bits_to_word(uint32_t b, int q) {
 // a quad of lanes holds 32 consecutive channels of a row: two shuffles; FuseMask needs K % 32 == 0) and
 // stored by the quad's first lane, and the tile leaves in 16-byte vectors. Against the fp32 C tile: half
 // the shared-memory bytes, and no index math, chain or mask work per vector in the store loop.
-template <class Cfg, class P>
-IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
+// NT threads (tid = 0..NT-1, 64 rows a warpgroup) synchronised by `sync`: the CTA, or one consumer
+// warpgroup of the persistent kernel; ct: the tile's C buffer; s_vec: its channel vectors.
+template <class Cfg, int NT, class P, class Sync>
+IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float (*s_vec)[Cfg::BN], int tid,
+                                   int m0, int n0, Sync sync) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
-  float (*s_vec)[BN] = regs_channel_vectors<BN>();
-  const int tid = threadIdx.x;
-  // A tile past the last row has nothing to store (uniform per CTA). The branch also ends the basic block
-  // that holds the mainloop's last wgmma wait: with the accumulators' first reads in that block (the
-  // identity chain has nothing else before them), ptxas 13.0 serialises every wgmma of the mainloop
-  // (C7514) -- 3x3 512->512 @7, N=32, H100: 20 -> 34 us.
-  if (m0 >= p.M) return;
+  static_assert(NT % CPR == 0, "whole rows per store pass");
   if constexpr (kEarlyVectors<Cfg>) cp_async_wait<0>();      // the prologue's channel vectors
-  else if constexpr (!Epi::kEmpty) stage_channel_vectors<BN, Cfg::kThreads>(p, n0, tid, s_vec);
-  __syncthreads();
+  else if constexpr (!Epi::kEmpty) stage_channel_vectors<BN, NT>(p, n0, tid, s_vec);
+  sync();
   const epi::Ctx ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
   TO* ct = reinterpret_cast<TO*>(smem);
-  uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
   const int lane = tid & 31;
   const int r0 = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
   using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
   const RT* resp = static_cast<const RT*>(p.residual);
   const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
   const int64_t row0 = int64_t(m0 + r0) * p.K + n0, row1 = row0 + int64_t(8) * p.K;
+  // the rows' mask words (FuseMask: K % 32 == 0, n0 % 32 == 0), one per 32 columns
+  uint32_t* mrow0 = Cfg::FuseMask ? static_cast<uint32_t*>(const_cast<void*>(p.mask)) + (row0 >> 5) : nullptr;
+  uint32_t* mrow1 = Cfg::FuseMask ? mrow0 + (p.K >> 2) : nullptr;
   constexpr int G = 4;                  // column blocks per group: their residual pairs are loaded first
   static_assert((BN / 8) % G == 0, "BN / 8 blocks in groups of 4 (one mask word)");
   uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
 #pragma unroll
   for (int j0 = 0; j0 < BN / 8; j0 += G) {
-    epi::Vec<RT, 2> ra[G], rb[G];
+    // the residual pairs (zero outside the problem), as raw bits: a 16-bit pair is one 32-bit load,
+    // converted by two HADD2.F32 (element-wise Vec loads cost four PRMTs a pair, ptxas 13.0)
+    using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
+    RawPair ra[G], rb[G];
     if constexpr (Epi::kResidual) {
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const int c = (j0 + g) * 8 + 2 * (lane & 3);
         const bool okc = n0 + c < p.K;
-        ra[g].v[0] = ra[g].v[1] = rb[g].v[0] = rb[g].v[1] = RT(0.f);
-        if (ok0 && okc) ra[g] = *reinterpret_cast<const epi::Vec<RT, 2>*>(resp + row0 + c);
-        if (ok1 && okc) rb[g] = *reinterpret_cast<const epi::Vec<RT, 2>*>(resp + row1 + c);
+        ra[g] = rb[g] = RawPair{};
+        if (ok0 && okc) ra[g] = *reinterpret_cast<const RawPair*>(resp + row0 + c);
+        if (ok1 && okc) rb[g] = *reinterpret_cast<const RawPair*>(resp + row1 + c);
       }
     }
 #pragma unroll
@@ -227,19 +263,13 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
       const int ch[4] = {c, c + 1, c, c + 1};
       float res[4] = {0.f, 0.f, 0.f, 0.f};
       if constexpr (Epi::kResidual) {
-        res[0] = to_float(ra[g].v[0]);
-        res[1] = to_float(ra[g].v[1]);
-        res[2] = to_float(rb[g].v[0]);
-        res[3] = to_float(rb[g].v[1]);
+        unpack_pair<RT>(ra[g], res[0], res[1]);
+        unpack_pair<RT>(rb[g], res[2], res[3]);
       }
       Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
-      epi::Vec<TO, 2> o0, o1;
-      o0.v[0] = from_float<TO>(v[0]);
-      o0.v[1] = from_float<TO>(v[1]);
-      o1.v[0] = from_float<TO>(v[2]);
-      o1.v[1] = from_float<TO>(v[3]);
-      *reinterpret_cast<epi::Vec<TO, 2>*>(ct + r0 * LDH + c) = o0;
-      *reinterpret_cast<epi::Vec<TO, 2>*>(ct + (r0 + 8) * LDH + c) = o1;
+      const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);
+      *reinterpret_cast<uint32_t*>(ct + r0 * LDH + c) = o0;
+      *reinterpret_cast<uint32_t*>(ct + (r0 + 8) * LDH + c) = o1;
       if constexpr (Cfg::FuseMask) {
         // (stored value > 0) of the pair, as bits jj and 16 + jj (jj = j % 4) ...
         const uint32_t sel = 0x00010001u << (j & 3);
@@ -253,26 +283,38 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
           bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 2);
           bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 1);
           bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 2);
-          const int n = n0 + (j - 3) * 8, m = m0 + r0;
-          if ((lane & 3) == 0 && n < p.K) {
-            if (m < p.M) mask[(int64_t(m) * p.K + n) >> 5] = bits0;
-            if (m + 8 < p.M) mask[(int64_t(m + 8) * p.K + n) >> 5] = bits1;
+          if ((lane & 3) == 0 && n0 + (j - 3) * 8 < p.K) {
+            if (ok0) mrow0[j >> 2] = bits0;
+            if (ok1) mrow1[j >> 2] = bits1;
           }
           bits0 = bits1 = 0;
         }
       }
     }
   }
-  __syncthreads();
-  TO* y = static_cast<TO*>(const_cast<void*>(p.y));
-  const int rows = min(BM, p.M - m0);
+  sync();
+  // the tile leaves in 16-byte vectors: thread tid stores column vector tid % CPR of rows tid / CPR + i·NT/CPR
+  constexpr int RSTEP = NT / CPR;
+  const int col = (tid % CPR) * V, rows = min(BM, p.M - m0);
+  if (n0 + col < p.K) {
+    TO* y = static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(m0 + tid / CPR) * p.K + n0 + col;
+    const int64_t ystep = int64_t(RSTEP) * p.K;
 #pragma unroll 4
-  for (int v = tid; v < BM * CPR; v += Cfg::kThreads) {
-    const int row = v / CPR, col = (v % CPR) * V;
-    if (row < rows && n0 + col < p.K)
-      *reinterpret_cast<uint4*>(y + int64_t(m0 + row) * p.K + n0 + col) =
-          *reinterpret_cast<const uint4*>(ct + row * LDH + col);
+    for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep)
+      *reinterpret_cast<uint4*>(y) = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
   }
+}
+
+// The per-tile kernel's: the whole CTA.
+template <class Cfg, class P>
+IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
+  // A tile past the last row has nothing to store (uniform per CTA). The branch also ends the basic block
+  // that holds the mainloop's last wgmma wait: with the accumulators' first reads in that block (the
+  // identity chain has nothing else before them), ptxas 13.0 serialises every wgmma of the mainloop
+  // (C7514) -- 3x3 512->512 @7, N=32, H100: 20 -> 34 us.
+  if (m0 >= p.M) return;
+  epilogue_regs_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
+                                       CtaSync{});
 }
 
 template <class Cfg, class P>
@@ -443,8 +485,18 @@ IGEMM_DEVICE void tma_prefetch_maps(const void* a, const void* b) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(b) : "memory");
 }
 
-template <class Cfg, class P>
-IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, int kt0, int kt1) {
+// The tile's end: the epilogue, or (stream-K) the fix-up first. it0: k-tiles this CTA ran before (stream-K
+// runs several segments in one CTA; the stage ring and its barriers carry on, initialised once).
+struct FinishTile {
+  template <class Cfg, class P>
+  IGEMM_DEVICE void run(const P& p, float* acc, uint8_t* smem, int m0, int n0) const {
+    finish_tile<Cfg>(p, acc, smem, m0, n0);
+  }
+};
+
+template <class Cfg, class P, class Fin = FinishTile>
+IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, int kt0, int kt1, Fin fin = {},
+                                     int it0 = 0) {
   using T = typename Cfg::Element;
   using Atom = typename GmmaAtom<T, Cfg::BN>::type;
   constexpr int BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages;
@@ -458,20 +510,20 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   const int KT = kt1 - kt0;
   const bool leader = threadIdx.x == 0;
   const TileOrigin o = tile_origin(p, m0);
-  if (leader) {
+  if (leader && it0 == 0) {
 #pragma unroll
     for (int s = 0; s < S; ++s) mbar_init(&full[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     tma_prefetch_maps(p.tmA, p.tmB);
   }
-  __syncthreads();
+  __syncthreads();                        // (and a previous segment's epilogue is done with the stages)
   auto issue = [&](int kt, int buf) {     // thread 0
     tma_issue_stage<Cfg>(p, sA + buf * STAGE, sB + buf * STAGE, &full[buf], kt, o, n0);
   };
   if (leader) {
 #pragma unroll
     for (int st = 0; st < S - 1; ++st)
-      if (st < KT) issue(kt0 + st, st);
+      if (st < KT) issue(kt0 + st, (it0 + st) % S);
   }
   float acc[NACC];
 #pragma unroll
@@ -481,8 +533,8 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   // Iteration i: wait for stage i's bytes → issue its wgmma group → wait until only that group is in
   // flight → barrier (stage i-1 is free in every warpgroup) → thread 0 refills it with k-tile i+S-1.
   for (int it = 0; it < KT; ++it) {
-    const int buf = it % S;
-    mbar_wait(&full[buf], (it / S) & 1);
+    const int buf = (it0 + it) % S;
+    mbar_wait(&full[buf], ((it0 + it) / S) & 1);
     if constexpr (Cfg::LoadA == kLoadTmaC8)   // A: 8 regions of BM 16-byte rows; this warpgroup's rows
       wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * STAGE, Cfg::BM * 16, 128),
                                                     desc_sw128(sB_u + buf * STAGE), acc);
@@ -493,13 +545,94 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
     __syncthreads();
     const int nk = it + S - 1;
-    if (leader && nk < KT) issue(kt0 + nk, nk % S);
+    if (leader && nk < KT) issue(kt0 + nk, (it0 + nk) % S);
   }
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                        // every stage read: the C tile may overwrite them
-  finish_tile<Cfg>(p, acc, smem, m0, n0);
+  fin.template run<Cfg>(p, acc, smem, m0, n0);
+}
+
+// ------------------------------------------------------------ stream-K (IGEMM_STREAMK; the TMA kernel)
+// The work is T tiles × KT k-tiles = U units; CTA b of G runs units [U·b/G, U·(b+1)/G) -- equal shares,
+// so a layer whose tiles are fewer than the SMs (3x3 512->512 @7, N=32: 100 tiles of 64x128, 72 k-tiles)
+// keeps every SM busy. A CTA walks its range backwards, one tile segment at a time. A tile split between
+// CTAs is finished (fix-up and epilogue) by the one that ran its last k-tiles (kt1 == KT): the highest
+// index, for which the tile is at the start of its range, so it reaches it last. Every other contributor
+// has the tile at the end of its range, ran it first, and left its fp32 partial sums in its own workspace
+// slot (one per CTA) with a flag set (release). The finisher waits for each flag (acquire; their owners
+// have lower indices, so they were scheduled before it: no deadlock even when the grid exceeds the
+// resident CTAs), adds the partials in fragment order and clears the flag for the next launch (graph
+// replays included). Measured slower than the per-tile kernel on the H100 layers tried (3x3 512->512 @7,
+// N=32: 23.9 vs 20.2 us; ncu: L2 throughput 34% -> 61%), so it is an autotune candidate, not a default.
+template <class Cfg>
+struct StreamKFinish {
+  int b, kt0, kt1, KT;
+  int64_t tb, U;             // the tile's first unit; all units
+  template <class C, class P>
+  IGEMM_DEVICE void run(const P& p, float* acc, uint8_t* smem, int m0, int n0) const {
+    constexpr int NACC = Cfg::BN / 2, NT = Cfg::kThreads;
+    float4* ws = static_cast<float4*>(const_cast<void*>(p.ws));
+    int* flags = static_cast<int*>(const_cast<void*>(p.counters));
+    const int tid = threadIdx.x, G = gridDim.x;
+    if (kt1 < KT) {                       // the tile's later k-tiles are another CTA's: hand the sums over
+      float4* mine = ws + int64_t(b) * (NACC / 4) * NT;
+#pragma unroll
+      for (int i = 0; i < NACC / 4; ++i)
+        __stcg(mine + i * NT + tid, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();
+        asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flags + b), "r"(1) : "memory");
+      }
+      return;
+    }
+    if (kt0 > 0) {                        // the finisher of a split tile: CTAs b-1, b-2, ... ran its start
+      for (int c = b - 1; c >= 0 && U * (c + 1) / G > tb; --c) {
+        if (tid == 0) {
+          int f = 0;
+          do {
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(f) : "l"(flags + c) : "memory");
+          } while (f == 0);
+        }
+        __syncthreads();
+        const float4* src = ws + int64_t(c) * (NACC / 4) * NT;
+#pragma unroll
+        for (int i = 0; i < NACC / 4; ++i) {
+          const float4 v = __ldcg(src + i * NT + tid);
+          acc[4 * i] += v.x;
+          acc[4 * i + 1] += v.y;
+          acc[4 * i + 2] += v.z;
+          acc[4 * i + 3] += v.w;
+        }
+        __syncthreads();
+        if (tid == 0) flags[c] = 0;
+      }
+    }
+    finish_tile<Cfg>(p, acc, smem, m0, n0);
+  }
+};
+
+template <class Cfg, class P>
+IGEMM_DEVICE void fprop_streamk(const P& p, uint8_t* smem) {
+  static_assert(Cfg::kTma && Cfg::kMath == kWgmma && Cfg::StoreMode == kStoreRegs,
+                "stream-K: the per-tile TMA wgmma kernel with the register epilogue");
+  const int T = ((p.M + Cfg::BM - 1) / Cfg::BM) * ((p.K + Cfg::BN - 1) / Cfg::BN);
+  const int KT = (p.Kred + Cfg::BK - 1) / Cfg::BK;
+  const int64_t U = int64_t(T) * KT, G = gridDim.x, b = blockIdx.x;
+  const int64_t u0 = U * b / G, u1 = U * (b + 1) / G;
+  int it0 = 0;
+  for (int64_t u = u1; u > u0;) {
+    const int t = int((u - 1) / KT);
+    const int64_t tb = int64_t(t) * KT;
+    const int kt0 = int((u0 > tb ? u0 : tb) - tb), kt1 = int(u - tb);
+    const TileCoord tc = tile_coord<Cfg>(p, t);
+    if (kt1 == KT) epilogue_regs_prologue<Cfg>(p, tc.m0, tc.n0);      // this CTA stores the tile
+    mainloop_wgmma_tma<Cfg>(p, smem, tc.m0, tc.n0, kt0, kt1, StreamKFinish<Cfg>{int(b), kt0, kt1, KT, tb, U}, it0);
+    it0 += kt1 - kt0;
+    u = tb + kt0;
+  }
 }
 
 // ------------------------------------------------------------ persistent warp-specialised kernel (kWgmmaWs)
@@ -511,6 +644,8 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
 // barriers (transaction bytes). Because the producer serves the tiles in order, one consumer's mainloop
 // runs while the other stores its previous tile (ping-pong): the epilogue chain, the mask and the
 // residual loads overlap MMA work. Consumers synchronise only among themselves (named barriers 1..WM).
+// Both store phases: the fp32 C tile's (epilogue_store_by) and the register epilogue (kStoreRegs,
+// epilogue_regs_by: the tile's channel vectors are fetched by cp.async before its mainloop).
 IGEMM_DEVICE void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
@@ -575,6 +710,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     const int t = blockIdx.x + i * gridDim.x;
     if (t >= NT) break;
     const auto [m0, n0] = tile_coord<Cfg>(p, t);
+    if constexpr (Cfg::StoreMode == kStoreRegs) epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg]);
     float acc[NACC];
 #pragma unroll
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
@@ -593,10 +729,14 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
 #pragma unroll
     for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);
     mbar_arrive(&empty[wg][prev]);
-    acc_to_cs_rows<Cfg>(acc, Cs, 0);
     const NamedSync sync{1 + wg};
-    sync();
-    epilogue_store_by<Cfg, 128>(p, Cs, m0, n0, tid, s_vec[wg], sync);
+    if constexpr (Cfg::StoreMode == kStoreRegs) {
+      epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
+    } else {
+      acc_to_cs_rows<Cfg>(acc, Cs, 0);
+      sync();
+      epilogue_store_by<Cfg, 128>(p, Cs, m0, n0, tid, s_vec[wg], sync);
+    }
     sync();                                         // C tile and channel vectors free for the next tile
   }
 }

@@ -90,6 +90,7 @@ class KernelSpec:
     splits: int = 1           # split-K factor (a launch parameter, not a template argument)
     min_blocks: int = 1
     patch_bytes: int = 0      # load_a "patch": the input patch's shared memory (problem-dependent, not in the code)
+    streamk: int = 0          # stream-K (the per-tile TMA kernel): CTAs per SM sharing the tiles x k-tiles; 0: off
 
     @property
     def threads(self) -> int:
@@ -151,10 +152,13 @@ class KernelSpec:
 
     def name(self) -> str:
         return (f"conv_{self.dtype}_{self.layout}_{self.math}_{self.bm}x{self.bn}x{self.bk}_w{self.wm}x{self.wn}"
-                f"_s{self.stages}_{self.load_a}{self.load_b}_{self.store}{self.vec_o}{'_m' if self.fuse_mask else ''}")
+                f"_s{self.stages}_{self.load_a}{self.load_b}_{self.store}{self.vec_o}{'_m' if self.fuse_mask else ''}"
+                f"{'_sk' if self.streamk else ''}")
 
     def prelude(self) -> str:
-        return "#define IGEMM_WGMMA 1" if self.math in ("wgmma", "wgmma_ws") else ""
+        if self.math not in ("wgmma", "wgmma_ws"):
+            return ""
+        return "#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
 
 
 _LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8", "patch": "kLoadPatch"}
@@ -254,8 +258,8 @@ def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
 def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
     """Whether the register epilogue (store ``"regs"``: the chain on the accumulators, a 16-bit C tile, mask
     words from registers; ``csrc/conv2d_sm90.cuh`` epilogue_regs) can store this problem: the per-tile
-    wgmma kernel, 16-bit NHWC output with K % 8 == 0 (16-byte vectors), no split-K."""
-    return (math == "wgmma" and splits == 1 and pb.y_layout == "NHWC" and DTYPE_SIZES[pb.dtype] == 2
+    wgmma kernel or the persistent one, 16-bit NHWC output with K % 8 == 0 (16-byte vectors), no split-K."""
+    return (math in ("wgmma", "wgmma_ws") and splits == 1 and pb.y_layout == "NHWC" and DTYPE_SIZES[pb.dtype] == 2
             and pb.K % 8 == 0)
 
 
@@ -523,6 +527,9 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
         for bn in (64, 128):
             for stages in (3, 4):
                 add(math="wgmma_ws", bm=64, wm=2, bn=bn, stages=stages, splits=1)
+        if tile.store == "regs":             # stream-K: equal shares of tiles x k-tiles, 1 or 2 CTAs an SM
+            for bm, bn, stages, sk in ((64, 128, 4, 1), (64, 128, 4, 2), (128, 128, 4, 1), (64, 64, 4, 2)):
+                add(math="wgmma", bm=bm, wm=bm // 64, bn=bn, stages=stages, splits=1, streamk=sk)
     if tile.math == "wgmma":
         for bm in (64, 128):
             for bn in (64, 128, 256):
@@ -565,6 +572,8 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "TMA loads: both operands, wgmma only"
     elif spec.load_a.startswith("tma") and spec.load_a != tma_kind(pb):
         why = f"TMA loads of this problem are {tma_kind(pb)!r}"
+    elif spec.streamk and (spec.math != "wgmma" or spec.load_a != "tma" or spec.store != "regs" or spec.splits != 1):
+        why = "stream-K: the per-tile TMA wgmma kernel with the register epilogue, no split-K"
     elif spec.persistent and (spec.load_a != "tma" or spec.bm != 64 or spec.wm != 2 or spec.splits != 1
                               or spec.bn not in (64, 128, 256)):
         why = "the persistent kernel: TMA loads, two consumer warpgroups of 64-row tiles, no split-K"

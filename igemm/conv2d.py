@@ -162,7 +162,8 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
         if cfg["math"] == "tensorop" and "wn" not in cfg:
             spec = dataclasses.replace(spec, wn=2, wm=spec.bm // 64)
     if "splits" not in cfg:
-        spec = dataclasses.replace(spec, splits=1 if spec.persistent else choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
+        spec = dataclasses.replace(spec, splits=1 if spec.persistent or spec.streamk
+                                   else choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
     # the store mode follows the tile: the register epilogue where it can run (unless the fp32 C tile's
     # store phase is asked for by name), else the one the tile's width allows
     store, vec_o, fuse = store_for(pb, spec.math, spec.bn, spec.splits, regs=cfg.get("store", "regs") == "regs")
@@ -414,15 +415,20 @@ class Conv2dPlan:
             grid = (tiles, 1, spec.splits)      # tile blockIdx.x, n-fastest (csrc/conv2d_common.cuh, tile_coord)
             if spec.persistent:                 # one CTA per SM at most, looping over the tiles
                 grid = (min(tiles, self.sms), 1, 1)
-            ws = self._workspace(spec, grid) if spec.splits > 1 else None
+            kt = -(-self.kproblem.Kred // spec.bk)
+            if spec.streamk:                    # equal shares of tiles x k-tiles (csrc/conv2d_sm90.cuh, fprop_streamk)
+                grid = (min(self.sms * spec.streamk, tiles * kt), 1, 1)
+                ws = self._streamk_workspace(spec, grid[0])
+            else:
+                ws = self._workspace(spec, grid) if spec.splits > 1 else None
             if spec.load_a == "elem" and self._ktab is None:
                 tab = _k_table(self.kproblem, 64)      # padded for every BK the kernels use (8..64)
                 d = _runtime.DeviceArray(tab.shape, "int32", self.device_id)
                 _runtime.memcpy_htod(d.ptr, tab.ctypes.data, tab.nbytes)
                 self._ktab = d
                 self._args.u64[self._slot["ktab"]] = d.ptr
-            kt = -(-self.kproblem.Kred // spec.bk)
-            l = (_kernel.Launcher(k, grid, spec.threads, spec.launch_smem(-(-kt // spec.splits))), spec, ws)
+            l = (_kernel.Launcher(k, grid, spec.threads,
+                                  spec.smem if spec.streamk else spec.launch_smem(-(-kt // spec.splits))), spec, ws)
             if spec.load_b == "tma":
                 from ._tma import ConvMaps
                 self._maps[l[0]] = ConvMaps(self.kproblem, spec, self._slot["tmA"], self._slot["tmB"])
@@ -469,6 +475,13 @@ class Conv2dPlan:
         _runtime.memset_d32_sync(cnt.ptr, 0, tiles)
         kt = -(-self.kproblem.Kred // spec.bk)     # the kernel's reduction (padded or unfolded copies: longer)
         return ws, cnt, -(-kt // spec.splits)
+
+    def _streamk_workspace(self, spec: KernelSpec, ctas: int) -> tuple:
+        """Stream-K: a partial tile per CTA and a flag per CTA (zeroed once; the finishing CTA clears them)."""
+        ws = _runtime.DeviceArray((ctas * spec.bm * spec.bn,), "float32", self.device_id)
+        cnt = _runtime.DeviceArray((ctas,), "int32", self.device_id)
+        _runtime.memset_d32_sync(cnt.ptr, 0, ctas)
+        return ws, cnt, 0
 
     # -------------------------------------------------------------------------------------- call
     @keeps_current_context

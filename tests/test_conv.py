@@ -581,7 +581,10 @@ def test_persistent_and_tma8_kernels_compile(tmp_path, monkeypatch):
     patch = choose_config(kernel_setup(_pb(C=3, R=7, S=7, stride=(2, 2), padding=(3, 3), K=64,
                                            epilogue=(("BatchNorm",), ("ReLU", True))), arch="sm_90a")[1])
     assert patch.load_a == "patch"
-    for spec in (ws[-1], t8[0], patch):
+    sk = [c for c in candidates(_pb(C=256, H=7, W=7, K=256, epilogue=(("BatchNorm",), ("ReLU", True))))
+          if c.streamk]                                                   # and stream-K
+    assert sk and all(c.store == "regs" and c.splits == 1 for c in sk)
+    for spec in (ws[-1], t8[0], patch, sk[0]):
         cubin, _ = _build.compile_cubin(_stub(spec), "sm_90a", name=spec.name())
         assert cubin[:4] == b"\x7fELF"
     for log in tmp_path.glob("*.log"):
@@ -861,6 +864,51 @@ def test_gpu_persistent_kernel(dtype, layout, sms, rng, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sms", [None, 3], ids=["all-SMs", "3-SMs"])
+def test_gpu_streamk(dtype, sms, rng, monkeypatch):
+    """Stream-K (CTAs sharing tiles x k-tiles equally; a split tile's partial sums handed to the CTA that
+    stores it) against the float64 reference, plain and with BN+Add+ReLU(mask), twice per plan (the
+    flags must be clear again after a launch). All SMs: tiny shares, a tile split over many CTAs; 3 SMs:
+    every CTA runs many tiles and pieces of others."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from igemm import epilogues as ep
+    from igemm import _runtime
+    if sms is not None:
+        monkeypatch.setattr(_runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
+    cases = [((2, 7, 7, 256), 256, 3, 1, {"bm": 64, "wm": 1, "bn": 128, "streamk": 1}),
+             ((3, 9, 5, 128), 72, 3, 1, {"bm": 64, "wm": 1, "bn": 64, "streamk": 2}),      # K tail
+             ((1, 14, 14, 64), 136, 3, 2, {"bm": 128, "wm": 2, "bn": 128, "streamk": 1}),  # M and K tails
+             ((2, 6, 6, 192), 64, 1, 1, {"bm": 64, "wm": 1, "bn": 64, "streamk": 2})]      # 3 k-tiles
+    for xs, K, R, st, cfg in cases:
+        C = xs[-1]
+        V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
+        chain = ep.chain(ep.BatchNorm(*V), ep.Add(), ep.ReLU(mask=True))
+        for epi in (None, chain):
+            plan = Conv2dPlan(xs, (K, R, R, C), dtype, "NHWC", st, R // 2, epilogue=epi,
+                              config={**cfg, "stages": 4})
+            spec = plan.spec()
+            assert spec.streamk and spec.store == "regs" and spec.splits == 1, spec.name()
+            for _ in range(2):
+                x = to_torch(rng.standard_normal(xs), dtype)
+                w = to_torch(rng.standard_normal((K, R, R, C)) / np.sqrt(R * R * C), dtype)
+                ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, R // 2, 1, "NHWC")
+                label = f"{dtype} x{xs} K={K} R={R} st={st} {cfg} sms={sms} {epi!r}"
+                y = poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda"))
+                if epi is None:
+                    assert rel_err(to_numpy(plan(x, w, out=y)), ref) <= TOL[dtype], label
+                    continue
+                res = to_torch(rng.standard_normal(ref.shape), dtype)
+                sc = to_numpy(V[0]) / np.sqrt(to_numpy(V[3]) + 1e-5)
+                want = np.maximum(ref * sc + (to_numpy(V[1]) - to_numpy(V[2]) * sc) + to_numpy(res), 0)
+                y, mask = plan(x, w, residual=res, out=y,
+                               mask_out=torch.full(((ref.size + 31) // 32,), -1, dtype=torch.int32, device="cuda"))
+                assert rel_err(to_numpy(y), want) <= TOL[dtype], label
+                assert torch.equal(mask, igemm.relu_mask(y)), label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_small_batch_default_configs(dtype, rng):
     """The default plans of the small-batch 3x3 layers (the persistent kernel for few tiles and a deep
     reduction, split-K for very few tiles) against the float64 reference, plain and with BN+ReLU+mask."""
@@ -892,18 +940,25 @@ def to_layout_shape(shape, layout):
     return (shape[0], shape[2], shape[3], shape[1]) if layout == "NHWC" else shape
 
 
+_PERSISTENT = {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_register_epilogue_bitwise(dtype, rng):
     """The register epilogue (store "regs": chain on the accumulators, 16-bit C tile, mask words from
     registers) against the fp32 C tile's store phase of the same tile: identical bits of y and mask, over
-    M and K tails, 64/128-row tiles (TMA and gather loads), mask fused (K % 32 == 0) or not, the chains
+    M and K tails, 64/128-row tiles (TMA and gather loads) and the persistent kernel, mask fused
+    (K % 32 == 0) or not, the chains
     with a 16-bit or fp32 residual among them; y and mask poisoned first."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
     for xs, K, R, st, cfg in [((2, 9, 11, 64), 256, 3, 1, None), ((3, 7, 5, 64), 136, 1, 1, None),
                               ((2, 13, 13, 32), 64, 3, 2, None), ((1, 30, 30, 64), 128, 3, 1, {"bm": 128, "wm": 2}),
-                              ((2, 5, 6, 16), 24, 3, 1, None), ((2, 40, 33, 64), 64, 3, 1, {"bm": 128, "wm": 2})]:
+                              ((2, 5, 6, 16), 24, 3, 1, None), ((2, 40, 33, 64), 64, 3, 1, {"bm": 128, "wm": 2}),
+                              # the persistent kernel's consumers (per-tile vectors, their own C tiles)
+                              ((2, 9, 11, 64), 256, 3, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
+                              ((3, 7, 5, 64), 136, 1, 1, {**_PERSISTENT, "bn": 64, "stages": 2})]:
         C = xs[-1]
         x = to_torch(rng.standard_normal(xs), dtype)
         w = to_torch(rng.standard_normal((K, R, R, C)) / np.sqrt(R * R * C), dtype)
@@ -924,6 +979,7 @@ def test_gpu_register_epilogue_bitwise(dtype, rng):
                 plan = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, R // 2, epilogue=chain, config=c or None)
                 spec = plan.spec()
                 assert (spec.store == "regs") == (store == "regs"), spec.name()
+                assert spec.persistent == (c.get("math") == "wgmma_ws"), spec.name()
                 y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
                 kw = {"out": y}
                 if chain is not None and chain.mask:

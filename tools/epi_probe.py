@@ -14,16 +14,18 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
-LAYERS = [("1x1 64->256 @56", 64, 256, 56, 1, 1, 0), ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0),
-          ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1), ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1)]
+# (name, C, K, H, R, stride, pad, N)
+LAYERS = [("3x3 512->512 @7", 512, 512, 7, 3, 1, 1, 32), ("3x3 256->256 @14", 256, 256, 14, 3, 1, 1, 32),
+          ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1, 32), ("3x3 512->512 @7 N=8", 512, 512, 7, 3, 1, 1, 8),
+          ("3x3 256->256 @14 N=8", 256, 256, 14, 3, 1, 1, 8), ("3x3 256->256 @14 N=1", 256, 256, 14, 3, 1, 1, 1),
+          ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0, 32)]
 # spec overrides; "define": macros prepended to the kernel source (the kernels' A/B switches:
 # IGEMM_RASTER_M = the m-fastest tile order, IGEMM_NO_EPI_PROLOGUE = no early vectors / residual prefetch)
 # "env": environment variables set while the variant's plans are made (IGEMM_SMEM_TRIM=0: launch with
 # every stage's shared memory even when the reduction has fewer k-tiles than stages)
-VARIANTS = [{}, {"define": "IGEMM_RASTER_M"}, {"define": "IGEMM_RASTER_M IGEMM_NO_EPI_PROLOGUE"},
-            {"define": "IGEMM_NO_EPI_PROLOGUE"}, {"env": {"IGEMM_SMEM_TRIM": "0"}}, {"min_blocks": 5},
-            {"bn": 256}, {"bn": 64}]
-N = 32
+_SK = {"splits": 1, "stages": 4}      # stream-K variants (CTAs per SM)
+VARIANTS = [{}, {**_SK, "streamk": 1, "bm": 64, "wm": 1, "bn": 128}, {**_SK, "streamk": 2, "bm": 64, "wm": 1, "bn": 128},
+            {**_SK, "streamk": 1, "bm": 128, "wm": 2, "bn": 128}, {**_SK, "streamk": 2, "bm": 64, "wm": 1, "bn": 64}]
 
 
 def _defines(v) -> str:
@@ -57,7 +59,7 @@ def specs(arch="sm_90a"):
     from igemm._heuristics import ConvProblem, choose_config, validate_spec
     from igemm.conv2d import _override
     out = {}
-    for name, C, K, H, R, st, pd in LAYERS:
+    for name, C, K, H, R, st, pd, N in LAYERS:
         for cn, ch in _chains(ep).items():
             pb = ConvProblem(N, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), "float16", "NHWC", "tensorop",
                              ch.signature(), "float16" if ch.residual_op else None)
@@ -106,7 +108,7 @@ def main() -> int:
     bench = _harness.Bench("epi_probe", argparse.Namespace(quick=True, reps=30, warmup=3, out=None))
     table = specs()
     print("| layer | variant | spec | a_us | b_us | c_us | b/a | c/a | (c) check |\n|---|---|---|---|---|---|---|---|---|")
-    for name, C, K, H, R, st, pd in LAYERS:
+    for name, C, K, H, R, st, pd, N in LAYERS:
         P = (H + 2 * pd - R) // st + 1
         nset = _harness.n_rotations((N * H * H * C + 2 * N * P * P * K) * 2)
         xs = [torch.randn(N, H, H, C, device="cuda", dtype=torch.float16) for _ in range(nset)]

@@ -211,8 +211,8 @@ IGEMM_DEVICE uint32_t pair_bits_to_word(uint32_t b, int q) {
 // each value is rounded once into a 16-bit C tile in shared memory (BN + 8 elements a row: the fragment
 // writes are conflict-free), the ReLU mask words are assembled in registers (one set.gt per stored pair;
 // a quad of lanes holds 32 consecutive channels of a row: two shuffles; FuseMask needs K % 32 == 0) and
-// stored by the quad's first lane, and the tile leaves in 16-byte vectors. Against the fp32 C tile: half
-// the shared-memory bytes, and no index math, chain or mask work per vector in the store loop.
+// stored four at a time by the quad's four lanes, and the tile leaves in 16-byte vectors. Against the fp32
+// C tile: half the shared-memory bytes, and no index math, chain or mask work per vector in the store loop.
 // NT threads (tid = 0..NT-1, 64 rows a warpgroup) synchronised by `sync`: the CTA, or one consumer
 // warpgroup of the persistent kernel; ct: the tile's C buffer; s_vec: its channel vectors.
 template <class Cfg, int NT, class P, class Sync>
@@ -239,6 +239,8 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   constexpr int G = 4;                  // column blocks per group: their residual pairs are loaded first
   static_assert((BN / 8) % G == 0, "BN / 8 blocks in groups of 4 (one mask word)");
   uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
+  uint32_t keep0 = 0, keep1 = 0;        // lane q of a quad keeps word 4i + q of its rows until i's 4 are done
+  constexpr int WORDS = BN / 32;        // mask words a tile row
 #pragma unroll
   for (int j0 = 0; j0 < BN / 8; j0 += G) {
     // the residual pairs (zero outside the problem), as raw bits: a 16-bit pair is one 32-bit load,
@@ -283,9 +285,20 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
           bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 2);
           bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 1);
           bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 2);
-          if ((lane & 3) == 0 && n0 + (j - 3) * 8 < p.K) {
-            if (ok0) mrow0[j >> 2] = bits0;
-            if (ok1) mrow1[j >> 2] = bits1;
+          // every lane of the quad has the words; lane q keeps word g of the row when g % 4 == q, and after
+          // each four the quad stores them together: 16 contiguous bytes a row, one L2 sector (one word per
+          // store, 4 bytes each, cost the 1x1/2 512->1024 layer 200k L2 write requests besides y's 400k)
+          const int g = j >> 2;
+          if ((g & 3) == (lane & 3)) {
+            keep0 = bits0;
+            keep1 = bits1;
+          }
+          if ((g & 3) == 3 || g == WORDS - 1) {
+            const int wq = (g & ~3) + (lane & 3);
+            if (wq < WORDS && n0 + wq * 32 < p.K) {
+              if (ok0) mrow0[wq] = keep0;
+              if (ok1) mrow1[wq] = keep1;
+            }
           }
           bits0 = bits1 = 0;
         }

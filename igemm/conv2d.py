@@ -396,6 +396,7 @@ class Conv2dPlan:
         if not (x_aligned and w_aligned):
             if spec.persistent:             # TMA-only kernel: the per-tile wgmma kernel gathers instead
                 spec = dataclasses.replace(spec, math="wgmma", wm=1)
+            spec = dataclasses.replace(spec, streamk=0)     # (stream-K too: TMA loads only)
             la, lb = ("vec", "vec") if spec.load_b == "tma" else (spec.load_a, spec.load_b)
             spec = dataclasses.replace(spec, load_a="elem" if not x_aligned else la,
                                        load_b="elem" if not w_aligned else lb)
@@ -490,8 +491,8 @@ class Conv2dPlan:
 
         ``out``: preallocated output (contiguous, 16-byte aligned). ``residual``: the ``Add`` input (else
         the one given to ``ep.Add``). ``mask_out``: preallocated mask (``ceil(numel(y)/32)`` uint32/int32).
-        Thread-safe (a lock guards the shared argument buffer); a split-K plan's workspace is shared, so
-        calls of one split-K plan on different streams must not overlap in time.
+        Thread-safe (a lock guards the shared argument buffer); a split-K or stream-K plan's workspace is
+        shared, so calls of one such plan on different streams must not overlap in time.
         """
         if self._fast is not None and type(x) is self._fast[0]:
             r = self._call_torch(x, w, out, residual, mask_out, stream, _folded)

@@ -175,6 +175,13 @@ def test_choose_config_rules(monkeypatch):
                       ({"stages": 3}, ("wgmma_ws", 1))):
         sp = Conv2dPlan(xs, wsh, "float16", "NHWC", 1, 1, config=cfg, device=None).spec()
         assert (sp.math, sp.splits) == want, (cfg, sp.name())
+    # stream-K: asked for by config (never a default), no split-K; a misaligned x gathers on the per-tile kernel
+    plan = Conv2dPlan((32, 7, 7, 512), wsh, "float16", "NHWC", 1, 1, config={"streamk": 1}, device=None)
+    sp = plan.spec()
+    assert (sp.streamk, sp.splits, sp.store, sp.load_a) == (1, 1, "regs", "tma") and sp.name().endswith("_sk")
+    gather = plan.spec(x_aligned=False)
+    assert (gather.streamk, gather.math, gather.load_a) == (0, "wgmma", "elem") and validate_spec(gather, plan.kproblem)
+    assert not any(choose_config(_pb(**kw)).streamk for kw in (dict(), dict(N=32, H=7, W=7, C=512, K=512)))
     monkeypatch.setenv("IGEMM_REG_EPI", "0")
     assert choose_config(_pb(K=256, epilogue=(("ReLU", True),))).store == "rows"
     monkeypatch.delenv("IGEMM_REG_EPI")

@@ -15,14 +15,14 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 # (name, C, K, H, R, stride, pad, N)
-LAYERS = [("1x1 64->256 @56", 64, 256, 56, 1, 1, 0, 32), ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0, 32),
-          ("3x3 64->64 @56", 64, 64, 56, 3, 1, 1, 32), ("3x3 512->512 @7", 512, 512, 7, 3, 1, 1, 32)]
+LAYERS = [("1x1 64->256 @56", 64, 256, 56, 1, 1, 0, 32), ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0, 32)]
 # spec overrides; "define": macros prepended to the kernel source (the kernels' A/B switches:
 # IGEMM_RASTER_M = the m-fastest tile order, IGEMM_NO_EPI_PROLOGUE = no early vectors / residual prefetch)
 # "env": environment variables set while the variant's plans are made (IGEMM_SMEM_TRIM=0: launch with
 # every stage's shared memory even when the reduction has fewer k-tiles than stages)
 _SK = {"splits": 1, "stages": 4, "math": "wgmma"}    # stream-K variants (CTAs per SM)
-VARIANTS = [{}, {"bm": 128, "wm": 2, "bn": 128, "stages": 3}, {**_SK, "streamk": 1, "bm": 64, "wm": 1, "bn": 128}]
+VARIANTS = [{}, {"bn": 64}, {"bm": 128, "wm": 2, "bn": 64}, {"bm": 128, "wm": 2, "bn": 128, "stages": 3},
+            {"bn": 256}, {"bn": 64, "min_blocks": 6}]
 
 
 def _defines(v) -> str:

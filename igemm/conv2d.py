@@ -263,8 +263,10 @@ class Conv2dPlan:
         precision: fp32 only: ``"strict"`` (IEEE FFMA, default) or ``"tf32"`` (tensor cores).
         residual_dtype: dtype of the ``Add`` residual (default: ``dtype``).
         device: CUDA device index (default 0); ``None`` builds a plan for the numpy backend.
-        config: override the kernel choice: a dict of ``KernelSpec`` fields (``{"bn": 256, "splits": 2}``)
-            or a whole ``KernelSpec``; checked, ``NotImplementedError`` if it cannot run the problem.
+        config: override the kernel choice: a dict of ``KernelSpec`` fields (``{"bn": 256, "splits": 2}``,
+            ``{"math": "wgmma_ws", "bm": 64, "wm": 2}`` for the persistent kernel, ``{"streamk": 1}`` for
+            stream-K with one CTA per SM) or a whole ``KernelSpec``; checked, ``NotImplementedError`` if it
+            cannot run the problem.
             ``IGEMM_AUTOTUNE=1`` instead times the candidates on first use and remembers the fastest.
         nchw_path: NCHW only: ``"auto"`` (default), ``"native"`` (the NCHW gather) or ``"transpose"`` (x and
             w are transposed to NHWC/KRSC by one extra kernel into plan-owned scratch, then gathered with

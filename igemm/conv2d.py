@@ -153,9 +153,9 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
         # TMA loads are the wgmma kernel's: another mainloop (or one operand overridden) gathers both
         la, lb = cfg.get("load_a", "vec"), cfg.get("load_b", "vec")
         spec = dataclasses.replace(spec, load_a="vec" if la.startswith("tma") else la, load_b="vec" if lb == "tma" else lb)
-    if spec.persistent and "math" not in cfg and (spec.load_a != "tma" or spec.splits != 1):
-        # the persistent kernel is TMA-only and has no split-K: gathered loads or splits asked for run on
-        # the per-tile wgmma kernel
+    if spec.persistent and "math" not in cfg and (spec.load_a != "tma" or spec.splits != 1 or spec.streamk):
+        # the persistent kernel is TMA-only and has no split-K or stream-K: gathered loads, splits or
+        # stream-K asked for run on the per-tile wgmma kernel
         spec = dataclasses.replace(spec, math="wgmma", wm=spec.bm // 64)
     if "math" in cfg and not cfg["math"].startswith("wgmma") and "bk" not in cfg:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))

@@ -182,6 +182,8 @@ def test_choose_config_rules(monkeypatch):
     gather = plan.spec(x_aligned=False)
     assert (gather.streamk, gather.math, gather.load_a) == (0, "wgmma", "elem") and validate_spec(gather, plan.kproblem)
     assert not any(choose_config(_pb(**kw)).streamk for kw in (dict(), dict(N=32, H=7, W=7, C=512, K=512)))
+    sp = Conv2dPlan(xs, wsh, "float16", "NHWC", 1, 1, config={"streamk": 1}, device=None).spec()   # default: persistent
+    assert (sp.math, sp.streamk, sp.splits) == ("wgmma", 1, 1), sp.name()
     monkeypatch.setenv("IGEMM_REG_EPI", "0")
     assert choose_config(_pb(K=256, epilogue=(("ReLU", True),))).store == "rows"
     monkeypatch.delenv("IGEMM_REG_EPI")

@@ -267,36 +267,29 @@ def device_props(device_id: int):
     return device(device_id).properties
 
 
-_kernel_smem: dict = {}     # (device, stub, entry) -> the dynamic shared memory limit set on it (> 48 KB)
-
-
 def get_kernel(stub: str, name: str, device_id: int, *, entry: str, smem: int = 0):
-    """Compile (or fetch) ``stub`` for the device and return its cuda.core Kernel ``entry``."""
+    """Compile (or fetch) ``stub`` for the device and return its cuda.core Kernel ``entry``, its dynamic
+    shared memory limit raised to ``smem`` where that is over 48 KB."""
     arch = device_arch(device_id)
     key = (device_id, stub, entry)
-    k = _kernel_cache.get(key)
-    if k is not None and smem <= _kernel_smem.get(key, 48 * 1024):
+    hit = _kernel_cache.get(key)           # (kernel, its dynamic shared memory limit)
+    if hit is not None and smem <= hit[1]:
         device(device_id)     # launchers built from it take their function from the current context
-        return k
+        return hit[0]
     with _kernel_lock:
-        k = _kernel_cache.get(key)
-        if k is not None:
-            # one kernel, launched with more dynamic shared memory than before (the patch kernel's size
-            # follows the problem): raise the function's limit
-            if smem > _kernel_smem.get(key, 48 * 1024):
-                device(device_id)
-                _set_max_dynamic_smem(k, smem, device_id)
-                _kernel_smem[key] = smem
-            return k
-        cubin, _ = _build.compile_cubin(stub, arch, name=name)
-        device(device_id)
-        from cuda.core import ObjectCode
-        k = ObjectCode.from_cubin(cubin, name=name).get_kernel(entry)
-        if smem > 48 * 1024:
-            _set_max_dynamic_smem(k, smem, device_id)
-            _kernel_smem[key] = smem
-        _kernel_cache[key] = k
-        return k
+        hit = _kernel_cache.get(key)
+        if hit is None:
+            cubin, _ = _build.compile_cubin(stub, arch, name=name)
+            device(device_id)
+            from cuda.core import ObjectCode
+            hit = (ObjectCode.from_cubin(cubin, name=name).get_kernel(entry), 48 * 1024)
+        if smem > hit[1]:
+            # (also one kernel launched with more than before: the patch kernel's size follows the problem)
+            device(device_id)
+            _set_max_dynamic_smem(hit[0], smem, device_id)
+            hit = (hit[0], smem)
+        _kernel_cache[key] = hit
+        return hit[0]
 
 
 def _set_max_dynamic_smem(kernel, nbytes: int, device_id: int) -> None:

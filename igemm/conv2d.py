@@ -418,12 +418,13 @@ class Conv2dPlan:
             grid = (tiles, 1, spec.splits)      # tile blockIdx.x, n-fastest (csrc/conv2d_common.cuh, tile_coord)
             if spec.persistent:                 # one CTA per SM at most, looping over the tiles
                 grid = (min(tiles, self.sms), 1, 1)
-            kt = -(-self.kproblem.Kred // spec.bk)
+            kt = -(-self.kproblem.Kred // spec.bk)  # the kernel's reduction (padded or unfolded copies: longer)
+            ws = None
             if spec.streamk:                    # equal shares of tiles x k-tiles (csrc/conv2d_sm90.cuh, fprop_streamk)
                 grid = (min(self.sms * spec.streamk, tiles * kt), 1, 1)
-                ws = self._streamk_workspace(spec, grid[0])
-            else:
-                ws = self._workspace(spec, grid) if spec.splits > 1 else None
+                ws = self._workspace(spec, grid[0], grid[0], 0)
+            elif spec.splits > 1:
+                ws = self._workspace(spec, tiles, tiles * spec.splits, -(-kt // spec.splits))
             if spec.load_a == "elem" and self._ktab is None:
                 tab = _k_table(self.kproblem, 64)      # padded for every BK the kernels use (8..64)
                 d = _runtime.DeviceArray(tab.shape, "int32", self.device_id)
@@ -470,21 +471,13 @@ class Conv2dPlan:
         prep = Prepared(self.device_id, jx, xs.ptr, jw, ws.ptr if ws is not None else 0)
         self._xpose = (prep, xs, ws)
 
-    def _workspace(self, spec: KernelSpec, grid) -> tuple:
-        """Split-K partial tiles and per-tile tickets (zeroed once; the kernel resets its tickets)."""
-        tiles = grid[0] * grid[1]
-        ws = _runtime.DeviceArray((tiles * spec.splits * spec.bm * spec.bn,), "float32", self.device_id)
-        cnt = _runtime.DeviceArray((tiles,), "int32", self.device_id)
-        _runtime.memset_d32_sync(cnt.ptr, 0, tiles)
-        kt = -(-self.kproblem.Kred // spec.bk)     # the kernel's reduction (padded or unfolded copies: longer)
-        return ws, cnt, -(-kt // spec.splits)
-
-    def _streamk_workspace(self, spec: KernelSpec, ctas: int) -> tuple:
-        """Stream-K: a partial tile per CTA and a flag per CTA (zeroed once; the finishing CTA clears them)."""
-        ws = _runtime.DeviceArray((ctas * spec.bm * spec.bn,), "float32", self.device_id)
-        cnt = _runtime.DeviceArray((ctas,), "int32", self.device_id)
-        _runtime.memset_d32_sync(cnt.ptr, 0, ctas)
-        return ws, cnt, 0
+    def _workspace(self, spec: KernelSpec, slots: int, partials: int, kt_per_split: int) -> tuple:
+        """Partial fp32 tiles and ``slots`` int32 tickets/flags (zeroed once; the kernel leaves them zero).
+        Split-K: a ticket per tile, a partial per tile and split; stream-K: a flag and a partial per CTA."""
+        ws = _runtime.DeviceArray((partials * spec.bm * spec.bn,), "float32", self.device_id)
+        cnt = _runtime.DeviceArray((slots,), "int32", self.device_id)
+        _runtime.memset_d32_sync(cnt.ptr, 0, slots)
+        return ws, cnt, kt_per_split
 
     # -------------------------------------------------------------------------------------- call
     @keeps_current_context

@@ -1,11 +1,12 @@
 """ResNet-50 conv layers: igemm vs cuDNN (torch, cudnn.benchmark=True), timed in the same run.
 
     python benchmarks/bench_conv.py --out DIR [--configs fp16-NHWC,fp16-NCHW,fp16-NCHW-native,fp32-NCHW] [--batch 32]
-    (also: fp16-NHWC-gather, the cp.async gather instead of TMA loads; bf16-NHWC; tf32-NHWC)
+    (also: fp16-NHWC-gather, the cp.async gather instead of TMA loads; bf16-NHWC; tf32-NHWC;
+     fp32-NHWC, fp32-NCHW-transpose, fp32-NCHW-ffma: strict fp32 on the other paths and the FFMA kernel)
 
 For each layer and configuration: igemm median time (CUDA events, inputs rotated past L2), cuDNN's,
 the ratio, TFLOP/s, % of the measured fp16 GEMM peak, the memory floor (bytes / copy bandwidth), the
-max relative error against a float64 convolution, and the host time of one plan call.
+max relative error against a float64 convolution (igemm's and cuDNN's), and the host time of one plan call.
 """
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ CONFIGS = {  # name: (dtype, layout, igemm precision, cuDNN allow_tf32)
     "fp16-NHWC-elem": ("float16", "NHWC", "strict", False),     # unfold=False (conv1: the element gather)
     "fp16-NCHW-elem": ("float16", "NCHW", "strict", False),
     "bf16-NHWC": ("bfloat16", "NHWC", "strict", False),
-    "fp32-NCHW": ("float32", "NCHW", "strict", False),
+    "fp32-NCHW": ("float32", "NCHW", "strict", False),         # strict fp32: 3xTF32 (tf32x3) by default
+    "fp32-NHWC": ("float32", "NHWC", "strict", False),
+    "fp32-NCHW-transpose": ("float32", "NCHW", "strict", False),  # nchw_path="transpose"
+    "fp32-NCHW-ffma": ("float32", "NCHW", "strict", False),     # the FFMA (simt) kernel, forced
     "fp32-NCHW-elem": ("float32", "NCHW", "strict", False),
     "tf32-NHWC": ("float32", "NHWC", "tf32", True),
 }
+
+
+FFMA = {"math": "simt", "bm": 128, "bn": 128, "wm": 4, "wn": 2, "stages": 3}   # the strict-fp32 FFMA kernel
 
 
 def make_inputs(torch, N, C, K, H, R, dtype, layout, n_sets_bytes):
@@ -85,7 +92,9 @@ def main(argv=None):
             io_bytes = (N * C * H * H + N * K * P * P + K * C * R * R) * eb
             xs, w = make_inputs(torch, N, C, K, H, R, dtype, layout, io_bytes)
             plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
-                                    nchw_path="native" if cfg.endswith("-native") else "auto",
+                                    nchw_path=("native" if cfg.endswith("-native") else
+                                               "transpose" if cfg.endswith("-transpose") else "auto"),
+                                    config=FFMA if cfg.endswith("-ffma") else None,
                                     pad_channels=True if cfg.endswith("-pad") and C < 8 else None,
                                     unfold=False if cfg.endswith(("-elem", "-pad")) else None)
             if cfg.endswith("-gather") and plan._primary.load_b == "tma":
@@ -103,6 +112,11 @@ def main(argv=None):
             if layout == "NHWC":
                 ref = ref.permute(0, 2, 3, 1)
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            y_dnn = F.conv2d(xt, wt, stride=st, padding=pd)          # cuDNN's own error, same settings
+            if layout == "NHWC":
+                y_dnn = y_dnn.permute(0, 2, 3, 1)
+            err_dnn = ((y_dnn.double() - ref).abs().max() / ref.abs().max()).item()
+            del y_dnn
             # host time of one plan call (no synchronisation inside the loop)
             host = host_time(lambda: plan(xs[0], w, out=outs[0]))
             flops = 2 * N * K * P * P * C * R * R
@@ -111,7 +125,7 @@ def main(argv=None):
             bench.row(config=cfg, layer=name, igemm_us=t_ig * 1e6, cudnn_us=t_dnn * 1e6, ratio=ratio,
                       igemm_tflops=flops / t_ig / 1e12, cudnn_tflops=flops / t_dnn / 1e12,
                       pct_peak=100 * flops / t_ig / peak, mem_floor_us=io_bytes / bw * 1e6,
-                      max_rel_err=err, host_us=host * 1e6,
+                      max_rel_err=err, cudnn_rel_err=err_dnn, host_us=host * 1e6,
                       kernel=("transpose+" if plan.nchw_path == "transpose" else "")
                       + ("unfold+" if plan.nchw_path == "unfold" else
                          f"pad{plan.kproblem.C}+" if plan.kproblem.C != plan.problem.C else "") + spec.name())

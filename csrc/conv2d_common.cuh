@@ -12,7 +12,9 @@ namespace igemm::conv {
 enum : int { kNCHW = 0, kNHWC = 1 };
 // kWgmmaWs (sm_90a, TMA loads only): the persistent warp-specialised kernel: WM consumer warpgroups, each
 // computing its own BM × BN tiles (BM = 64), and one producer warp issuing their TMA loads (conv2d_sm90.cuh).
-enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3 };
+// kTensorOp3 (fp32 only): the kTensorOp mainloop with each operand split into two TF32 parts, big + small,
+// and three MMAs per product (small·big + big·small + big·big): fp32 accuracy on tensor cores (conv2d_sm80.cuh).
+enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3, kTensorOp3 = 4 };
 // kLoadTma (sm_90a wgmma only): one thread loads each stage with two TMA copies, the im2col-mode one for
 // A (NHWC, C % 64 == 0) and a tiled one for B, completing on an mbarrier (conv2d_sm90.cuh).
 // kLoadTmaC8: the A side of kLoadTma for 8-channel inputs (16-bit C padded to 8): a k-tile is 8 taps, one
@@ -34,8 +36,9 @@ struct Config {
   static constexpr int Stages = Stages_, LoadA = LoadA_, LoadB = LoadB_, StoreMode = StoreMode_;
   static constexpr int VecO = VecO_;
   static constexpr bool FuseMask = FuseMask_;
-  // kTensorOp: WM × WN warps; kWgmma: WM warpgroups along M (64 rows each), one along N; kSimt: 256.
-  static constexpr int kThreads = Math_ == kTensorOp ? WM * WN * 32
+  // kTensorOp, kTensorOp3: WM × WN warps; kWgmma: WM warpgroups along M (64 rows each), one along N; kSimt: 256.
+  static constexpr bool kMmaSync = Math_ == kTensorOp || Math_ == kTensorOp3;
+  static constexpr int kThreads = kMmaSync ? WM * WN * 32
                                  : Math_ == kWgmma ? WM * 128 : Math_ == kWgmmaWs ? WM * 128 + 32 : 256;
   static constexpr int EB = sizeof(Element);
   static constexpr int CE = 16 / EB;               // elements per 16-byte chunk

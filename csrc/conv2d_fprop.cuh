@@ -1,6 +1,6 @@
 // igemm: implicit-GEMM conv2d forward (the cuDNN paper's design), composed from its parts:
 //   conv2d_common.cuh   configuration, index mapping (magic-number division), the cp.async gather loader
-//   conv2d_sm80.cuh     mma.sync tensor-op and strict-fp32 SIMT mainloops (sm_80+)
+//   conv2d_sm80.cuh     mma.sync tensor-op (fp16/bf16, TF32, 3xTF32) and FFMA SIMT mainloops (sm_80+)
 //   conv2d_sm90.cuh     the wgmma mainloops (sm_90a): cp.async gather, or TMA (im2col-mode A, tiled B)
 //   conv2d_patch.cuh    the wgmma mainloop for few-channel inputs: A built from a TMA-loaded input patch
 //   conv2d_epilogue.cuh split-K reduction and the store phase (epilogue chain, ReLU mask)
@@ -32,7 +32,7 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
 #if defined(IGEMM_WGMMA)
   if constexpr (Cfg::StoreMode == kStoreRegs) epilogue_regs_prologue<Cfg>(p, m0, n0);
 #endif
-  if constexpr (Cfg::kMath == kTensorOp) {
+  if constexpr (Cfg::kMmaSync) {
     mainloop_tensorop<Cfg>(p, smem, m0, n0, kt0, kt1);
   } else if constexpr (Cfg::kMath == kSimt) {
     mainloop_simt<Cfg>(p, smem, m0, n0, kt0, kt1);

@@ -1,5 +1,6 @@
 // igemm conv2d forward: the sm_80+ mainloops.
-//   mainloop_tensorop: mma.sync m16n8k16 (fp16/bf16) or m16n8k8 (tf32, operands rounded with cvt.rna),
+//   mainloop_tensorop: mma.sync m16n8k16 (fp16/bf16) or m16n8k8 (tf32, operands rounded with cvt.rna;
+//                      kTensorOp3: 3xTF32, each operand split into big + small TF32 parts),
 //                      ldmatrix from the loader's swizzled buffers, fp32 accumulation;
 //   mainloop_simt:     strict IEEE fp32 FFMA, 8×8 outer products per thread.
 // Both run k-tiles [kt0, kt1) with `Stages` cp.async stages and leave the fp32 accumulators in the
@@ -19,6 +20,13 @@ IGEMM_DEVICE uint32_t to_tf32(uint32_t x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(__uint_as_float(x)));
   return r;
+}
+
+// x (fp32 bits) -> big = tf32(x) in x, small = tf32(x - big) in lo
+IGEMM_DEVICE void split_tf32(uint32_t& x, uint32_t& lo) {
+  const uint32_t big = to_tf32(x);
+  lo = to_tf32(__float_as_uint(__uint_as_float(x) - __uint_as_float(big)));
+  x = big;
 }
 
 template <class T> struct Mma;
@@ -52,6 +60,7 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
   constexpr int WTM = BM / Cfg::WM, WTN = BN / Cfg::WN;
   constexpr int MT = WTM / 16, NT = WTN / 8;
   static_assert(NT % 2 == 0 && MT >= 1, "warp tile");
+  static_assert(Cfg::kMath != kTensorOp3 || Cfg::EB == 4, "3xTF32 is for fp32 operands");
   constexpr int KSTEPS = BK / Mma<T>::kK;
 
   uint8_t* sA = smem;
@@ -105,7 +114,26 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
         ldsm_x4(r, b_base + L::swz(row, ks * 2 + ((lane >> 3) & 1)));
         bf[nt][0] = r[0]; bf[nt][1] = r[1]; bf[nt + 1][0] = r[2]; bf[nt + 1][1] = r[3];
       }
-      if constexpr (Cfg::EB == 4) {
+      if constexpr (Cfg::kMath == kTensorOp3) {
+        // 3xTF32: x = big + small with big = tf32(x) and small = tf32(x - big) (x - big is exact);
+        // a·b ≈ a_s·b_b + a_b·b_s + a_b·b_b (a_s·b_s, ~2^-22 relative, is dropped), small terms first
+        uint32_t as[MT][4], bs[NT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) split_tf32(af[mt][e], as[mt][e]);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) split_tf32(bf[nt][e], bs[nt][e]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            Mma<T>::run(acc[mt][nt], as[mt], bf[nt]);
+            Mma<T>::run(acc[mt][nt], af[mt], bs[nt]);
+          }
+      } else if constexpr (Cfg::EB == 4) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -74,7 +74,7 @@ class ConvProblem:
 class KernelSpec:
     dtype: str
     layout: str
-    math: str                 # "tensorop" | "simt"
+    math: str                 # "tensorop" | "tf32x3" | "simt" | "wgmma" | "wgmma_ws"
     bm: int
     bn: int
     bk: int
@@ -94,7 +94,7 @@ class KernelSpec:
 
     @property
     def threads(self) -> int:
-        return {"tensorop": self.wm * self.wn * 32, "wgmma": self.wm * 128,
+        return {"tensorop": self.wm * self.wn * 32, "tf32x3": self.wm * self.wn * 32, "wgmma": self.wm * 128,
                 "wgmma_ws": self.wm * 128 + 32}.get(self.math, 256)
 
     @property
@@ -142,7 +142,8 @@ class KernelSpec:
         ns = "igemm::conv::"
         epi = "igemm::epi::Chain<" + ", ".join(self.epilogue) + ">"
         args = [t, t, ns + ("kNHWC" if self.layout == "NHWC" else "kNCHW"),
-                ns + {"tensorop": "kTensorOp", "simt": "kSimt", "wgmma": "kWgmma", "wgmma_ws": "kWgmmaWs"}[self.math],
+                ns + {"tensorop": "kTensorOp", "tf32x3": "kTensorOp3", "simt": "kSimt", "wgmma": "kWgmma",
+                            "wgmma_ws": "kWgmmaWs"}[self.math],
                 self.bm, self.bn, self.bk, self.wm, self.wn, self.stages,
                 ns + _LOADS[self.load_a], ns + _LOADS[self.load_b],
                 ns + {"rows": "kStoreRows", "linear": "kStoreLinear", "nchw": "kStoreNCHW",
@@ -386,6 +387,15 @@ def choose_splits(pb: ConvProblem, bm: int, bn: int, bk: int, sms: int) -> int:
     return max(1, min(-(-sms // tiles), kt // 8, 16))
 
 
+def _strict_math() -> str:
+    """The strict-fp32 mainloop: ``IGEMM_FP32_STRICT`` = ``tf32x3`` (default) or ``simt`` (the FFMA kernel)."""
+    import os
+    v = os.environ.get("IGEMM_FP32_STRICT", "tf32x3")
+    if v not in ("tf32x3", "simt"):
+        raise ValueError(f"IGEMM_FP32_STRICT: expected 'tf32x3' or 'simt', got {v!r}")
+    return v
+
+
 def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = True, w_aligned: bool = True,
                   sms: int = 132) -> KernelSpec:
     """Pick the kernel for a problem. ``x_aligned``/``w_aligned``: base pointers 16-byte aligned."""
@@ -394,7 +404,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     M, K = pb.M, pb.K
     if pb.patch:
         return patch_config(pb, sms)
-    if pb.dtype == "float32" and pb.precision == "strict":
+    if pb.dtype == "float32" and pb.precision == "strict" and _strict_math() == "simt":
         math, bm, bn, bk, wm, wn, stages = "simt", 128, 128, 8, 4, 2, 3
     elif eb == 2 and arch.startswith("sm_90"):
         # One 64-row warpgroup per CTA, several CTAs per SM: measured best on H200 for the ResNet-50
@@ -428,7 +438,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             if 2 * -(-M // 128) >= sms:
                 bm, wm, stages = 128, 2, 4
     else:
-        math = "tensorop"
+        # fp32 strict: 3xTF32 (tf32x3, fp32 accuracy from three TF32 MMAs per product)
+        math = "tf32x3" if pb.dtype == "float32" and pb.precision == "strict" else "tensorop"
         bk = 32 if eb == 2 else 16
         bm, bn = 128, 128
         if K <= 64:
@@ -541,7 +552,9 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
                 for bn in (64, 128):
                     for stages in (3, 4):
                         add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
-    elif base.math == "tensorop":
+    elif base.math in ("tensorop", "tf32x3"):
+        if base.math == "tf32x3":
+            add(math="simt", bm=128, bn=128, bk=8, wm=4, wn=2, stages=3)    # the FFMA kernel
         for bm, bn, wm, wn in ((128, 128, 2, 2), (128, 64, 2, 2), (64, 128, 1, 2), (128, 128, 2, 4), (64, 64, 2, 2)):
             for stages in (3, 4):
                 add(bm=bm, bn=bn, wm=wm, wn=wn, stages=stages)
@@ -565,7 +578,11 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "wgmma needs 16-bit types, BK*size = 128 bytes, BM % 64 == 0, BN in {64,128,192,256}"
     elif spec.math == "simt" and (pb.dtype != "float32" or (spec.bm, spec.bn, spec.bk) != (128, 128, 8)):
         why = "the SIMT kernel is fp32 128x128x8"
-    elif spec.math == "tensorop" and (spec.bk * eb not in (32, 64, 128) or (spec.bn // spec.wn) % 16
+    elif pb.dtype == "float32" and pb.precision == "strict" and spec.math not in ("simt", "tf32x3"):
+        why = "strict fp32 runs on the FFMA kernel (simt) or 3xTF32 (tf32x3), not on single TF32"
+    elif spec.math == "tf32x3" and pb.dtype != "float32":
+        why = "3xTF32 is for fp32"
+    elif spec.math in ("tensorop", "tf32x3") and (spec.bk * eb not in (32, 64, 128) or (spec.bn // spec.wn) % 16
                                       or (spec.bm // spec.wm) % 16):
         why = "tensor-op tile"
     elif (spec.load_a.startswith("tma")) != (spec.load_b == "tma") or (spec.load_b == "tma" and not spec.math.startswith("wgmma")):
@@ -599,7 +616,7 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = f"{spec.smem} bytes of shared memory"
     elif spec.splits < 1 or spec.splits > -(-pb.Kred // spec.bk):
         why = f"splits={spec.splits}"
-    elif spec.math in ("tensorop", "wgmma") and ((spec.bm * spec.bk * eb // 16) % spec.threads
+    elif spec.math in ("tensorop", "tf32x3", "wgmma") and ((spec.bm * spec.bk * eb // 16) % spec.threads
                                                   or (spec.bn * spec.bk * eb // 16) % spec.threads):
         why = "loader partition"
     if why and raise_:

@@ -159,7 +159,7 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
         spec = dataclasses.replace(spec, math="wgmma", wm=spec.bm // 64)
     if "math" in cfg and not cfg["math"].startswith("wgmma") and "bk" not in cfg:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
-        if cfg["math"] == "tensorop" and "wn" not in cfg:
+        if cfg["math"] in ("tensorop", "tf32x3") and "wn" not in cfg:
             spec = dataclasses.replace(spec, wn=2, wm=spec.bm // 64)
     if "splits" not in cfg:
         spec = dataclasses.replace(spec, splits=1 if spec.persistent or spec.streamk

@@ -7,7 +7,7 @@ import pytest
 
 import igemm
 from igemm import _build, reference
-from igemm._heuristics import ConvProblem, choose_config
+from igemm._heuristics import ConvProblem, choose_config, validate_spec
 from igemm.conv2d import Conv2dPlan, _stub
 
 from helpers import TOL, poison, rel_err, to_numpy, to_torch
@@ -152,7 +152,20 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(C=3, R=7, S=7)).load_b == "elem"          # Kred = 147
     assert choose_config(_pb(layout="NCHW")).load_a == "elem"
     assert choose_config(_pb(), x_aligned=False).load_a == "elem"
-    assert choose_config(_pb(dtype="float32", precision="strict")).math == "simt"
+    assert choose_config(_pb(dtype="float32", precision="strict")).math == "tf32x3"   # 3xTF32
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("IGEMM_FP32_STRICT", "simt")
+        assert choose_config(_pb(dtype="float32", precision="strict")).math == "simt"
+        mp.setenv("IGEMM_FP32_STRICT", "tf32")
+        with pytest.raises(ValueError, match="IGEMM_FP32_STRICT"):
+            choose_config(_pb(dtype="float32", precision="strict"))
+    # strict fp32 never runs on single TF32, whatever the config asks
+    pb32 = _pb(dtype="float32", precision="strict")
+    assert not validate_spec(dataclasses.replace(choose_config(pb32), math="tensorop"), pb32, raise_=False)
+    assert validate_spec(dataclasses.replace(choose_config(_pb(dtype="float32", precision="tf32")), math="tf32x3"),
+                         _pb(dtype="float32", precision="tf32"), raise_=False)
+    assert not validate_spec(dataclasses.replace(choose_config(_pb()), math="tf32x3", bk=32, wm=2, wn=2), _pb(),
+                             raise_=False)
     tf = choose_config(_pb(dtype="float32", precision="tf32"))
     assert (tf.math, tf.bk) == ("tensorop", 16)
     big = choose_config(_pb(K=256, epilogue=(("ReLU", True),)))
@@ -724,6 +737,41 @@ def _check_plan(torch, plan, x, w, layout, st, pd, dl, tol):
     err = rel_err(to_numpy(y), ref)
     assert err <= tol, f"{plan.spec().name()} splits={plan.spec().splits}: {err}"
     return y
+
+
+FFMA = {"math": "simt", "bm": 128, "bn": 128, "wm": 4, "wn": 2, "stages": 3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_strict_fp32_paths(layout, rng):
+    """Strict fp32 on both of its mainloops -- 3xTF32 (the default) and the FFMA kernel (forced) -- within
+    the fp32 tolerance on random problems and deep reductions (Kred 4608), and 3xTF32 measurably more
+    accurate than single TF32 on the same inputs (it would not be if the small parts were lost)."""
+    torch = pytest.importorskip("torch")
+    cases = [rand_problem(rng) for _ in range(40)]
+    cases += [((4, 512, 7, 7), (64, 512, 3, 3), (1, 1), (1, 1), (1, 1)),
+              ((2, 256, 14, 14), (96, 256, 3, 3), (2, 2), (1, 1), (1, 1))]
+    worst = {"tf32x3": 0.0, "simt": 0.0}
+    gain = []
+    for xs, ws, st, pd, dl in cases:
+        x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+        x, w = to_torch(x64, "float32"), to_torch(w64, "float32")
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
+        for math_, cfg in (("tf32x3", None), ("simt", FFMA)):
+            plan = Conv2dPlan(x.shape, w.shape, "float32", layout, st, pd, dl, precision="strict", config=cfg)
+            assert plan.spec().math == math_
+            out = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
+            err = rel_err(to_numpy(plan(x, w, out=out)), ref)
+            assert err <= TOL["float32"], f"{math_} x{xs} w{ws} stride{st} pad{pd} dil{dl}: {err:.3g}"
+            worst[math_] = max(worst[math_], err)
+            if math_ == "tf32x3":
+                e3 = err
+        e1 = rel_err(to_numpy(igemm.conv2d(x, w, st, pd, dl, layout=layout, precision="tf32")), ref)
+        gain.append(e1 / max(e3, 1e-12))
+    print(f"strict fp32 {layout}: worst rel err 3xTF32 {worst['tf32x3']:.3g}, FFMA {worst['simt']:.3g}; "
+          f"TF32/3xTF32 error ratio median {sorted(gain)[len(gain) // 2]:.0f}")
+    assert sorted(gain)[len(gain) // 2] > 20
 
 
 @pytest.mark.gpu

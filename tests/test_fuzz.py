@@ -1230,7 +1230,7 @@ def test_numpy_fuzz_gather_stats(case, numpy_backend):
 def test_conv_fuzz_domain_is_bounded():
     """The conv fuzz compiles a bounded set of kernels (each ~4 s of nvcc): keep it so when editing cells."""
     stubs = conv_stubs(n=60)
-    assert len(stubs) <= 200, len(stubs)       # (184 with the register epilogue: split draws add a kernel)
+    assert len(stubs) <= 220, len(stubs)       # (184 with the register epilogue; 203 with 3xTF32 strict fp32)
     items = len(conv_items()) + len(BN_ITEMS) + 1 + len(IA_ITEMS) + len(PRELU_ITEMS) + 3
     assert items * 24 >= 2000          # the default IGEMM_FUZZ_EXAMPLES gives >= 2,000 GPU problems a run
 

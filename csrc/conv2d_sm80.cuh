@@ -77,6 +77,34 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
+  // 3xTF32: the tensor core adds each MMA's products into its accumulator with truncation, not rounding,
+  // so a chain over a deep reduction drifts (biased, ~K/8 ulps: Kred 2304 gave 1.9e-5 of max |y| on an
+  // H100, 50x cuDNN's FFMA error). Every kPromoteTiles k-tiles the MMA accumulators are added to fp32
+  // registers with a rounded FADD and restart from zero (CUTLASS's "promotion" for FP8, applied here).
+  constexpr bool kPromote = Cfg::kMath == kTensorOp3;
+  constexpr int kPromoteTiles = 4;
+  constexpr int PM = kPromote ? MT : 1, PN = kPromote ? NT : 1;
+  float sum[PM][PN][4];
+  auto promote = [&]() {
+#pragma unroll
+    for (int i = 0; i < PM; ++i)
+#pragma unroll
+      for (int j = 0; j < PN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sum[i][j][e] += acc[i][j][e];
+          acc[i][j][e] = 0.f;
+        }
+  };
+  if constexpr (kPromote) {
+#pragma unroll
+    for (int i = 0; i < PM; ++i)
+#pragma unroll
+      for (int j = 0; j < PN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sum[i][j][e] = 0.f;
+  }
+
   const int KT = kt1 - kt0;
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
@@ -126,20 +154,13 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) split_tf32(bf[nt][e], bs[nt][e]);
-        // The tensor core adds each MMA's products into its accumulator with truncation, not rounding:
-        // chained over a deep reduction the error is biased and grows with K/8 (Kred 2304: max error
-        // 1.9e-5 of max |y| on an H100, 50x cuDNN's FFMA result). So each k-step's three MMAs start from
-        // zero and their 8-deep partial sum is added to the accumulator with a rounded FADD.
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            Mma<T>::run(d, as[mt], bf[nt]);
-            Mma<T>::run(d, af[mt], bs[nt]);
-            Mma<T>::run(d, af[mt], bf[nt]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] += d[e];
+            Mma<T>::run(acc[mt][nt], as[mt], bf[nt]);
+            Mma<T>::run(acc[mt][nt], af[mt], bs[nt]);
+            Mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
           }
       } else {
         if constexpr (Cfg::EB == 4) {       // TF32: operands rounded to nearest
@@ -158,8 +179,12 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
           for (int nt = 0; nt < NT; ++nt) Mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
       }
     }
+    if constexpr (kPromote) {
+      if (it % kPromoteTiles == kPromoteTiles - 1) promote();
+    }
     if (nk < KT) ld.store_regs(nbuf);
   }
+  if constexpr (kPromote) promote();
   cp_async_wait<0>();
   __syncthreads();
 
@@ -172,14 +197,15 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int r0 = wm * WTM + mt * 16 + g, c0 = wn * WTN + nt * 8 + 2 * t4;
+      const float* v = kPromote ? sum[kPromote ? mt : 0][kPromote ? nt : 0] : acc[mt][nt];
       if constexpr (Cfg::kCsPixelMajor) {
-        *reinterpret_cast<float2*>(Cs + r0 * LD + c0) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
-        *reinterpret_cast<float2*>(Cs + (r0 + 8) * LD + c0) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+        *reinterpret_cast<float2*>(Cs + r0 * LD + c0) = make_float2(v[0], v[1]);
+        *reinterpret_cast<float2*>(Cs + (r0 + 8) * LD + c0) = make_float2(v[2], v[3]);
       } else {
-        Cs[c0 * LD + r0] = acc[mt][nt][0];
-        Cs[(c0 + 1) * LD + r0] = acc[mt][nt][1];
-        Cs[c0 * LD + r0 + 8] = acc[mt][nt][2];
-        Cs[(c0 + 1) * LD + r0 + 8] = acc[mt][nt][3];
+        Cs[c0 * LD + r0] = v[0];
+        Cs[(c0 + 1) * LD + r0] = v[1];
+        Cs[c0 * LD + r0 + 8] = v[2];
+        Cs[(c0 + 1) * LD + r0 + 8] = v[3];
       }
     }
   __syncthreads();

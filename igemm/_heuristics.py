@@ -446,6 +446,13 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             bn = 64
         wm, wn = 2, 2
         stages = 4
+        if math == "tf32x3":
+            # two fp32 accumulator sets per thread (csrc/conv2d_sm80.cuh): 64x32 warp tiles at most;
+            # 128x64 while it gives three waves at 2 CTAs/SM, else 64x64 (3 CTAs/SM)
+            bn = 64
+            if -(-M // 128) * -(-K // 64) < 3 * sms:
+                bm = 64
+            stages = 3 if bm == 128 else 4
     kt = -(-pb.Kred // bk)
     if math != "simt" and kt <= 2:
         stages = 2           # nothing to pipeline: the smaller footprint buys CTAs in flight instead
@@ -552,9 +559,13 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
                 for bn in (64, 128):
                     for stages in (3, 4):
                         add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
-    elif base.math in ("tensorop", "tf32x3"):
-        if base.math == "tf32x3":
-            add(math="simt", bm=128, bn=128, bk=8, wm=4, wn=2, stages=3)    # the FFMA kernel
+    elif base.math == "tf32x3":
+        add(math="simt", bm=128, bn=128, bk=8, wm=4, wn=2, stages=3)    # the FFMA kernel
+        for bm, bn, wm, wn in ((128, 64, 2, 2), (64, 64, 2, 2), (128, 128, 2, 4), (64, 128, 2, 2)):
+            for stages in (3, 4):
+                for sp in (1, 2, 4):
+                    add(bm=bm, bn=bn, wm=wm, wn=wn, stages=stages, splits=sp)
+    elif base.math == "tensorop":
         for bm, bn, wm, wn in ((128, 128, 2, 2), (128, 64, 2, 2), (64, 128, 1, 2), (128, 128, 2, 4), (64, 64, 2, 2)):
             for stages in (3, 4):
                 add(bm=bm, bn=bn, wm=wm, wn=wn, stages=stages)
@@ -585,6 +596,8 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     elif spec.math in ("tensorop", "tf32x3") and (spec.bk * eb not in (32, 64, 128) or (spec.bn // spec.wn) % 16
                                       or (spec.bm // spec.wm) % 16):
         why = "tensor-op tile"
+    elif spec.math == "tf32x3" and (spec.bm // spec.wm) * (spec.bn // spec.wn) > 64 * 32:
+        why = "3xTF32 warp tiles are at most 64x32 (two fp32 accumulator sets: larger ones spill)"
     elif (spec.load_a.startswith("tma")) != (spec.load_b == "tma") or (spec.load_b == "tma" and not spec.math.startswith("wgmma")):
         why = "TMA loads: both operands, wgmma only"
     elif spec.load_a.startswith("tma") and spec.load_a != tma_kind(pb):

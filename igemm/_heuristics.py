@@ -447,12 +447,12 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         wm, wn = 2, 2
         stages = 4
         if math == "tf32x3":
-            # two fp32 accumulator sets per thread (csrc/conv2d_sm80.cuh): 64x32 warp tiles at most;
-            # 128x64 while it gives three waves at 2 CTAs/SM, else 64x64 (3 CTAs/SM)
-            bn = 64
-            if -(-M // 128) * -(-K // 64) < 3 * sms:
-                bm = 64
-            stages = 3 if bm == 128 else 4
+            # two fp32 accumulator sets per thread (csrc/conv2d_sm80.cuh): warp tiles of at most 2048
+            # elements. tools/sweep.py on an H100 (N=32, notes/perf.md): 64x128 (32x64 warp tiles) fastest
+            # wherever K > 64 (3x3 128->128 @28 NHWC 153.5 us vs 64x64 171.4), 128x64 for K <= 64
+            # (3x3 64->64 @56 155 vs 64x64 182); 3 stages for the NCHW gather, 4 for NHWC (within 2%)
+            bm, bn = (128, 64) if K <= 64 else (64, 128)
+            stages = 3 if pb.layout == "NCHW" else 4
     kt = -(-pb.Kred // bk)
     if math != "simt" and kt <= 2:
         stages = 2           # nothing to pipeline: the smaller footprint buys CTAs in flight instead
@@ -463,6 +463,11 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # 255 us with them, 172 us with the element gather; notes/perf.md)
         load_a = load_b = "tma"
     splits = choose_splits(pb, bm, bn, bk, sms)
+    if math == "tf32x3":
+        # the compute-bound 3xTF32 tiles want two CTAs an SM: split while the tiles are fewer (sweep:
+        # 3x3 256->256 @14, 196 tiles: 2 splits 158 us vs 174; 3x3 512->512 @7, 100 tiles: 2 or 4, 201-225 vs 243-276)
+        tiles = -(-M // bm) * -(-K // bn)
+        splits = 1 if tiles >= 2 * sms else max(1, min(-(-2 * sms // tiles), 4, -(-pb.Kred // bk) // 8))
     tiles, kt = -(-M // bm) * -(-K // bn), -(-pb.Kred // bk)
     if (math == "wgmma" and load_a == "tma" and bm == 64 and splits > 1 and 10 * tiles >= sms
             and (kt <= 48 or 4 * tiles >= sms)):

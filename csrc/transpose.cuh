@@ -10,7 +10,12 @@
 //   kVec      (16-bit, rows % 8 == 0, cols % 8 == 0, pitch == rows, 16-byte aligned bases): a 64 x 64
 //             tile through shared memory, 16-byte accesses;
 //   kScalar64 a 64 x 64 tile, element accesses;  kScalar16  a 256 x 16 tile (a 3x3 filter's 9 taps);
-//   kPad      4096 consecutive destination elements (no shared memory).
+//   kPad      4096 consecutive destination elements (no shared memory);
+//   kSub      (job 0) kScalar64 reading a subsampled image: destination column c (of P·Q) is source pixel
+//             (c / Q)·srow + (c % Q)·sw of an image of scols pixels -- x[:, :, ::sh, ::sw] of a 1x1
+//             stride-s conv without padding, so the copy holds only the pixels the conv reads;
+//   kWide     (job 0) a 4 x 1024 tile for rows <= 4 (conv1's C = 3): full 64x64 tiles would leave 60 of
+//             every 64 rows empty.
 #pragma once
 #include "common.cuh"
 
@@ -19,27 +24,39 @@ namespace igemm::xpose {
 constexpr int kThreads = 256;
 constexpr int kElems = 4096;                       // elements per tile
 constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
-enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3 };   // per-job kinds (igemm/_transpose.py)
+enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5 };   // per-job kinds (igemm/_transpose.py)
 
-// Scalar tile of (4096 / TC) rows x TC cols (TC = 64, or 16 for short rows such as a filter's R*S):
-// element loads coalesced along cols, element stores coalesced along rows, through a padded tile.
-template <class T, int TC>
+// Scalar tile of (4096 / TC) rows x TC cols (TC = 64; 16 for short rows such as a filter's R*S; 1024 for
+// rows <= 4): element loads coalesced along cols, element stores coalesced along rows, through a padded
+// tile. Sub: source column c of row r is at r·scols + (c / q)·srow + (c % q)·sw (else r·cols + c).
+struct SubMap { int scols, q, srow, sw; };
+
+template <class T, int TC, bool Sub = false>
 IGEMM_DEVICE void tile_scalar(uint32_t* sm, const T* __restrict__ src, T* __restrict__ dst, int rows, int cols,
-                              int pitch, int img, int r0, int c0) {
+                              int pitch, int img, int r0, int c0, SubMap sub = {}) {
   constexpr int TR = kElems / TC, LD = TC + 1;
-  static_assert(TR <= kThreads && TR * LD <= kSmemWords, "tile shape");
+  static_assert(TR * LD <= kSmemWords, "tile shape");
   const int tid = threadIdx.x;
-  const T* s = src + int64_t(img) * rows * cols;
+  const T* s = src + int64_t(img) * rows * (Sub ? sub.scols : cols);
   T* d = dst + int64_t(img) * pitch * cols;
 #pragma unroll
   for (int i = 0; i < kElems / kThreads; ++i) {
-    const int r = tid / TC + i * (kThreads / TC), c = tid % TC;
-    if (r0 + r < rows && c0 + c < cols) sm[r * LD + c] = s[int64_t(r0 + r) * cols + c0 + c];
+    const int e = tid + i * kThreads, r = e / TC, c = e % TC;
+    if (r0 + r < rows && c0 + c < cols) {
+      int64_t off;
+      if constexpr (Sub) {
+        const int cc = c0 + c, py = cc / sub.q;
+        off = int64_t(r0 + r) * sub.scols + int64_t(py) * sub.srow + int64_t(cc - py * sub.q) * sub.sw;
+      } else {
+        off = int64_t(r0 + r) * cols + c0 + c;
+      }
+      sm[r * LD + c] = s[off];
+    }
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kElems / kThreads; ++i) {
-    const int r = tid % TR, c = tid / TR + i * (kThreads / TR);
+    const int e = tid + i * kThreads, r = e % TR, c = e / TR;
     if (c0 + c < cols && r0 + r < pitch)
       d[int64_t(c0 + c) * pitch + r0 + r] = r0 + r < rows ? T(sm[r * LD + c]) : T(0);
   }
@@ -89,11 +106,11 @@ IGEMM_DEVICE void tile_pad(const T* __restrict__ src, T* __restrict__ dst, int r
   }
 }
 
-template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 ? 16 : 64; }
+template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 ? 16 : Mode == kWide ? 1024 : 64; }
 
 template <class T, int Mode>
 IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, int cols, int pitch, int tr, int tc,
-                           int b) {
+                           int b, SubMap sub = {}) {
   if constexpr (Mode == kPad) {
     tile_pad<T>(static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch, b);
     return;
@@ -106,8 +123,8 @@ IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, i
       tile_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR,
                  ct * TC);
     } else {
-      tile_scalar<T, TC>(sm, static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch, img, rt * TR,
-                         ct * TC);
+      tile_scalar<T, TC, Mode == kSub>(sm, static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch,
+                                       img, rt * TR, ct * TC, sub);
     }
   }
 }
@@ -116,8 +133,10 @@ template <class T, int Mode0, int Mode1, class P>
 __device__ void transpose2(const P& p) {
   __shared__ uint32_t sm[kSmemWords];
   const int b = blockIdx.x;
+  static_assert(Mode1 != kSub && Mode1 != kWide, "subsampled and wide tiles are job 0's");
   if (b < p.blocks0)
-    run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.pitch0, p.tr0, p.tc0, b);
+    run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.pitch0, p.tr0, p.tc0, b,
+                       SubMap{p.scols0, p.q0, p.srow0, p.sw0});
   else
     run_tile<T, Mode1>(sm, p.src1, const_cast<void*>(p.dst1), p.rows1, p.cols1, p.pitch1, p.tr1, p.tc1,
                        b - p.blocks0);

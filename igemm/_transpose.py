@@ -18,14 +18,15 @@ from ._kernel import ParamSpec
 __all__ = ["TransposeJob", "Prepared", "launch_pair", "precompile"]
 
 PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
-          *(ParamSpec(n + "0", "int32") for n in ("rows", "cols", "pitch", "tr", "tc", "blocks")),
+          *(ParamSpec(n + "0", "int32") for n in ("rows", "cols", "pitch", "tr", "tc", "blocks", "scols", "q", "srow", "sw")),
           ParamSpec("src1", "ptr"), ParamSpec("dst1", "ptr"),
           *(ParamSpec(n + "1", "int32") for n in ("rows", "cols", "pitch", "tr", "tc"))]
 _THREADS = 256
 
 
-SCALAR64, SCALAR16, VEC, PAD = 0, 1, 2, 3     # job kinds (csrc/transpose.cuh: kScalar64, ..., kPad)
-_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64}
+SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE = 0, 1, 2, 3, 4, 5   # job kinds (csrc/transpose.cuh: kScalar64, ..., kWide)
+_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024}
+JOB0_ONLY = (SUB, WIDE)
 
 
 def _ctype(esize: int) -> str:
@@ -45,26 +46,36 @@ def _name(esize: int, mode0: int, mode1: int) -> str:
 class TransposeJob:
     """``[batch][rows][cols] -> [batch][cols][pitch]`` from ``src`` to ``dst`` (element size ``esize``;
     ``pitch >= rows``, the extra entries zero); with ``pad=True`` instead ``[cols][rows] -> [cols][pitch]``
-    (a channel pad of ``cols`` pixels; ``batch`` must be 1)."""
+    (a channel pad of ``cols`` pixels; ``batch`` must be 1). ``sub=(Q, W, sh, sw, H*W)``: the source rows
+    are images of ``H*W`` pixels and destination column c is pixel ``(c // Q)*sh*W + (c % Q)*sw`` of them
+    (``x[:, :, ::sh, ::sw]``, ``cols = P*Q``; job 0 of a launch only)."""
 
-    __slots__ = ("batch", "rows", "cols", "esize", "pitch", "pad", "_geo")
+    __slots__ = ("batch", "rows", "cols", "esize", "pitch", "pad", "sub", "_geo")
 
-    def __init__(self, batch: int, rows: int, cols: int, esize: int, pitch: int | None = None, pad: bool = False):
+    def __init__(self, batch: int, rows: int, cols: int, esize: int, pitch: int | None = None, pad: bool = False,
+                 sub: tuple[int, int, int, int, int] | None = None):
         self.batch, self.rows, self.cols, self.esize = batch, rows, cols, esize
         self.pitch = rows if pitch is None else pitch
         self.pad = pad
-        if self.pitch < rows or (pad and batch != 1):
-            raise ValueError(f"bad job: batch {batch}, rows {rows}, pitch {self.pitch}, pad {pad}")
+        self.sub = sub
+        if self.pitch < rows or (pad and batch != 1) or (sub is not None and (pad or sub[4] < cols)):
+            raise ValueError(f"bad job: batch {batch}, rows {rows}, pitch {self.pitch}, pad {pad}, sub {sub}")
+        if sub is not None and batch * rows * sub[4] >= 2 ** 62:
+            raise NotImplementedError(f"transpose of {batch}x{rows}x{sub[4]} is too large")
         if (cols >= 2 ** 31 or batch * -(-self.pitch // 64) * -(-cols // 16) >= 2 ** 31
                 or batch * self.pitch * cols >= 2 ** 62):
             raise NotImplementedError(f"transpose of {batch}x{rows}x{cols} is too large")
         self._geo = {}
 
-    def mode(self, src: int, dst: int) -> int:
+    def mode(self, src: int, dst: int, first: bool = True) -> int:
         """``PAD`` for pad jobs; 16-byte tiles for 16-bit elements with rows and cols multiples of 8, no
         padding and aligned bases; else element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64."""
         if self.pad:
             return PAD
+        if self.sub is not None:
+            return SUB
+        if first and self.rows <= 4 and self.pitch <= 4 and self.cols >= 1024:
+            return WIDE
         if (self.esize == 2 and self.pitch == self.rows and self.rows % 8 == 0 and self.cols % 8 == 0
                 and src % 16 == 0 and dst % 16 == 0):
             return VEC
@@ -104,17 +115,22 @@ class Prepared:
     __slots__ = ("device_id", "job0", "dst0", "job1", "dst1", "_variants")
 
     def __init__(self, device_id: int, job0: TransposeJob, dst0: int, job1: TransposeJob | None = None, dst1: int = 0):
+        if job1 is not None and job1.sub is not None:
+            raise ValueError("a subsampled job runs as job 0 of a launch")
         self.device_id, self.job0, self.dst0, self.job1, self.dst1 = device_id, job0, dst0, job1, dst1
         self._variants = {}
 
     def __call__(self, stream: int, src0: int, src1: int = 0) -> None:
         j0, j1 = self.job0, self.job1
-        key = (j0.mode(src0, self.dst0), j1.mode(src1, self.dst1) if j1 is not None else SCALAR64)
+        key = (j0.mode(src0, self.dst0), j1.mode(src1, self.dst1, first=False) if j1 is not None else SCALAR64)
         v = self._variants.get(key)
         if v is None:
             tr0, tc0, blocks = j0.geometry(key[0])
             vals = {"dst0": self.dst0, "rows0": j0.rows, "cols0": j0.cols, "pitch0": j0.pitch, "tr0": tr0,
                     "tc0": tc0, "blocks0": blocks}
+            if j0.sub is not None:
+                q, w_, sh, sw, hw = j0.sub
+                vals.update(scols0=hw, q0=q, srow0=sh * w_, sw0=sw)
             if j1 is not None:
                 tr1, tc1, b1 = j1.geometry(key[1])
                 vals.update(dst1=self.dst1, rows1=j1.rows, cols1=j1.cols, pitch1=j1.pitch, tr1=tr1, tc1=tc1)
@@ -139,5 +155,5 @@ def all_variants() -> list[tuple[str, str]]:
     out = []
     for e in (2, 4):
         modes = (SCALAR64, SCALAR16, VEC, PAD) if e == 2 else (SCALAR64, SCALAR16, PAD)
-        out += [(_name(e, a, b), _stub(e, a, b)) for a in modes for b in modes]
+        out += [(_name(e, a, b), _stub(e, a, b)) for a in modes + JOB0_ONLY for b in modes]
     return out

@@ -18,7 +18,7 @@ import numpy as np
 from . import _kernel, _runtime, reference
 from ._dispatch import CallContext
 from ._runtime import keeps_current_context
-from ._heuristics import ConvProblem, KernelSpec, choose_config, kernel_setup, validate_spec
+from ._heuristics import ConvProblem, KernelSpec, choose_config, kernel_setup, subsampled, validate_spec
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_SIZES, Tensor, as_tensor
 from .fastdiv import MAX_DIVIDEND
@@ -260,7 +260,10 @@ class Conv2dPlan:
         layout: ``"NCHW"`` or ``"NHWC"``.
         stride, padding, dilation: ints or pairs (as ``torch.nn.functional.conv2d``).
         epilogue: an ``igemm.epilogues`` op or chain (BatchNorm/Bias vectors are folded now).
-        precision: fp32 only: ``"strict"`` (IEEE FFMA, default) or ``"tf32"`` (tensor cores).
+        precision: fp32 only: ``"strict"`` (default: fp32 accuracy, computed as 3xTF32 on the tensor cores --
+            each operand split into two TF32 parts, three MMAs per product, the accumulators promoted into
+            fp32 registers every 4 k-tiles; ``IGEMM_FP32_STRICT=simt`` or ``config={"math": "simt"}``: the
+            IEEE FFMA kernel) or ``"tf32"`` (one TF32 pass, ~1e-3 relative error).
         residual_dtype: dtype of the ``Add`` residual (default: ``dtype``).
         device: CUDA device index (default 0); ``None`` builds a plan for the numpy backend.
         config: override the kernel choice: a dict of ``KernelSpec`` fields (``{"bn": 256, "splits": 2}``,
@@ -458,15 +461,21 @@ class Conv2dPlan:
             ws = _runtime.DeviceArray((kp.K, kp.R, 1, cu), self.dtype, self.device_id)
             prep = Unfolded(self.device_id, UnfoldJob.for_x(pb, es) if xs is not None else None,
                             xs.ptr if xs is not None else 0, UnfoldJob.for_w(pb, es), ws.ptr)
+            if self.nchw_path == "patch" and pb.layout == "NCHW":   # the patch kernel reads an NHWC copy of x
+                xs = _runtime.DeviceArray((pb.N, pb.H, pb.W, pb.C), self.dtype, self.device_id)
+                prep = _TwoPreps(Prepared(self.device_id, TransposeJob(pb.N, pb.C, pb.H * pb.W, es), xs.ptr), prep)
             self._xpose = (prep, xs, ws)
             return
+        sub = None
+        if pb.layout == "NCHW" and subsampled(pb):   # only the pixels a 1x1 strided conv reads (kernel_problem)
+            sub = (pb.Q, pb.W, pb.stride[0], pb.stride[1], pb.H * pb.W)
         if pb.layout == "NCHW":
-            jx = TransposeJob(pb.N, pb.C, pb.H * pb.W, es, pitch=Ck)
+            jx = TransposeJob(pb.N, pb.C, self.kproblem.H * self.kproblem.W, es, pitch=Ck, sub=sub)
             jw = None if self._w_in_place else TransposeJob(pb.K, pb.C, pb.R * pb.S, es, pitch=Ck)
         else:                                   # NHWC, channels padded
             jx = TransposeJob(1, pb.C, pb.N * pb.H * pb.W, es, pitch=Ck, pad=True)
             jw = TransposeJob(1, pb.C, pb.K * pb.R * pb.S, es, pitch=Ck, pad=True)
-        xs = _runtime.DeviceArray((pb.N, pb.H, pb.W, Ck), self.dtype, self.device_id)
+        xs = _runtime.DeviceArray((pb.N, self.kproblem.H, self.kproblem.W, Ck), self.dtype, self.device_id)
         ws = _runtime.DeviceArray((pb.K, pb.R, pb.S, Ck), self.dtype, self.device_id) if jw is not None else None
         prep = Prepared(self.device_id, jx, xs.ptr, jw, ws.ptr if ws is not None else 0)
         self._xpose = (prep, xs, ws)
@@ -533,7 +542,7 @@ class Conv2dPlan:
         if ctx.device_id != self.device_id:
             raise ValueError(f"tensors are on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
         dx, dw = ctx.device_view("x"), ctx.device_view("w")
-        if dx.ptr % 16 and self.nchw_path == "patch":
+        if dx.ptr % 16 and self.nchw_path == "patch" and self.problem.layout == "NHWC":
             return self._copy_plan()(x, w, out=out, residual=residual, mask_out=mask_out, stream=stream,
                                      _folded=_folded or self._folded)
         launcher, spec, ws = self._launcher(dx.ptr % 16 == 0, dw.ptr % 16 == 0)
@@ -661,7 +670,7 @@ class Conv2dPlan:
             if rp % 16:
                 return None
         xp, wp = x.data_ptr(), w.data_ptr()
-        if xp % 16 and self.nchw_path == "patch":
+        if xp % 16 and self.nchw_path == "patch" and self.problem.layout == "NHWC":
             return None                        # (the general path hands it to the copy plan)
         if out is None:
             out = torch_empty(ys, tdt, dev)
@@ -734,6 +743,20 @@ class Conv2dPlan:
             path += f", channels padded to {self.kproblem.C}"
         return (f"Conv2dPlan(x={self.x_shape}, w={self.w_shape}, {self.dtype}, {self.layout}, stride={pb.stride}, "
                 f"padding={pb.padding}, dilation={pb.dilation}, epilogue={self.chain!r}{path})")
+
+
+class _TwoPreps:
+    """Two input preparations in a row, called as one (``prep(stream, x, w)``): the NCHW patch path's
+    transpose of x (job 0 of a :class:`~igemm._transpose.Prepared`) and unfold of w."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, stream: int, x: int, w: int) -> None:
+        self.first(stream, x, 0)
+        self.second(stream, 0, w)
 
 
 # ------------------------------------------------------------------------------------------ functions

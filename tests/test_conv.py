@@ -344,6 +344,21 @@ def test_nchw_path_choice():
     assert nchw_path(_pb(), "transpose") == "native"                          # NHWC has nothing to transpose
     with pytest.raises(ValueError, match="nchw_path"):
         nchw_path(_pb(layout="NCHW"), "fast")
+    # 1x1 strided without padding: the copy holds x[:, :, ::s, ::s], the kernel runs a 1x1 stride-1 conv on it
+    b = _pb(layout="NCHW", C=512, K=1024, H=28, W=28, R=1, S=1, stride=(2, 2), padding=(0, 0))
+    kb = kernel_problem(b, "transpose")
+    assert (kb.H, kb.W, kb.stride, kb.P, kb.Q, kb.M, kb.layout, kb.y_layout) == (14, 14, (1, 1), 14, 14, b.M, "NHWC", "NCHW")
+    for keep in (dataclasses.replace(b, padding=(1, 1)), dataclasses.replace(b, R=3, S=3), dataclasses.replace(b, stride=(1, 1))):
+        assert kernel_problem(keep, "transpose").H == 28
+    from igemm import _transpose as T
+    assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0) == T.WIDE                # conv1's x: 4 x 1024 tiles
+    assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0, first=False) == T.SCALAR64
+    assert T.TransposeJob(2, 3, 5000, 2, pitch=8).mode(0, 0) == T.SCALAR64
+    assert T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)).mode(16, 16) == T.SUB
+    with pytest.raises(ValueError, match="sub"):
+        T.TransposeJob(2, 64, 900, 2, sub=(30, 28, 1, 1, 784))               # more columns than pixels
+    with pytest.raises(ValueError, match="job 0"):
+        T.Prepared(0, T.TransposeJob(1, 8, 8, 2), 0, T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)), 0)
     kp = kernel_problem(_pb(layout="NCHW", epilogue=(("ReLU", True),)), "transpose")
     s = choose_config(kp)
     assert (kp.layout, kp.y_layout, s.layout, s.load_a, s.store, s.fuse_mask) == (
@@ -511,10 +526,14 @@ def test_patch_loader_index_math(rng):
     assert spec.smem + spec.static_smem <= 75 * 1024                   # three CTAs an SM
     assert kernel_setup(conv1)[0] == "unfold" and kernel_setup(conv1, arch="sm_80a")[0] == "unfold"
     assert kernel_setup(conv1, unfold="copy", arch="sm_90a")[0] == "unfold"
-    assert kernel_setup(_pb(C=3, R=7, S=7, layout="NCHW"), arch="sm_90a")[0] == "unfold"
+    # NCHW: the patch kernel on an NHWC copy of x, storing NCHW; rows of x not in 16-byte multiples: the copy path
+    path, kn = kernel_setup(_pb(C=3, R=7, S=7, layout="NCHW"), arch="sm_90a")
+    assert (path, kn.layout, kn.out_layout, kn.patch) == ("patch", "NHWC", "NCHW", True)
+    assert choose_config(kn).store == "nchw"
+    assert kernel_setup(_pb(C=3, W=10, R=7, S=7, layout="NCHW"), arch="sm_90a")[0] == "unfold"
     assert patch_unsupported(_pb(C=3, R=3, S=3, dilation=(1, 2)), "sm_90a")
     with pytest.raises(NotImplementedError, match="patch"):
-        kernel_setup(_pb(C=3, R=7, S=7, layout="NCHW"), unfold="patch", arch="sm_90a")
+        kernel_setup(_pb(C=3, W=10, R=7, S=7, layout="NCHW"), unfold="patch", arch="sm_90a")
     with pytest.raises(NotImplementedError, match="patch kernel"):
         validate_spec(patch_config(kp, splits=2), kp)
     for deep in (_pb(N=64, C=7, H=64, W=64, K=256, R=7, S=7, padding=(3, 3)),      # 7 k-tiles, 128 columns
@@ -1095,7 +1114,11 @@ def test_gpu_nchw_paths(dtype, rng):
     cases = [((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, 0, 0), ((3, 72, 7, 7), (130, 72, 3, 3), 1, 1, 0, 0),
              ((2, 16, 14, 14), (64, 16, 1, 1), 1, 0, 0, 1), ((2, 136, 9, 11), (24, 136, 5, 3), 2, 2, 1, 0),
              ((1, 8, 28, 28), (8, 8, 3, 3), 1, 1, 1, 1), ((2, 200, 6, 6), (72, 200, 1, 1), 2, 0, 0, 0),
-             ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, 0, 0)]                  # P*Q = 30: 4-byte output vectors
+             ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, 0, 0),                  # P*Q = 30: 4-byte output vectors
+             # 1x1 strided, no padding: the transpose copies only x[:, :, ::s, ::s] (odd maps, misaligned x;
+             # C = 128: TMA loads on the copy)
+             ((2, 64, 9, 11), (48, 64, 1, 1), 2, 0, 0, 0), ((2, 24, 14, 13), (40, 24, 1, 1), 3, 0, 1, 0),
+             ((3, 128, 28, 28), (256, 128, 1, 1), 2, 0, 0, 0)]
     for xs, ws, st, pd, xoff, woff in cases:
         xb = to_torch(rng.standard_normal(int(np.prod(xs)) + 8), dtype)
         wb = to_torch(rng.standard_normal(int(np.prod(ws)) + 8) / np.sqrt(np.prod(ws[1:])), dtype)
@@ -1111,6 +1134,8 @@ def test_gpu_nchw_paths(dtype, rng):
         for path in ("native", "transpose"):
             plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd, nchw_path=path)
             assert plan.nchw_path == path
+            if path == "transpose" and ws[2:] == (1, 1) and pd == 0 and st != 1:
+                assert plan.kproblem.H == ref.shape[2] and plan.kproblem.stride == (1, 1), plan.kproblem
             for _ in range(2):                      # the second call reuses the plan's scratch
                 y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
                 err = rel_err(to_numpy(y), ref)
@@ -1257,6 +1282,37 @@ def test_gpu_patch(dtype, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_patch_nchw(dtype, rng):
+    """NCHW few-channel inputs on the patch kernel: x transposed to an NHWC copy (the 4 x 1024 transpose tile
+    for C <= 4), y stored NCHW from the fp32 C tile; conv1-like 7x7/2, K tails, misaligned x (read by the
+    transpose only), plain and BN+Add+ReLU(mask) with y and mask poisoned."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    for xs, ws, st, pd in [((2, 3, 37, 48), (16, 3, 7, 7), 2, 3), ((2, 4, 12, 16), (40, 4, 3, 5), 1, (1, 2)),
+                           ((1, 3, 40, 40), (64, 3, 7, 7), 2, 3), ((2, 6, 20, 40), (70, 6, 3, 4), (1, 3), (0, 1))]:
+        x64 = rng.standard_normal(xs)
+        x, w = to_torch(x64, dtype), to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), dtype)
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NCHW")
+        plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd)
+        assert plan.nchw_path == "patch" and plan.spec().load_a == "patch" and plan.spec().store == "nchw", plan
+        for _ in range(2):
+            y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+            assert rel_err(to_numpy(y), ref) <= TOL[dtype], f"{xs} {ws}: {plan.spec().name()}"
+        xb = to_torch(np.concatenate([np.zeros(3), x64.ravel(), np.zeros(1)]), dtype)
+        xm = xb[3:3 + x64.size].view(xs)                            # 6 bytes past a 16-byte boundary
+        assert xm.data_ptr() % 16 and torch.equal(plan(xm, w), y)
+        (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], "NCHW", dtype)
+        fused = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd,
+                           epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+        assert fused.nchw_path == "patch"
+        mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
+        y, m = fused(x, w, residual=res, mask_out=mo, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+        assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= TOL[dtype], f"fused {xs} {ws}"
+        assert torch.equal(m, igemm.relu_mask(y))
+
+
+@pytest.mark.gpu
 def test_gpu_patch_kernel_smem_grows(rng):
     """One patch kernel, two problems: the second needs more dynamic shared memory (more lines a tile, more
     boxes) than the one that loaded the kernel, so the plan raises the function's limit (a random problem
@@ -1329,7 +1385,8 @@ def test_gpu_transpose_kernel(rng):
     from igemm import _transpose
     for dt, (B, R, C) in [(torch.float16, (3, 64, 3136)), (torch.bfloat16, (2, 72, 196)),
                           (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8)),
-                          (torch.float16, (3, 300, 16)), (torch.float32, (2, 513, 1)), (torch.float16, (2, 9, 17))]:
+                          (torch.float16, (3, 300, 16)), (torch.float32, (2, 513, 1)), (torch.float16, (2, 9, 17)),
+                          (torch.float16, (3, 3, 5000)), (torch.float32, (2, 4, 1500)), (torch.bfloat16, (2, 1, 2048))]:
         for pitch in {R, R + 5}:                                 # zero-filled channels past R
             a = torch.randn(B, R, C, device="cuda").to(dt)
             o = torch.full((B, C, pitch), float("nan"), device="cuda", dtype=dt)
@@ -1356,6 +1413,24 @@ def test_gpu_transpose_kernel(rng):
                                jb, b.data_ptr(), ob.data_ptr())
         torch.cuda.synchronize()
         assert torch.equal(oa, a.transpose(1, 2)) and torch.equal(ob, b.transpose(1, 2)), (dt, B, R, C)
+    # subsampled jobs: x[:, :, ::sh, ::sw] NCHW -> NHWC (a 1x1 strided conv's pixels), with a second job
+    for dt, (B, R, H, W), (sh, sw), pitch in [(torch.float16, (2, 64, 9, 11), (2, 2), 64),
+                                              (torch.float32, (3, 5, 14, 13), (3, 1), 8),
+                                              (torch.bfloat16, (1, 130, 28, 28), (2, 3), 130)]:
+        a = torch.randn(B, R, H, W, device="cuda").to(dt)
+        sub = a[:, :, ::sh, ::sw]
+        P, Q = sub.shape[2], sub.shape[3]
+        o = torch.full((B, P, Q, pitch), float("nan"), device="cuda", dtype=dt)
+        b = torch.randn(2, 24, 40, device="cuda").to(dt)
+        ob = torch.full((2, 40, 24), float("nan"), device="cuda", dtype=dt)
+        es = a.element_size()
+        job = _transpose.TransposeJob(B, R, P * Q, es, pitch=pitch, sub=(Q, W, sh, sw, H * W))
+        assert job.mode(0, 0) == _transpose.SUB
+        _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream, job, a.data_ptr(), o.data_ptr(),
+                               _transpose.TransposeJob(2, 24, 40, es), b.data_ptr(), ob.data_ptr())
+        torch.cuda.synchronize()
+        want = torch.cat([sub.permute(0, 2, 3, 1), torch.zeros(B, P, Q, pitch - R, device="cuda", dtype=dt)], 3)
+        assert torch.equal(o, want) and torch.equal(ob, b.transpose(1, 2)), (dt, B, R, H, W, sh, sw)
 
 
 @pytest.mark.gpu

@@ -110,6 +110,8 @@ def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precisio
     return f"{spec.name()} splits={spec.splits} fuse_mask={spec.fuse_mask}"
 
 
+FFMA = {"math": "simt", "bm": 128, "bn": 128, "wm": 4, "wn": 2, "stages": 3}   # the strict-fp32 FFMA kernel
+
 CONV = {
     "wgmma_fp16_nhwc_bn_relu_fused_mask": lambda: _conv("wgmma fp16", "float16", "NHWC", (2, 9, 9, 64), (128, 3, 3, 64),
                                                         padding=1, chain="bn_relu_mask"),
@@ -137,9 +139,14 @@ CONV = {
     "mma_sync_bf16_nchw_split_k": lambda: _conv("mma.sync bf16 split", "bfloat16", "NCHW", (1, 64, 6, 6),
                                                 (40, 64, 3, 3), padding=1, config={"math": "tensorop", "splits": 2}),
     "simt_fp32_nchw": lambda: _conv("simt fp32", "float32", "NCHW", (2, 16, 9, 9), (24, 16, 3, 3), padding=1,
-                                    chain="prelu_channel", config={"splits": 1}),
+                                    chain="prelu_channel", config={**FFMA, "splits": 1}),
     "simt_fp32_nhwc_split_k": lambda: _conv("simt fp32 split", "float32", "NHWC", (1, 6, 6, 32), (20, 3, 3, 32),
-                                            padding=1, config={"splits": 3}),
+                                            padding=1, config={**FFMA, "splits": 3}),
+    # strict fp32's default, 3xTF32 (Kred 144 and 288: the accumulators promoted after k-tiles 4, 8, ... and at the end)
+    "tf32x3_fp32_nchw": lambda: _conv("3xTF32 fp32", "float32", "NCHW", (2, 16, 9, 9), (24, 16, 3, 3), padding=1,
+                                      chain="prelu_channel"),
+    "tf32x3_fp32_nhwc_split_k": lambda: _conv("3xTF32 fp32 split", "float32", "NHWC", (1, 6, 6, 32), (20, 3, 3, 32),
+                                              padding=1, config={"splits": 2}),
     "tf32_nhwc": lambda: _conv("tf32", "float32", "NHWC", (2, 8, 8, 16), (32, 3, 3, 16), padding=1, precision="tf32"),
     "split_k_fp16_nhwc_mask": lambda: _conv("split-K fp16", "float16", "NHWC", (1, 7, 7, 128), (64, 3, 3, 128),
                                             padding=1, chain="bn_relu_mask", config={"splits": 3}),

@@ -21,7 +21,10 @@ enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3, kTensorOp3 = 4 
 // im2col copy each, into 8 BM × 16-byte regions (the wgmma no-swizzle K-major layout).
 // kLoadPatch (sm_90a wgmma, few-channel NHWC x, with kLoadVec B): the CTA's input patch arrives once by TMA
 // and each A k-tile is built from it in shared memory -- the width unfold on the fly (conv2d_patch.cuh).
-enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3, kLoadPatch = 4 };
+// kLoadTmaMN (sm_90a wgmma, with kLoadTma B): NCHW x of a 1x1 stride-1 unpadded conv with H·W % 64 == 0 and
+// C % 64 == 0: the A tile is a tiled TMA copy of x as [N][C][H·W] (64 pixels × 64 channels, pixels
+// contiguous), multiplied as an MN-major operand -- the NCHW input needs no transpose.
+enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3, kLoadPatch = 4, kLoadTmaMN = 5 };
 // kStoreRegs (sm_90a wgmma, NHWC output, no split-K): the chain runs on the accumulators in
 // registers and a 16-bit C tile leaves shared memory in 16-byte vectors (conv2d_sm90.cuh, epilogue_regs).
 enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2, kStoreRegs = 3 };
@@ -62,8 +65,10 @@ struct Config {
   static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
   static_assert(StoreMode != kStoreRegs || (kIsWgmma && VecO * sizeof(ElementOut) == 16 && sizeof(ElementOut) == 2),
                 "register epilogue: the wgmma kernels, 16-bit outputs in 16-byte vectors");
-  static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8;
-  static_assert(kTma == (LoadB_ == kLoadTma) && (!kTma || (kIsWgmma && Layout_ == kNHWC)),
+  static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8 || LoadA_ == kLoadTmaMN;
+  static_assert(LoadA_ != kLoadTmaMN || (Layout_ == kNCHW && BM_ == 64 && Math_ == kWgmma && StoreMode_ == kStoreNCHW),
+                "MN-major TMA A tiles: NCHW x, one 64-row warpgroup, the NCHW store");
+  static_assert(kTma == (LoadB_ == kLoadTma) && (!kTma || (kIsWgmma && (Layout_ == kNHWC || LoadA_ == kLoadTmaMN))),
                 "TMA loads: both operands, wgmma, NHWC");
   static_assert(Math_ != kWgmmaWs || (LoadA_ == kLoadTma && BM == 64), "the persistent kernel: TMA loads, 64-row tiles");
   static_assert(LoadA_ != kLoadPatch || (Math_ == kWgmma && Layout_ == kNHWC && LoadB_ == kLoadVec),

@@ -33,12 +33,6 @@ IGEMM_DEVICE int patch_boxes(int elems) { return (elems - 1) / kPatchStep + 1; }
 template <class P>
 IGEMM_DEVICE int patch_line_elems(const P& p, int count) { return ((count - 1) * p.sw + p.S) * p.C; }
 
-IGEMM_DEVICE void tma_load_3d(void* dst, const void* map, uint64_t* bar, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)) : "memory");
-}
-
 // Barrier 1 + wg over warpgroup wg's 128 threads (immediate ids: ptxas then reserves WM + 1 barriers, not 16)
 IGEMM_DEVICE void warpgroup_sync(int wg) {
 #if defined(IGEMM_PATCH_NO_NAMED)

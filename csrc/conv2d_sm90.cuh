@@ -18,9 +18,10 @@ namespace igemm::conv {
 
 namespace gmma = cute::SM90::GMMA;
 
-template <class T, int N> struct GmmaAtom;
+// A K-major (the default) or MN-major (kLoadTmaMN: pixels contiguous); B always K-major
+template <class T, int N, gmma::Major MA = gmma::Major::K> struct GmmaAtom;
 #define IGEMM_GMMA_ATOM(T, N, NAME) \
-  template <> struct GmmaAtom<T, N> { using type = gmma::NAME<gmma::Major::K, gmma::Major::K>; };
+  template <gmma::Major MA> struct GmmaAtom<T, N, MA> { using type = gmma::NAME<MA, gmma::Major::K>; };
 IGEMM_GMMA_ATOM(cutlass::half_t, 64, MMA_64x64x16_F32F16F16_SS)
 IGEMM_GMMA_ATOM(cutlass::half_t, 128, MMA_64x128x16_F32F16F16_SS)
 IGEMM_GMMA_ATOM(cutlass::half_t, 192, MMA_64x192x16_F32F16F16_SS)
@@ -41,6 +42,18 @@ IGEMM_DEVICE uint64_t desc_sw128(uint32_t smem_addr) {
   cute::GmmaDescriptor d;
   d.bitfield.start_address_ = static_cast<uint16_t>((smem_addr & 0x3FFFF) >> 4);
   d.bitfield.leading_byte_offset_ = 1;
+  d.bitfield.stride_byte_offset_ = 1024 >> 4;
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = 1;
+  return d.desc_;
+}
+
+// MN-major, 128-byte swizzle (kLoadTmaMN's A): 64 contiguous pixels per 128-byte row, one row per channel;
+// the 8-channel core groups 1024 bytes apart (SBO), the next 64 pixels (LBO) unused by a 64-row tile.
+IGEMM_DEVICE uint64_t desc_mn_sw128(uint32_t smem_addr) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>((smem_addr & 0x3FFFF) >> 4);
+  d.bitfield.leading_byte_offset_ = 8192 >> 4;
   d.bitfield.stride_byte_offset_ = 1024 >> 4;
   d.bitfield.base_offset_ = 0;
   d.bitfield.layout_type_ = 1;
@@ -445,6 +458,12 @@ IGEMM_DEVICE void tma_load_im2col_4d(void* dst, const void* map, uint64_t* bar, 
       : "memory");
 }
 
+IGEMM_DEVICE void tma_load_3d(void* dst, const void* map, uint64_t* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)) : "memory");
+}
+
 IGEMM_DEVICE void tma_load_2d(void* dst, const void* map, uint64_t* bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
@@ -487,6 +506,9 @@ IGEMM_DEVICE void tma_issue_stage(const P& p, uint8_t* a_dst, uint8_t* b_dst, ui
       tma_load_im2col_4d(a_dst + i * Cfg::BM * 16, p.tmA, bar, 0, o.w0, o.h0, o.n,
                          uint16_t(ok ? ts * p.dw : 0x4000), uint16_t(ok ? tr * p.dh : 0));
     }
+  } else if constexpr (Cfg::LoadA == kLoadTmaMN) {
+    // x as [N][C][H·W]: pixels from the tile's first (1x1, stride 1, no padding: (h0, w0) is the pixel)
+    tma_load_3d(a_dst, p.tmA, bar, o.h0 * p.W + o.w0, k0, o.n);
   } else {
     tma_load_im2col_4d(a_dst, p.tmA, bar, c0, o.w0, o.h0, o.n, uint16_t(s * p.dw), uint16_t(r * p.dh));
   }
@@ -512,6 +534,7 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
                                      int it0 = 0) {
   using T = typename Cfg::Element;
   using Atom = typename GmmaAtom<T, Cfg::BN>::type;
+  using AtomMN = typename GmmaAtom<T, Cfg::BN, gmma::Major::MN>::type;
   constexpr int BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages;
   // stage s = [A tile | B tile] at s · STAGE: a problem with KT < S k-tiles touches only its first KT
   // stages, so the plan may launch it with less shared memory (more CTAs per SM; KernelSpec.launch_smem)
@@ -551,6 +574,9 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     if constexpr (Cfg::LoadA == kLoadTmaC8)   // A: 8 regions of BM 16-byte rows; this warpgroup's rows
       wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * STAGE, Cfg::BM * 16, 128),
                                                     desc_sw128(sB_u + buf * STAGE), acc);
+    else if constexpr (Cfg::LoadA == kLoadTmaMN)   // A MN-major: a k16 step is two 1024-byte channel groups
+      wgmma_stage<AtomMN, NACC, KSTEPS, 2048 / 16>(desc_mn_sw128(sA_u + buf * STAGE), desc_sw128(sB_u + buf * STAGE),
+                                                   acc);
     else
       wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * STAGE), desc_sw128(sB_u + buf * STAGE), acc);
     cute::warpgroup_wait<1>();

@@ -162,7 +162,8 @@ class KernelSpec:
         return "#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
 
 
-_LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8", "patch": "kLoadPatch"}
+_LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8", "patch": "kLoadPatch",
+          "tmamn": "kLoadTmaMN"}
 
 PATCH_BOX, PATCH_STEP, PATCH_ALIGN = 128, 120, 8      # csrc/conv2d_patch.cuh: kPatchBox, kPatchStep, kPatchAlign
 
@@ -296,7 +297,7 @@ def _store(pb: ConvProblem, bn: int) -> tuple[str, int, bool]:
 NCHW_PATHS = ("auto", "native", "transpose")
 
 
-def nchw_path(pb: ConvProblem, requested: str = "auto", pad: bool | None = None) -> str:
+def nchw_path(pb: ConvProblem, requested: str = "auto", pad: bool | None = None, arch: str | None = None) -> str:
     """How an NCHW problem runs: ``"native"`` (the NCHW gather: one 2-byte element per load for 16-bit
     types) or ``"transpose"`` (x and w transposed to NHWC/KRSC in one kernel, the 16-byte NHWC gather,
     NCHW stores from the epilogue). ``auto``: transpose for 16-bit types whose C allows 16-byte loads
@@ -308,6 +309,9 @@ def nchw_path(pb: ConvProblem, requested: str = "auto", pad: bool | None = None)
         return "native"
     if requested != "auto":
         return requested
+    if arch is not None and not pad and use_tma(pb, arch, 64):
+        # a 1x1 stride-1 conv with H*W % 64 == 0 reads NCHW x directly: MN-major TMA tiles (load_a "tmamn")
+        return "native"
     return "transpose" if DTYPE_SIZES[pb.dtype] == 2 and (pb.C % 8 == 0 or (pad and pb.C < 8)) else "native"
 
 
@@ -386,7 +390,7 @@ def kernel_setup(pb: ConvProblem, nchw: str = "auto", pad: bool | None = None,
                 raise NotImplementedError(f"unfold='patch': {why}")
         from ._unfold import unfolded_problem
         return "unfold", unfolded_problem(pb, DTYPE_SIZES[pb.dtype])
-    path = nchw_path(pb, nchw, pad)
+    path = nchw_path(pb, nchw, pad, arch)
     return path, kernel_problem(pb, path, kernel_channels(pb, path, pad))
 
 
@@ -470,6 +474,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         stages = 2           # nothing to pipeline: the smaller footprint buys CTAs in flight instead
     load_a = "vec" if (pb.layout == "NHWC" and pb.C % ce == 0 and x_aligned) else "elem"
     load_b = "vec" if (pb.Kred % ce == 0 and w_aligned) else "elem"
+    if math == "wgmma" and pb.layout == "NCHW" and load_b == "vec" and x_aligned and use_tma(pb, arch, bm):
+        load_a, load_b = "tmamn", "tma"      # NCHW x read in place as MN-major tiles (1x1, stride 1)
     if math == "wgmma" and load_a == load_b == "vec" and pb.C % 64 == 0 and use_tma(pb, arch, bm):
         # (8-tap TMA k-tiles for 8-channel copies are a candidate only: on an H200 the padded conv1 took
         # 255 us with them, 172 us with the element gather; notes/perf.md)
@@ -555,7 +561,7 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
     if tile.store == "regs":
         add(smem_store=True)                # the fp32 C tile's store phase
     if base.load_b == "tma":
-        add(load_a="vec", load_b="vec")
+        add(load_a="vec" if pb.layout == "NHWC" else "elem", load_b="vec")
     if base.load_a == base.load_b == "vec" and pb.C == 8 and use_tma(pb, arch, base.bm):
         add(load_a="tma8", load_b="tma")
     if base.load_a == "tma":
@@ -632,9 +638,9 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
                                      or spec.stages < -(-pb.Kred // spec.bk) or spec.patch_bytes < patch_bytes(pb, spec.bm)):
         why = "the patch kernel: per-tile wgmma, gathered filter, no split-K, stages >= k-tiles, its patch's smem"
     elif spec.load_a == "vec" and not (pb.layout == "NHWC" and pb.C % ce == 0):
-        why = "16-byte activation loads need NHWC and C % %d == 0" % ce
+        why = f"16-byte activation loads need NHWC and C % {ce} == 0"
     elif spec.load_b == "vec" and pb.Kred % ce:
-        why = "16-byte filter loads need C*R*S %% %d == 0" % ce
+        why = f"16-byte filter loads need C*R*S % {ce} == 0"
     elif spec.store == "regs" and (not regs_epilogue_ok(pb, spec.math, spec.splits)
                                    or (spec.vec_o, spec.fuse_mask) != _regs_store(pb)[1:]):
         why = "the register epilogue: wgmma, 16-bit NHWC output, K % 8 == 0, no split-K"

@@ -22,14 +22,29 @@ BK = 64            # channels per copy: 128 bytes of a 16-bit type (the SW128 ro
 
 def tma_kind(pb) -> str:
     """The TMA loader kind for the kernel problem ``pb``: ``"tma"`` (a k-tile is 64 channels of one tap) or,
-    for 8-channel problems (16-bit C padded to 8: ``pad_channels``), ``"tma8"`` (8 taps of 8 channels)."""
+    for 8-channel problems (16-bit C padded to 8: ``pad_channels``), ``"tma8"`` (8 taps of 8 channels);
+    NCHW (a 1x1 stride-1 conv): ``"tmamn"`` (64 pixels x 64 channels of x as [N][C][H*W], MN-major)."""
+    if pb.layout == "NCHW":
+        return "tmamn"
     return "tma8" if pb.C == 8 else "tma"
 
 
 def tma_unsupported(pb, bm: int) -> str | None:
     """Why the TMA loader cannot run the kernel problem ``pb`` with BM-row tiles (None: it can)."""
     from ._runtime import DTYPE_SIZES
-    if pb.layout != "NHWC" or DTYPE_SIZES[pb.dtype] != 2:
+    if DTYPE_SIZES[pb.dtype] != 2:
+        return "TMA loads need a 16-bit kernel problem"
+    if pb.layout == "NCHW":
+        if (pb.R, pb.S, pb.stride, pb.padding) != (1, 1, (1, 1), (0, 0)):
+            return "NCHW TMA loads (MN-major tiles) need a 1x1 stride-1 conv without padding"
+        if pb.C % BK or (pb.H * pb.W) % 64 or bm != 64:
+            return "NCHW TMA loads need C % 64 == 0, H*W % 64 == 0 (no tile across images) and 64-row tiles"
+        if pb.y_layout != "NCHW":
+            return "NCHW TMA loads store NCHW"
+        if max(pb.N, pb.C * pb.H * pb.W, pb.K, pb.Kred) >= 2 ** 31:
+            return "tensor too large for a tensor map"
+        return None
+    if pb.layout != "NHWC":
         return "TMA loads need a 16-bit NHWC kernel problem"
     if pb.C % BK and pb.C != 8:
         return f"TMA loads need C % {BK} == 0 (a k-tile is 64 channels of one tap) or C == 8"
@@ -71,6 +86,15 @@ def _encode_im2col(pb, bm: int, addr: int) -> bytes:
         [pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0]],
         min(BK, C), bm, [u32(1), u32(pb.stride[1]), u32(pb.stride[0]), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_L2_128B",
         "CU_TENSOR_MAP_SWIZZLE_NONE" if C == 8 else "CU_TENSOR_MAP_SWIZZLE_128B")   # 8 channels: 16-byte rows
+
+
+def _encode_nchw(pb, addr: int) -> bytes:
+    """kLoadTmaMN's A map: x NCHW as [N][C][H*W], boxes of 64 pixels x 64 channels (pixels innermost), SW128."""
+    from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
+    hw = pb.H * pb.W
+    return _encode(pb, "Tiled", (3, addr, [u64(hw), u64(pb.C), u64(pb.N)], [u64(hw * 2), u64(pb.C * hw * 2)],
+                                 [u32(64), u32(BK), u32(1)], [u32(1), u32(1), u32(1)]),
+                   "CU_TENSOR_MAP_L2_PROMOTION_L2_128B")
 
 
 def _encode_tiled(pb, bn: int, addr: int) -> bytes:
@@ -161,7 +185,10 @@ class ConvMaps:
     __slots__ = ("a", "b", "slot_a", "slot_b", "patch")
 
     def __init__(self, kproblem, spec, slot_a: int, slot_b: int):
-        self.a = MapTemplate(lambda addr: _encode_im2col(kproblem, spec.bm, addr))
+        if spec.load_a == "tmamn":
+            self.a = MapTemplate(lambda addr: _encode_nchw(kproblem, addr))
+        else:
+            self.a = MapTemplate(lambda addr: _encode_im2col(kproblem, spec.bm, addr))
         self.b = MapTemplate(lambda addr: _encode_tiled(kproblem, spec.bn, addr))
         self.slot_a, self.slot_b = slot_a, slot_b
         #: after the first write, where both maps have one address word: (index, offset) per map, so that a

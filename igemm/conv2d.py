@@ -402,7 +402,8 @@ class Conv2dPlan:
             if spec.persistent:             # TMA-only kernel: the per-tile wgmma kernel gathers instead
                 spec = dataclasses.replace(spec, math="wgmma", wm=1)
             spec = dataclasses.replace(spec, streamk=0)     # (stream-K too: TMA loads only)
-            la, lb = ("vec", "vec") if spec.load_b == "tma" else (spec.load_a, spec.load_b)
+            la, lb = (("vec" if self.kproblem.layout == "NHWC" else "elem"), "vec") if spec.load_b == "tma" \
+                else (spec.load_a, spec.load_b)
             spec = dataclasses.replace(spec, load_a="elem" if not x_aligned else la,
                                        load_b="elem" if not w_aligned else lb)
         validate_spec(spec, self.kproblem)

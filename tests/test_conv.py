@@ -218,7 +218,17 @@ def test_tma_choice_and_limits(monkeypatch):
     from igemm._tma import tma_unsupported
     assert tma_unsupported(_pb(), 64) is None
     assert "C % 64" in tma_unsupported(_pb(C=96), 64) and "C % 64" in tma_unsupported(_pb(C=16), 64)
-    assert "16-bit NHWC" in tma_unsupported(_pb(layout="NCHW"), 64)
+    assert "1x1 stride-1" in tma_unsupported(_pb(layout="NCHW"), 64)
+    # NCHW 1x1 stride 1, H*W % 64 == 0: MN-major TMA tiles of x in place (no transpose), 64-row tiles only
+    n1 = _pb(layout="NCHW", K=256, R=1, S=1, padding=(0, 0))
+    assert tma_unsupported(n1, 64) is None and "64-row" in tma_unsupported(n1, 128)
+    assert "H*W % 64" in tma_unsupported(_pb(layout="NCHW", H=28, W=28, R=1, S=1, padding=(0, 0)), 64)
+    assert "16-bit" in tma_unsupported(_pb(layout="NCHW", R=1, S=1, padding=(0, 0), dtype="float32"), 64)
+    path, kn = kernel_setup(n1, arch="sm_90a")
+    sn = choose_config(kn)
+    assert (path, kn.layout, sn.load_a, sn.load_b, sn.bm, sn.store) == ("native", "NCHW", "tmamn", "tma", 64, "nchw")
+    assert kernel_setup(n1)[0] == "transpose" and kernel_setup(n1, arch="sm_80")[0] == "transpose"
+    assert choose_config(kn, x_aligned=False).load_a == "elem"
     assert "box" in tma_unsupported(_pb(padding=(129, 1)), 64)
     assert "box" in tma_unsupported(_pb(R=9, dilation=(20, 1)), 64)        # upper corner 1 - 160
     assert "stride" in tma_unsupported(_pb(stride=(9, 1), R=9, padding=(4, 1)), 64)
@@ -587,6 +597,8 @@ COMPILE_CASES = [
                                                 "layout": "NHWC", "out_layout": "NCHW"})),
     # 128-column wgmma tiles with the register epilogue: the identity chain, and BN+Add+ReLU+mask
     ("fp16 NHWC 3x3 128->128 identity", _pb(C=128, K=128, H=28, W=28)),
+    ("fp16 NCHW 1x1 MN-major TMA", _pb(layout="NCHW", K=256, R=1, S=1, padding=(0, 0),
+                                       epilogue=(("BatchNorm",), ("ReLU", True)))),
     ("fp16 NHWC 1x1 64->256 BN+Add+ReLU", _pb(K=256, R=1, S=1, padding=(0, 0),
                                                epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
                                                residual_dtype="float16")),
@@ -1118,7 +1130,10 @@ def test_gpu_nchw_paths(dtype, rng):
              # 1x1 strided, no padding: the transpose copies only x[:, :, ::s, ::s] (odd maps, misaligned x;
              # C = 128: TMA loads on the copy)
              ((2, 64, 9, 11), (48, 64, 1, 1), 2, 0, 0, 0), ((2, 24, 14, 13), (40, 24, 1, 1), 3, 0, 1, 0),
-             ((3, 128, 28, 28), (256, 128, 1, 1), 2, 0, 0, 0)]
+             ((3, 128, 28, 28), (256, 128, 1, 1), 2, 0, 0, 0),
+             # 1x1 stride 1, H*W % 64 == 0: "native" reads NCHW x as MN-major TMA tiles (misaligned x: the gather)
+             ((2, 64, 8, 8), (96, 64, 1, 1), 1, 0, 0, 0), ((3, 128, 16, 16), (136, 128, 1, 1), 1, 0, 0, 0),
+             ((2, 64, 8, 16), (64, 64, 1, 1), 1, 0, 1, 0)]
     for xs, ws, st, pd, xoff, woff in cases:
         xb = to_torch(rng.standard_normal(int(np.prod(xs)) + 8), dtype)
         wb = to_torch(rng.standard_normal(int(np.prod(ws)) + 8) / np.sqrt(np.prod(ws[1:])), dtype)
@@ -1136,6 +1151,9 @@ def test_gpu_nchw_paths(dtype, rng):
             assert plan.nchw_path == path
             if path == "transpose" and ws[2:] == (1, 1) and pd == 0 and st != 1:
                 assert plan.kproblem.H == ref.shape[2] and plan.kproblem.stride == (1, 1), plan.kproblem
+            if path == "native" and ws[2:] == (1, 1) and pd == 0 and st == 1 and xs[1] % 64 == 0 and xoff == 0:
+                assert plan.spec().load_a == "tmamn", plan.spec().name()
+                assert Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd).nchw_path == "native"   # (auto)
             for _ in range(2):                      # the second call reuses the plan's scratch
                 y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
                 err = rel_err(to_numpy(y), ref)

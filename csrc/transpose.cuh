@@ -15,7 +15,8 @@
 //             (c / Q)·srow + (c % Q)·sw of an image of scols pixels -- x[:, :, ::sh, ::sw] of a 1x1
 //             stride-s conv without padding, so the copy holds only the pixels the conv reads;
 //   kWide     (job 0) a 4 x 1024 tile for rows <= 4 (conv1's C = 3): full 64x64 tiles would leave 60 of
-//             every 64 rows empty.
+//             every 64 rows empty; kWideVec the same with 16-byte accesses (16-bit, cols % 8 == 0, aligned
+//             bases): a tile's destination is one contiguous run of 1024 · pitch elements.
 #pragma once
 #include "common.cuh"
 
@@ -24,7 +25,7 @@ namespace igemm::xpose {
 constexpr int kThreads = 256;
 constexpr int kElems = 4096;                       // elements per tile
 constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
-enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5 };   // per-job kinds (igemm/_transpose.py)
+enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5, kWideVec = 6 };   // per-job kinds (igemm/_transpose.py)
 
 // Scalar tile of (4096 / TC) rows x TC cols (TC = 64; 16 for short rows such as a filter's R*S; 1024 for
 // rows <= 4): element loads coalesced along cols, element stores coalesced along rows, through a padded
@@ -37,28 +38,43 @@ IGEMM_DEVICE void tile_scalar(uint32_t* sm, const T* __restrict__ src, T* __rest
   constexpr int TR = kElems / TC, LD = TC + 1;
   static_assert(TR * LD <= kSmemWords, "tile shape");
   const int tid = threadIdx.x;
-  const T* s = src + int64_t(img) * rows * (Sub ? sub.scols : cols);
+  const int64_t sstride = Sub ? sub.scols : cols;             // source elements per row
+  const T* s = src + int64_t(img) * rows * sstride;
   T* d = dst + int64_t(img) * pitch * cols;
-#pragma unroll
-  for (int i = 0; i < kElems / kThreads; ++i) {
-    const int e = tid + i * kThreads, r = e / TC, c = e % TC;
-    if (r0 + r < rows && c0 + c < cols) {
-      int64_t off;
-      if constexpr (Sub) {
-        const int cc = c0 + c, py = cc / sub.q;
-        off = int64_t(r0 + r) * sub.scols + int64_t(py) * sub.srow + int64_t(cc - py * sub.q) * sub.sw;
-      } else {
-        off = int64_t(r0 + r) * cols + c0 + c;
-      }
-      sm[r * LD + c] = s[off];
+  if constexpr (TC <= kThreads) {
+    // a thread keeps one column (its source offset computed once) and walks rows
+    const int c = tid % TC;
+    int64_t coff = c0 + c;
+    if constexpr (Sub) {
+      const int py = (c0 + c) / sub.q;
+      coff = int64_t(py) * sub.srow + int64_t(c0 + c - py * sub.q) * sub.sw;
     }
-  }
-  __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kElems / kThreads; ++i) {
-    const int e = tid + i * kThreads, r = e % TR, c = e / TR;
-    if (c0 + c < cols && r0 + r < pitch)
-      d[int64_t(c0 + c) * pitch + r0 + r] = r0 + r < rows ? T(sm[r * LD + c]) : T(0);
+    for (int i = 0; i < kElems / kThreads; ++i) {
+      const int r = tid / TC + i * (kThreads / TC);
+      if (r0 + r < rows && c0 + c < cols) sm[r * LD + c] = s[int64_t(r0 + r) * sstride + coff];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kElems / kThreads; ++i) {
+      const int r = tid % TR, cc = tid / TR + i * (kThreads / TR);
+      if (c0 + cc < cols && r0 + r < pitch)
+        d[int64_t(c0 + cc) * pitch + r0 + r] = r0 + r < rows ? T(sm[r * LD + cc]) : T(0);
+    }
+  } else {                      // kWide: 4 rows of 1024 columns
+    static_assert(!Sub && TR <= 32, "wide tiles");
+#pragma unroll
+    for (int i = 0; i < kElems / kThreads; ++i) {
+      const int e = tid + i * kThreads, r = e / TC, c = e % TC;
+      if (r0 + r < rows && c0 + c < cols) sm[r * LD + c] = s[int64_t(r0 + r) * cols + c0 + c];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kElems / kThreads; ++i) {
+      const int e = tid + i * kThreads, r = e % TR, c = e / TR;
+      if (c0 + c < cols && r0 + r < pitch)
+        d[int64_t(c0 + c) * pitch + r0 + r] = r0 + r < rows ? T(sm[r * LD + c]) : T(0);
+    }
   }
 }
 
@@ -92,6 +108,31 @@ IGEMM_DEVICE void tile_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uin
   }
 }
 
+// kWideVec: rows <= 4 source rows of 1024 pixels in, 1024 pixels x pitch channels out, both in 16-byte vectors.
+IGEMM_DEVICE void tile_wide_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uint16_t* __restrict__ dst, int rows,
+                                  int cols, int pitch, int img, int c0) {
+  constexpr int TC = 1024;
+  uint16_t* sh = reinterpret_cast<uint16_t*>(sm);          // [4][1024]
+  const int tid = threadIdx.x, n = min(TC, cols - c0);    // pixels in this tile (a multiple of 8)
+  const uint16_t* s = src + int64_t(img) * rows * cols + c0;
+  uint16_t* d = dst + (int64_t(img) * cols + c0) * pitch;
+  for (int q = tid; q < rows * (TC / 8); q += kThreads) {
+    const int r = q / (TC / 8), j = q % (TC / 8);
+    if (j * 8 < n) *reinterpret_cast<uint4*>(sh + r * TC + j * 8) = ldg_stream16(s + int64_t(r) * cols + j * 8);
+  }
+  __syncthreads();
+  const int total = n * pitch;
+  for (int q = tid; q * 8 < total; q += kThreads) {
+    uint32_t h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int o = q * 8 + e, px = o / pitch, ch = o - px * pitch;
+      h[e] = ch < rows ? sh[ch * TC + px] : 0u;
+    }
+    stg_stream16(d + q * 8, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
+  }
+}
+
 // Channel pad: block b writes destination elements [b·4096, (b+1)·4096) of [n][pitch] (n = cols here).
 template <class T>
 IGEMM_DEVICE void tile_pad(const T* __restrict__ src, T* __restrict__ dst, int rows, int n, int pitch, int b) {
@@ -106,7 +147,7 @@ IGEMM_DEVICE void tile_pad(const T* __restrict__ src, T* __restrict__ dst, int r
   }
 }
 
-template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 ? 16 : Mode == kWide ? 1024 : 64; }
+template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 ? 16 : Mode == kWide || Mode == kWideVec ? 1024 : 64; }
 
 template <class T, int Mode>
 IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, int cols, int pitch, int tr, int tc,
@@ -118,7 +159,11 @@ IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, i
     constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec ? 64 : kElems / TC;
     const int ct = b % tc, rest = b / tc;   // once per block
     const int rt = rest % tr, img = rest / tr;
-    if constexpr (Mode == kVec) {
+    if constexpr (Mode == kWideVec) {
+      static_assert(sizeof(T) == 2, "16-byte wide tiles are for 16-bit elements");
+      tile_wide_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, pitch, img,
+                      ct * TC);
+    } else if constexpr (Mode == kVec) {
       static_assert(sizeof(T) == 2, "16-byte tiles are for 16-bit elements");
       tile_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR,
                  ct * TC);
@@ -133,7 +178,7 @@ template <class T, int Mode0, int Mode1, class P>
 __device__ void transpose2(const P& p) {
   __shared__ uint32_t sm[kSmemWords];
   const int b = blockIdx.x;
-  static_assert(Mode1 != kSub && Mode1 != kWide, "subsampled and wide tiles are job 0's");
+  static_assert(Mode1 != kSub && Mode1 != kWide && Mode1 != kWideVec, "subsampled and wide tiles are job 0's");
   if (b < p.blocks0)
     run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.pitch0, p.tr0, p.tc0, b,
                        SubMap{p.scols0, p.q0, p.srow0, p.sw0});

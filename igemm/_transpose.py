@@ -24,9 +24,9 @@ PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
 _THREADS = 256
 
 
-SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE = 0, 1, 2, 3, 4, 5   # job kinds (csrc/transpose.cuh: kScalar64, ..., kWide)
-_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024}
-JOB0_ONLY = (SUB, WIDE)
+SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC = 0, 1, 2, 3, 4, 5, 6   # job kinds (csrc/transpose.cuh)
+_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024}
+JOB0_ONLY = (SUB, WIDE, WIDEVEC)
 
 
 def _ctype(esize: int) -> str:
@@ -75,7 +75,8 @@ class TransposeJob:
         if self.sub is not None:
             return SUB
         if first and self.rows <= 4 and self.pitch <= 4 and self.cols >= 1024:
-            return WIDE
+            vec = self.esize == 2 and self.cols % 8 == 0 and src % 16 == 0 and dst % 16 == 0
+            return WIDEVEC if vec else WIDE
         if (self.esize == 2 and self.pitch == self.rows and self.rows % 8 == 0 and self.cols % 8 == 0
                 and src % 16 == 0 and dst % 16 == 0):
             return VEC
@@ -155,5 +156,6 @@ def all_variants() -> list[tuple[str, str]]:
     out = []
     for e in (2, 4):
         modes = (SCALAR64, SCALAR16, VEC, PAD) if e == 2 else (SCALAR64, SCALAR16, PAD)
-        out += [(_name(e, a, b), _stub(e, a, b)) for a in modes + JOB0_ONLY for b in modes]
+        first = modes + ((SUB, WIDE, WIDEVEC) if e == 2 else (SUB, WIDE))
+        out += [(_name(e, a, b), _stub(e, a, b)) for a in first for b in modes]
     return out

@@ -361,7 +361,9 @@ def test_nchw_path_choice():
     for keep in (dataclasses.replace(b, padding=(1, 1)), dataclasses.replace(b, R=3, S=3), dataclasses.replace(b, stride=(1, 1))):
         assert kernel_problem(keep, "transpose").H == 28
     from igemm import _transpose as T
-    assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0) == T.WIDE                # conv1's x: 4 x 1024 tiles
+    assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0) == T.WIDEVEC             # conv1's x: 4 x 1024 tiles
+    assert T.TransposeJob(2, 3, 5000, 2).mode(2, 0) == T.WIDE                # (misaligned: element accesses)
+    assert T.TransposeJob(2, 3, 5001, 2).mode(0, 0) == T.WIDE
     assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0, first=False) == T.SCALAR64
     assert T.TransposeJob(2, 3, 5000, 2, pitch=8).mode(0, 0) == T.SCALAR64
     assert T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)).mode(16, 16) == T.SUB
@@ -1404,7 +1406,8 @@ def test_gpu_transpose_kernel(rng):
     for dt, (B, R, C) in [(torch.float16, (3, 64, 3136)), (torch.bfloat16, (2, 72, 196)),
                           (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8)),
                           (torch.float16, (3, 300, 16)), (torch.float32, (2, 513, 1)), (torch.float16, (2, 9, 17)),
-                          (torch.float16, (3, 3, 5000)), (torch.float32, (2, 4, 1500)), (torch.bfloat16, (2, 1, 2048))]:
+                          (torch.float16, (3, 3, 5000)), (torch.float32, (2, 4, 1500)), (torch.bfloat16, (2, 1, 2048)),
+                          (torch.float16, (2, 3, 5003))]:
         for pitch in {R, R + 5}:                                 # zero-filled channels past R
             a = torch.randn(B, R, C, device="cuda").to(dt)
             o = torch.full((B, C, pitch), float("nan"), device="cuda", dtype=dt)

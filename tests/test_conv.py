@@ -872,10 +872,12 @@ def test_gpu_tma_loader(dtype, layout, rng):
         plans = {}
         for kind, extra in (("tma", {}), ("vec", {"load_a": "vec", "load_b": "vec"})):
             c = {**(cfg or {}), **extra}
+            # (NCHW: the transpose path by name -- 1x1 stride-1 cases would otherwise read x in place, "tmamn")
+            nchw = "transpose" if layout == "NCHW" else "auto"
             plans[kind] = (Conv2dPlan(to_layout_shape(xs, layout), to_layout_shape(ws, layout), dtype, layout,
-                                      st, pd, dl, config=c or None),
+                                      st, pd, dl, config=c or None, nchw_path=nchw),
                            Conv2dPlan(to_layout_shape(xs, layout), to_layout_shape(ws, layout), dtype, layout,
-                                      st, pd, dl, config=c or None, epilogue=chain))
+                                      st, pd, dl, config=c or None, epilogue=chain, nchw_path=nchw))
         assert plans["tma"][0].spec().load_a == "tma" and plans["tma"][1].spec().load_a == "tma"
         assert plans["vec"][0].spec().load_a == "vec"
         for _ in range(3):                          # fresh buffers: new addresses in the tensor maps
@@ -931,7 +933,9 @@ def test_gpu_persistent_kernel(dtype, layout, sms, rng, monkeypatch):
         chain = ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))
         xsl, wsl = to_layout_shape(xs, layout), to_layout_shape(ws, layout)
         pers = {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, **cfg}
-        plans = {kind: [Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, config=c, epilogue=e) for e in (None, chain)]
+        nchw = "transpose" if layout == "NCHW" else "auto"      # (the persistent kernel reads NHWC TMA tiles)
+        plans = {kind: [Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, config=c, epilogue=e, nchw_path=nchw)
+                        for e in (None, chain)]
                  for kind, c in (("ws", pers), ("tile", {"bn": cfg["bn"], "splits": 1}))}
         assert all(p.spec().persistent for p in plans["ws"]) and plans["tile"][0].spec().load_a == "tma"
         for _ in range(2):

@@ -22,11 +22,26 @@ IGEMM_DEVICE uint32_t to_tf32(uint32_t x) {
   return r;
 }
 
-// x (fp32 bits) -> big = tf32(x) in x, small = tf32(x - big) in lo
-IGEMM_DEVICE void split_tf32(uint32_t& x, uint32_t& lo) {
-  const uint32_t big = to_tf32(x);
-  lo = to_tf32(__float_as_uint(__uint_as_float(x) - __uint_as_float(big)));
+// x (fp32 bits) -> big = tf32(x) in x, small = tf32(x - big) in lo, and in cross the big part the cross
+// terms multiply: big with infinities as 0. Non-finite x: small = 0, big carries the inf/NaN. A finite x
+// within 2^-12 of FLT_MAX rounds to an infinite big: truncated instead. So an infinite operand meets only
+// the other's big part (big·big): the product is ±inf or NaN exactly as IEEE's (the sign of big is x's),
+// never the NaN of inf times the other's small part (which may be 0 or of the other sign).
+IGEMM_DEVICE void split_tf32(uint32_t& x, uint32_t& lo, uint32_t& cross) {
+  const float f = __uint_as_float(x);
+  uint32_t big = to_tf32(x);
+  float small = f - __uint_as_float(big);          // exact when both are finite
+  if (!(fabsf(small) < INFINITY)) {
+    if (fabsf(f) < INFINITY) {
+      big = x & 0xffffe000u;
+      small = f - __uint_as_float(big);
+    } else {
+      small = 0.f;
+    }
+  }
+  lo = to_tf32(__float_as_uint(small));
   x = big;
+  cross = fabsf(__uint_as_float(big)) == INFINITY ? 0u : big;
 }
 
 template <class T> struct Mma;
@@ -145,21 +160,21 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
       if constexpr (Cfg::kMath == kTensorOp3) {
         // 3xTF32: x = big + small with big = tf32(x) and small = tf32(x - big) (x - big is exact);
         // a·b ≈ a_s·b_b + a_b·b_s + a_b·b_b (a_s·b_s, ~2^-22 relative, is dropped), small terms first
-        uint32_t as[MT][4], bs[NT][2];
+        uint32_t as[MT][4], bs[NT][2], ac[MT][4], bc[NT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) split_tf32(af[mt][e], as[mt][e]);
+          for (int e = 0; e < 4; ++e) split_tf32(af[mt][e], as[mt][e], ac[mt][e]);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) split_tf32(bf[nt][e], bs[nt][e]);
+          for (int e = 0; e < 2; ++e) split_tf32(bf[nt][e], bs[nt][e], bc[nt][e]);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            Mma<T>::run(acc[mt][nt], as[mt], bf[nt]);
-            Mma<T>::run(acc[mt][nt], af[mt], bs[nt]);
+            Mma<T>::run(acc[mt][nt], as[mt], bc[nt]);
+            Mma<T>::run(acc[mt][nt], ac[mt], bs[nt]);
             Mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
           }
       } else {

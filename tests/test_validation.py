@@ -685,7 +685,10 @@ def _specials_like(rng, shape):
     return v
 
 
-def ok_conv_ieee(A, dtype="float32", layout="NCHW", precision="strict"):
+FFMA = {"math": "simt", "bm": 128, "bn": 128, "wm": 4, "wn": 2, "stages": 3}   # the strict-fp32 FFMA kernel
+
+
+def ok_conv_ieee(A, dtype="float32", layout="NCHW", precision="strict", ffma=False):
     rng = np.random.default_rng(11)
     xs, ws = ((2, 5, 7, 6), (8, 5, 3, 3)) if layout == "NCHW" else ((2, 7, 6, 8), (16, 3, 3, 8))
     x = A.arr(_specials_like(rng, xs), dtype)
@@ -703,10 +706,14 @@ def ok_conv_ieee(A, dtype="float32", layout="NCHW", precision="strict"):
     for chain in (ep.chain(ep.BatchNorm(*V)), ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True))):
         with np.errstate(invalid="ignore"):
             ref = apply_chain(pre, chain, layout)
-        r = igemm.conv2d(x, w, 1, 1, layout=layout, epilogue=chain, precision=precision)
+        if ffma:          # the FFMA kernel by name: IEEE products and sums
+            r = igemm.Conv2dPlan(tuple(x.shape), tuple(w.shape), dtype, layout, 1, 1, epilogue=chain,
+                                 precision=precision, config=FFMA)(x, w)
+        else:
+            r = igemm.conv2d(x, w, 1, 1, layout=layout, epilogue=chain, precision=precision)
         y, m = r if chain.mask else (r, None)
-        what = f"conv {dtype}/{precision} {layout} {chain!r}"
-        _assert_ieee(A.host(y), ref, tol, what)
+        what = f"conv {dtype}/{precision}{' ffma' if ffma else ''} {layout} {chain!r}"
+        _assert_ieee(A.host(y), ref, tol, what)     # (3xTF32 too: infinities meet only the other's big part)
         if m is not None:
             bits = reference.unpack_mask(A.host_words(m), ref.size).reshape(ref.shape)
             with np.errstate(invalid="ignore"):
@@ -899,6 +906,8 @@ def ok_side_stream(A):
 OK = [
     ("conv/ieee-fp32-nchw", lambda A: ok_conv_ieee(A, "float32", "NCHW"), "both"),
     ("conv/ieee-fp32-nhwc", lambda A: ok_conv_ieee(A, "float32", "NHWC"), "both"),
+    ("conv/ieee-fp32-ffma-nchw", lambda A: ok_conv_ieee(A, "float32", "NCHW", ffma=True), "gpu"),
+    ("conv/ieee-fp32-ffma-nhwc", lambda A: ok_conv_ieee(A, "float32", "NHWC", ffma=True), "gpu"),
     ("conv/ieee-fp16-nhwc", lambda A: ok_conv_ieee(A, "float16", "NHWC"), "gpu"),
     ("conv/ieee-bf16-nchw", lambda A: ok_conv_ieee(A, "bfloat16", "NCHW"), "gpu"),
     ("conv/ieee-tf32-nhwc", lambda A: ok_conv_ieee(A, "float32", "NHWC", "tf32"), "gpu"),

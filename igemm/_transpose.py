@@ -4,7 +4,9 @@
   16-byte loads from the NHWC copy (the NCHW gather moves one 2-byte element per load) and stores NCHW
   directly from the epilogue, so only the input and the filter make the round trip;
 * the channel pad (16-bit, C < 8, either layout): x and w copied with C padded to 8 zero channels, so
-  the gather uses 16-byte loads (the element gather of C = 3 is the slowest path there is).
+  the gather uses 16-byte loads (the element gather of C = 3 is the slowest path there is);
+* a 1x1 strided unpadded conv's NCHW x: only ``x[:, :, ::sh, ::sw]`` is copied (``sub``);
+* the NCHW patch path's x (C <= 4): NCHW -> NHWC in 4 x 1024 tiles (then ``_unfold.Unfolded`` copies w).
 
 ``igemm/_heuristics.input_prep`` decides when.
 """
@@ -68,8 +70,10 @@ class TransposeJob:
         self._geo = {}
 
     def mode(self, src: int, dst: int, first: bool = True) -> int:
-        """``PAD`` for pad jobs; 16-byte tiles for 16-bit elements with rows and cols multiples of 8, no
-        padding and aligned bases; else element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64."""
+        """``PAD`` for pad jobs; ``SUB`` for subsampled ones; for the first job of a launch with rows <= 4
+        (conv1's C = 3) 4 x 1024 tiles, ``WIDEVEC`` (16-byte accesses: 16-bit, cols % 8 == 0, aligned bases)
+        or ``WIDE``; 16-byte tiles for 16-bit elements with rows and cols multiples of 8, no padding and
+        aligned bases; else element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64."""
         if self.pad:
             return PAD
         if self.sub is not None:

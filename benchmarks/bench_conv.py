@@ -39,7 +39,7 @@ CONFIGS = {  # name: (dtype, layout, igemm precision, cuDNN allow_tf32)
 }
 
 
-FFMA = {"math": "simt", "bm": 128, "bn": 128, "wm": 4, "wn": 2, "stages": 3}   # the strict-fp32 FFMA kernel
+from igemm._heuristics import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
 
 
 def make_inputs(torch, N, C, K, H, R, dtype, layout, n_sets_bytes):

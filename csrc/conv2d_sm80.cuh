@@ -93,7 +93,7 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
   constexpr bool kPromote = Cfg::kMath == kTensorOp3;
   constexpr int kPromoteTiles = 4;
   constexpr int PM = kPromote ? MT : 1, PN = kPromote ? NT : 1;
-  float sum[PM][PN][4];
+  float sum[PM][PN][4] = {};
   auto promote = [&]() {
 #pragma unroll
     for (int i = 0; i < PM; ++i)
@@ -105,14 +105,6 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
           acc[i][j][e] = 0.f;
         }
   };
-  if constexpr (kPromote) {
-#pragma unroll
-    for (int i = 0; i < PM; ++i)
-#pragma unroll
-      for (int j = 0; j < PN; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sum[i][j][e] = 0.f;
-  }
 
   const int KT = kt1 - kt0;
 #pragma unroll

@@ -403,6 +403,10 @@ def choose_splits(pb: ConvProblem, bm: int, bn: int, bk: int, sms: int) -> int:
     return max(1, min(-(-sms // tiles), kt // 8, 16))
 
 
+#: the strict-fp32 FFMA kernel as a config override (``Conv2dPlan(..., config=FFMA_CONFIG)``)
+FFMA_CONFIG = {"math": "simt", "bm": 128, "bn": 128, "bk": 8, "wm": 4, "wn": 2, "stages": 3}
+
+
 def _strict_math() -> str:
     """The strict-fp32 mainloop: ``IGEMM_FP32_STRICT`` = ``tf32x3`` (default) or ``simt`` (the FFMA kernel)."""
     import os
@@ -421,7 +425,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     if pb.patch:
         return patch_config(pb, sms)
     if pb.dtype == "float32" and pb.precision == "strict" and _strict_math() == "simt":
-        math, bm, bn, bk, wm, wn, stages = "simt", 128, 128, 8, 4, 2, 3
+        math, bm, bn, bk, wm, wn, stages = (FFMA_CONFIG[k] for k in ("math", "bm", "bn", "bk", "wm", "wn", "stages"))
     elif eb == 2 and arch.startswith("sm_90"):
         # One 64-row warpgroup per CTA, several CTAs per SM: measured best on H200 for the ResNet-50
         # layers (tools/sweep.py, notes/perf.md); 64 columns when that is what fills the GPU.
@@ -583,7 +587,7 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
                     for stages in (3, 4):
                         add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
     elif base.math == "tf32x3":
-        add(math="simt", bm=128, bn=128, bk=8, wm=4, wn=2, stages=3)    # the FFMA kernel
+        add(**FFMA_CONFIG)                  # the FFMA kernel
         for bm, bn, wm, wn in ((128, 64, 2, 2), (64, 64, 2, 2), (128, 128, 2, 4), (64, 128, 2, 2)):
             for stages in (3, 4):
                 for sp in (1, 2, 4):

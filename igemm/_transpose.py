@@ -28,7 +28,6 @@ _THREADS = 256
 
 SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC = 0, 1, 2, 3, 4, 5, 6   # job kinds (csrc/transpose.cuh)
 _TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024}
-JOB0_ONLY = (SUB, WIDE, WIDEVEC)
 
 
 def _ctype(esize: int) -> str:

@@ -772,7 +772,7 @@ def _check_plan(torch, plan, x, w, layout, st, pd, dl, tol):
     return y
 
 
-FFMA = {"math": "simt", "bm": 128, "bn": 128, "wm": 4, "wn": 2, "stages": 3}
+from igemm._heuristics import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
 
 
 @pytest.mark.gpu

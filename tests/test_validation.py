@@ -685,7 +685,7 @@ def _specials_like(rng, shape):
     return v
 
 
-FFMA = {"math": "simt", "bm": 128, "bn": 128, "wm": 4, "wn": 2, "stages": 3}   # the strict-fp32 FFMA kernel
+from igemm._heuristics import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
 
 
 def ok_conv_ieee(A, dtype="float32", layout="NCHW", precision="strict", ffma=False):

@@ -110,7 +110,7 @@ def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precisio
     return f"{spec.name()} splits={spec.splits} fuse_mask={spec.fuse_mask}"
 
 
-FFMA = {"math": "simt", "bm": 128, "bn": 128, "wm": 4, "wn": 2, "stages": 3}   # the strict-fp32 FFMA kernel
+from igemm._heuristics import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
 
 CONV = {
     "wgmma_fp16_nhwc_bn_relu_fused_mask": lambda: _conv("wgmma fp16", "float16", "NHWC", (2, 9, 9, 64), (128, 3, 3, 64),

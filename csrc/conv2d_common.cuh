@@ -2,7 +2,7 @@
 //
 // GEMM view: M = N·P·Q (output pixels), N = K (output channels), Kred = C·R·S, reduction order
 // (r, s, c) for NHWC and (c, r, s) for NCHW, so the filter is a plain row-major K × Kred matrix in both
-// layouts. The output layout follows the store mode (kStoreNCHW: NCHW, else NHWC). m → (n, p, q) and k → (r, s, c) use magic-number division (igemm::FastDiv).
+// layouts. The output layout follows the store mode (kStoreNCHW, kStoreRegsNCHW: NCHW, else NHWC). m → (n, p, q) and k → (r, s, c) use magic-number division (igemm::FastDiv).
 #pragma once
 #include "common.cuh"
 #include "epilogues.cuh"
@@ -27,7 +27,9 @@ enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3, kTensorOp3 = 4 
 enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3, kLoadPatch = 4, kLoadTmaMN = 5 };
 // kStoreRegs (sm_90a wgmma, NHWC output, no split-K): the chain runs on the accumulators in
 // registers and a 16-bit C tile leaves shared memory in 16-byte vectors (conv2d_sm90.cuh, epilogue_regs).
-enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2, kStoreRegs = 3 };
+// kStoreRegsNCHW: the same for NCHW outputs without a residual: a channel-major 16-bit C tile leaves in
+// vectors along each channel's pixels (epilogue_regs_nchw_by).
+enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2, kStoreRegs = 3, kStoreRegsNCHW = 4 };
 
 template <class Element_, class ElementOut_, int Layout_, int Math_, int BM_, int BN_, int BK_, int WM_,
           int WN_, int Stages_, int LoadA_, int LoadB_, int StoreMode_, int VecO_, bool FuseMask_, class Epi_>
@@ -48,7 +50,9 @@ struct Config {
   // shared-memory C tile (fp32), padded against bank conflicts: pixel-major (BM rows of BN channels) for
   // NHWC outputs, channel-major (BN rows of BM pixels) for NCHW outputs. The output layout is the store
   // mode's, independent of the input's: an NHWC gather may store NCHW (igemm/conv2d.py's transpose path).
-  static constexpr bool kCsPixelMajor = StoreMode_ != kStoreNCHW;
+  static constexpr bool kNchwOut = StoreMode_ == kStoreNCHW || StoreMode_ == kStoreRegsNCHW;
+  static constexpr bool kRegsStore = StoreMode_ == kStoreRegs || StoreMode_ == kStoreRegsNCHW;
+  static constexpr bool kCsPixelMajor = !kNchwOut;
   static constexpr int kCsPad = kCsPixelMajor ? 8 : 4;
   static constexpr int kCsLd = kCsPixelMajor ? BN + kCsPad : BM + kCsPad;
   static constexpr int kCsBytes = (kCsPixelMajor ? BM : BN) * kCsLd * 4;
@@ -62,11 +66,14 @@ struct Config {
   static_assert(Stages >= 2, "at least double buffering");
   static_assert((VecO & (VecO - 1)) == 0 && VecO * sizeof(ElementOut) <= 16, "output vectors: 2^i elements, <= 16 bytes");
   static_assert(!FuseMask || Epi::kMask, "mask fusion needs a ReLU(mask=True) in the chain");
-  static_assert(StoreMode == kStoreNCHW || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
+  static_assert(kNchwOut || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
   static_assert(StoreMode != kStoreRegs || (kIsWgmma && VecO * sizeof(ElementOut) == 16 && sizeof(ElementOut) == 2),
                 "register epilogue: the wgmma kernels, 16-bit outputs in 16-byte vectors");
+  static_assert(StoreMode != kStoreRegsNCHW || (kIsWgmma && sizeof(ElementOut) == 2 && !Epi::kResidual &&
+                                                (!FuseMask || VecO == 8)),
+                "NCHW register epilogue: the wgmma kernels, 16-bit outputs, no residual, masks from 8-pixel vectors");
   static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8 || LoadA_ == kLoadTmaMN;
-  static_assert(LoadA_ != kLoadTmaMN || (Layout_ == kNCHW && BM_ == 64 && Math_ == kWgmma && StoreMode_ == kStoreNCHW),
+  static_assert(LoadA_ != kLoadTmaMN || (Layout_ == kNCHW && BM_ == 64 && Math_ == kWgmma && kNchwOut),
                 "MN-major TMA A tiles: NCHW x, one 64-row warpgroup, the NCHW store");
   static_assert(kTma == (LoadB_ == kLoadTma) && (!kTma || (kIsWgmma && (Layout_ == kNHWC || LoadA_ == kLoadTmaMN))),
                 "TMA loads: both operands, wgmma, NHWC");

@@ -30,7 +30,7 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
   const int kt0 = blockIdx.z * p.kt_per_split;
   const int kt1 = min(KT, kt0 + p.kt_per_split);
 #if defined(IGEMM_WGMMA)
-  if constexpr (Cfg::StoreMode == kStoreRegs) epilogue_regs_prologue<Cfg>(p, m0, n0);
+  if constexpr (Cfg::kRegsStore) epilogue_regs_prologue<Cfg>(p, m0, n0);
 #endif
   if constexpr (Cfg::kMmaSync) {
     mainloop_tensorop<Cfg>(p, smem, m0, n0, kt0, kt1);
@@ -45,7 +45,7 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
     static_assert(Cfg::kMath != kWgmma, "the wgmma mainloop needs IGEMM_WGMMA (sm_90a)");
 #endif
   }
-  if constexpr (Cfg::StoreMode != kStoreRegs) {          // (kStoreRegs: stored from registers, no split-K)
+  if constexpr (!Cfg::kRegsStore) {          // (kStoreRegs*: stored from registers, no split-K)
     float* Cs = reinterpret_cast<float*>(smem);
     if (p.splits > 1 && !splitk_reduce<Cfg>(p, Cs, blockIdx.x)) return;
     epilogue_store<Cfg>(p, Cs, m0, n0);

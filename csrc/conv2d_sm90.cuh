@@ -331,6 +331,76 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   }
 }
 
+// The register epilogue for NCHW outputs (kStoreRegsNCHW: no residual, no split-K): the chain runs on the
+// accumulators as in epilogue_regs_by and each value is rounded once into a channel-major 16-bit C tile
+// (BN rows of BM + 8 pixels: the fragment's 16-bit writes hit 4 words of each of 4 distinct bank groups,
+// conflict-free), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
+// stays inside one image's plane); a thread's pixels are the same in every pass, so its (image, pixel)
+// divmod is done once. FuseMask (P·Q % 32 == 0, V = 8): a quad of lanes holds 32 consecutive pixels of one
+// channel, one mask word: one set.gt per stored pair, two shuffles, the quad's first lane stores it.
+// Against the fp32 C tile (kStoreNCHW): half the shared-memory bytes, the channel vectors fetched before
+// the mainloop, and no index math or chain work per vector in the store loop.
+template <class Cfg, int NT, class P, class Sync>
+IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, float (*s_vec)[Cfg::BN], int tid,
+                                        int m0, int n0, Sync sync) {
+  using TO = typename Cfg::ElementOut;
+  using Epi = typename Cfg::Epi;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM, LDT = BM + 8, V = Cfg::VecO, CPR = BM / V, RSTEP = NT / CPR;
+  static_assert(!Epi::kResidual && NT % CPR == 0 && BN % RSTEP == 0, "whole channel rows per store pass");
+  if constexpr (kEarlyVectors<Cfg>) cp_async_wait<0>();      // the prologue's channel vectors
+  else if constexpr (!Epi::kEmpty) stage_channel_vectors<BN, NT>(p, n0, tid, s_vec);
+  sync();
+  const epi::Ctx ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
+  uint16_t* ct = reinterpret_cast<uint16_t*>(smem);
+  const int lane = tid & 31;
+  const int r0 = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int c = j * 8 + 2 * (lane & 3);
+    float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
+    const int ch[4] = {c, c + 1, c, c + 1};
+    const float res[4] = {0.f, 0.f, 0.f, 0.f};
+    Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
+    const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);   // (r0, c | c+1), (r0+8, ..)
+    ct[c * LDT + r0] = uint16_t(o0);
+    ct[(c + 1) * LDT + r0] = uint16_t(o0 >> 16);
+    ct[c * LDT + r0 + 8] = uint16_t(o1);
+    ct[(c + 1) * LDT + r0 + 8] = uint16_t(o1 >> 16);
+  }
+  sync();
+  // thread tid stores pixel vector tid % CPR of channel rows tid / CPR + i·RSTEP
+  using VecT = std::conditional_t<V == 8, uint4, std::conditional_t<V == 4, uint2, std::conditional_t<V == 2, uint32_t, uint16_t>>>;
+  const int ml = (tid % CPR) * V, nl0 = tid / CPR;
+  const bool okm = m0 + ml < p.M;                            // (M = N·P·Q, a multiple of V)
+  int img, pq;
+  p.fd_PQ.divmod(img, pq, okm ? m0 + ml : 0);
+  const int ncols = min(BN, p.K - n0);
+  const int64_t off0 = (int64_t(img) * p.K + n0 + nl0) * p.PQ + pq, ostep = int64_t(RSTEP) * p.PQ;
+  TO* y = static_cast<TO*>(const_cast<void*>(p.y));
+  uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
+#pragma unroll 4
+  for (int i = 0; i < BN / RSTEP; ++i) {
+    const int nl = nl0 + i * RSTEP;
+    const int64_t off = off0 + i * ostep;
+    const bool ok = okm && nl < ncols;
+    const VecT o = *reinterpret_cast<const VecT*>(ct + nl * LDT + ml);
+    if (ok) *reinterpret_cast<VecT*>(y + off) = o;
+    if constexpr (Cfg::FuseMask) {
+      // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word
+      uint32_t bits = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t g = gt0_pair<TO>(reinterpret_cast<const uint32_t*>(&o)[k]);
+        bits |= ((g & 1u) | ((g >> 15) & 2u)) << (2 * k);
+      }
+      uint32_t word = bits << (8 * (lane & 3));
+      word |= __shfl_xor_sync(0xffffffffu, word, 1);
+      word |= __shfl_xor_sync(0xffffffffu, word, 2);
+      if (ok && (lane & 3) == 0) mask[off >> 5] = word;
+    }
+  }
+}
+
 // The per-tile kernel's: the whole CTA.
 template <class Cfg, class P>
 IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
@@ -339,13 +409,17 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
   // identity chain has nothing else before them), ptxas 13.0 serialises every wgmma of the mainloop
   // (C7514) -- 3x3 512->512 @7, N=32, H100: 20 -> 34 us.
   if (m0 >= p.M) return;
-  epilogue_regs_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
-                                       CtaSync{});
+  if constexpr (Cfg::StoreMode == kStoreRegsNCHW)
+    epilogue_regs_nchw_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
+                                              CtaSync{});
+  else
+    epilogue_regs_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
+                                         CtaSync{});
 }
 
 template <class Cfg, class P>
 IGEMM_DEVICE void finish_tile(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
-  if constexpr (Cfg::StoreMode == kStoreRegs) epilogue_regs<Cfg>(p, acc, smem, m0, n0);
+  if constexpr (Cfg::kRegsStore) epilogue_regs<Cfg>(p, acc, smem, m0, n0);
   else acc_to_cs<Cfg>(acc, smem);
 }
 
@@ -683,8 +757,9 @@ IGEMM_DEVICE void fprop_streamk(const P& p, uint8_t* smem) {
 // barriers (transaction bytes). Because the producer serves the tiles in order, one consumer's mainloop
 // runs while the other stores its previous tile (ping-pong): the epilogue chain, the mask and the
 // residual loads overlap MMA work. Consumers synchronise only among themselves (named barriers 1..WM).
-// Both store phases: the fp32 C tile's (epilogue_store_by) and the register epilogue (kStoreRegs,
-// epilogue_regs_by: the tile's channel vectors are fetched by cp.async before its mainloop).
+// Both store phases: the fp32 C tile's (epilogue_store_by) and the register epilogues (kStoreRegs*,
+// epilogue_regs_by / epilogue_regs_nchw_by: the tile's channel vectors are fetched by cp.async before its
+// mainloop).
 IGEMM_DEVICE void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
@@ -749,7 +824,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     const int t = blockIdx.x + i * gridDim.x;
     if (t >= NT) break;
     const auto [m0, n0] = tile_coord<Cfg>(p, t);
-    if constexpr (Cfg::StoreMode == kStoreRegs) epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg]);
+    if constexpr (Cfg::kRegsStore) epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg]);
     float acc[NACC];
 #pragma unroll
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
@@ -771,6 +846,8 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     const NamedSync sync{1 + wg};
     if constexpr (Cfg::StoreMode == kStoreRegs) {
       epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
+    } else if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
+      epilogue_regs_nchw_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
     } else {
       acc_to_cs_rows<Cfg>(acc, Cs, 0);
       sync();

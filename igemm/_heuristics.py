@@ -83,7 +83,7 @@ class KernelSpec:
     stages: int
     load_a: str               # "vec" | "elem" | "tma" | "tma8" (sm_90a wgmma; load_b "tma": igemm/_tma.py)
     load_b: str
-    store: str                # "rows" | "linear" | "nchw" | "regs" (the register epilogue: store_for)
+    store: str                # "rows" | "linear" | "nchw" | "regs" | "regsnchw" (register epilogues: store_for)
     vec_o: int
     fuse_mask: bool
     epilogue: tuple = ()      # C++ functor types, in order
@@ -108,7 +108,7 @@ class KernelSpec:
         """Dynamic shared memory, exactly as ``Config::kSmemBytes`` computes it."""
         eb = DTYPE_SIZES[self.dtype]
         main = self.stages * (self.bm + self.bn) * self.bk * (4 if self.math == "simt" else eb)
-        if self.store != "nchw":             # pixel-major C tile (Config::kCsPixelMajor)
+        if self.store not in NCHW_STORES:    # pixel-major C tile (Config::kCsPixelMajor)
             cs = self.bm * (self.bn + 8) * 4
         else:
             cs = self.bn * (self.bm + 4) * 4
@@ -128,7 +128,7 @@ class KernelSpec:
                 or os.environ.get("IGEMM_SMEM_TRIM", "1") == "0"):
             return self.smem
         main = max(kt, 1) * (self.bm + self.bn) * self.bk * DTYPE_SIZES[self.dtype]
-        cs = self.bm * (self.bn + 8) * 4 if self.store != "nchw" else self.bn * (self.bm + 4) * 4
+        cs = self.bm * (self.bn + 8) * 4 if self.store not in NCHW_STORES else self.bn * (self.bm + 4) * 4
         return max(main, cs) + 1024
 
     @property
@@ -147,7 +147,7 @@ class KernelSpec:
                 self.bm, self.bn, self.bk, self.wm, self.wn, self.stages,
                 ns + _LOADS[self.load_a], ns + _LOADS[self.load_b],
                 ns + {"rows": "kStoreRows", "linear": "kStoreLinear", "nchw": "kStoreNCHW",
-                      "regs": "kStoreRegs"}[self.store],
+                      "regs": "kStoreRegs", "regsnchw": "kStoreRegsNCHW"}[self.store],
                 self.vec_o, "true" if self.fuse_mask else "false", epi]
         return ns + "Config<" + ", ".join(str(a) for a in args) + ">"
 
@@ -161,6 +161,11 @@ class KernelSpec:
             return ""
         return "#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
 
+
+#: the store modes of NCHW outputs (a channel-major C tile)
+NCHW_STORES = ("nchw", "regsnchw")
+#: the register epilogues' store modes
+REGS_STORES = ("regs", "regsnchw")
 
 _LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8", "patch": "kLoadPatch",
           "tmamn": "kLoadTmaMN"}
@@ -258,16 +263,24 @@ def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
 
 
 def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
-    """Whether the register epilogue (store ``"regs"``: the chain on the accumulators, a 16-bit C tile, mask
-    words from registers; ``csrc/conv2d_sm90.cuh`` epilogue_regs) can store this problem: the per-tile
-    wgmma kernel or the persistent one, 16-bit NHWC output with K % 8 == 0 (16-byte vectors), no split-K."""
-    return (math in ("wgmma", "wgmma_ws") and splits == 1 and pb.y_layout == "NHWC" and DTYPE_SIZES[pb.dtype] == 2
-            and pb.K % 8 == 0)
+    """Whether a register epilogue (the chain on the accumulators, a 16-bit C tile, mask words from
+    registers; ``csrc/conv2d_sm90.cuh`` epilogue_regs_by / epilogue_regs_nchw_by) can store this problem: the
+    per-tile wgmma kernel or the persistent one, 16-bit output, no split-K; NHWC with K % 8 == 0 (16-byte
+    vectors, store ``"regs"``), or NCHW without a residual (store ``"regsnchw"``)."""
+    if math not in ("wgmma", "wgmma_ws") or splits != 1 or DTYPE_SIZES[pb.dtype] != 2:
+        return False
+    if pb.y_layout == "NHWC":
+        return pb.K % 8 == 0
+    return not any(sig[0] == "Add" for sig in pb.epilogue)
 
 
 def _regs_store(pb: ConvProblem) -> tuple[str, int, bool]:
-    """The register epilogue's (store, output vector width, mask fusion): whole 32-channel mask words."""
-    return "regs", 8, pb.mask and pb.K % 32 == 0
+    """A register epilogue's (store, output vector width, mask fusion): NHWC, whole 32-channel mask words;
+    NCHW, the widest vector inside one image's plane (as :func:`_store`) and 32-pixel words (P·Q % 32 == 0)."""
+    if pb.y_layout == "NHWC":
+        return "regs", 8, pb.mask and pb.K % 32 == 0
+    _, v, fuse = _store(pb, 0)
+    return "regsnchw", v, fuse
 
 
 def store_for(pb: ConvProblem, math: str, bn: int, splits: int, regs: bool = True) -> tuple[str, int, bool]:
@@ -562,7 +575,7 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             out.append(spec)
     if base.persistent:
         add()                               # the per-tile kernel (split-K as choose_splits says)
-    if tile.store == "regs":
+    if tile.store in REGS_STORES:
         add(smem_store=True)                # the fp32 C tile's store phase
     if base.load_b == "tma":
         add(load_a="vec" if pb.layout == "NHWC" else "elem", load_b="vec")
@@ -645,12 +658,13 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = f"16-byte activation loads need NHWC and C % {ce} == 0"
     elif spec.load_b == "vec" and pb.Kred % ce:
         why = f"16-byte filter loads need C*R*S % {ce} == 0"
-    elif spec.store == "regs" and (not regs_epilogue_ok(pb, spec.math, spec.splits)
-                                   or (spec.vec_o, spec.fuse_mask) != _regs_store(pb)[1:]):
-        why = "the register epilogue: wgmma, 16-bit NHWC output, K % 8 == 0, no split-K"
-    elif spec.store != "regs" and (spec.store, spec.vec_o, spec.fuse_mask) != _store(pb, spec.bn)[:2] + (spec.fuse_mask and _store(pb, spec.bn)[2],):
+    elif spec.store in REGS_STORES and (not regs_epilogue_ok(pb, spec.math, spec.splits)
+                                        or (spec.store, spec.vec_o, spec.fuse_mask) != _regs_store(pb)):
+        why = ("the register epilogues: wgmma, 16-bit output, no split-K; NHWC with K % 8 == 0 (regs), "
+               "NCHW without a residual (regsnchw)")
+    elif spec.store not in REGS_STORES and (spec.store, spec.vec_o, spec.fuse_mask) != _store(pb, spec.bn)[:2] + (spec.fuse_mask and _store(pb, spec.bn)[2],):
         why = "store mode does not match the tile"
-    elif spec.store != "regs" and spec.fuse_mask and not _store(pb, spec.bn)[2]:
+    elif spec.store not in REGS_STORES and spec.fuse_mask and not _store(pb, spec.bn)[2]:
         why = "the mask cannot be fused for this shape"
     elif spec.smem + spec.static_smem > SMEM_LIMIT:
         why = f"{spec.smem} bytes of shared memory"

@@ -166,7 +166,7 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
                                    else choose_splits(pb, spec.bm, spec.bn, spec.bk, 132))
     # the store mode follows the tile: the register epilogue where it can run (unless the fp32 C tile's
     # store phase is asked for by name), else the one the tile's width allows
-    store, vec_o, fuse = store_for(pb, spec.math, spec.bn, spec.splits, regs=cfg.get("store", "regs") == "regs")
+    store, vec_o, fuse = store_for(pb, spec.math, spec.bn, spec.splits, regs=cfg.get("store", "regs") in ("regs", "regsnchw"))
     spec = dataclasses.replace(spec, store=store, vec_o=vec_o, fuse_mask=fuse)
     if "min_blocks" not in cfg:
         from ._heuristics import min_blocks_for

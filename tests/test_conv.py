@@ -173,7 +173,10 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(K=264, epilogue=(("ReLU", True),))).fuse_mask is False   # words straddle tiles
     res = choose_config(_pb(K=256, epilogue=(("Add",), ("ReLU", True)), residual_dtype="float32"))
     assert (res.store, res.fuse_mask) == ("regs", True)
-    assert choose_config(_pb(K=256, layout="NCHW", H=28, W=28)).store == "nchw"      # NCHW output
+    assert choose_config(_pb(K=256, layout="NCHW", H=28, W=28)).store == "regsnchw"  # NCHW output, registers
+    nres = choose_config(_pb(K=256, layout="NCHW", epilogue=(("Add",), ("ReLU", True)), residual_dtype="float16"))
+    assert (nres.store, nres.fuse_mask) == ("nchw", True)                 # NCHW + residual: the fp32 C tile
+    assert choose_config(_pb(K=256, layout="NCHW"), "sm_80").store == "nchw"
     assert choose_config(_pb(K=256), "sm_80").store == "rows"
     assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512)).store == "rows"           # split-K
     small = choose_config(_pb(N=1, H=7, W=7, C=512, K=512))                      # 8 tiles: split-K
@@ -203,7 +206,7 @@ def test_choose_config_rules(monkeypatch):
     odd = choose_config(_pb(K=300, epilogue=(("ReLU", True),)))
     assert (odd.store, odd.vec_o, odd.fuse_mask) == ("rows", 1, False)    # words would straddle CTAs
     nchw = choose_config(_pb(layout="NCHW", H=28, W=28, epilogue=(("ReLU", True),)))
-    assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("nchw", 8, False)  # 784 % 32 != 0
+    assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("regsnchw", 8, False)  # 784 % 32 != 0
     nchw56 = choose_config(_pb(layout="NCHW", epilogue=(("ReLU", True),)))
     assert nchw56.fuse_mask
     for hw, v in ((14, 4), (7, 1), (6, 4), (5, 1)):                       # widest vector dividing P*Q
@@ -226,7 +229,7 @@ def test_tma_choice_and_limits(monkeypatch):
     assert "16-bit" in tma_unsupported(_pb(layout="NCHW", R=1, S=1, padding=(0, 0), dtype="float32"), 64)
     path, kn = kernel_setup(n1, arch="sm_90a")
     sn = choose_config(kn)
-    assert (path, kn.layout, sn.load_a, sn.load_b, sn.bm, sn.store) == ("native", "NCHW", "tmamn", "tma", 64, "nchw")
+    assert (path, kn.layout, sn.load_a, sn.load_b, sn.bm, sn.store) == ("native", "NCHW", "tmamn", "tma", 64, "regsnchw")
     assert kernel_setup(n1)[0] == "transpose" and kernel_setup(n1, arch="sm_80")[0] == "transpose"
     assert choose_config(kn, x_aligned=False).load_a == "elem"
     assert "box" in tma_unsupported(_pb(padding=(129, 1)), 64)
@@ -374,7 +377,7 @@ def test_nchw_path_choice():
     kp = kernel_problem(_pb(layout="NCHW", epilogue=(("ReLU", True),)), "transpose")
     s = choose_config(kp)
     assert (kp.layout, kp.y_layout, s.layout, s.load_a, s.store, s.fuse_mask) == (
-        "NHWC", "NCHW", "NHWC", "tma", "nchw", True)
+        "NHWC", "NCHW", "NHWC", "tma", "regsnchw", True)
     plan = Conv2dPlan((2, 64, 14, 14), (32, 64, 3, 3), "float16", "NCHW", padding=1, device=None)
     assert plan.nchw_path == "transpose" and plan.spec(x_aligned=False).load_a == "tma"   # reads its own copy
     assert plan.y_shape == (2, 32, 14, 14) and "transpose" in repr(plan)
@@ -541,7 +544,7 @@ def test_patch_loader_index_math(rng):
     # NCHW: the patch kernel on an NHWC copy of x, storing NCHW; rows of x not in 16-byte multiples: the copy path
     path, kn = kernel_setup(_pb(C=3, R=7, S=7, layout="NCHW"), arch="sm_90a")
     assert (path, kn.layout, kn.out_layout, kn.patch) == ("patch", "NHWC", "NCHW", True)
-    assert choose_config(kn).store == "nchw"
+    assert choose_config(kn).store == "regsnchw"
     assert kernel_setup(_pb(C=3, W=10, R=7, S=7, layout="NCHW"), arch="sm_90a")[0] == "unfold"
     assert patch_unsupported(_pb(C=3, R=3, S=3, dilation=(1, 2)), "sm_90a")
     with pytest.raises(NotImplementedError, match="patch"):
@@ -1093,6 +1096,58 @@ def test_gpu_register_epilogue_bitwise(dtype, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
+    """The NCHW register epilogue (store "regsnchw": chain on the accumulators, a channel-major 16-bit C
+    tile, vectors along each channel's pixels, mask words from quads of 8-pixel vectors) against the fp32 C
+    tile's NCHW store phase of the same tile: identical bits of y and mask on every NCHW kernel path (the
+    transpose path's TMA and gather kernels, 64/128-row tiles, the persistent kernel; the MN-major 1x1 path;
+    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (P*Q % 32 == 0: mask fused), M and K tails;
+    y and mask poisoned first; plain results against the float64 reference."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    cases = [((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, None),                       # TMA, K tail, V = 8, fused mask
+             ((3, 72, 7, 7), (130, 72, 3, 3), 1, 1, None),                      # gather, V = 1, K tail
+             ((2, 64, 14, 14), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),     # V = 4, 128-row tiles
+             ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, None),                       # V = 2
+             ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
+             ((3, 64, 16, 16), (72, 64, 1, 1), 1, 0, None),                     # MN-major TMA (1x1 in place)
+             ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None)]                       # the patch kernel
+    for xs, ws, st, pd, cfg in cases:
+        x = to_torch(rng.standard_normal(xs), dtype)
+        w = to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), dtype)
+        K = ws[0]
+        V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NCHW")
+        for chain in (None, ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)), ep.chain(ep.PReLU(V[0] - 1.0)),
+                      ep.chain(ep.Bias(V[1]), ep.ReLU()), ep.chain(ep.Bias(V[1]), ep.PReLU(0.25))):
+            outs = []
+            for store in ("regsnchw", "nchw"):
+                c = dict(cfg or {})
+                if store == "nchw":
+                    c["store"] = "nchw"
+                plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd, epilogue=chain, config=c or None)
+                spec = plan.spec()
+                assert spec.store == store, spec.name()
+                assert spec.persistent == (c.get("math") == "wgmma_ws"), spec.name()
+                y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
+                kw = {"out": y}
+                if chain is not None and chain.mask:
+                    kw["mask_out"] = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
+                r = plan(x, w, **kw)
+                outs.append(r if isinstance(r, tuple) else (r,))
+            label = f"{dtype} x{xs} w{ws} {chain!r} {cfg}: {spec.name()}"
+            for a, b in zip(*outs):
+                assert torch.equal(a.view(torch.int16) if a.is_floating_point() else a,
+                                   b.view(torch.int16) if b.is_floating_point() else b), label
+            assert not torch.isnan(outs[0][0]).any(), f"unwritten (poisoned) elements: {label}"
+            if chain is None:
+                assert rel_err(to_numpy(outs[0][0]), ref) <= TOL[dtype], label
+            if len(outs[0]) == 2:
+                assert torch.equal(outs[0][1], igemm.relu_mask(outs[0][0])), label
+
+
+@pytest.mark.gpu
 def test_gpu_plan_in_cuda_graph(rng):
     """A plan call (split-K included) captured in a CUDA graph and replayed on new inputs."""
     torch = pytest.importorskip("torch")
@@ -1319,7 +1374,7 @@ def test_gpu_patch_nchw(dtype, rng):
         x, w = to_torch(x64, dtype), to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), dtype)
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NCHW")
         plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd)
-        assert plan.nchw_path == "patch" and plan.spec().load_a == "patch" and plan.spec().store == "nchw", plan
+        assert plan.nchw_path == "patch" and plan.spec().load_a == "patch" and plan.spec().store == "regsnchw", plan
         for _ in range(2):
             y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
             assert rel_err(to_numpy(y), ref) <= TOL[dtype], f"{xs} {ws}: {plan.spec().name()}"

@@ -166,8 +166,8 @@ def _encode_patch(pb, addr: int) -> bytes:
 
 
 class PatchMap:
-    """The patch kernel's one map (x), with :class:`ConvMaps`' interface (``patch`` stays None: each call
-    re-addresses it through its template)."""
+    """The patch kernel's one map (x), with :class:`ConvMaps`' interface (``patch``: its address word, as
+    ConvMaps', with no B map)."""
 
     __slots__ = ("a", "slot_a", "patch")
 
@@ -177,6 +177,8 @@ class PatchMap:
 
     def write(self, u64: np.ndarray, x: int, w: int, full: bool) -> None:
         self.a.write(u64, self.slot_a, x, full)
+        if self.patch is None and self.a.word >= 0:      # (index, offset) of the address word; no B map
+            self.patch = (self.slot_a + self.a.word, int(self.a.base[self.a.word]) - self.a.addr0, None, None)
 
 
 class ConvMaps:

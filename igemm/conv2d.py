@@ -358,12 +358,16 @@ class Conv2dPlan:
         self._split_args = None          # the launcher whose split-K values are in the argument buffer
         self._maps: dict = {}            # launcher -> its TMA tensor maps (igemm/_tma.py), TMA kernels only
         self._maps_in_args = None        # the ConvMaps whose maps are in the argument buffer
+        self._lean_recs: dict = {}       # launcher -> its lean launch record (_lean)
+        self._ctx_id = -1
         if device is not None:
             self._primary = self.spec()
             self._args = self._scalar_args()
             self._slot = self._args.slots
+            self._u64 = memoryview(self._args.data)     # slot writes: faster than numpy item assignment
             self._lock = threading.Lock()
-            self._launcher(True, True)   # compile the primary kernel now
+            # compile the primary kernel now; its context is the plan's (the lean launch's condition)
+            self._ctx_id = self._launcher(True, True)[0]._ctx_id
             if self._prep:
                 self._setup_prep()
             self._setup_fast()
@@ -490,7 +494,6 @@ class Conv2dPlan:
         return ws, cnt, kt_per_split
 
     # -------------------------------------------------------------------------------------- call
-    @keeps_current_context
     def __call__(self, x, w, *, out=None, residual=None, mask_out=None, stream=None, _folded=None):
         """Run the convolution. Returns ``y``, or ``(y, mask)`` when the chain has ``ReLU(mask=True)``.
 
@@ -499,6 +502,18 @@ class Conv2dPlan:
         Thread-safe (a lock guards the shared argument buffer); a split-K or stream-K plan's workspace is
         shared, so calls of one such plan on different streams must not overlap in time.
         """
+        f = self._fast
+        if f is not None and type(x) is f[0] and _runtime._ctx_int(f[16]()[1]) == self._ctx_id:
+            # torch tensors with the plan's context already current (the usual case): nothing to restore
+            # afterwards, so no keeps_current_context wrapper, and the launch may skip its own check
+            r = self._call_torch(x, w, out, residual, mask_out, stream, _folded, True)
+            if r is not None:
+                return r
+        return self._call(x, w, out=out, residual=residual, mask_out=mask_out, stream=stream, _folded=_folded)
+
+    @keeps_current_context
+    def _call(self, x, w, *, out=None, residual=None, mask_out=None, stream=None, _folded=None):
+        """The general call (any array kind, any current context; errors raised here)."""
         if self._fast is not None and type(x) is self._fast[0]:
             r = self._call_torch(x, w, out, residual, mask_out, stream, _folded)
             if r is not None:
@@ -573,6 +588,59 @@ class Conv2dPlan:
             return y_res, ctx.finish(m_obj)
         return y_res
 
+    def _lean(self, launcher):
+        """``launcher``'s lean launch record, or None: its calls take :meth:`_launch`. Lean: one kernel (no
+        input preparation, no separate mask kernel) whose argument buffer already holds everything but the
+        call's pointers -- its split-K slots and its tensor maps (which then change in one address word each)
+        were written by an earlier :meth:`_launch`. The record: the driver's function, grid, block, shared
+        memory, the stream handle cache, and the slots a call writes (x, w, y, residual, mask; the maps'
+        address words and offsets, -1 where there is none)."""
+        rec = self._lean_recs.get(launcher)
+        if rec is not None:
+            return rec
+        spec = next(v[1] for v in self._specs.values() if v[0] is launcher)
+        if self._xpose is not None or (self.chain.mask and not spec.fuse_mask):
+            self._lean_recs[launcher] = False              # for good: more than one kernel a call
+            return None
+        maps = self._maps.get(launcher)
+        if self._split_args is not launcher or (maps is not None and (maps is not self._maps_in_args
+                                                                      or maps.patch is None)):
+            return None                                    # not yet: _launch writes them first
+        sl = self._slot
+        ia, oa, ib, ob = maps.patch if maps is not None else (-1, 0, -1, 0)
+        g, b = launcher.grid, launcher.block
+        rec = (launcher._launch, launcher.func, g[0], g[1], g[2], b[0], b[1], b[2], launcher.smem, sl["x"], sl["w"],
+               sl["y"], sl["residual"], sl["mask"], ia, oa, -1 if ib is None else ib, ob)
+        self._lean_recs[launcher] = rec
+        return rec
+
+    def _launch_lean(self, stream: int, launcher, x, w, y, res, mask) -> bool:
+        """Launch through the lean record (the caller checked that the plan's context is current); False when
+        the launcher has none (the caller then takes :meth:`_launch`)."""
+        rec = self._lean_recs.get(launcher)
+        if rec is None:
+            rec = self._lean(launcher)
+        if not rec:
+            return False
+        launch, fn, g0, g1, g2, b0, b1, b2, smem, sx, sw, sy, sr, sm, ia, oa, ib, ob = rec
+        u = self._u64
+        with self._lock:
+            if self._split_args is not launcher or (ia >= 0 and self._maps_in_args is not self._maps[launcher]):
+                return False                 # another launcher's values are in the buffer
+            u[sx] = x
+            u[sw] = w
+            u[sy] = y
+            u[sr] = res
+            u[sm] = mask
+            if ia >= 0:
+                u[ia] = oa + x
+                if ib >= 0:
+                    u[ib] = ob + w
+            (err,) = launch(fn, g0, g1, g2, b0, b1, b2, smem, _kernel._cu_stream(stream), self._args.address, 0)
+        if err:
+            raise RuntimeError(f"kernel launch failed: {err}")
+        return True
+
     def _launch(self, stream: int, launcher, spec, ws, x, w, y, res, mask, folded) -> None:
         # (no device() here: each Launcher makes its own context current, e.g. on a thread that never touched CUDA)
         sl = self._slot
@@ -597,7 +665,8 @@ class Conv2dPlan:
                     if maps is self._maps_in_args and maps.patch is not None:   # only the addresses change
                         ia, oa, ib, ob = maps.patch
                         u[ia] = oa + x
-                        u[ib] = ob + w
+                        if ib is not None:
+                            u[ib] = ob + w
                     else:
                         maps.write(u, x, w, maps is not self._maps_in_args)
                         self._maps_in_args = maps
@@ -646,14 +715,18 @@ class Conv2dPlan:
         nb = self.numel_y * es
         rnb = self.numel_y * DTYPE_SIZES[self.problem.residual_dtype] if rdt is not None else 0
         xnb, wnb = math.prod(self.x_shape) * es, math.prod(self.w_shape) * es
+        api = _runtime._ctx_api()
+        if not api:
+            return
         self._fast = (torch.Tensor, tdt, rdt, dev, torch.Size(self.x_shape), torch.Size(self.w_shape),
                       torch.Size(self.y_shape), nb, torch.int32, torch._C._cuda_getCurrentRawStream,
-                      self.device_id, xnb, wnb, rnb, self.chain.residual_op, self.chain.mask)
+                      self.device_id, xnb, wnb, rnb, self.chain.residual_op, self.chain.mask, api[0])
 
-    def _call_torch(self, x, w, out, residual, mask_out, stream, folded):
+    def _call_torch(self, x, w, out, residual, mask_out, stream, folded, ctx_current=False):
         # checked with ints and cached sizes (tensor.device builds an object per access; the plan fixes
-        # every shape, so byte extents for the overlap checks are constants)
-        T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask = self._fast
+        # every shape, so byte extents for the overlap checks are constants). ctx_current: the plan's context
+        # is the current one (the lean launch may run).
+        T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask, _ = self._fast
         if (type(w) is not T or x.dtype is not tdt or w.dtype is not tdt or x.get_device() != di
                 or w.get_device() != di or x.shape != xs or w.shape != ws_ or not x.is_contiguous()
                 or not w.is_contiguous()):
@@ -697,8 +770,9 @@ class Conv2dPlan:
             return None
         launcher, spec, wsp = self._specs.get((xp % 16 == 0, wp % 16 == 0)) or self._launcher(xp % 16 == 0,
                                                                                                 wp % 16 == 0)
-        h = cur(self.device_id) if stream is None else _runtime.stream_handle(stream, "torch", self.device_id)
-        self._launch(h, launcher, spec, wsp, xp, wp, yp, rp, mp, folded)
+        h = cur(di) if stream is None else _runtime.stream_handle(stream, "torch", di)
+        if not (ctx_current and folded is None and self._launch_lean(h, launcher, xp, wp, yp, rp, mp)):
+            self._launch(h, launcher, spec, wsp, xp, wp, yp, rp, mp, folded)
         return (out, mask_out) if want_mask else out
 
     def _check(self, t: Tensor, name: str, shape, dtype) -> None:

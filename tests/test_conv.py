@@ -1148,6 +1148,63 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
 
 
 @pytest.mark.gpu
+def test_gpu_lean_launch(rng):
+    """The lean launch (torch tensors, the plan's context current, one kernel): every call's new x, w, y,
+    mask pointers reach the argument buffer and the TMA maps' address words; calls in between on another
+    launcher (a misaligned x: the gather kernel), with per-call vectors (conv2d's folded BN) or from a
+    thread with no current context take the general path and leave the buffer right for the next lean call.
+    TMA, split-K and patch plans; each result equals the general path's bit for bit (y poisoned first)."""
+    torch = pytest.importorskip("torch")
+    import threading
+    from igemm import epilogues as ep
+    for xs, ws, st, pd, cfg in [((2, 9, 11, 64), (128, 3, 3, 64), 1, 1, None),          # TMA maps
+                                ((1, 7, 7, 256), (256, 3, 3, 256), 1, 1, {"splits": 4}),  # split-K slots
+                                ((2, 37, 48, 3), (64, 7, 7, 3), 2, 3, None)]:             # the patch map
+        K = ws[0]
+        V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
+        plan = Conv2dPlan(xs, ws, "float16", "NHWC", st, pd, config=cfg,
+                          epilogue=ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)))
+        general = []
+        plan_launch = plan._launch
+        plan._launch = lambda *a: (general.append(1), plan_launch(*a))[1]
+        n = int(np.prod(xs))
+        xb = to_torch(rng.standard_normal(n + 8), "float16")
+        xs_ = [to_torch(rng.standard_normal(xs), "float16") for _ in range(3)] + [xb[1:1 + n].view(xs)]
+        wts = [to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), "float16") for _ in range(2)]
+        seq = [(0, 0), (1, 0), (2, 1), (3, 1), (0, 0), (1, 1), (2, 0)]       # (x, w): x 3 is misaligned
+        for i, (xi, wi) in enumerate(seq):
+            x, w = xs_[xi], wts[wi]
+            y = poison(torch.empty(plan.y_shape, dtype=torch.float16, device="cuda"))
+            m = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
+            before = len(general)
+            if i == 5:                                   # a thread with no current context: the general path
+                th = threading.Thread(target=lambda: plan(x, w, out=y, mask_out=m))
+                th.start()
+                th.join()
+            else:
+                plan(x, w, out=y, mask_out=m)
+            lean = len(general) == before
+            y2, m2 = plan._call(x, w)                    # the general path (keeps_current_context)
+            assert torch.equal(y.view(torch.int16), y2.view(torch.int16)) and torch.equal(m, m2), (xs, i)
+            if i in (1, 6):
+                assert lean, f"{xs}: call {i} took the general path"
+            # 3: the gather kernel (the patch plan hands a misaligned x to its copy plan), 4: the buffer holds
+            # the gather kernel's values, so the general path rewrites them; 5: no current context
+            if i == 5 or (i in (3, 4) and plan.nchw_path != "patch"):
+                assert not lean, f"{xs}: call {i} should take the general path"
+        ref = reference.conv2d_direct(to_numpy(xs_[2]), to_numpy(wts[0]), st, pd, 1, "NHWC")
+        sc = to_numpy(V[0]) / np.sqrt(to_numpy(V[3]) + 1e-5)
+        want = np.maximum((ref - to_numpy(V[2])) * sc + to_numpy(V[1]), 0)
+        assert rel_err(to_numpy(y), want) <= TOL["float16"], xs
+        # conv2d's per-call folded vectors go through the general launch and restore the plan's own
+        yf = igemm.conv2d(xs_[0], wts[0], st, pd, layout="NHWC",
+                          epilogue=ep.chain(ep.BatchNorm(*(v * 2 for v in V)), ep.ReLU(mask=True)))[0]
+        y0, _ = plan(xs_[0], wts[0])
+        y1, _ = plan._call(xs_[0], wts[0])
+        assert torch.equal(y0, y1) and not torch.equal(yf, y0)
+
+
+@pytest.mark.gpu
 def test_gpu_plan_in_cuda_graph(rng):
     """A plan call (split-K included) captured in a CUDA graph and replayed on new inputs."""
     torch = pytest.importorskip("torch")

@@ -34,7 +34,7 @@ def main():
     y = plan(xl, w)
     launcher, spec, ws = plan._specs[(True, True)]
     h = torch.cuda.current_stream().cuda_stream
-    raw = plan.__call__.__wrapped__
+    raw = plan._call.__wrapped__
     lib = ctypes.CDLL("libcuda.so.1")
     f = lib.cuLaunchKernel
     f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
@@ -43,8 +43,10 @@ def main():
     args = plan._args
     ctx = ctypes.c_void_p()
     rows = [
-        ("plan call (decorated)", lambda: plan(xl, w, out=y)),
-        ("plan call, no context decorator", lambda: raw(plan, xl, w, out=y)),
+        ("plan call (the lean path: context current, one kernel)", lambda: plan(xl, w, out=y)),
+        ("plan._call (the general path, keeps_current_context)", lambda: plan._call(xl, w, out=y)),
+        ("plan._call, no context decorator", lambda: raw(plan, xl, w, out=y)),
+        ("plan._launch_lean only", lambda: plan._launch_lean(h, launcher, xl.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0)),
         ("plan._launch only", lambda: plan._launch(h, launcher, spec, ws, xl.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0, None)),
         ("Launcher call", lambda: launcher(h, args)),
         ("cuLaunchKernel via cuda.bindings", lambda: driver.cuLaunchKernel(launcher.func, *g, *b, launcher.smem,

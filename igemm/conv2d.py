@@ -124,6 +124,9 @@ def _k_table(pb: ConvProblem, bk: int) -> np.ndarray:
     return tab
 
 
+_CU_STREAMS = _kernel._cu_streams       # raw stream handle -> its CUstream (the lean launch reads it directly)
+
+
 def torch_empty(shape, dtype, device):
     import torch
     return torch.empty(shape, dtype=dtype, device=device)
@@ -503,7 +506,7 @@ class Conv2dPlan:
         shared, so calls of one such plan on different streams must not overlap in time.
         """
         f = self._fast
-        if f is not None and type(x) is f[0] and _runtime._ctx_int(f[16]()[1]) == self._ctx_id:
+        if f is not None and type(x) is f[0] and (c := f[16]()[1]) is not None and int(c) == self._ctx_id:
             # torch tensors with the plan's context already current (the usual case): nothing to restore
             # afterwards, so no keeps_current_context wrapper, and the launch may skip its own check
             r = self._call_torch(x, w, out, residual, mask_out, stream, _folded, True)
@@ -613,33 +616,6 @@ class Conv2dPlan:
                sl["y"], sl["residual"], sl["mask"], ia, oa, -1 if ib is None else ib, ob)
         self._lean_recs[launcher] = rec
         return rec
-
-    def _launch_lean(self, stream: int, launcher, x, w, y, res, mask) -> bool:
-        """Launch through the lean record (the caller checked that the plan's context is current); False when
-        the launcher has none (the caller then takes :meth:`_launch`)."""
-        rec = self._lean_recs.get(launcher)
-        if rec is None:
-            rec = self._lean(launcher)
-        if not rec:
-            return False
-        launch, fn, g0, g1, g2, b0, b1, b2, smem, sx, sw, sy, sr, sm, ia, oa, ib, ob = rec
-        u = self._u64
-        with self._lock:
-            if self._split_args is not launcher or (ia >= 0 and self._maps_in_args is not self._maps[launcher]):
-                return False                 # another launcher's values are in the buffer
-            u[sx] = x
-            u[sw] = w
-            u[sy] = y
-            u[sr] = res
-            u[sm] = mask
-            if ia >= 0:
-                u[ia] = oa + x
-                if ib >= 0:
-                    u[ib] = ob + w
-            (err,) = launch(fn, g0, g1, g2, b0, b1, b2, smem, _kernel._cu_stream(stream), self._args.address, 0)
-        if err:
-            raise RuntimeError(f"kernel launch failed: {err}")
-        return True
 
     def _launch(self, stream: int, launcher, spec, ws, x, w, y, res, mask, folded) -> None:
         # (no device() here: each Launcher makes its own context current, e.g. on a thread that never touched CUDA)
@@ -754,7 +730,8 @@ class Conv2dPlan:
                     or not out.is_contiguous()):
                 return None
             yp = out.data_ptr()
-            if yp % 16 or not _apart(yp, nb, xp, xnb, wp, wnb, rp, rnb):
+            if yp % 16 or (not _apart(yp, nb, xp, xnb, wp, wnb, rp, rnb) if rp else
+                           (xp < yp + nb and yp < xp + xnb) or (wp < yp + nb and yp < wp + wnb)):
                 return None
         mp = 0
         if want_mask:
@@ -768,11 +745,35 @@ class Conv2dPlan:
                 return None
         elif mask_out is not None:
             return None
-        launcher, spec, wsp = self._specs.get((xp % 16 == 0, wp % 16 == 0)) or self._launcher(xp % 16 == 0,
-                                                                                                wp % 16 == 0)
+        launcher, spec, wsp = ((self._specs.get((True, True)) if not (xp | wp) & 15 else
+                                self._specs.get((xp % 16 == 0, wp % 16 == 0)))
+                               or self._launcher(xp % 16 == 0, wp % 16 == 0))
         h = cur(di) if stream is None else _runtime.stream_handle(stream, "torch", di)
-        if not (ctx_current and folded is None and self._launch_lean(h, launcher, xp, wp, yp, rp, mp)):
-            self._launch(h, launcher, spec, wsp, xp, wp, yp, rp, mp, folded)
+        if ctx_current and folded is None:
+            # the lean launch (see _lean), inline: this is most of a call's host time after the driver's
+            rec = self._lean_recs.get(launcher)
+            if rec is None:
+                rec = self._lean(launcher)
+            if rec:
+                launch, fn, g0, g1, g2, b0, b1, b2, smem, sx, sw, sy, sr, sm, ia, oa, ib, ob = rec
+                u = self._u64
+                cs = _CU_STREAMS.get(h) or _kernel._cu_stream(h)
+                with self._lock:
+                    if self._split_args is launcher and (ia < 0 or self._maps_in_args is self._maps[launcher]):
+                        u[sx] = xp
+                        u[sw] = wp
+                        u[sy] = yp
+                        u[sr] = rp
+                        u[sm] = mp
+                        if ia >= 0:
+                            u[ia] = oa + xp
+                            if ib >= 0:
+                                u[ib] = ob + wp
+                        (err,) = launch(fn, g0, g1, g2, b0, b1, b2, smem, cs, self._args.address, 0)
+                        if err:
+                            raise RuntimeError(f"kernel launch failed: {err}")
+                        return (out, mask_out) if want_mask else out
+        self._launch(h, launcher, spec, wsp, xp, wp, yp, rp, mp, folded)
         return (out, mask_out) if want_mask else out
 
     def _check(self, t: Tensor, name: str, shape, dtype) -> None:

@@ -46,7 +46,6 @@ def main():
         ("plan call (the lean path: context current, one kernel)", lambda: plan(xl, w, out=y)),
         ("plan._call (the general path, keeps_current_context)", lambda: plan._call(xl, w, out=y)),
         ("plan._call, no context decorator", lambda: raw(plan, xl, w, out=y)),
-        ("plan._launch_lean only", lambda: plan._launch_lean(h, launcher, xl.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0)),
         ("plan._launch only", lambda: plan._launch(h, launcher, spec, ws, xl.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0, None)),
         ("Launcher call", lambda: launcher(h, args)),
         ("cuLaunchKernel via cuda.bindings", lambda: driver.cuLaunchKernel(launcher.func, *g, *b, launcher.smem,

@@ -17,6 +17,14 @@
 //   kWide     (job 0) a 4 x 1024 tile for rows <= 4 (conv1's C = 3): full 64x64 tiles would leave 60 of
 //             every 64 rows empty; kWideVec the same with 16-byte accesses (16-bit, cols % 8 == 0, aligned
 //             bases): a tile's destination is one contiguous run of 1024 · pitch elements.
+//   kSubVec   (job 0) kSub for 16-bit x with sw == 2, W % 4 == 0 (so Q = W / 2 is even and a pair of
+//             destination columns is one 8-byte source load: elements 0 and 2), pitch == rows, rows % 8 == 0,
+//             aligned bases: 8-byte loads, kVec's 16-byte stores (1x1/2 512->1024 @28: scalar loads of every
+//             other element moved 19 MB at ~1.2 TB/s);
+//   kRowsVec  (16-bit, cols <= 16, rows % 8 == 0, pitch == rows, aligned bases: a filter's KCRS -> KRSC) 256
+//             rows x all cols: the tile's source is one contiguous run (256 · cols elements), read in 16-byte
+//             vectors; each destination row gets 16-byte vectors of 8 rows (where kScalar16 moved one
+//             2-byte element a thread with 9 of 16 columns used: 3x3 512->512's 4.7 MB filter).
 #pragma once
 #include "common.cuh"
 
@@ -25,7 +33,8 @@ namespace igemm::xpose {
 constexpr int kThreads = 256;
 constexpr int kElems = 4096;                       // elements per tile
 constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
-enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5, kWideVec = 6 };   // per-job kinds (igemm/_transpose.py)
+enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5, kWideVec = 6,
+             kRowsVec = 7, kSubVec = 8 };   // per-job kinds (igemm/_transpose.py)
 
 // Scalar tile of (4096 / TC) rows x TC cols (TC = 64; 16 for short rows such as a filter's R*S; 1024 for
 // rows <= 4): element loads coalesced along cols, element stores coalesced along rows, through a padded
@@ -78,6 +87,45 @@ IGEMM_DEVICE void tile_scalar(uint32_t* sm, const T* __restrict__ src, T* __rest
   }
 }
 
+// The store phase of the 16-bit 64 x 64 tiles (kVec, kSubVec): the tile in shared memory as 32-bit words
+// (two columns each, a 33-word row pitch), destination column c0 + c gets 16-byte vectors of 8 rows.
+IGEMM_DEVICE void store_vec16_tile(const uint32_t* sm, uint16_t* __restrict__ d, int rows, int cols, int r0, int c0) {
+  constexpr int T64 = 64, LD = 33, CH = T64 / 8;
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < T64 * CH / kThreads; ++i) {
+    const int q = tid + i * kThreads, c = q / CH, j = q % CH;
+    if (c0 + c >= cols || r0 + j * 8 >= rows) continue;
+    uint32_t h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = (sm[(j * 8 + e) * LD + (c >> 1)] >> ((c & 1) * 16)) & 0xffffu;
+    const uint4 v = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
+    stg_stream16(d + int64_t(c0 + c) * rows + r0 + j * 8, v);
+  }
+}
+
+// kSubVec: destination columns c0..c0+63 (pixel pairs (c, c+1) of one output row: source elements 0 and 2
+// of an 8-byte load at (c / Q)·srow + 2·(c % Q)) of rows r0..r0+63 of image img.
+IGEMM_DEVICE void tile_sub_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uint16_t* __restrict__ dst, int rows,
+                                 int cols, int img, int r0, int c0, SubMap sub) {
+  constexpr int T64 = 64, LD = 33;
+  const int tid = threadIdx.x, pr = tid % 32, c = c0 + 2 * pr;     // this thread's destination pair
+  const int py = c / sub.q;
+  const uint16_t* s = src + int64_t(img) * rows * sub.scols + int64_t(py) * sub.srow + 2 * (c - py * sub.q);
+#pragma unroll
+  for (int i = 0; i < T64 * 32 / kThreads; ++i) {
+    const int r = tid / 32 + i * (kThreads / 32);
+    uint32_t word = 0;
+    if (c < cols && r0 + r < rows) {
+      const uint2 v = *reinterpret_cast<const uint2*>(s + int64_t(r0 + r) * sub.scols);
+      word = (v.x & 0xffffu) | (v.y << 16);
+    }
+    sm[r * LD + pr] = word;
+  }
+  __syncthreads();
+  store_vec16_tile(sm, dst + int64_t(img) * rows * cols, rows, cols, r0, c0);
+}
+
 // 16-bit 64 x 64 tile with 16-byte loads along cols and 16-byte stores along rows; kept as 32-bit words
 // with a 33-word row pitch: the load-phase writes are conflict-free, the store-phase gathers at most
 // 2-way conflicted.
@@ -96,16 +144,7 @@ IGEMM_DEVICE void tile_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uin
     w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   }
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < T64 * CH / kThreads; ++i) {
-    const int q = tid + i * kThreads, c = q / CH, j = q % CH;
-    if (c0 + c >= cols || r0 + j * 8 >= rows) continue;
-    uint32_t h[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = (sm[(j * 8 + e) * LD + (c >> 1)] >> ((c & 1) * 16)) & 0xffffu;
-    const uint4 v = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
-    stg_stream16(d + int64_t(c0 + c) * rows + r0 + j * 8, v);
-  }
+  store_vec16_tile(sm, d, rows, cols, r0, c0);
 }
 
 // kWideVec: rows <= 4 source rows of 1024 pixels in, 1024 pixels x pitch channels out, both in 16-byte vectors.
@@ -133,6 +172,27 @@ IGEMM_DEVICE void tile_wide_vec16(uint32_t* sm, const uint16_t* __restrict__ src
   }
 }
 
+// kRowsVec: rows r0..r0+255 (all cols <= 16 of each) of image img, 16-bit, rows % 8 == 0, pitch == rows.
+IGEMM_DEVICE void tile_rows_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uint16_t* __restrict__ dst,
+                                  int rows, int cols, int img, int r0) {
+  constexpr int TR = 256;
+  uint16_t* sh = reinterpret_cast<uint16_t*>(sm);           // [n][cols], as in the source
+  const int tid = threadIdx.x, n = min(TR, rows - r0);     // rows in this tile (a multiple of 8)
+  const uint16_t* s = src + (int64_t(img) * rows + r0) * cols;
+  for (int q = tid; q * 8 < n * cols; q += kThreads)
+    *reinterpret_cast<uint4*>(sh + q * 8) = ldg_stream16(s + q * 8);
+  __syncthreads();
+  uint16_t* d = dst + int64_t(img) * cols * rows + r0;
+  for (int q = tid; q < cols * (n / 8); q += kThreads) {     // destination row c, rows 8j..8j+7
+    const int c = q / (n / 8), j = q - c * (n / 8);
+    uint32_t h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = sh[(j * 8 + e) * cols + c];
+    stg_stream16(d + int64_t(c) * rows + j * 8,
+                 make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
+  }
+}
+
 // Channel pad: block b writes destination elements [b·4096, (b+1)·4096) of [n][pitch] (n = cols here).
 template <class T>
 IGEMM_DEVICE void tile_pad(const T* __restrict__ src, T* __restrict__ dst, int rows, int n, int pitch, int b) {
@@ -147,7 +207,7 @@ IGEMM_DEVICE void tile_pad(const T* __restrict__ src, T* __restrict__ dst, int r
   }
 }
 
-template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 ? 16 : Mode == kWide || Mode == kWideVec ? 1024 : 64; }
+template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 || Mode == kRowsVec ? 16 : Mode == kWide || Mode == kWideVec ? 1024 : 64; }
 
 template <class T, int Mode>
 IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, int cols, int pitch, int tr, int tc,
@@ -156,10 +216,17 @@ IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, i
     tile_pad<T>(static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch, b);
     return;
   } else {
-    constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec ? 64 : kElems / TC;
+    constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec || Mode == kSubVec ? 64 : kElems / TC;   // (kRowsVec: 256 x 16)
     const int ct = b % tc, rest = b / tc;   // once per block
     const int rt = rest % tr, img = rest / tr;
-    if constexpr (Mode == kWideVec) {
+    if constexpr (Mode == kRowsVec) {
+      static_assert(sizeof(T) == 2, "16-byte row tiles are for 16-bit elements");
+      tile_rows_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR);
+    } else if constexpr (Mode == kSubVec) {
+      static_assert(sizeof(T) == 2, "16-byte subsampled tiles are for 16-bit elements");
+      tile_sub_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR,
+                     ct * TC, sub);
+    } else if constexpr (Mode == kWideVec) {
       static_assert(sizeof(T) == 2, "16-byte wide tiles are for 16-bit elements");
       tile_wide_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, pitch, img,
                       ct * TC);
@@ -178,7 +245,8 @@ template <class T, int Mode0, int Mode1, class P>
 __device__ void transpose2(const P& p) {
   __shared__ uint32_t sm[kSmemWords];
   const int b = blockIdx.x;
-  static_assert(Mode1 != kSub && Mode1 != kWide && Mode1 != kWideVec, "subsampled and wide tiles are job 0's");
+  static_assert(Mode1 != kSub && Mode1 != kSubVec && Mode1 != kWide && Mode1 != kWideVec,
+                "subsampled and wide tiles are job 0's");
   if (b < p.blocks0)
     run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.pitch0, p.tr0, p.tc0, b,
                        SubMap{p.scols0, p.q0, p.srow0, p.sw0});

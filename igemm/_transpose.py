@@ -26,8 +26,8 @@ PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
 _THREADS = 256
 
 
-SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC = 0, 1, 2, 3, 4, 5, 6   # job kinds (csrc/transpose.cuh)
-_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024}
+SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC, ROWSVEC, SUBVEC = 0, 1, 2, 3, 4, 5, 6, 7, 8   # job kinds (csrc/transpose.cuh)
+_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024, ROWSVEC: 16, SUBVEC: 64}
 
 
 def _ctype(esize: int) -> str:
@@ -69,20 +69,28 @@ class TransposeJob:
         self._geo = {}
 
     def mode(self, src: int, dst: int, first: bool = True) -> int:
-        """``PAD`` for pad jobs; ``SUB`` for subsampled ones; for the first job of a launch with rows <= 4
+        """``PAD`` for pad jobs; ``SUBVEC`` (16-bit, stride 2 along W, even Q, 8-byte aligned loads) or ``SUB``
+        for subsampled ones; for the first job of a launch with rows <= 4
         (conv1's C = 3) 4 x 1024 tiles, ``WIDEVEC`` (16-byte accesses: 16-bit, cols % 8 == 0, aligned bases)
-        or ``WIDE``; 16-byte tiles for 16-bit elements with rows and cols multiples of 8, no padding and
-        aligned bases; else element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64."""
+        or ``WIDE``; 16-byte tiles for 16-bit elements with rows multiples of 8, no padding and aligned bases:
+        ``VEC`` (64 x 64) for cols multiples of 8, ``ROWSVEC`` (256 rows x all cols) for cols <= 16 (a
+        filter's taps); else element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64."""
         if self.pad:
             return PAD
         if self.sub is not None:
+            q, w_, sh, sw, hw = self.sub
+            if (self.esize == 2 and sw == 2 and q % 2 == 0 and 2 * q <= w_ and hw % 4 == 0 and sh * w_ % 4 == 0
+                    and self.pitch == self.rows and self.rows % 8 == 0 and src % 8 == 0 and dst % 16 == 0):
+                return SUBVEC       # pairs of pixels from 8-byte loads, 16-byte stores
             return SUB
         if first and self.rows <= 4 and self.pitch <= 4 and self.cols >= 1024:
             vec = self.esize == 2 and self.cols % 8 == 0 and src % 16 == 0 and dst % 16 == 0
             return WIDEVEC if vec else WIDE
-        if (self.esize == 2 and self.pitch == self.rows and self.rows % 8 == 0 and self.cols % 8 == 0
-                and src % 16 == 0 and dst % 16 == 0):
+        aligned = self.esize == 2 and self.pitch == self.rows and self.rows % 8 == 0 and src % 16 == 0 and dst % 16 == 0
+        if aligned and self.cols % 8 == 0:
             return VEC
+        if aligned and self.cols <= 16:
+            return ROWSVEC          # a filter's taps (3x3: 9): 256 rows a tile, 16-byte accesses
         return SCALAR16 if self.cols <= 16 else SCALAR64
 
     def geometry(self, mode: int) -> tuple[int, int, int]:
@@ -93,7 +101,7 @@ class TransposeJob:
                 g = (1, 1, -(-self.cols * self.pitch // 4096))
             else:
                 tc = _TILE_COLS[mode]
-                tr = 4096 // tc if mode != VEC else 64
+                tr = 4096 // tc if mode != VEC else 64       # (ROWSVEC: 256 rows; its cols <= 16: one col tile)
                 g = (-(-self.pitch // tr), -(-self.cols // tc), self.batch * -(-self.pitch // tr) * -(-self.cols // tc))
             self._geo[mode] = g
         return g
@@ -158,7 +166,7 @@ def all_variants() -> list[tuple[str, str]]:
     """(cache name, stub) of every kernel variant."""
     out = []
     for e in (2, 4):
-        modes = (SCALAR64, SCALAR16, VEC, PAD) if e == 2 else (SCALAR64, SCALAR16, PAD)
-        first = modes + ((SUB, WIDE, WIDEVEC) if e == 2 else (SUB, WIDE))
+        modes = (SCALAR64, SCALAR16, VEC, PAD, ROWSVEC) if e == 2 else (SCALAR64, SCALAR16, PAD)
+        first = modes + ((SUB, WIDE, WIDEVEC, SUBVEC) if e == 2 else (SUB, WIDE))
         out += [(_name(e, a, b), _stub(e, a, b)) for a in first for b in modes]
     return out

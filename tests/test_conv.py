@@ -369,7 +369,18 @@ def test_nchw_path_choice():
     assert T.TransposeJob(2, 3, 5001, 2).mode(0, 0) == T.WIDE
     assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0, first=False) == T.SCALAR64
     assert T.TransposeJob(2, 3, 5000, 2, pitch=8).mode(0, 0) == T.SCALAR64
-    assert T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)).mode(16, 16) == T.SUB
+    assert T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)).mode(16, 16) == T.SUBVEC   # 1x1/2 @28
+    assert T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)).mode(4, 16) == T.SUB      # x 4-byte aligned
+    assert T.TransposeJob(2, 64, 49, 2, sub=(7, 14, 2, 2, 196)).mode(16, 16) == T.SUB       # odd Q
+    assert T.TransposeJob(2, 64, 196, 4, sub=(14, 28, 2, 2, 784)).mode(16, 16) == T.SUB     # fp32
+    assert T.TransposeJob(2, 60, 196, 2, sub=(14, 28, 2, 2, 784)).mode(16, 16) == T.SUB     # rows % 8
+    # a filter's taps (KCRS -> KRSC, cols = R*S <= 16): 256-row tiles with 16-byte accesses, rows % 8 == 0
+    assert T.TransposeJob(512, 512, 9, 2).mode(0, 0, first=False) == T.ROWSVEC
+    assert T.TransposeJob(512, 512, 9, 2).geometry(T.ROWSVEC) == (2, 1, 1024)
+    assert T.TransposeJob(4, 130, 9, 2).mode(0, 0, first=False) == T.SCALAR16          # rows % 8 != 0
+    assert T.TransposeJob(4, 128, 9, 2, pitch=136).mode(0, 0, first=False) == T.SCALAR16
+    assert T.TransposeJob(4, 128, 9, 4).mode(0, 0, first=False) == T.SCALAR16          # fp32
+    assert T.TransposeJob(4, 128, 9, 2).mode(0, 8, first=False) == T.SCALAR16          # misaligned
     with pytest.raises(ValueError, match="sub"):
         T.TransposeJob(2, 64, 900, 2, sub=(30, 28, 1, 1, 784))               # more columns than pixels
     with pytest.raises(ValueError, match="job 0"):
@@ -656,7 +667,7 @@ def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
     from igemm import _transpose
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     T = _transpose
-    for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD)):
+    for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD), (2, T.VEC, T.ROWSVEC)):
         cubin, _ = _build.compile_cubin(T._stub(e, a, b), arch, name=T._name(e, a, b))
         assert cubin[:4] == b"\x7fELF"
 
@@ -1524,7 +1535,9 @@ def test_gpu_transpose_kernel(rng):
                           (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8)),
                           (torch.float16, (3, 300, 16)), (torch.float32, (2, 513, 1)), (torch.float16, (2, 9, 17)),
                           (torch.float16, (3, 3, 5000)), (torch.float32, (2, 4, 1500)), (torch.bfloat16, (2, 1, 2048)),
-                          (torch.float16, (2, 3, 5003))]:
+                          (torch.float16, (2, 3, 5003)),
+                          # 256-row 16-byte tiles of a filter's taps (one full tile and a tail; 3 taps)
+                          (torch.float16, (4, 512, 9)), (torch.bfloat16, (3, 264, 9)), (torch.float16, (2, 16, 3))]:
         for pitch in {R, R + 5}:                                 # zero-filled channels past R
             a = torch.randn(B, R, C, device="cuda").to(dt)
             o = torch.full((B, C, pitch), float("nan"), device="cuda", dtype=dt)
@@ -1554,7 +1567,12 @@ def test_gpu_transpose_kernel(rng):
     # subsampled jobs: x[:, :, ::sh, ::sw] NCHW -> NHWC (a 1x1 strided conv's pixels), with a second job
     for dt, (B, R, H, W), (sh, sw), pitch in [(torch.float16, (2, 64, 9, 11), (2, 2), 64),
                                               (torch.float32, (3, 5, 14, 13), (3, 1), 8),
-                                              (torch.bfloat16, (1, 130, 28, 28), (2, 3), 130)]:
+                                              (torch.bfloat16, (1, 130, 28, 28), (2, 3), 130),
+                                              # 8-byte pair loads (16-bit, sw = 2, W % 4 == 0): several
+                                              # 64-column tiles, a partial one, two row tiles with a tail
+                                              (torch.float16, (3, 136, 28, 28), (2, 2), 136),
+                                              (torch.bfloat16, (2, 64, 9, 20), (2, 2), 64),
+                                              (torch.float16, (2, 8, 16, 8), (1, 2), 8)]:
         a = torch.randn(B, R, H, W, device="cuda").to(dt)
         sub = a[:, :, ::sh, ::sw]
         P, Q = sub.shape[2], sub.shape[3]
@@ -1563,7 +1581,8 @@ def test_gpu_transpose_kernel(rng):
         ob = torch.full((2, 40, 24), float("nan"), device="cuda", dtype=dt)
         es = a.element_size()
         job = _transpose.TransposeJob(B, R, P * Q, es, pitch=pitch, sub=(Q, W, sh, sw, H * W))
-        assert job.mode(0, 0) == _transpose.SUB
+        vec = es == 2 and sw == 2 and W % 4 == 0 and pitch == R and R % 8 == 0
+        assert job.mode(a.data_ptr(), o.data_ptr()) == (_transpose.SUBVEC if vec else _transpose.SUB)
         _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream, job, a.data_ptr(), o.data_ptr(),
                                _transpose.TransposeJob(2, 24, 40, es), b.data_ptr(), ob.data_ptr())
         torch.cuda.synchronize()

@@ -117,15 +117,16 @@ def main(argv=None):
                 y_dnn = y_dnn.permute(0, 2, 3, 1)
             err_dnn = ((y_dnn.double() - ref).abs().max() / ref.abs().max()).item()
             del y_dnn
-            # host time of one plan call (no synchronisation inside the loop)
+            # host time of one call, igemm's plan and torch's F.conv2d (cuDNN) alike
             host = host_time(lambda: plan(xs[0], w, out=outs[0]))
+            host_dnn = host_time(lambda: F.conv2d(xt, wt, stride=st, padding=pd))
             flops = 2 * N * K * P * P * C * R * R
             ratio = t_ig / t_dnn
             ratios.setdefault(cfg, []).append(ratio)
             bench.row(config=cfg, layer=name, igemm_us=t_ig * 1e6, cudnn_us=t_dnn * 1e6, ratio=ratio,
                       igemm_tflops=flops / t_ig / 1e12, cudnn_tflops=flops / t_dnn / 1e12,
                       pct_peak=100 * flops / t_ig / peak, mem_floor_us=io_bytes / bw * 1e6,
-                      max_rel_err=err, cudnn_rel_err=err_dnn, host_us=host * 1e6,
+                      max_rel_err=err, cudnn_rel_err=err_dnn, host_us=host * 1e6, cudnn_host_us=host_dnn * 1e6,
                       kernel=("transpose+" if plan.nchw_path == "transpose" else "")
                       + ("unfold+" if plan.nchw_path == "unfold" else
                          f"pad{plan.kproblem.C}+" if plan.kproblem.C != plan.problem.C else "") + spec.name())
@@ -144,15 +145,22 @@ def gemm_peak(bench, torch) -> float:
 
 
 def host_time(fn, n: int = 200) -> float:
-    """Host seconds per call (few enough calls that the launch queue never fills and blocks)."""
+    """Host seconds of one call: the median of ``n`` calls, each timed alone with the GPU's queue drained
+    before it, so that what is measured is the calling thread's cost (argument checks, the driver's launch),
+    not a launch queue that the layer's own kernels fill (back-to-back calls of a 25 us kernel wait on it)."""
+    import statistics
+
     import torch
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
+    ts = []
     for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         fn()
-    return (time.perf_counter() - t) / n
+        ts.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
 
 
 if __name__ == "__main__":

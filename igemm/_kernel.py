@@ -220,6 +220,23 @@ class Launcher:
             raise RuntimeError(f"kernel launch failed: {err}")
 
 
+def raw_launch_fn(launcher: Launcher, args: PackedArgs, s0: int, s1: int):
+    """``f(cu_stream, a, b)``: ``args`` with slots ``s0``, ``s1`` set to ``a``, ``b``, launched by the driver
+    directly -- no context check (the caller has made sure the launcher's context is current: a conv plan's
+    lean launch runs its input preparation this way)."""
+    launch, fn, smem, addr = launcher._launch, launcher.func, launcher.smem, args.address
+    (g0, g1, g2), (b0, b1, b2) = launcher.grid, launcher.block
+    u = memoryview(args.data)
+
+    def f(cs, a: int, b: int) -> None:
+        u[s0] = a
+        u[s1] = b
+        (err,) = launch(fn, g0, g1, g2, b0, b1, b2, smem, cs, addr, 0)
+        if err:
+            raise RuntimeError(f"kernel launch failed: {err}")
+    return f
+
+
 def load(stub: str, name: str, entry: str, device_id: int, smem: int = 0):
     """Compile-or-fetch the stub's kernel for ``device_id``."""
     return _runtime.get_kernel(stub, name, device_id, entry=entry, smem=smem)

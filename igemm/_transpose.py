@@ -155,6 +155,14 @@ class Prepared:
         args.u64[s1] = src1
         launcher(stream, args)
 
+    def lean_fn(self, src0: int, src1: int = 0):
+        """The variant that sources aligned as ``src0``, ``src1`` take, as ``f(cu_stream, src0, src1)`` with no
+        checks (:func:`igemm._kernel.raw_launch_fn`); None until a call has built it."""
+        j0, j1 = self.job0, self.job1
+        key = (j0.mode(src0, self.dst0), j1.mode(src1, self.dst1, first=False) if j1 is not None else SCALAR64)
+        v = self._variants.get(key)
+        return _kernel.raw_launch_fn(v[0], v[1], v[2], v[3]) if v is not None else None
+
 
 def precompile(arch: str, jobs: int | None = None) -> int:
     """Compile every variant (2- and 4-byte elements x the tile kind of each job)."""

@@ -133,6 +133,10 @@ class Unfolded:
         u[self.s1] = w
         self.launcher(stream, self.args)
 
+    def lean_fn(self, x: int = 0, w: int = 0):
+        """This launch as ``f(cu_stream, x, w)`` with no checks (:func:`igemm._kernel.raw_launch_fn`)."""
+        return _kernel.raw_launch_fn(self.launcher, self.args, self.s0, self.s1)
+
 
 def all_variants() -> list[tuple[str, str]]:
     """(cache name, stub) of every kernel variant (2- and 4-byte elements)."""

@@ -592,19 +592,28 @@ class Conv2dPlan:
         return y_res
 
     def _lean(self, launcher):
-        """``launcher``'s lean launch record, or None: its calls take :meth:`_launch`. Lean: one kernel (no
-        input preparation, no separate mask kernel) whose argument buffer already holds everything but the
-        call's pointers -- its split-K slots and its tensor maps (which then change in one address word each)
-        were written by an earlier :meth:`_launch`. The record: the driver's function, grid, block, shared
-        memory, the stream handle cache, and the slots a call writes (x, w, y, residual, mask; the maps'
-        address words and offsets, -1 where there is none)."""
+        """``launcher``'s lean launch record, or None: its calls take :meth:`_launch`. Lean: no separate mask
+        kernel, and an argument buffer that already holds everything but the call's pointers -- its split-K
+        slots and its tensor maps (which then change in one address word each) were written by an earlier
+        :meth:`_launch`. The record: the driver's function, grid, block, shared memory, the slots a call
+        writes (x, w, y, residual, mask; the maps' address words and offsets, -1 where there is none), and,
+        for plans that prepare copies of x and w first (the NCHW transpose, the width unfold; 16-byte aligned
+        x and w only), the preparation's own lean launch and the copies' addresses the conv reads instead
+        (-1: the caller's tensor)."""
         rec = self._lean_recs.get(launcher)
         if rec is not None:
             return rec
         spec = next(v[1] for v in self._specs.values() if v[0] is launcher)
-        if self._xpose is not None or (self.chain.mask and not spec.fuse_mask):
-            self._lean_recs[launcher] = False              # for good: more than one kernel a call
+        if self.chain.mask and not spec.fuse_mask:
+            self._lean_recs[launcher] = False              # for good: the mask is a kernel of its own
             return None
+        pre, cx, cw = None, -1, -1
+        if self._xpose is not None:
+            prep, xs, wsc = self._xpose
+            pre = prep.lean_fn(0, 0)                       # (the aligned variant)
+            if pre is None:
+                return None                                # not yet: a call builds it first
+            cx, cw = (xs.ptr if xs is not None else -1), (wsc.ptr if wsc is not None else -1)
         maps = self._maps.get(launcher)
         if self._split_args is not launcher or (maps is not None and (maps is not self._maps_in_args
                                                                       or maps.patch is None)):
@@ -613,7 +622,7 @@ class Conv2dPlan:
         ia, oa, ib, ob = maps.patch if maps is not None else (-1, 0, -1, 0)
         g, b = launcher.grid, launcher.block
         rec = (launcher._launch, launcher.func, g[0], g[1], g[2], b[0], b[1], b[2], launcher.smem, sl["x"], sl["w"],
-               sl["y"], sl["residual"], sl["mask"], ia, oa, -1 if ib is None else ib, ob)
+               sl["y"], sl["residual"], sl["mask"], ia, oa, -1 if ib is None else ib, ob, pre, cx, cw)
         self._lean_recs[launcher] = rec
         return rec
 
@@ -754,12 +763,18 @@ class Conv2dPlan:
             rec = self._lean_recs.get(launcher)
             if rec is None:
                 rec = self._lean(launcher)
-            if rec:
-                launch, fn, g0, g1, g2, b0, b1, b2, smem, sx, sw, sy, sr, sm, ia, oa, ib, ob = rec
+            if rec and (rec[18] is None or not (xp | wp) & 15):
+                launch, fn, g0, g1, g2, b0, b1, b2, smem, sx, sw, sy, sr, sm, ia, oa, ib, ob, pre, cx, cw = rec
                 u = self._u64
                 cs = _CU_STREAMS.get(h) or _kernel._cu_stream(h)
                 with self._lock:
                     if self._split_args is launcher and (ia < 0 or self._maps_in_args is self._maps[launcher]):
+                        if pre is not None:              # the copies of x and w the kernel reads
+                            pre(cs, xp, wp)
+                            if cx >= 0:
+                                xp = cx
+                            if cw >= 0:
+                                wp = cw
                         u[sx] = xp
                         u[sw] = wp
                         u[sy] = yp
@@ -833,6 +848,16 @@ class _TwoPreps:
     def __call__(self, stream: int, x: int, w: int) -> None:
         self.first(stream, x, 0)
         self.second(stream, 0, w)
+
+    def lean_fn(self, x: int = 0, w: int = 0):
+        f1, f2 = self.first.lean_fn(x, 0), self.second.lean_fn(0, w)
+        if f1 is None or f2 is None:
+            return None
+
+        def f(cs, x: int, w: int) -> None:
+            f1(cs, x, 0)
+            f2(cs, 0, w)
+        return f
 
 
 # ------------------------------------------------------------------------------------------ functions

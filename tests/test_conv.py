@@ -1160,22 +1160,29 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
 
 @pytest.mark.gpu
 def test_gpu_lean_launch(rng):
-    """The lean launch (torch tensors, the plan's context current, one kernel): every call's new x, w, y,
-    mask pointers reach the argument buffer and the TMA maps' address words; calls in between on another
-    launcher (a misaligned x: the gather kernel), with per-call vectors (conv2d's folded BN) or from a
-    thread with no current context take the general path and leave the buffer right for the next lean call.
-    TMA, split-K and patch plans (the patch plan's w unfold makes two kernels a call: never lean); each
-    result equals the general path's bit for bit (y poisoned first)."""
+    """The lean launch (torch tensors, the plan's context current): every call's new x, w, y, mask pointers
+    reach the argument buffer and the TMA maps' address words, and plans that prepare copies first (the NCHW
+    transpose, the subsampled copy, the width unfold of w, the NCHW patch path's transpose + unfold) launch
+    the preparation the same way; calls in between on another launcher (a misaligned x: the gather kernel,
+    the copy plan or the preparation's element variant), with per-call vectors (conv2d's folded BN) or from
+    a thread with no current context take the general path and leave the buffers right for the next lean
+    call. Each result equals the general path's bit for bit (y and mask poisoned first) and the float64
+    reference."""
     torch = pytest.importorskip("torch")
     import threading
     from igemm import epilogues as ep
-    for xs, ws, st, pd, cfg in [((2, 9, 11, 64), (128, 3, 3, 64), 1, 1, None),          # TMA maps
-                                ((1, 7, 7, 256), (256, 3, 3, 256), 1, 1, {"splits": 4}),  # split-K slots
-                                ((2, 37, 48, 3), (64, 7, 7, 3), 2, 3, None)]:             # the patch map
+    for layout, xs, ws, st, pd, cfg in [
+            ("NHWC", (2, 9, 11, 64), (128, 3, 3, 64), 1, 1, None),                # TMA maps
+            ("NHWC", (1, 7, 7, 256), (256, 3, 3, 256), 1, 1, {"splits": 4}),     # split-K slots
+            ("NHWC", (2, 37, 48, 3), (64, 7, 7, 3), 2, 3, None),                  # patch map + w unfold
+            ("NCHW", (2, 64, 8, 8), (96, 64, 3, 3), 1, 1, None),                  # x and w transposed
+            ("NCHW", (2, 64, 16, 16), (128, 64, 1, 1), 2, 0, None),               # the subsampled copy
+            ("NCHW", (2, 3, 32, 64), (64, 3, 7, 7), 2, 3, None)]:                 # transpose + unfold
         K = ws[0]
         V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
-        plan = Conv2dPlan(xs, ws, "float16", "NHWC", st, pd, config=cfg,
+        plan = Conv2dPlan(xs, ws, "float16", layout, st, pd, config=cfg,
                           epilogue=ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)))
+        assert plan.spec().fuse_mask, plan.spec().name()
         general = []
         plan_launch = plan._launch
         plan._launch = lambda *a: (general.append(1), plan_launch(*a))[1]
@@ -1184,6 +1191,7 @@ def test_gpu_lean_launch(rng):
         xs_ = [to_torch(rng.standard_normal(xs), "float16") for _ in range(3)] + [xb[1:1 + n].view(xs)]
         wts = [to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), "float16") for _ in range(2)]
         seq = [(0, 0), (1, 0), (2, 1), (3, 1), (0, 0), (1, 1), (2, 0)]       # (x, w): x 3 is misaligned
+        label = f"{layout} {xs} {ws}: {plan.nchw_path} {plan.spec().name()}"
         for i, (xi, wi) in enumerate(seq):
             x, w = xs_[xi], wts[wi]
             y = poison(torch.empty(plan.y_shape, dtype=torch.float16, device="cuda"))
@@ -1197,23 +1205,24 @@ def test_gpu_lean_launch(rng):
                 plan(x, w, out=y, mask_out=m)
             lean = len(general) == before
             y2, m2 = plan._call(x, w)                    # the general path (keeps_current_context)
-            assert torch.equal(y.view(torch.int16), y2.view(torch.int16)) and torch.equal(m, m2), (xs, i)
-            if i in (1, 6) and plan._xpose is None:      # (the patch plan unfolds w first: two kernels a call)
-                assert lean, f"{xs}: call {i} took the general path"
-            # 3: the gather kernel (the patch plan hands a misaligned x to its copy plan), 4: the buffer holds
-            # the gather kernel's values, so the general path rewrites them; 5: no current context
-            if i == 5 or (i in (3, 4) and plan.nchw_path != "patch"):
-                assert not lean, f"{xs}: call {i} should take the general path"
-        ref = reference.conv2d_direct(to_numpy(xs_[2]), to_numpy(wts[0]), st, pd, 1, "NHWC")
-        sc = to_numpy(V[0]) / np.sqrt(to_numpy(V[3]) + 1e-5)
-        want = np.maximum((ref - to_numpy(V[2])) * sc + to_numpy(V[1]), 0)
-        assert rel_err(to_numpy(y), want) <= TOL["float16"], xs
+            assert torch.equal(y.view(torch.int16), y2.view(torch.int16)) and torch.equal(m, m2), (label, i)
+            if i in (1, 6):
+                assert lean, f"{label}: call {i} took the general path"
+            # 3: misaligned x (the gather kernel; the NHWC patch plan hands it to its copy plan), 4: the buffer
+            # holds the gather kernel's values, so the general path rewrites them; 5: no current context
+            if i == 5 or (i == 3 and not (layout == "NHWC" and plan.nchw_path == "patch")):
+                assert not lean, f"{label}: call {i} should take the general path"
+        ref = reference.conv2d_direct(to_numpy(xs_[2]), to_numpy(wts[0]), st, pd, 1, layout)
+        cs = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
+        sc = (to_numpy(V[0]) / np.sqrt(to_numpy(V[3]) + 1e-5)).reshape(cs)
+        want = np.maximum((ref - to_numpy(V[2]).reshape(cs)) * sc + to_numpy(V[1]).reshape(cs), 0)
+        assert rel_err(to_numpy(y), want) <= TOL["float16"], label
         # conv2d's per-call folded vectors go through the general launch and restore the plan's own
-        yf = igemm.conv2d(xs_[0], wts[0], st, pd, layout="NHWC",
+        yf = igemm.conv2d(xs_[0], wts[0], st, pd, layout=layout,
                           epilogue=ep.chain(ep.BatchNorm(*(v * 2 for v in V)), ep.ReLU(mask=True)))[0]
         y0, _ = plan(xs_[0], wts[0])
         y1, _ = plan._call(xs_[0], wts[0])
-        assert torch.equal(y0, y1) and not torch.equal(yf, y0)
+        assert torch.equal(y0, y1) and not torch.equal(yf, y0), label
 
 
 @pytest.mark.gpu

@@ -48,8 +48,19 @@ def main(argv=None) -> int:
     idx = torch.randint(0, 4096, (64,), device=dev)
     src = torch.randn(64, device=dev)
     alpha = torch.full((64,), 0.25, device=dev)
+    # NCHW: the transpose path (x and w transposed, then the conv: two kernels) and a 1x1 read in place
+    plan_t = igemm.Conv2dPlan(tuple(x.shape), tuple(w_nchw.shape), "float16", "NCHW", padding=1, device=0)
+    y_t = plan_t(x, w_nchw)
+    x1 = torch.randn(8, 64, 16, 16, device=dev, dtype=h)
+    w1 = torch.randn(64, 64, 1, 1, device=dev, dtype=h)
+    plan_1 = igemm.Conv2dPlan(tuple(x1.shape), tuple(w1.shape), "float16", "NCHW", device=0)
+    y_1 = plan_1(x1, w1)
     cases = [
         ("Conv2dPlan call (fp16 NHWC)", lambda: plan(xl, w, out=y), lambda: F.conv2d(x, w_nchw, padding=1)),
+        ("Conv2dPlan call (fp16 NCHW 3x3: transpose + conv)", lambda: plan_t(x, w_nchw, out=y_t),
+         lambda: F.conv2d(x, w_nchw, padding=1)),
+        ("Conv2dPlan call (fp16 NCHW 1x1, x read in place)", lambda: plan_1(x1, w1, out=y_1),
+         lambda: F.conv2d(x1, w1)),
         ("conv2d function (fp16 NHWC)", lambda: igemm.conv2d(xl, w, padding=1, layout="NHWC"),
          lambda: F.conv2d(x, w_nchw, padding=1)),
         ("conv2d + BN + ReLU(mask)", lambda: igemm.conv2d(xl, w, padding=1, layout="NHWC",

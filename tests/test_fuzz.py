@@ -173,7 +173,8 @@ MAINLOOP = {
 #: rows_scalar: K % 4 != 0 (scalar stores).
 NHWC_K = {"lin": [5, 8, 13, 24, 30, 64], "rows": [160, 192, 256], "rows_nofuse": [136, 200],
           "rows_scalar": [130, 150]}
-#: NCHW store classes by the output map P x Q: pq32 (P*Q % 32 == 0: vector stores, mask fused), pq_vec
+#: NCHW store classes by the output map P x Q (16-bit wgmma paths: the register epilogue "regsnchw" unless
+#: split or the chain has a residual): pq32 (P*Q % 32 == 0: vector stores, mask fused), pq_vec
 #: (P*Q % 8 == 0 only), pq_pair (P*Q % 4 == 2: 2-element vectors), pq_scalar (P*Q odd).
 NCHW_PQ = {"pq32": [(4, 8), (8, 4), (2, 16), (8, 8), (1, 32)], "pq_vec": [(2, 4), (4, 4), (3, 8), (6, 4), (5, 8)],
            "pq_pair": [(6, 5), (2, 3), (3, 2), (5, 2), (2, 7)],
@@ -1250,10 +1251,11 @@ def test_conv_cells_pin_the_spec():
                         break
                 s = conv_case_spec(case)
                 specs.add((s.load_a, s.load_b, s.stages, s.store, s.vec_o, s.fuse_mask, s.math))
-            # the register epilogue runs without split-K: a cell's split draws add the fp32 C tile's kernel;
+            # the register epilogues (NHWC "regs", NCHW "regsnchw") run without split-K: a cell's split draws
+            # add the fp32 C tile's kernel;
             # it fuses the mask only for K % 32 == 0, so a mask chain's "lin" cell (K = 5..64) may take both
             # (a draw-dependent third kernel: seen once the patch cells shifted the draws)
-            regs = [k for k in specs if k[3] == "regs"]
+            regs = [k for k in specs if k[3] in ("regs", "regsnchw")]
             assert len(specs) == 1 or (len(specs) - len(regs) <= 1 and len({k[4] for k in regs}) <= 1
                                        and len(regs) <= (2 if cell[1] == "lin" else 1)
                                        and len({k[:3] + k[6:] for k in specs}) == 1), (item, cell, specs)

@@ -127,6 +127,20 @@ constexpr bool kEarlyVectors =
     !Cfg::Epi::kEmpty;
 #endif
 
+// The residual tile's 128-byte lines into L2 (NHWC rows of the register epilogue), by NT threads.
+template <class Cfg, int NT, class P>
+IGEMM_DEVICE void prefetch_residual_l2(const P& p, int m0, int n0, int tid) {
+  using RT = typename Cfg::Epi::Res;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM;
+  constexpr int LPR = (BN * int(sizeof(RT)) + 127) / 128;     // 128-byte lines per tile row
+  const RT* res = static_cast<const RT*>(p.residual);
+  const int cols = min(BN, p.K - n0), rows = min(BM, p.M - m0);
+  for (int i = tid; i < rows * LPR; i += NT) {
+    const int r = i / LPR, c = min((i % LPR) * (128 / int(sizeof(RT))), cols - 1);
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + int64_t(m0 + r) * p.K + n0 + c));
+  }
+}
+
 // NT threads (tid = 0..NT-1): the CTA's, or one consumer warpgroup's in the persistent kernel (its own
 // s_vec, refilled per tile before the tile's mainloop).
 template <class Cfg, int NT, class P>
@@ -150,14 +164,7 @@ IGEMM_DEVICE void epilogue_regs_prologue_by(const P& p, int m0, int n0, int tid,
   }
   if constexpr (Epi::kResidual) {
     if ((p.Kred + Cfg::BK - 1) / Cfg::BK > 2 * Cfg::Stages) return;   // (no split-K here)
-    using RT = typename Epi::Res;
-    constexpr int LPR = (BN * int(sizeof(RT)) + 127) / 128;     // 128-byte lines per tile row
-    const RT* res = static_cast<const RT*>(p.residual);
-    const int cols = min(BN, p.K - n0), rows = min(BM, p.M - m0);
-    for (int i = tid; i < rows * LPR; i += NT) {
-      const int r = i / LPR, c = min((i % LPR) * (128 / int(sizeof(RT))), cols - 1);
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + int64_t(m0 + r) * p.K + n0 + c));
-    }
+    prefetch_residual_l2<Cfg, NT>(p, m0, n0, tid);
   }
 #endif
 }
@@ -659,6 +666,13 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     __syncthreads();
     const int nk = it + S - 1;
     if (leader && nk < KT) issue(kt0 + nk, (it0 + nk) % S);
+#if !defined(IGEMM_NO_EPI_PROLOGUE)
+    if constexpr (Cfg::StoreMode == kStoreRegs && Cfg::Epi::kResidual && std::is_same_v<Fin, FinishTile>) {
+      // a deep reduction (the prologue prefetched nothing): the residual tile's lines into L2 S k-tiles
+      // before the end, so that the epilogue's fragment loads hit L2 instead of waiting on DRAM
+      if (KT > 2 * S && it == KT - S) prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
+    }
+#endif
   }
   cute::warpgroup_wait<0>();
 #pragma unroll

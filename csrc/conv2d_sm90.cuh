@@ -225,6 +225,20 @@ IGEMM_DEVICE uint32_t pair_bits_to_word(uint32_t b, int q) {
   return (lo | (hi << 1)) << (2 * q);
 }
 
+// The register epilogues' common start: the tile's channel vectors in shared memory (the prologue's
+// cp.async group, or staged now), then `sync` (every stage read: the C tile may overwrite them).
+template <class Cfg, int NT, class P, class Sync>
+IGEMM_DEVICE epi::Ctx regs_epilogue_start(const P& p, float (*s_vec)[Cfg::BN], int tid, int n0, Sync sync) {
+  if constexpr (kEarlyVectors<Cfg>) cp_async_wait<0>();      // the prologue's channel vectors
+  else if constexpr (!Cfg::Epi::kEmpty) stage_channel_vectors<Cfg::BN, NT>(p, n0, tid, s_vec);
+  sync();
+  return epi::Ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
+}
+
+// The first of the two tile rows whose accumulators thread tid holds (the other is 8 rows on): warp w of
+// warpgroup g owns rows g·64 + w·16 + lane / 4 (wgmma's accumulator layout).
+IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2); }
+
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, four column blocks' worth loaded ahead),
@@ -242,13 +256,9 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
   static_assert(NT % CPR == 0, "whole rows per store pass");
-  if constexpr (kEarlyVectors<Cfg>) cp_async_wait<0>();      // the prologue's channel vectors
-  else if constexpr (!Epi::kEmpty) stage_channel_vectors<BN, NT>(p, n0, tid, s_vec);
-  sync();
-  const epi::Ctx ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
+  const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
   TO* ct = reinterpret_cast<TO*>(smem);
-  const int lane = tid & 31;
-  const int r0 = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+  const int lane = tid & 31, r0 = fragment_row0(tid);
   using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
   const RT* resp = static_cast<const RT*>(p.residual);
   const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
@@ -354,13 +364,9 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDT = BM + 8, V = Cfg::VecO, CPR = BM / V, RSTEP = NT / CPR;
   static_assert(!Epi::kResidual && NT % CPR == 0 && BN % RSTEP == 0, "whole channel rows per store pass");
-  if constexpr (kEarlyVectors<Cfg>) cp_async_wait<0>();      // the prologue's channel vectors
-  else if constexpr (!Epi::kEmpty) stage_channel_vectors<BN, NT>(p, n0, tid, s_vec);
-  sync();
-  const epi::Ctx ctx{s_vec[0], s_vec[1], s_vec[2], p.alpha_scalar};
+  const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
   uint16_t* ct = reinterpret_cast<uint16_t*>(smem);
-  const int lane = tid & 31;
-  const int r0 = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+  const int lane = tid & 31, r0 = fragment_row0(tid);
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int c = j * 8 + 2 * (lane & 3);

@@ -1051,6 +1051,36 @@ def to_layout_shape(shape, layout):
 _PERSISTENT = {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1}
 
 
+def _both_store_phases(torch, x, w, dtype, layout, st, pd, chain, cfg, stores, ref, label):
+    """One conv on the register epilogue (``stores[0]``) and on the fp32 C tile's store phase (``stores[1]``,
+    asked for by ``config={"store": ...}``) of the same tile: identical bits of y (and mask), y poisoned
+    first and fully written, the plain conv within tolerance of ``ref``, the mask equal to y > 0."""
+    outs = []
+    for store in stores:
+        c = dict(cfg or {})
+        if store == stores[1]:
+            c["store"] = store
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, epilogue=chain, config=c or None)
+        spec = plan.spec()
+        assert (spec.store == stores[0]) == (store == stores[0]), spec.name()   # (the fp32 tile: rows or linear)
+        assert spec.persistent == (c.get("math") == "wgmma_ws"), spec.name()
+        y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
+        kw = {"out": y}
+        if chain is not None and chain.mask:
+            kw["mask_out"] = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
+        r = plan(x, w, **kw)
+        outs.append(r if isinstance(r, tuple) else (r,))
+    label = f"{label} {chain!r} {cfg}: {spec.name()}"
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.int16) if a.is_floating_point() else a,
+                           b.view(torch.int16) if b.is_floating_point() else b), label
+    assert not torch.isnan(outs[0][0]).any(), f"unwritten (poisoned) elements: {label}"
+    if chain is None:
+        assert rel_err(to_numpy(outs[0][0]), ref) <= TOL[dtype], label
+    if len(outs[0]) == 2:
+        assert torch.equal(outs[0][1], igemm.relu_mask(outs[0][0])), label
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_register_epilogue_bitwise(dtype, rng):
@@ -1075,35 +1105,13 @@ def test_gpu_register_epilogue_bitwise(dtype, rng):
         Q = (xs[2] + 2 * (R // 2) - R) // st + 1
         r16 = to_torch(rng.standard_normal((xs[0], P, Q, K)), dtype)
         r32 = to_torch(rng.standard_normal((xs[0], P, Q, K)), "float32")
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, R // 2, 1, "NHWC")
         for chain in (None, ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)), ep.chain(ep.PReLU(V[0] - 1.0)),
                       ep.chain(ep.Bias(V[1]), ep.ReLU()), ep.chain(ep.Bias(V[1]), ep.PReLU(0.25)),
                       ep.chain(ep.BatchNorm(*V), ep.Add(r16), ep.ReLU(mask=True)),
                       ep.chain(ep.Add(r32), ep.BatchNorm(*V), ep.ReLU())):
-            outs = []
-            for store in ("regs", "smem"):
-                c = dict(cfg or {})
-                if store == "smem":
-                    c["store"] = "rows"
-                plan = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, R // 2, epilogue=chain, config=c or None)
-                spec = plan.spec()
-                assert (spec.store == "regs") == (store == "regs"), spec.name()
-                assert spec.persistent == (c.get("math") == "wgmma_ws"), spec.name()
-                y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
-                kw = {"out": y}
-                if chain is not None and chain.mask:
-                    kw["mask_out"] = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
-                r = plan(x, w, **kw)
-                outs.append(r if isinstance(r, tuple) else (r,))
-            label = f"{dtype} x{xs} K={K} R={R} {chain!r} {cfg}"
-            for a, b in zip(*outs):
-                assert torch.equal(a.view(torch.int16) if a.is_floating_point() else a,
-                                   b.view(torch.int16) if b.is_floating_point() else b), label
-            assert not torch.isnan(outs[0][0]).any(), f"unwritten (poisoned) elements: {label}"
-            ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, R // 2, 1, "NHWC")
-            if chain is None:
-                assert rel_err(to_numpy(outs[0][0]), ref) <= TOL[dtype], label
-            if len(outs[0]) == 2:
-                assert torch.equal(outs[0][1], igemm.relu_mask(outs[0][0])), label
+            _both_store_phases(torch, x, w, dtype, "NHWC", st, R // 2, chain, cfg, ("regs", "rows"), ref,
+                               f"{dtype} x{xs} K={K} R={R}")
 
 
 @pytest.mark.gpu
@@ -1132,30 +1140,8 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NCHW")
         for chain in (None, ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)), ep.chain(ep.PReLU(V[0] - 1.0)),
                       ep.chain(ep.Bias(V[1]), ep.ReLU()), ep.chain(ep.Bias(V[1]), ep.PReLU(0.25))):
-            outs = []
-            for store in ("regsnchw", "nchw"):
-                c = dict(cfg or {})
-                if store == "nchw":
-                    c["store"] = "nchw"
-                plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd, epilogue=chain, config=c or None)
-                spec = plan.spec()
-                assert spec.store == store, spec.name()
-                assert spec.persistent == (c.get("math") == "wgmma_ws"), spec.name()
-                y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
-                kw = {"out": y}
-                if chain is not None and chain.mask:
-                    kw["mask_out"] = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
-                r = plan(x, w, **kw)
-                outs.append(r if isinstance(r, tuple) else (r,))
-            label = f"{dtype} x{xs} w{ws} {chain!r} {cfg}: {spec.name()}"
-            for a, b in zip(*outs):
-                assert torch.equal(a.view(torch.int16) if a.is_floating_point() else a,
-                                   b.view(torch.int16) if b.is_floating_point() else b), label
-            assert not torch.isnan(outs[0][0]).any(), f"unwritten (poisoned) elements: {label}"
-            if chain is None:
-                assert rel_err(to_numpy(outs[0][0]), ref) <= TOL[dtype], label
-            if len(outs[0]) == 2:
-                assert torch.equal(outs[0][1], igemm.relu_mask(outs[0][0])), label
+            _both_store_phases(torch, x, w, dtype, "NCHW", st, pd, chain, cfg, ("regsnchw", "nchw"), ref,
+                               f"{dtype} x{xs} w{ws}")
 
 
 @pytest.mark.gpu

@@ -169,6 +169,18 @@ CONV = {
                                     padding=3, chain="bn_relu_mask", pad_channels=True),
     "padded_c3_nhwc": lambda: _conv("padded C=3", "float16", "NHWC", (2, 17, 17, 3), (32, 7, 7, 3), stride=2,
                                     padding=3, pad_channels=True),
+    # the NCHW register epilogue (regsnchw): MN-major 1x1 in place with a fused mask, 1-pixel vectors (7x7),
+    # the subsampled copy's pair loads (SUBVEC), the NCHW patch path; a deep reduction's residual L2 prefetch
+    "regsnchw_mn_1x1_mask": lambda: _conv("regsnchw MN 1x1", "float16", "NCHW", (2, 64, 8, 8), (96, 64, 1, 1),
+                                          chain="bn_relu_mask"),
+    "regsnchw_v1_prelu": lambda: _conv("regsnchw 7x7", "bfloat16", "NCHW", (2, 64, 7, 7), (72, 64, 3, 3), padding=1,
+                                       chain="prelu_channel"),
+    "subvec_nchw_1x1s2_mask": lambda: _conv("subsampled pairs", "float16", "NCHW", (2, 64, 16, 16), (128, 64, 1, 1),
+                                            stride=2, chain="bn_relu_mask"),
+    "patch_c3_nchw_mask": lambda: _conv("patch C=3 NCHW", "float16", "NCHW", (2, 3, 21, 48), (64, 3, 7, 7), stride=2,
+                                        padding=3, chain="bn_relu_mask"),
+    "tma_deep_residual_prefetch": lambda: _conv("TMA residual prefetch", "float16", "NHWC", (2, 9, 9, 128),
+                                                (64, 3, 3, 128), padding=1, chain="bn_add_relu"),
     # the width unfold (conv1's default for 16-bit): the unfold kernel, then the conv on its copies
     "unfold_c3_nchw_mask": lambda: _conv("unfold C=3", "bfloat16", "NCHW", (2, 3, 17, 17), (32, 3, 7, 7), stride=2,
                                          padding=3, chain="bn_relu_mask"),

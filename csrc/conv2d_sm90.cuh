@@ -354,7 +354,8 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
 // conflict-free), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
 // stays inside one image's plane); a thread's pixels are the same in every pass, so its (image, pixel)
 // divmod is done once. FuseMask (P·Q % 32 == 0, V = 8): a quad of lanes holds 32 consecutive pixels of one
-// channel, one mask word: one set.gt per stored pair, two shuffles, the quad's first lane stores it.
+// channel, one mask word: one set.gt per stored pair, two shuffles; the words gather in shared memory and
+// each channel row's BM / 32 of them leave in one store.
 // Against the fp32 C tile (kStoreNCHW): half the shared-memory bytes, the channel vectors fetched before
 // the mainloop, and no index math or chain work per vector in the store loop.
 template <class Cfg, int NT, class P, class Sync>
@@ -391,6 +392,11 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   const int64_t off0 = (int64_t(img) * p.K + n0 + nl0) * p.PQ + pq, ostep = int64_t(RSTEP) * p.PQ;
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));
   uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
+  // FuseMask: the tile's mask words, BN rows of WPR = BM / 32, in shared memory after the C tile first
+  // (ncu, 1x1 64->256 NCHW: a warp's 4-byte word stores, 8 bytes of each of four channel rows, cost 1.04M L2
+  // write sectors for a 100k-sector mask)
+  constexpr int WPR = BM / 32;
+  uint32_t* ms = reinterpret_cast<uint32_t*>(smem + BN * LDT * 2);
 #pragma unroll 4
   for (int i = 0; i < BN / RSTEP; ++i) {
     const int nl = nl0 + i * RSTEP;
@@ -409,7 +415,35 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
       uint32_t word = bits << (8 * (lane & 3));
       word |= __shfl_xor_sync(0xffffffffu, word, 1);
       word |= __shfl_xor_sync(0xffffffffu, word, 2);
-      if (ok && (lane & 3) == 0) mask[off >> 5] = word;
+      if ((lane & 3) == 0) ms[nl * WPR + (ml >> 5)] = word;
+    }
+  }
+  if constexpr (Cfg::FuseMask) {
+    // each channel row's WPR words leave together: one 8- or 16-byte store where they are contiguous (the
+    // tile inside one image) and aligned, else word by word
+    sync();
+    int img0, pq0;
+    p.fd_PQ.divmod(img0, pq0, m0);
+    const int nw = min(WPR, (p.M - m0) / 32);               // (M = N·P·Q, a multiple of 32 here)
+    const bool whole = nw == WPR && pq0 + BM <= p.PQ;
+    for (int r = tid; r < ncols; r += NT) {
+      const uint32_t* src = ms + r * WPR;
+      const int64_t w0 = ((int64_t(img0) * p.K + n0 + r) * p.PQ + pq0) >> 5;
+      if (whole && WPR % 4 == 0 && w0 % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < WPR; j += 4)
+          *reinterpret_cast<uint4*>(mask + w0 + j) = *reinterpret_cast<const uint4*>(src + j);
+      } else if (whole && WPR % 2 == 0 && w0 % 2 == 0) {
+#pragma unroll
+        for (int j = 0; j < WPR; j += 2)
+          *reinterpret_cast<uint2*>(mask + w0 + j) = *reinterpret_cast<const uint2*>(src + j);
+      } else {
+        for (int j = 0; j < nw; ++j) {
+          int im, pq;
+          p.fd_PQ.divmod(im, pq, m0 + 32 * j);
+          mask[((int64_t(im) * p.K + n0 + r) * p.PQ + pq) >> 5] = src[j];
+        }
+      }
     }
   }
 }

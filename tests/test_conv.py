@@ -1121,7 +1121,8 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
     tile, vectors along each channel's pixels, mask words from quads of 8-pixel vectors) against the fp32 C
     tile's NCHW store phase of the same tile: identical bits of y and mask on every NCHW kernel path (the
     transpose path's TMA and gather kernels, 64/128-row tiles, the persistent kernel; the MN-major 1x1 path;
-    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (P*Q % 32 == 0: mask fused), M and K tails;
+    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (P*Q % 32 == 0: mask fused, each channel row's
+    words stored in 8- or 16-byte pieces or word by word), M and K tails;
     y and mask poisoned first; plain results against the float64 reference."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
@@ -1131,6 +1132,11 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
              ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, None),                       # V = 2
              ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
              ((3, 64, 16, 16), (72, 64, 1, 1), 1, 0, None),                     # MN-major TMA (1x1 in place)
+             # the fused mask's row stores: 16-byte (128-row tiles), tiles across images with odd word
+             # offsets and an M tail (P*Q = 96: word by word), the persistent kernel with a K tail
+             ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
+             ((3, 64, 8, 12), (72, 64, 3, 3), 1, 1, None),
+             ((2, 64, 8, 8), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
              ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None)]                       # the patch kernel
     for xs, ws, st, pd, cfg in cases:
         x = to_torch(rng.standard_normal(xs), dtype)

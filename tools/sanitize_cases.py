@@ -175,6 +175,8 @@ CONV = {
                                           chain="bn_relu_mask"),
     "regsnchw_v1_prelu": lambda: _conv("regsnchw 7x7", "bfloat16", "NCHW", (2, 64, 7, 7), (72, 64, 3, 3), padding=1,
                                        chain="prelu_channel"),
+    "regsnchw_mask_across_images": lambda: _conv("regsnchw mask words", "float16", "NCHW", (3, 64, 8, 12),
+                                                 (72, 64, 3, 3), padding=1, chain="bn_relu_mask"),
     "subvec_nchw_1x1s2_mask": lambda: _conv("subsampled pairs", "float16", "NCHW", (2, 64, 16, 16), (128, 64, 1, 1),
                                             stride=2, chain="bn_relu_mask"),
     "patch_c3_nchw_mask": lambda: _conv("patch C=3 NCHW", "float16", "NCHW", (2, 3, 21, 48), (64, 3, 7, 7), stride=2,

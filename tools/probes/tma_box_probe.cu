@@ -4,6 +4,8 @@
 // pattern is applied to the shared-memory address (16-byte chunk ^= (offset / 128) % 8) -- then a box of
 // TH x TW = 64 pixels is exactly the [64 ch][64 px] MN-major tile the kLoadTmaMN path multiplies.
 //   nvcc -std=c++17 -arch=sm_90a -o tma_box_probe tma_box_probe.cu -lcuda
+// Status (session 11, H100): the first launch died with "an illegal instruction"; not diagnosed (the probe
+// itself may be at fault), so the hypothesis is untested.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdio>

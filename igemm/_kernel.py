@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _runtime
+from . import _fastlaunch, _runtime
 from .fastdiv import magic
 
 __all__ = ["ParamSpec", "PackedArgs", "render_kernel", "pack_args", "Launcher", "load"]
@@ -183,7 +183,8 @@ class Launcher:
     or anything with a ``handle`` (a cuda.core Stream).
     """
 
-    __slots__ = ("kernel", "func", "grid", "block", "smem", "_launch", "_ctx", "_ctx_id", "_get_ctx", "_set_ctx")
+    __slots__ = ("kernel", "func", "grid", "block", "smem", "_launch", "_ctx", "_ctx_id", "_get_ctx", "_set_ctx",
+                 "_raw", "_fn")
 
     def __init__(self, kernel, grid, block, smem: int = 0):
         from cuda.bindings import driver
@@ -207,6 +208,9 @@ class Launcher:
         self._get_ctx, self._set_ctx = api if api else (None, None)
         self._ctx = self._get_ctx()[1] if api else None
         self._ctx_id = _runtime._ctx_int(self._ctx) if api else 0
+        fl = _fastlaunch.get() if api else None      # the C launch (igemm/_fastlaunch.py), when it could be built
+        self._raw = fl.raw if fl is not None else None
+        self._fn = int(h)
 
     def __call__(self, stream, args: PackedArgs) -> None:
         handle = stream if isinstance(stream, int) else int(stream.handle)
@@ -214,10 +218,30 @@ class Launcher:
         if self._get_ctx is not None and _runtime._ctx_int(self._get_ctx()[1]) != self._ctx_id:   # the public call's wrapper
             # restores the caller's context afterwards
             self._set_ctx(self._ctx)
-        (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
-                              args.address, 0)
+        if self._raw is not None:
+            err = self._raw(self._fn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, handle, args.address)
+        else:
+            (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
+                                  args.address, 0)
         if err:
-            raise RuntimeError(f"kernel launch failed: {err}")
+            raise launch_error(err)
+
+    def desc(self, args: PackedArgs, s0: int, s1: int, sel0: int = 1, sel1: int = 2) -> tuple:
+        """This launch as a preparation entry of a fast-launch record (:func:`igemm._fastlaunch.pack`): slots
+        ``s0``, ``s1`` of ``args`` receive what ``sel0``, ``sel1`` select (0: zero, 1: x, 2: w)."""
+        return (self._fn, args.address, int(args.data.ctypes.data), self.grid, self.block, self.smem, s0, s1,
+                sel0, sel1)
+
+
+def launch_error(err) -> RuntimeError:
+    """The error for a failed cuLaunchKernel (``err``: its CUresult, an enum or an int)."""
+    if isinstance(err, int):
+        try:
+            from cuda.bindings import driver
+            err = driver.CUresult(err)
+        except (ImportError, ValueError):
+            pass
+    return RuntimeError(f"kernel launch failed: {err}")
 
 
 def raw_launch_fn(launcher: Launcher, args: PackedArgs, s0: int, s1: int):
@@ -233,7 +257,8 @@ def raw_launch_fn(launcher: Launcher, args: PackedArgs, s0: int, s1: int):
         u[s1] = b
         (err,) = launch(fn, g0, g1, g2, b0, b1, b2, smem, cs, addr, 0)
         if err:
-            raise RuntimeError(f"kernel launch failed: {err}")
+            raise launch_error(err)
+    f.preps = [launcher.desc(args, s0, s1)]      # the same launch for a fast-launch record, called as f(cs, x, w)
     return f
 
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _kernel, _runtime, reference
+from . import _fastlaunch, _kernel, _runtime, reference
 from ._dispatch import CallContext
 from ._runtime import keeps_current_context
 from ._heuristics import ConvProblem, KernelSpec, choose_config, kernel_setup, subsampled, validate_spec
@@ -506,7 +506,7 @@ class Conv2dPlan:
         shared, so calls of one such plan on different streams must not overlap in time.
         """
         f = self._fast
-        if f is not None and type(x) is f[0] and (c := f[16]()[1]) is not None and int(c) == self._ctx_id:
+        if f is not None and type(x) is f[0] and f[16]() == self._ctx_id:
             # torch tensors with the plan's context already current (the usual case): nothing to restore
             # afterwards, so no keeps_current_context wrapper, and the launch may skip its own check
             r = self._call_torch(x, w, out, residual, mask_out, stream, _folded, True)
@@ -621,8 +621,15 @@ class Conv2dPlan:
         sl = self._slot
         ia, oa, ib, ob = maps.patch if maps is not None else (-1, 0, -1, 0)
         g, b = launcher.grid, launcher.block
+        ib = -1 if ib is None else ib
+        # the C fast launch (igemm/_fastlaunch.py) does the same slot writes and launches in one call
+        fl, crec = _fastlaunch.get(), None
+        if fl is not None:
+            crec = _fastlaunch.pack(launcher._fn, self._args.address, int(self._args.data.ctypes.data), g, b,
+                                    launcher.smem, (sl["x"], sl["w"], sl["y"], sl["residual"], sl["mask"]),
+                                    (ia, oa, ib, ob), (cx, cw), pre.preps if pre is not None else ())
         rec = (launcher._launch, launcher.func, g[0], g[1], g[2], b[0], b[1], b[2], launcher.smem, sl["x"], sl["w"],
-               sl["y"], sl["residual"], sl["mask"], ia, oa, -1 if ib is None else ib, ob, pre, cx, cw)
+               sl["y"], sl["residual"], sl["mask"], ia, oa, ib, ob, pre, cx, cw, crec, fl.launch if crec else None)
         self._lean_recs[launcher] = rec
         return rec
 
@@ -703,9 +710,18 @@ class Conv2dPlan:
         api = _runtime._ctx_api()
         if not api:
             return
+        fl = _fastlaunch.get()
+        if fl is not None:
+            ctx = fl.ctx                                   # the current context as an int, from C
+        else:
+            get = api[0]
+
+            def ctx():
+                c = get()[1]
+                return int(c) if c is not None else 0
         self._fast = (torch.Tensor, tdt, rdt, dev, torch.Size(self.x_shape), torch.Size(self.w_shape),
                       torch.Size(self.y_shape), nb, torch.int32, torch._C._cuda_getCurrentRawStream,
-                      self.device_id, xnb, wnb, rnb, self.chain.residual_op, self.chain.mask, api[0])
+                      self.device_id, xnb, wnb, rnb, self.chain.residual_op, self.chain.mask, ctx)
 
     def _call_torch(self, x, w, out, residual, mask_out, stream, folded, ctx_current=False):
         # checked with ints and cached sizes (tensor.device builds an object per access; the plan fixes
@@ -764,11 +780,18 @@ class Conv2dPlan:
             if rec is None:
                 rec = self._lean(launcher)
             if rec and (rec[18] is None or not (xp | wp) & 15):
-                launch, fn, g0, g1, g2, b0, b1, b2, smem, sx, sw, sy, sr, sm, ia, oa, ib, ob, pre, cx, cw = rec
-                u = self._u64
-                cs = _CU_STREAMS.get(h) or _kernel._cu_stream(h)
                 with self._lock:
-                    if self._split_args is launcher and (ia < 0 or self._maps_in_args is self._maps[launcher]):
+                    if self._split_args is launcher and (rec[14] < 0 or self._maps_in_args is self._maps[launcher]):
+                        crec = rec[21]
+                        if crec is not None:             # in C: the slot writes below and the launches
+                            err = rec[22](crec, h, xp, wp, yp, rp, mp)
+                            if err:
+                                raise _kernel.launch_error(err)
+                            return (out, mask_out) if want_mask else out
+                        (launch, fn, g0, g1, g2, b0, b1, b2, smem, sx, sw, sy, sr, sm, ia, oa, ib, ob, pre, cx,
+                         cw) = rec[:21]
+                        u = self._u64
+                        cs = _CU_STREAMS.get(h) or _kernel._cu_stream(h)
                         if pre is not None:              # the copies of x and w the kernel reads
                             pre(cs, xp, wp)
                             if cx >= 0:
@@ -786,7 +809,7 @@ class Conv2dPlan:
                                 u[ib] = ob + wp
                         (err,) = launch(fn, g0, g1, g2, b0, b1, b2, smem, cs, self._args.address, 0)
                         if err:
-                            raise RuntimeError(f"kernel launch failed: {err}")
+                            raise _kernel.launch_error(err)
                         return (out, mask_out) if want_mask else out
         self._launch(h, launcher, spec, wsp, xp, wp, yp, rp, mp, folded)
         return (out, mask_out) if want_mask else out
@@ -857,6 +880,7 @@ class _TwoPreps:
         def f(cs, x: int, w: int) -> None:
             f1(cs, x, 0)
             f2(cs, 0, w)
+        f.preps = [f1.preps[0][:8] + (1, 0), f2.preps[0][:8] + (0, 2)]     # (fast-launch record entries)
         return f
 
 

@@ -1151,7 +1151,8 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
 
 
 @pytest.mark.gpu
-def test_gpu_lean_launch(rng):
+@pytest.mark.parametrize("fast", [True, False], ids=["c_launch", "python_launch"])
+def test_gpu_lean_launch(rng, fast, monkeypatch):
     """The lean launch (torch tensors, the plan's context current): every call's new x, w, y, mask pointers
     reach the argument buffer and the TMA maps' address words, and plans that prepare copies first (the NCHW
     transpose, the subsampled copy, the width unfold of w, the NCHW patch path's transpose + unfold) launch
@@ -1159,10 +1160,16 @@ def test_gpu_lean_launch(rng):
     the copy plan or the preparation's element variant), with per-call vectors (conv2d's folded BN) or from
     a thread with no current context take the general path and leave the buffers right for the next lean
     call. Each result equals the general path's bit for bit (y and mask poisoned first) and the float64
-    reference."""
+    reference. Both launchers: the C fast launch (igemm/_fastlaunch.py; it must build on the GPU machine)
+    and the Python one it replaces."""
     torch = pytest.importorskip("torch")
     import threading
+    from igemm import _fastlaunch
     from igemm import epilogues as ep
+    if fast:
+        assert _fastlaunch.get() is not None, _fastlaunch.status()
+    else:
+        monkeypatch.setattr(_fastlaunch, "_state", {"mod": None, "why": "off for this test"})
     for layout, xs, ws, st, pd, cfg in [
             ("NHWC", (2, 9, 11, 64), (128, 3, 3, 64), 1, 1, None),                # TMA maps
             ("NHWC", (1, 7, 7, 256), (256, 3, 3, 256), 1, 1, {"splits": 4}),     # split-K slots
@@ -1204,6 +1211,8 @@ def test_gpu_lean_launch(rng):
             # holds the gather kernel's values, so the general path rewrites them; 5: no current context
             if i == 5 or (i == 3 and not (layout == "NHWC" and plan.nchw_path == "patch")):
                 assert not lean, f"{label}: call {i} should take the general path"
+        recs = [r for r in plan._lean_recs.values() if r]
+        assert recs and all((r[21] is not None) == fast for r in recs), label
         ref = reference.conv2d_direct(to_numpy(xs_[2]), to_numpy(wts[0]), st, pd, 1, layout)
         cs = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
         sc = (to_numpy(V[0]) / np.sqrt(to_numpy(V[3]) + 1e-5)).reshape(cs)

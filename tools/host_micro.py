@@ -42,8 +42,18 @@ def main():
     g, b = launcher.grid, launcher.block
     args = plan._args
     ctx = ctypes.c_void_p()
+    from igemm import _fastlaunch
+    fl = _fastlaunch.get()
+    saved = _fastlaunch._state
+    _fastlaunch._state = {"mod": None, "why": "off for this row"}       # a plan whose lean record has no C launch
+    plan_py = igemm.Conv2dPlan(tuple(xl.shape), tuple(w.shape), "float16", "NHWC", padding=1, device=0)
+    plan_py(xl, w, out=y)
+    _fastlaunch._state = saved
+    print(f"C fast launch: {_fastlaunch.status()}")
     rows = [
-        ("plan call (the lean path: context current, one kernel)", lambda: plan(xl, w, out=y)),
+        ("plan call (the lean path: context current, one kernel; C launch)", lambda: plan(xl, w, out=y)),
+        ("plan call, lean path with the Python launch (cuda.bindings)", lambda: plan_py(xl, w, out=y)),
+        ("plan call allocating y (torch.empty)", lambda: plan(xl, w)),
         ("plan._call (the general path, keeps_current_context)", lambda: plan._call(xl, w, out=y)),
         ("plan._call, no context decorator", lambda: raw(plan, xl, w, out=y)),
         ("plan._launch only", lambda: plan._launch(h, launcher, spec, ws, xl.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0, None)),
@@ -51,6 +61,8 @@ def main():
         ("cuLaunchKernel via cuda.bindings", lambda: driver.cuLaunchKernel(launcher.func, *g, *b, launcher.smem,
                                                                           driver.CUstream(h), args.address, 0)),
         ("cuLaunchKernel via ctypes", lambda: f(fn, *g, *b, launcher.smem, h, args.address, None)),
+        ("cuLaunchKernel via the C launch (igemm_fastlaunch.raw)",
+         (lambda: fl.raw(fn, *g, *b, launcher.smem, h, args.address)) if fl else (lambda: None)),
         ("cuCtxGetCurrent via cuda.bindings", lambda: driver.cuCtxGetCurrent()),
         ("cuCtxGetCurrent via ctypes", lambda: lib.cuCtxGetCurrent(ctypes.byref(ctx))),
         ("_runtime.device(0)", lambda: _runtime.device(0)),

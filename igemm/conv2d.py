@@ -621,7 +621,7 @@ class Conv2dPlan:
         sl = self._slot
         ia, oa, ib, ob = maps.patch if maps is not None else (-1, 0, -1, 0)
         g, b = launcher.grid, launcher.block
-        ib = -1 if ib is None else ib
+        ib, ob = (-1, 0) if ib is None else (ib, ob)          # (a patch map has no B map)
         # the C fast launch (igemm/_fastlaunch.py) does the same slot writes and launches in one call
         fl, crec = _fastlaunch.get(), None
         if fl is not None:

@@ -362,6 +362,8 @@ class Conv2dPlan:
         self._maps: dict = {}            # launcher -> its TMA tensor maps (igemm/_tma.py), TMA kernels only
         self._maps_in_args = None        # the ConvMaps whose maps are in the argument buffer
         self._lean_recs: dict = {}       # launcher -> its lean launch record (_lean)
+        self._cfast = self._cst = None   # the C call (igemm_fastlaunch.conv) and its state tuple (_arm)
+        self._armed = bytearray(1)       # 1: the argument buffer holds the aligned launcher's values (_arm)
         self._ctx_id = -1
         if device is not None:
             self._primary = self.spec()
@@ -370,7 +372,8 @@ class Conv2dPlan:
             self._u64 = memoryview(self._args.data)     # slot writes: faster than numpy item assignment
             self._lock = threading.Lock()
             # compile the primary kernel now; its context is the plan's (the lean launch's condition)
-            self._ctx_id = self._launcher(True, True)[0]._ctx_id
+            self._aligned = self._launcher(True, True)[0]
+            self._ctx_id = self._aligned._ctx_id
             if self._prep:
                 self._setup_prep()
             self._setup_fast()
@@ -505,6 +508,11 @@ class Conv2dPlan:
         Thread-safe (a lock guards the shared argument buffer); a split-K or stream-K plan's workspace is
         shared, so calls of one such plan on different streams must not overlap in time.
         """
+        c = self._cfast
+        if c is not None and stream is None and _folded is None:
+            r = c(self._cst, x, w, out, residual, mask_out)      # the whole call in C (see _arm), or None
+            if r is not None:
+                return r
         f = self._fast
         if f is not None and type(x) is f[0] and f[16]() == self._ctx_id:
             # torch tensors with the plan's context already current (the usual case): nothing to restore
@@ -633,10 +641,30 @@ class Conv2dPlan:
         self._lean_recs[launcher] = rec
         return rec
 
+    def _arm(self, crec: bytes, fl) -> None:
+        """(Under the plan's lock, right after a lean launch of the aligned launcher through ``crec``.) Let
+        the C call (``igemm_fastlaunch.conv``, see csrc/fastlaunch.c) run the next calls: its state tuple is
+        built once; :meth:`_launch` disarms it before it writes the buffer. Not on a free-threaded Python,
+        where the GIL does not make the C call's check-and-launch one step."""
+        import sys
+        if not getattr(sys, "_is_gil_enabled", lambda: True)():
+            return
+        if self._cst is None:
+            import functools
+            T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask, _ = self._fast
+            import torch
+            alloc_m = functools.partial(torch.empty, (self.mask_words,), dtype=i32, device=dev) if want_mask else None
+            self._cst = (T, tdt, rdt, i32, di, tuple(xs), tuple(ws_), tuple(ys), xnb, wnb, nb, rnb,
+                         self.mask_words if want_mask else 0, functools.partial(torch.empty, ys, dtype=tdt, device=dev),
+                         alloc_m, cur, self._armed, crec, self._ctx_id, res_op)
+            self._cfast = fl.conv
+        self._armed[0] = 1
+
     def _launch(self, stream: int, launcher, spec, ws, x, w, y, res, mask, folded) -> None:
         # (no device() here: each Launcher makes its own context current, e.g. on a thread that never touched CUDA)
         sl = self._slot
         with self._lock:   # one plan may be called from several threads
+            self._armed[0] = 0                 # the C call may not launch until a lean launch re-arms it
             if self._xpose is not None:        # NCHW transpose path: x (and w) into the plan's scratch
                 prep, xs, wsc = self._xpose
                 prep(stream, x, w)
@@ -787,6 +815,8 @@ class Conv2dPlan:
                             err = rec[22](crec, h, xp, wp, yp, rp, mp)
                             if err:
                                 raise _kernel.launch_error(err)
+                            if launcher is self._aligned and not self._armed[0]:
+                                self._arm(crec, rec[22].__self__)
                             return (out, mask_out) if want_mask else out
                         (launch, fn, g0, g1, g2, b0, b1, b2, smem, sx, sw, sy, sr, sm, ia, oa, ib, ob, pre, cx,
                          cw) = rec[:21]

@@ -1213,6 +1213,25 @@ def test_gpu_lean_launch(rng, fast, monkeypatch):
                 assert not lean, f"{label}: call {i} should take the general path"
         recs = [r for r in plan._lean_recs.values() if r]
         assert recs and all((r[21] is not None) == fast for r in recs), label
+        if fast:
+            # the whole call in C (igemm_fastlaunch.conv): armed by the lean launch of call 6; _call disarmed it,
+            # so one lean call re-arms it, then calls skip _call_torch entirely (allocating y and the mask too)
+            assert plan._cfast is not None, label
+            plan(xs_[1], wts[1])
+            assert plan._armed[0] == 1, label
+            py_calls = []
+            ct = plan._call_torch
+            plan._call_torch = lambda *a, **k: (py_calls.append(1), ct(*a, **k))[1]
+            y3 = poison(torch.empty(plan.y_shape, dtype=torch.float16, device="cuda"))
+            m3 = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
+            r3 = plan(xs_[2], wts[0], out=y3, mask_out=m3)
+            y4, m4 = plan(xs_[2], wts[0])
+            assert not py_calls and r3[0] is y3 and r3[1] is m3, label
+            y5, m5 = plan._call(xs_[2], wts[0])
+            assert torch.equal(y3.view(torch.int16), y5.view(torch.int16)) and torch.equal(m3, m5), label
+            assert torch.equal(y4.view(torch.int16), y5.view(torch.int16)) and torch.equal(m4, m5), label
+            assert plan._armed[0] == 0, label          # the general call disarmed it
+            del plan._call_torch
         ref = reference.conv2d_direct(to_numpy(xs_[2]), to_numpy(wts[0]), st, pd, 1, layout)
         cs = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
         sc = (to_numpy(V[0]) / np.sqrt(to_numpy(V[3]) + 1e-5)).reshape(cs)

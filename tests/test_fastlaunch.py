@@ -128,3 +128,130 @@ def test_no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises((RuntimeError, OSError)):
         _fastlaunch.build(tmp_path)
+
+
+# ---- conv(st, x, w, out, residual, mask_out): a plan call's checks in C, with stand-in tensors ----------------
+class FakeTensor:
+    """What conv() reads of a torch tensor: dtype, get_device(), shape, is_contiguous(), data_ptr()."""
+
+    def __init__(self, shape, dtype="f16", ptr=0x10000, dev=0, contig=True, raises=False):
+        self.shape, self.dtype, self.ptr, self.dev, self.contig, self.raises = tuple(shape), dtype, ptr, dev, contig, raises
+
+    def get_device(self):
+        if self.raises:
+            raise RuntimeError("accessor failed")
+        return self.dev
+
+    def is_contiguous(self):
+        return self.contig
+
+    def data_ptr(self):
+        return self.ptr
+
+
+_CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+
+
+class Conv:
+    """A plan's state tuple for conv(), its buffer and record, a recording launch and a stand-in context."""
+    XS, WS, YS = (2, 4, 4, 8), (8, 3, 3, 8), (2, 4, 4, 8)
+
+    def __init__(self, fl, mask=True, add=None, ctx=0xC0):
+        self.buf, pm = _buf(8)
+        self.rec = _fastlaunch.pack(0x1, 0xA0, pm, (2, 1, 1), (128, 1, 1), 0, (0, 1, 2, 3, 4))
+        self.armed = bytearray(b"\x01")
+        self.allocs = []
+        self.cur = ctx
+        self.ctx_cb = _CTX(self._ctx)
+        fl.set_ctx_get(ctypes.cast(self.ctx_cb, ctypes.c_void_p).value)
+        self.rt = Recorder(fl, [self.buf])
+        self.fl = fl
+        nb = 2 * int(np.prod(self.YS))
+        self.st = (FakeTensor, "f16", "f16", "i32", 0, self.XS, self.WS, self.YS, 2 * int(np.prod(self.XS)),
+                   2 * int(np.prod(self.WS)), nb, nb if add is not None else 0, 8 if mask else 0,
+                   lambda: self._alloc(self.YS, "f16", 0x90000), (lambda: self._alloc((8,), "i32", 0xA0000)) if mask else None,
+                   lambda dev: 0x5EED, self.armed, self.rec, 0xC0, add)
+
+    def _ctx(self, out):
+        out[0] = self.cur
+        return 0
+
+    def _alloc(self, shape, dt, ptr):
+        t = FakeTensor(shape, dt, ptr)
+        self.allocs.append(t)
+        return t
+
+    def __call__(self, x, w, out=None, residual=None, mask_out=None):
+        return self.fl.conv(self.st, x, w, out, residual, mask_out)
+
+
+def test_conv_launches_with_the_calls_pointers(fl):
+    c = Conv(fl)
+    x, w = FakeTensor(Conv.XS, ptr=0x1000), FakeTensor(Conv.WS, ptr=0x3000)
+    y, m = c(x, w)
+    assert (y.ptr, m.ptr) == (0x90000, 0xA0000) and len(c.rt.calls) == 1
+    assert c.rt.calls[0][0][8] == 0x5EED                         # the current stream
+    assert list(c.buf[:5]) == [0x1000, 0x3000, 0x90000, 0, 0xA0000]
+    out, mo = FakeTensor(Conv.YS, ptr=0x40000), FakeTensor((9,), "i32", ptr=0x50000)
+    r = c(x, w, out=out, mask_out=mo)
+    assert r[0] is out and r[1] is mo and list(c.buf[:5]) == [0x1000, 0x3000, 0x40000, 0, 0x50000]
+
+
+def test_conv_residual_the_callers_or_the_plans(fl):
+    class Add:
+        residual = FakeTensor(Conv.YS, ptr=0x70000)
+    c = Conv(fl, mask=False, add=Add())
+    x, w = FakeTensor(Conv.XS, ptr=0x1000), FakeTensor(Conv.WS, ptr=0x3000)
+    y = c(x, w)
+    assert isinstance(y, FakeTensor) and c.buf[3] == 0x70000
+    c(x, w, residual=FakeTensor(Conv.YS, ptr=0x80000))
+    assert c.buf[3] == 0x80000 and len(c.rt.calls) == 2
+    Add.residual = None                                          # no residual anywhere: the Python path raises
+    assert c(x, w) is None and len(c.rt.calls) == 2
+
+
+def test_conv_declines_without_launching(fl):
+    """Every mismatch returns None (the Python path then raises or handles it) and launches nothing."""
+    c = Conv(fl)
+    X = lambda **k: FakeTensor(Conv.XS, **{"ptr": 0x1000, **k})
+    W = lambda **k: FakeTensor(Conv.WS, **{"ptr": 0x3000, **k})
+    Y = lambda **k: FakeTensor(Conv.YS, **{"ptr": 0x40000, **k})
+    M = lambda n=8, **k: FakeTensor((n,), **{"dtype": "i32", "ptr": 0x50000, **k})
+    cases = {
+        "x dtype": dict(x=X(dtype="f32")), "w device": dict(w=W(dev=1)), "x shape": dict(x=FakeTensor((2, 4, 4, 9))),
+        "x rank": dict(x=FakeTensor((2, 4, 4))), "w not contiguous": dict(w=W(contig=False)),
+        "x misaligned": dict(x=X(ptr=0x1008)), "x accessor raises": dict(x=X(raises=True)),
+        "x not a tensor": dict(x=object()), "out shape": dict(out=FakeTensor((2, 4, 4, 7))),
+        "out misaligned": dict(out=Y(ptr=0x40008)), "out overlaps x": dict(out=Y(ptr=0x1000 + 64)),
+        "out dtype": dict(out=Y(dtype="f32")), "mask too short": dict(out=Y(), mask_out=M(7)),
+        "mask 2-D": dict(out=Y(), mask_out=FakeTensor((8, 1), "i32", 0x50000)),
+        "mask dtype": dict(out=Y(), mask_out=M(dtype="f16")), "mask overlaps y": dict(out=Y(), mask_out=M(ptr=0x40000)),
+        "residual without Add": dict(residual=Y(ptr=0x60000)),
+    }
+    for name, kw in cases.items():
+        args = dict(x=X(), w=W(), out=None, residual=None, mask_out=None)
+        args.update(kw)
+        assert c(**args) is None, name
+    c.armed[0] = 0
+    assert c(X(), W()) is None, "disarmed"
+    c.armed[0] = 1
+    c.cur = 0xC1
+    assert c(X(), W()) is None, "another context current"
+    assert not c.rt.calls and list(c.buf) == [0xDEAD] * 8
+    c.cur = 0xC0
+    assert c(X(), W()) is not None and len(c.rt.calls) == 1
+
+
+def test_conv_no_mask_plan(fl):
+    c = Conv(fl, mask=False)
+    x, w = FakeTensor(Conv.XS, ptr=0x1000), FakeTensor(Conv.WS, ptr=0x3000)
+    assert c(x, w, mask_out=FakeTensor((8,), "i32", 0x50000)) is None
+    y = c(x, w)
+    assert isinstance(y, FakeTensor) and c.buf[4] == 0
+
+
+def test_conv_reports_a_failed_launch(fl):
+    c = Conv(fl)
+    c.rt.fail_at, c.rt.code = 0, 700
+    with pytest.raises(RuntimeError, match="kernel launch failed: CUresult 700"):
+        c(FakeTensor(Conv.XS, ptr=0x1000), FakeTensor(Conv.WS, ptr=0x3000))

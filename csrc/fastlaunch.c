@@ -113,13 +113,14 @@ static PyObject *fl_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
  * of this record's launcher, and disarms it before any other write into the buffer). st is a tuple:
  *   0 torch.Tensor  1 dtype  2 residual dtype or None  3 torch.int32  4 device index
  *   5 x shape  6 w shape  7 y shape (tuples of ints)  8 x bytes  9 w bytes  10 y bytes  11 residual bytes
- *   12 mask words (0: no mask)  13 alloc_y()  14 alloc_mask() or None  15 current_stream(device) callable
+ *   12 mask words (0: no mask)  13 torch.empty_like (y has x's shape) or None (x.new_empty(y shape))
+ *   14 alloc_mask() or None  15 current_stream(device) callable
  *   16 armed (bytearray of 1)  17 launch record (bytes)  18 context id  19 the Add epilogue (its .residual:
  *   the plan's own residual) or None: no residual input
  * Every torch call (accessors, allocation) comes before the armed check; from the check to the launch
  * nothing can release the GIL, so no other thread writes the buffer in between.
  */
-static PyObject *s_dtype, *s_get_device, *s_shape, *s_is_contiguous, *s_data_ptr, *s_residual;
+static PyObject *s_dtype, *s_get_device, *s_shape, *s_is_contiguous, *s_data_ptr, *s_residual, *s_new_empty;
 
 /* 1: t is a contiguous tensor of this type, dtype, device and shape (shape NULL: not checked), *ptr set;
  * 0: it is not (or an accessor raised: cleared). */
@@ -213,8 +214,11 @@ static PyObject *fl_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     } else if (res != Py_None) {
         goto fallback;
     }
+    if (mwords == 0 && mo != Py_None)
+        goto fallback;
     if (out == Py_None) {
-        y = PyObject_CallNoArgs(ST(13));
+        /* torch.empty_like(x) when y has x's shape (the cheapest allocator), else x.new_empty(y shape) */
+        y = ST(13) != Py_None ? PyObject_CallOneArg(ST(13), x) : PyObject_CallMethodOneArg(x, s_new_empty, ST(7));
         if (y == NULL || !ptr_of(y, &yp))
             goto fallback;
     } else {
@@ -242,8 +246,6 @@ static PyObject *fl_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             Py_INCREF(mo);
             m = mo;
         }
-    } else if (mo != Py_None) {
-        goto fallback;
     }
     h = PyObject_CallOneArg(ST(15), ST(4));                /* the current stream */
     if (h == NULL)
@@ -376,7 +378,8 @@ PyMODINIT_FUNC PyInit_igemm_fastlaunch(void) {
     s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     s_residual = PyUnicode_InternFromString("residual");
-    if (!s_dtype || !s_get_device || !s_shape || !s_is_contiguous || !s_data_ptr || !s_residual)
+    s_new_empty = PyUnicode_InternFromString("new_empty");
+    if (!s_dtype || !s_get_device || !s_shape || !s_is_contiguous || !s_data_ptr || !s_residual || !s_new_empty)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -655,7 +655,7 @@ class Conv2dPlan:
             import torch
             alloc_m = functools.partial(torch.empty, (self.mask_words,), dtype=i32, device=dev) if want_mask else None
             self._cst = (T, tdt, rdt, i32, di, tuple(xs), tuple(ws_), tuple(ys), xnb, wnb, nb, rnb,
-                         self.mask_words if want_mask else 0, functools.partial(torch.empty, ys, dtype=tdt, device=dev),
+                         self.mask_words if want_mask else 0, torch.empty_like if tuple(ys) == tuple(xs) else None,
                          alloc_m, cur, self._armed, crec, self._ctx_id, res_op)
             self._cfast = fl.conv
         self._armed[0] = 1

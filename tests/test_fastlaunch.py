@@ -148,6 +148,9 @@ class FakeTensor:
     def data_ptr(self):
         return self.ptr
 
+    def new_empty(self, shape):
+        return FakeTensor(shape, self.dtype, 0x90000)
+
 
 _CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
 
@@ -169,7 +172,7 @@ class Conv:
         nb = 2 * int(np.prod(self.YS))
         self.st = (FakeTensor, "f16", "f16", "i32", 0, self.XS, self.WS, self.YS, 2 * int(np.prod(self.XS)),
                    2 * int(np.prod(self.WS)), nb, nb if add is not None else 0, 8 if mask else 0,
-                   lambda: self._alloc(self.YS, "f16", 0x90000), (lambda: self._alloc((8,), "i32", 0xA0000)) if mask else None,
+                   lambda x: self._alloc(x.shape, x.dtype, 0x90000), (lambda: self._alloc((8,), "i32", 0xA0000)) if mask else None,
                    lambda dev: 0x5EED, self.armed, self.rec, 0xC0, add)
 
     def _ctx(self, out):
@@ -247,7 +250,15 @@ def test_conv_no_mask_plan(fl):
     x, w = FakeTensor(Conv.XS, ptr=0x1000), FakeTensor(Conv.WS, ptr=0x3000)
     assert c(x, w, mask_out=FakeTensor((8,), "i32", 0x50000)) is None
     y = c(x, w)
-    assert isinstance(y, FakeTensor) and c.buf[4] == 0
+    assert isinstance(y, FakeTensor) and c.buf[4] == 0 and c.allocs == [y]     # (the empty_like stand-in)
+
+
+def test_conv_allocates_with_new_empty(fl):
+    """Where y's shape is not x's, y is x.new_empty(y shape)."""
+    c = Conv(fl, mask=False)
+    c.st = c.st[:13] + (None,) + c.st[14:]
+    y = c(FakeTensor(Conv.XS, ptr=0x1000), FakeTensor(Conv.WS, ptr=0x3000))
+    assert y.shape == Conv.YS and y.ptr == 0x90000 and not c.allocs and c.buf[2] == 0x90000
 
 
 def test_conv_reports_a_failed_launch(fl):

@@ -62,10 +62,30 @@ def main():
     plan_py(xl, w, out=y)
     _fastlaunch._state = saved
     print(f"C fast launch: {_fastlaunch.status()}")
+    from igemm import epilogues as ep
+    V = [torch.rand(64, device="cuda") + 0.5 for _ in range(4)]
+    plan_b = igemm.Conv2dPlan(tuple(xl.shape), tuple(w.shape), "float16", "NHWC", padding=1, device=0,
+                              epilogue=ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)))
+    x_n = xl.permute(0, 3, 1, 2).contiguous()
+    w_n = w.permute(0, 3, 1, 2).contiguous()
+    plan_t = igemm.Conv2dPlan(tuple(x_n.shape), tuple(w_n.shape), "float16", "NCHW", padding=1, device=0)
+    y_t = plan_t(x_n, w_n)
+    x1 = torch.randn(8, 64, 16, 16, device="cuda", dtype=torch.float16)
+    w1 = torch.randn(64, 64, 1, 1, device="cuda", dtype=torch.float16)
+    plan_1 = igemm.Conv2dPlan(tuple(x1.shape), tuple(w1.shape), "float16", "NCHW", device=0)
+    y_1 = plan_1(x1, w1)
+    m_b = plan_b(xl, w)[1]
+    for p_, a_ in ((plan, (xl, w)), (plan_b, (xl, w)), (plan_t, (x_n, w_n)), (plan_1, (x1, w1))):
+        p_(*a_)
+        p_(*a_)                                   # (the second call arms the C call)
     rows = [
         ("plan call (the lean path: context current, one kernel; C launch)", lambda: plan(xl, w, out=y)),
         ("plan call, lean path with the Python launch (cuda.bindings)", lambda: plan_py(xl, w, out=y)),
-        ("plan call allocating y (torch.empty)", lambda: plan(xl, w)),
+        ("plan call allocating y", lambda: plan(xl, w)),
+        ("BN+ReLU(mask) plan call, out= and mask_out= given", lambda: plan_b(xl, w, out=y, mask_out=m_b)),
+        ("BN+ReLU(mask) plan call allocating y and the mask", lambda: plan_b(xl, w)),
+        ("NCHW 3x3 plan call (transpose + conv: two launches)", lambda: plan_t(x_n, w_n, out=y_t)),
+        ("NCHW 1x1 plan call (x read in place)", lambda: plan_1(x1, w1, out=y_1)),
         ("plan._call (the general path, keeps_current_context)", lambda: plan._call(xl, w, out=y)),
         ("plan._call, no context decorator", lambda: raw(plan, xl, w, out=y)),
         ("plan._launch only", lambda: plan._launch(h, launcher, spec, ws, xl.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0, None)),

@@ -115,6 +115,11 @@ def precompile(args) -> int:
     n += _transpose.precompile(args.arch, args.jobs)      # the NCHW transpose path's kernels
     n += _unfold.precompile(args.arch, args.jobs)         # the width unfold's (conv1)
     print(f"{n} kernels for {args.arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}")
+    from igemm import _fastlaunch
+    try:                                                   # the host fast launch, for this Python
+        print("host fast launch:", _fastlaunch.build())
+    except (RuntimeError, OSError) as e:
+        print("host fast launch not built (launches go through cuda.bindings):", e)
     return 0
 
 
@@ -128,6 +133,8 @@ def info(args) -> int:
         print("compiler: none -", e)
     print("CUTLASS headers:", _build.cutlass_include_dir())
     print("kernel cache:", _build.cache_dir())
+    from igemm import _fastlaunch
+    print("host fast launch (csrc/fastlaunch.c):", _fastlaunch.status())
     return 0
 
 

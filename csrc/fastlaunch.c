@@ -116,17 +116,25 @@ static PyObject *fl_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
  *   12 mask words (0: no mask)  13 torch.empty_like (y has x's shape) or None (x.new_empty(y shape))
  *   14 alloc_mask() or None  15 current_stream(device) callable
  *   16 armed (bytearray of 1)  17 launch record (bytes)  18 context id  19 the Add epilogue (its .residual:
- *   the plan's own residual) or None: no residual input
+ *   the plan's own residual) or None: no residual input  20 torch.nn.Parameter (w may be one; exact types
+ *   only otherwise: a tensor subclass may override what these accessors mean)
  * Every torch call (accessors, allocation) comes before the armed check; from the check to the launch
  * nothing can release the GIL, so no other thread writes the buffer in between.
  */
 static PyObject *s_dtype, *s_get_device, *s_shape, *s_is_contiguous, *s_data_ptr, *s_residual, *s_new_empty;
+
+static int tensor_ok_typed(PyObject *t, PyObject *dtype, long dev, PyObject *shape, uint64_t *ptr);
 
 /* 1: t is a contiguous tensor of this type, dtype, device and shape (shape NULL: not checked), *ptr set;
  * 0: it is not (or an accessor raised: cleared). */
 static int tensor_ok(PyObject *t, PyObject *T, PyObject *dtype, long dev, PyObject *shape, uint64_t *ptr) {
     if ((PyObject *)Py_TYPE(t) != T)
         return 0;
+    return tensor_ok_typed(t, dtype, dev, shape, ptr);
+}
+
+/* tensor_ok without the type check (the caller has made it) */
+static int tensor_ok_typed(PyObject *t, PyObject *dtype, long dev, PyObject *shape, uint64_t *ptr) {
     int ok = 0;
     PyObject *o = PyObject_GetAttr(t, s_dtype);
     if (o == NULL || o != dtype)
@@ -186,7 +194,7 @@ static int apart(uint64_t p, uint64_t n, const uint64_t *e, int k) {
 
 static PyObject *fl_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 20) {
+    if (nargs != 6 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 21) {
         PyErr_SetString(PyExc_TypeError, "conv(st, x, w, out, residual, mask_out)");
         return NULL;
     }
@@ -200,7 +208,9 @@ static PyObject *fl_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (g_ctx_get(&c) != 0 || (uint64_t)(uintptr_t)c != PyLong_AsUnsignedLongLong(ST(18)))
         Py_RETURN_NONE;
     uint64_t xp, wp, yp = 0, rp = 0, mp = 0;
-    if (!tensor_ok(x, T, tdt, dev, ST(5), &xp) || !tensor_ok(w, T, tdt, dev, ST(6), &wp) || ((xp | wp) & 15))
+    const int w_type = (PyObject *)Py_TYPE(w) == T || (PyObject *)Py_TYPE(w) == ST(20);
+    if (!tensor_ok(x, T, tdt, dev, ST(5), &xp) || !w_type || !tensor_ok_typed(w, tdt, dev, ST(6), &wp) ||
+        ((xp | wp) & 15))
         Py_RETURN_NONE;
     uint64_t xnb = PyLong_AsUnsignedLongLong(ST(8)), wnb = PyLong_AsUnsignedLongLong(ST(9));
     uint64_t ynb = PyLong_AsUnsignedLongLong(ST(10)), rnb = PyLong_AsUnsignedLongLong(ST(11));

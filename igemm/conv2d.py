@@ -651,12 +651,12 @@ class Conv2dPlan:
             return
         if self._cst is None:
             import functools
-            T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask, _ = self._fast
+            T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask, _, P = self._fast
             import torch
             alloc_m = functools.partial(torch.empty, (self.mask_words,), dtype=i32, device=dev) if want_mask else None
             self._cst = (T, tdt, rdt, i32, di, tuple(xs), tuple(ws_), tuple(ys), xnb, wnb, nb, rnb,
                          self.mask_words if want_mask else 0, torch.empty_like if tuple(ys) == tuple(xs) else None,
-                         alloc_m, cur, self._armed, crec, self._ctx_id, res_op)
+                         alloc_m, cur, self._armed, crec, self._ctx_id, res_op, P)
             self._cfast = fl.conv
         self._armed[0] = 1
 
@@ -749,14 +749,15 @@ class Conv2dPlan:
                 return int(c) if c is not None else 0
         self._fast = (torch.Tensor, tdt, rdt, dev, torch.Size(self.x_shape), torch.Size(self.w_shape),
                       torch.Size(self.y_shape), nb, torch.int32, torch._C._cuda_getCurrentRawStream,
-                      self.device_id, xnb, wnb, rnb, self.chain.residual_op, self.chain.mask, ctx)
+                      self.device_id, xnb, wnb, rnb, self.chain.residual_op, self.chain.mask, ctx,
+                      torch.nn.Parameter)        # (w is usually a module's Parameter: as good as a Tensor here)
 
     def _call_torch(self, x, w, out, residual, mask_out, stream, folded, ctx_current=False):
         # checked with ints and cached sizes (tensor.device builds an object per access; the plan fixes
         # every shape, so byte extents for the overlap checks are constants). ctx_current: the plan's context
         # is the current one (the lean launch may run).
-        T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask, _ = self._fast
-        if (type(w) is not T or x.dtype is not tdt or w.dtype is not tdt or x.get_device() != di
+        T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask, _, P = self._fast
+        if ((type(w) is not T and type(w) is not P) or x.dtype is not tdt or w.dtype is not tdt or x.get_device() != di
                 or w.get_device() != di or x.shape != xs or w.shape != ws_ or not x.is_contiguous()
                 or not w.is_contiguous()):
             return None

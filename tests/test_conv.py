@@ -1226,10 +1226,11 @@ def test_gpu_lean_launch(rng, fast, monkeypatch):
             m3 = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
             r3 = plan(xs_[2], wts[0], out=y3, mask_out=m3)
             y4, m4 = plan(xs_[2], wts[0])
+            y6, m6 = plan(xs_[2], torch.nn.Parameter(wts[0], requires_grad=False))     # w as a module's weight
             assert not py_calls and r3[0] is y3 and r3[1] is m3, label
             y5, m5 = plan._call(xs_[2], wts[0])
-            assert torch.equal(y3.view(torch.int16), y5.view(torch.int16)) and torch.equal(m3, m5), label
-            assert torch.equal(y4.view(torch.int16), y5.view(torch.int16)) and torch.equal(m4, m5), label
+            for yy, mm in ((y3, m3), (y4, m4), (y6, m6)):
+                assert torch.equal(yy.view(torch.int16), y5.view(torch.int16)) and torch.equal(mm, m5), label
             assert plan._armed[0] == 0, label          # the general call disarmed it
             del plan._call_torch
         ref = reference.conv2d_direct(to_numpy(xs_[2]), to_numpy(wts[0]), st, pd, 1, layout)

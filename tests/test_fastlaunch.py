@@ -152,6 +152,14 @@ class FakeTensor:
         return FakeTensor(shape, self.dtype, 0x90000)
 
 
+class FakeParameter(FakeTensor):
+    """(torch.nn.Parameter's stand-in: w may be one)"""
+
+
+class OtherSubclass(FakeTensor):
+    """(any other subclass is declined: it may override what the accessors mean)"""
+
+
 _CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
 
 
@@ -173,7 +181,7 @@ class Conv:
         self.st = (FakeTensor, "f16", "f16", "i32", 0, self.XS, self.WS, self.YS, 2 * int(np.prod(self.XS)),
                    2 * int(np.prod(self.WS)), nb, nb if add is not None else 0, 8 if mask else 0,
                    lambda x: self._alloc(x.shape, x.dtype, 0x90000), (lambda: self._alloc((8,), "i32", 0xA0000)) if mask else None,
-                   lambda dev: 0x5EED, self.armed, self.rec, 0xC0, add)
+                   lambda dev: 0x5EED, self.armed, self.rec, 0xC0, add, FakeParameter)
 
     def _ctx(self, out):
         out[0] = self.cur
@@ -198,6 +206,8 @@ def test_conv_launches_with_the_calls_pointers(fl):
     out, mo = FakeTensor(Conv.YS, ptr=0x40000), FakeTensor((9,), "i32", ptr=0x50000)
     r = c(x, w, out=out, mask_out=mo)
     assert r[0] is out and r[1] is mo and list(c.buf[:5]) == [0x1000, 0x3000, 0x40000, 0, 0x50000]
+    c(x, FakeParameter(Conv.WS, ptr=0x6000))
+    assert len(c.rt.calls) == 3 and c.buf[1] == 0x6000
 
 
 def test_conv_residual_the_callers_or_the_plans(fl):
@@ -224,7 +234,8 @@ def test_conv_declines_without_launching(fl):
         "x dtype": dict(x=X(dtype="f32")), "w device": dict(w=W(dev=1)), "x shape": dict(x=FakeTensor((2, 4, 4, 9))),
         "x rank": dict(x=FakeTensor((2, 4, 4))), "w not contiguous": dict(w=W(contig=False)),
         "x misaligned": dict(x=X(ptr=0x1008)), "x accessor raises": dict(x=X(raises=True)),
-        "x not a tensor": dict(x=object()), "out shape": dict(out=FakeTensor((2, 4, 4, 7))),
+        "x not a tensor": dict(x=object()), "x a Parameter": dict(x=FakeParameter(Conv.XS, ptr=0x1000)),
+        "w another subclass": dict(w=OtherSubclass(Conv.WS, ptr=0x3000)), "out shape": dict(out=FakeTensor((2, 4, 4, 7))),
         "out misaligned": dict(out=Y(ptr=0x40008)), "out overlaps x": dict(out=Y(ptr=0x1000 + 64)),
         "out dtype": dict(out=Y(dtype="f32")), "mask too short": dict(out=Y(), mask_out=M(7)),
         "mask 2-D": dict(out=Y(), mask_out=FakeTensor((8, 1), "i32", 0x50000)),

@@ -75,12 +75,14 @@ def main():
     plan_1 = igemm.Conv2dPlan(tuple(x1.shape), tuple(w1.shape), "float16", "NCHW", device=0)
     y_1 = plan_1(x1, w1)
     m_b = plan_b(xl, w)[1]
+    w_param = torch.nn.Parameter(w, requires_grad=False)
     for p_, a_ in ((plan, (xl, w)), (plan_b, (xl, w)), (plan_t, (x_n, w_n)), (plan_1, (x1, w1))):
         p_(*a_)
         p_(*a_)                                   # (the second call arms the C call)
     rows = [
         ("plan call (the lean path: context current, one kernel; C launch)", lambda: plan(xl, w, out=y)),
         ("plan call, lean path with the Python launch (cuda.bindings)", lambda: plan_py(xl, w, out=y)),
+        ("plan call, w an nn.Parameter", lambda: plan(xl, w_param, out=y)),
         ("plan call allocating y", lambda: plan(xl, w)),
         ("BN+ReLU(mask) plan call, out= and mask_out= given", lambda: plan_b(xl, w, out=y, mask_out=m_b)),
         ("BN+ReLU(mask) plan call allocating y and the mask", lambda: plan_b(xl, w)),

@@ -76,6 +76,7 @@ def main():
     y_1 = plan_1(x1, w1)
     m_b = plan_b(xl, w)[1]
     w_param = torch.nn.Parameter(w, requires_grad=False)
+    cs_obj = driver.CUstream(h)
     for p_, a_ in ((plan, (xl, w)), (plan_b, (xl, w)), (plan_t, (x_n, w_n)), (plan_1, (x1, w1))):
         p_(*a_)
         p_(*a_)                                   # (the second call arms the C call)
@@ -92,8 +93,10 @@ def main():
         ("plan._call, no context decorator", lambda: raw(plan, xl, w, out=y)),
         ("plan._launch only", lambda: plan._launch(h, launcher, spec, ws, xl.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0, None)),
         ("Launcher call", lambda: launcher(h, args)),
-        ("cuLaunchKernel via cuda.bindings", lambda: driver.cuLaunchKernel(launcher.func, *g, *b, launcher.smem,
+        ("cuLaunchKernel via cuda.bindings (a CUstream built per call)", lambda: driver.cuLaunchKernel(launcher.func, *g, *b, launcher.smem,
                                                                           driver.CUstream(h), args.address, 0)),
+        ("cuLaunchKernel via cuda.bindings, CUstream built once", lambda: driver.cuLaunchKernel(
+            launcher.func, *g, *b, launcher.smem, cs_obj, args.address, 0)),
         ("cuLaunchKernel via ctypes", lambda: f(fn, *g, *b, launcher.smem, h, args.address, None)),
         ("cuLaunchKernel via the C launch (igemm_fastlaunch.raw)",
          (lambda: fl.raw(fn, *g, *b, launcher.smem, h, args.address)) if fl else (lambda: None)),

@@ -113,15 +113,18 @@ static PyObject *fl_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
  * of this record's launcher, and disarms it before any other write into the buffer). st is a tuple:
  *   0 torch.Tensor  1 dtype  2 residual dtype or None  3 torch.int32  4 device index
  *   5 x shape  6 w shape  7 y shape (tuples of ints)  8 x bytes  9 w bytes  10 y bytes  11 residual bytes
- *   12 mask words (0: no mask)  13 torch.empty_like (y has x's shape) or None (x.new_empty(y shape))
- *   14 alloc_mask() or None  15 current_stream(device) callable
+ *   12 mask words (0: no mask)  13 y's allocation template (None: x itself, when y has x's shape)
+ *   14 the mask's template or None  15 current_stream(device) callable
  *   16 armed (bytearray of 1)  17 launch record (bytes)  18 context id  19 the Add epilogue (its .residual:
  *   the plan's own residual) or None: no residual input  20 torch.nn.Parameter (w may be one; exact types
- *   only otherwise: a tensor subclass may override what these accessors mean)
+ *   only otherwise: a tensor subclass may override what these accessors mean)  21 torch.empty_like
+ * Outputs are allocated as torch.empty_like(template): the cheapest of torch's allocators from Python (no
+ * size, dtype or device to parse). A template is a one-element tensor expanded to the output's shape (not
+ * dense, so empty_like returns a contiguous tensor); the result is checked to be contiguous.
  * Every torch call (accessors, allocation) comes before the armed check; from the check to the launch
  * nothing can release the GIL, so no other thread writes the buffer in between.
  */
-static PyObject *s_dtype, *s_get_device, *s_shape, *s_is_contiguous, *s_data_ptr, *s_residual, *s_new_empty;
+static PyObject *s_dtype, *s_get_device, *s_shape, *s_is_contiguous, *s_data_ptr, *s_residual;
 
 static int tensor_ok_typed(PyObject *t, PyObject *dtype, long dev, PyObject *shape, uint64_t *ptr);
 
@@ -168,9 +171,16 @@ done:
     return ok;
 }
 
-/* 1: *ptr = t.data_ptr() (a tensor this call allocated); 0: it raised (cleared). */
-static int ptr_of(PyObject *t, uint64_t *ptr) {
-    PyObject *o = PyObject_CallMethodNoArgs(t, s_data_ptr);
+/* 1: t (a tensor this call allocated) is contiguous, *ptr = t.data_ptr(); 0: not, or it raised (cleared). */
+static int alloc_ok(PyObject *t, uint64_t *ptr) {
+    PyObject *o = PyObject_CallMethodNoArgs(t, s_is_contiguous);
+    const int contig = o == Py_True;
+    Py_XDECREF(o);
+    if (!contig) {
+        PyErr_Clear();
+        return 0;
+    }
+    o = PyObject_CallMethodNoArgs(t, s_data_ptr);
     if (o == NULL) {
         PyErr_Clear();
         return 0;
@@ -194,7 +204,7 @@ static int apart(uint64_t p, uint64_t n, const uint64_t *e, int k) {
 
 static PyObject *fl_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 21) {
+    if (nargs != 6 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 22) {
         PyErr_SetString(PyExc_TypeError, "conv(st, x, w, out, residual, mask_out)");
         return NULL;
     }
@@ -227,9 +237,8 @@ static PyObject *fl_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (mwords == 0 && mo != Py_None)
         goto fallback;
     if (out == Py_None) {
-        /* torch.empty_like(x) when y has x's shape (the cheapest allocator), else x.new_empty(y shape) */
-        y = ST(13) != Py_None ? PyObject_CallOneArg(ST(13), x) : PyObject_CallMethodOneArg(x, s_new_empty, ST(7));
-        if (y == NULL || !ptr_of(y, &yp))
+        y = PyObject_CallOneArg(ST(21), ST(13) != Py_None ? ST(13) : x);
+        if (y == NULL || !alloc_ok(y, &yp))
             goto fallback;
     } else {
         uint64_t ext[6] = {xp, xnb, wp, wnb, rp, rnb};
@@ -240,8 +249,8 @@ static PyObject *fl_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     if (mwords > 0) {
         if (mo == Py_None) {
-            m = PyObject_CallNoArgs(ST(14));
-            if (m == NULL || !ptr_of(m, &mp))
+            m = PyObject_CallOneArg(ST(21), ST(14));
+            if (m == NULL || !alloc_ok(m, &mp))
                 goto fallback;
         } else {
             uint64_t ext[8] = {xp, xnb, wp, wnb, rp, rnb, yp, ynb};
@@ -388,8 +397,7 @@ PyMODINIT_FUNC PyInit_igemm_fastlaunch(void) {
     s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     s_residual = PyUnicode_InternFromString("residual");
-    s_new_empty = PyUnicode_InternFromString("new_empty");
-    if (!s_dtype || !s_get_device || !s_shape || !s_is_contiguous || !s_data_ptr || !s_residual || !s_new_empty)
+    if (!s_dtype || !s_get_device || !s_shape || !s_is_contiguous || !s_data_ptr || !s_residual)
         return NULL;
     return PyModule_Create(&module);
 }

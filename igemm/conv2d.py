@@ -650,13 +650,15 @@ class Conv2dPlan:
         if not getattr(sys, "_is_gil_enabled", lambda: True)():
             return
         if self._cst is None:
-            import functools
             T, tdt, rdt, dev, xs, ws_, ys, nb, i32, cur, di, xnb, wnb, rnb, res_op, want_mask, _, P = self._fast
             import torch
-            alloc_m = functools.partial(torch.empty, (self.mask_words,), dtype=i32, device=dev) if want_mask else None
+
+            def template(shape, dt):       # (allocation templates: torch.empty_like of a one-element tensor
+                return torch.empty((1,) * len(shape), dtype=dt, device=dev).expand(shape)   # expanded: contiguous)
             self._cst = (T, tdt, rdt, i32, di, tuple(xs), tuple(ws_), tuple(ys), xnb, wnb, nb, rnb,
-                         self.mask_words if want_mask else 0, torch.empty_like if tuple(ys) == tuple(xs) else None,
-                         alloc_m, cur, self._armed, crec, self._ctx_id, res_op, P)
+                         self.mask_words if want_mask else 0, None if tuple(ys) == tuple(xs) else template(ys, tdt),
+                         template((self.mask_words,), i32) if want_mask else None, cur, self._armed, crec,
+                         self._ctx_id, res_op, P, torch.empty_like)
             self._cfast = fl.conv
         self._armed[0] = 1
 

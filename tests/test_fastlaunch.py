@@ -148,8 +148,6 @@ class FakeTensor:
     def data_ptr(self):
         return self.ptr
 
-    def new_empty(self, shape):
-        return FakeTensor(shape, self.dtype, 0x90000)
 
 
 class FakeParameter(FakeTensor):
@@ -172,6 +170,7 @@ class Conv:
         self.rec = _fastlaunch.pack(0x1, 0xA0, pm, (2, 1, 1), (128, 1, 1), 0, (0, 1, 2, 3, 4))
         self.armed = bytearray(b"\x01")
         self.allocs = []
+        self.bad_alloc = False
         self.cur = ctx
         self.ctx_cb = _CTX(self._ctx)
         fl.set_ctx_get(ctypes.cast(self.ctx_cb, ctypes.c_void_p).value)
@@ -180,17 +179,18 @@ class Conv:
         nb = 2 * int(np.prod(self.YS))
         self.st = (FakeTensor, "f16", "f16", "i32", 0, self.XS, self.WS, self.YS, 2 * int(np.prod(self.XS)),
                    2 * int(np.prod(self.WS)), nb, nb if add is not None else 0, 8 if mask else 0,
-                   lambda x: self._alloc(x.shape, x.dtype, 0x90000), (lambda: self._alloc((8,), "i32", 0xA0000)) if mask else None,
-                   lambda dev: 0x5EED, self.armed, self.rec, 0xC0, add, FakeParameter)
+                   None, FakeTensor((8,), "i32", 0) if mask else None,
+                   lambda dev: 0x5EED, self.armed, self.rec, 0xC0, add, FakeParameter, self._empty_like)
 
     def _ctx(self, out):
         out[0] = self.cur
         return 0
 
-    def _alloc(self, shape, dt, ptr):
-        t = FakeTensor(shape, dt, ptr)
-        self.allocs.append(t)
-        return t
+    def _empty_like(self, t):
+        """(torch.empty_like's stand-in: a contiguous tensor of t's shape and dtype)"""
+        out = FakeTensor(t.shape, t.dtype, 0xA0000 if t.dtype == "i32" else 0x90000, contig=not self.bad_alloc)
+        self.allocs.append(out)
+        return out
 
     def __call__(self, x, w, out=None, residual=None, mask_out=None):
         return self.fl.conv(self.st, x, w, out, residual, mask_out)
@@ -264,12 +264,20 @@ def test_conv_no_mask_plan(fl):
     assert isinstance(y, FakeTensor) and c.buf[4] == 0 and c.allocs == [y]     # (the empty_like stand-in)
 
 
-def test_conv_allocates_with_new_empty(fl):
-    """Where y's shape is not x's, y is x.new_empty(y shape)."""
-    c = Conv(fl, mask=False)
-    c.st = c.st[:13] + (None,) + c.st[14:]
-    y = c(FakeTensor(Conv.XS, ptr=0x1000), FakeTensor(Conv.WS, ptr=0x3000))
-    assert y.shape == Conv.YS and y.ptr == 0x90000 and not c.allocs and c.buf[2] == 0x90000
+def test_conv_allocates_from_templates(fl):
+    """y is empty_like(x) where y has x's shape, else empty_like(y's template); the mask, empty_like(its
+    template); an allocation that is not contiguous is declined (the Python path allocates)."""
+    c = Conv(fl, mask=True)
+    x, w = FakeTensor(Conv.XS, ptr=0x1000), FakeTensor(Conv.WS, ptr=0x3000)
+    y, m = c(x, w)
+    assert y.shape == Conv.XS and m.shape == (8,) and c.allocs == [y, m] and list(c.buf[:5]) == [
+        0x1000, 0x3000, 0x90000, 0, 0xA0000]
+    tpl = FakeTensor((2, 4, 4, 16), "f16", 0)
+    c.st = c.st[:13] + (tpl,) + c.st[14:]
+    y, m = c(x, w)
+    assert y.shape == (2, 4, 4, 16)
+    c.bad_alloc = True
+    assert c(x, w) is None and len(c.rt.calls) == 2
 
 
 def test_conv_reports_a_failed_launch(fl):

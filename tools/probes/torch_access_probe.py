@@ -28,6 +28,9 @@ def main():
     dev = torch.device("cuda", 0)
     f16 = torch.float16
     empty = torch.empty
+    tpl = torch.empty((1, 1, 1, 1), dtype=f16, device=dev).expand(ys)
+    tpl_m = torch.empty(1, dtype=torch.int32, device=dev).expand(2048)
+    assert torch.empty_like(tpl).is_contiguous() and torch.empty_like(tpl).shape == ys
     rows = [
         ("empty call (timer floor)", lambda: None),
         ("x.dtype", lambda: x.dtype),
@@ -46,6 +49,8 @@ def main():
         ("torch.empty(ys, dtype=, device=0)", lambda: empty(ys, dtype=f16, device=0)),
         ("x.new_empty(ys)", lambda: x.new_empty(ys)),
         ("torch.empty_like(x)", lambda: torch.empty_like(x)),
+        ("torch.empty_like(one element expanded to ys)", lambda: torch.empty_like(tpl)),
+        ("torch.empty_like(int32 one element expanded to 2048)", lambda: torch.empty_like(tpl_m)),
         ("torch.empty(2048, dtype=int32, device=dev)", lambda: empty(2048, dtype=torch.int32, device=dev)),
         ("x.new_empty(2048, dtype=int32)", lambda: x.new_empty(2048, dtype=torch.int32)),
     ]

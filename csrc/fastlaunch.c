@@ -1,9 +1,10 @@
-/* igemm's host fast path: a plan call's pointer-slot writes and its cuLaunchKernel in one C call.
+/* igemm's host fast path: launches, and a conv plan call's checks, slot writes and launches, in C.
  *
  * Built on first use by igemm/_fastlaunch.py with the host C compiler (no CUDA headers: the driver's
- * cuLaunchKernel is found with dlsym in the libcuda the process has loaded, or set by set_launch()).
- * Python keeps every check; this only replaces, for one launch, the slot writes into the plan's packed
- * argument buffer and the cuda.bindings call (whose argument conversion costs microseconds).
+ * cuLaunchKernel and cuCtxGetCurrent are found with dlsym in the libcuda the process has loaded, or set by
+ * set_launch() / set_ctx_get()). raw() is cuLaunchKernel for every Launcher; launch() writes a lean
+ * record's slots into the plan's packed argument buffer and launches; conv() (below) runs a whole plan
+ * call for the common case and returns None for anything else, which the Python path then handles.
  *
  * A launch record ("rec") is a bytes object of int64 fields, packed once per plan and launcher
  * (igemm/_fastlaunch.py:pack):

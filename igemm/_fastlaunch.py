@@ -1,6 +1,7 @@
-"""The host fast path: ``csrc/fastlaunch.c``, a small CPython extension that writes a plan call's pointer
-slots and calls the driver's ``cuLaunchKernel`` in one C call (cuda.bindings' argument conversion costs
-microseconds of a plan call's host time).
+"""The host fast path: ``csrc/fastlaunch.c``, a small CPython extension that calls the driver's
+``cuLaunchKernel`` for every launcher (``raw``), writes a lean record's pointer slots and launches it
+(``launch``), and runs a whole conv plan call -- checks, allocation, launch -- for the common case
+(``conv``; see ``Conv2dPlan._arm``).
 
 It is built on first use with the host's C compiler (``$CC``, else ``cc``/``gcc``) against this Python's
 headers, into the kernel cache (``$IGEMM_CACHE_DIR``), keyed by its source, the Python ABI and the

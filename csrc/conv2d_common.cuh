@@ -10,7 +10,7 @@
 namespace igemm::conv {
 
 enum : int { kNCHW = 0, kNHWC = 1 };
-// kWgmmaWs (sm_90a, TMA loads only): the persistent warp-specialised kernel: WM consumer warpgroups, each
+// kWgmmaWs (sm_90a, TMA loads only): the persistent warp-specialised kernel: WM (1 or 2) consumer warpgroups, each
 // computing its own BM × BN tiles (BM = 64), and one producer warp issuing their TMA loads (conv2d_sm90.cuh).
 // kTensorOp3 (fp32 only): the kTensorOp mainloop with each operand split into two TF32 parts, big + small,
 // and three MMAs per product (small·big + big·small + big·big): fp32 accuracy on tensor cores (conv2d_sm80.cuh).

@@ -241,7 +241,7 @@ IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) &
 
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
-// residual's element pairs at the fragment's positions, four column blocks' worth loaded ahead),
+// residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
 // each value is rounded once into a 16-bit C tile in shared memory (BN + 8 elements a row: the fragment
 // writes are conflict-free), the ReLU mask words are assembled in registers (one set.gt per stored pair;
 // a quad of lanes holds 32 consecutive channels of a row: two shuffles; FuseMask needs K % 32 == 0) and
@@ -256,8 +256,6 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
   static_assert(NT % CPR == 0, "whole rows per store pass");
-  const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
-  TO* ct = reinterpret_cast<TO*>(smem);
   const int lane = tid & 31, r0 = fragment_row0(tid);
   using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
   const RT* resp = static_cast<const RT*>(p.residual);
@@ -266,17 +264,17 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   // the rows' mask words (FuseMask: K % 32 == 0, n0 % 32 == 0), one per 32 columns
   uint32_t* mrow0 = Cfg::FuseMask ? static_cast<uint32_t*>(const_cast<void*>(p.mask)) + (row0 >> 5) : nullptr;
   uint32_t* mrow1 = Cfg::FuseMask ? mrow0 + (p.K >> 2) : nullptr;
-  constexpr int G = 4;                  // column blocks per group: their residual pairs are loaded first
-  static_assert((BN / 8) % G == 0, "BN / 8 blocks in groups of 4 (one mask word)");
-  uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
-  uint32_t keep0 = 0, keep1 = 0;        // lane q of a quad keeps word 4i + q of its rows until i's 4 are done
-  constexpr int WORDS = BN / 32;        // mask words a tile row
-#pragma unroll
-  for (int j0 = 0; j0 < BN / 8; j0 += G) {
-    // the residual pairs (zero outside the problem), as raw bits: a 16-bit pair is one 32-bit load,
-    // converted by two HADD2.F32 (element-wise Vec loads cost four PRMTs a pair, ptxas 13.0)
-    using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
-    RawPair ra[G], rb[G];
+  // The residual pairs (zero outside the problem) are loaded G column blocks at a time, as raw bits: a
+  // 16-bit pair is one 32-bit load, converted by two HADD2.F32 (element-wise Vec loads cost four PRMTs a
+  // pair, ptxas 13.0). With BN <= 128 the whole tile's pairs (2 x BN/8 registers) are loaded at once, before
+  // the channel vectors' barrier: one round trip to L2 per tile. In groups of four, the mask stores between
+  // groups kept each group's loads behind the previous group's work: four round trips after the mainloop.
+  constexpr int NB = BN / 8;
+  constexpr int G = Epi::kResidual && NB <= 16 ? NB : 4;   // column blocks per group
+  static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4 (one mask word)");
+  using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
+  RawPair ra[G], rb[G];
+  auto load_residual = [&](int j0) {
     if constexpr (Epi::kResidual) {
 #pragma unroll
       for (int g = 0; g < G; ++g) {
@@ -287,6 +285,16 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
         if (ok1 && okc) rb[g] = *reinterpret_cast<const RawPair*>(resp + row1 + c);
       }
     }
+  };
+  load_residual(0);
+  const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
+  TO* ct = reinterpret_cast<TO*>(smem);
+  uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
+  uint32_t keep0 = 0, keep1 = 0;        // lane q of a quad keeps word 4i + q of its rows until i's 4 are done
+  constexpr int WORDS = BN / 32;        // mask words a tile row
+#pragma unroll
+  for (int j0 = 0; j0 < NB; j0 += G) {
+    if (j0 > 0) load_residual(j0);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const int j = j0 + g;
@@ -708,9 +716,11 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     if (leader && nk < KT) issue(kt0 + nk, (it0 + nk) % S);
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
     if constexpr (Cfg::StoreMode == kStoreRegs && Cfg::Epi::kResidual && std::is_same_v<Fin, FinishTile>) {
-      // a deep reduction (the prologue prefetched nothing): the residual tile's lines into L2 S k-tiles
-      // before the end, so that the epilogue's fragment loads hit L2 instead of waiting on DRAM
-      if (KT > 2 * S && it == KT - S) prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
+      // a deep reduction (the prologue prefetched nothing): the residual tile's lines into L2 half-way,
+      // so that the epilogue's fragment loads hit L2 instead of waiting on DRAM. A single-wave grid's
+      // CTAs all reach their epilogues together: S k-tiles before the end left them ~1 us for the whole
+      // residual's DRAM reads (3x3 128->128 @28, N=32: 6.4 MB).
+      if (KT > 2 * S && it == KT / 2) prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
     }
 #endif
   }
@@ -811,6 +821,9 @@ IGEMM_DEVICE void fprop_streamk(const P& p, uint8_t* smem) {
 // barriers (transaction bytes). Because the producer serves the tiles in order, one consumer's mainloop
 // runs while the other stores its previous tile (ping-pong): the epilogue chain, the mask and the
 // residual loads overlap MMA work. Consumers synchronise only among themselves (named barriers 1..WM).
+// WM = 1 (one consumer, the whole shared memory for its ring): for grids of at most one tile per SM, where
+// ping-pong has nothing to overlap and deep stages pay instead -- the producer warp still keeps the loads
+// ahead with no CTA barrier per k-tile, and runs on into the next tile's k-tiles during an epilogue.
 // Both store phases: the fp32 C tile's (epilogue_store_by) and the register epilogues (kStoreRegs*,
 // epilogue_regs_by / epilogue_regs_nchw_by: the tile's channel vectors are fetched by cp.async before its
 // mainloop).
@@ -830,7 +843,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages, NC = Cfg::WM;
   constexpr int A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2, RING = S * (A_STAGE + B_STAGE);
   constexpr int NACC = BN / 2, KSTEPS = BK / 16;
-  static_assert(NC == 2 && Cfg::LoadA == kLoadTma, "two consumer warpgroups, 64-channel TMA k-tiles");
+  static_assert((NC == 1 || NC == 2) && Cfg::LoadA == kLoadTma, "one or two consumer warpgroups, 64-channel TMA k-tiles");
   __shared__ alignas(8) uint64_t full[NC][S], empty[NC][S];
   __shared__ __align__(16) float s_vec[NC][3][BN];
   const int TM = (p.M + BM - 1) / BM, NT = TM * ((p.K + BN - 1) / BN);   // tiles
@@ -854,7 +867,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     for (int i = 0;; ++i) {
       const int t = blockIdx.x + i * gridDim.x;
       if (t >= NT) break;
-      const int c = i & 1;
+      const int c = NC == 1 ? 0 : i & 1;
       const auto [m0, n0] = tile_coord<Cfg>(p, t);
       const TileOrigin o = tile_origin(p, m0);
       uint8_t* ring = smem + c * RING;
@@ -892,6 +905,10 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);
       if (prev >= 0) mbar_arrive(&empty[wg][prev]);   // the group that read it has finished
       prev = slot;
+#if !defined(IGEMM_NO_EPI_PROLOGUE)
+      if constexpr (Cfg::StoreMode == kStoreRegs && Cfg::Epi::kResidual)   // as in mainloop_wgmma_tma
+        if (KT > 2 * S && kt == KT / 2) prefetch_residual_l2<Cfg, 128>(p, m0, n0, tid);
+#endif
     }
     cute::warpgroup_wait<0>();
 #pragma unroll

@@ -504,15 +504,33 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         tiles = -(-M // bm) * -(-K // bn)
         splits = 1 if tiles >= 2 * sms else max(1, min(-(-2 * sms // tiles), 4, -(-pb.Kred // bk) // 8))
     tiles, kt = -(-M // bm) * -(-K // bn), -(-pb.Kred // bk)
-    if (math == "wgmma" and load_a == "tma" and bm == 64 and splits > 1 and 10 * tiles >= sms
-            and (kt <= 48 or 4 * tiles >= sms)):
-        # Few tiles and a deep reduction (batch 1-8 on the 3x3 layers): the persistent kernel's producer
-        # warp keeps the TMA loads ahead of the MMA with no CTA barrier per k-tile, which beats split-K
-        # unless the tiles are very few and each would run a long reduction alone (tools/sweep.py on an
-        # H100, fp16 NHWC: N=1 3x3 128->128 @28, 26 tiles x 18 k-tiles, 5.7 us vs split-K 8.5; N=1 3x3
-        # 256->256 @14, 16 x 36: 8.8 vs 10.1; N=8 3x3 512->512 @7, 56 x 72: 15.4 vs 15.9; N=1 @7,
-        # 8 x 72, keeps split-K: 9.3 us with 9 splits)
-        math, wm, stages, splits = "wgmma_ws", 2, 4, 1
+    persistent = False
+    if math == "wgmma" and load_a == "tma" and bm == 64:
+        if splits > 1 and 10 * tiles >= sms and (kt <= 48 or 4 * tiles >= sms):
+            # Few tiles and a deep reduction (batch 1-8 on the 3x3 layers): the persistent kernel's producer
+            # warp keeps the TMA loads ahead of the MMA with no CTA barrier per k-tile, which beats split-K
+            # unless the tiles are very few and each would run a long reduction alone (tools/sweep.py on an
+            # H100, fp16 NHWC: N=1 3x3 128->128 @28, 26 tiles x 18 k-tiles, 5.7 us vs split-K 8.5; N=1 3x3
+            # 256->256 @14, 16 x 36: 8.8 vs 10.1; N=8 3x3 512->512 @7, 56 x 72: 15.4 vs 15.9; N=1 @7,
+            # 8 x 72, keeps split-K: 9.3 us with 9 splits)
+            persistent = True
+        elif splits == 1 and pb.R * pb.S > 1:
+            # A filter with taps whose 64-row tiles make at most one wave of single CTAs -- with 128 columns
+            # if 64 would not (N=8 3x3 128->128 @28: 196 tiles of 64x64, 98 of 64x128): one CTA per SM is
+            # all there is, so the persistent kernel with one consumer and a deep ring takes the whole shared
+            # memory (tools/probes/stage_probe.py, H100, fp16 NHWC, us: N=8 3x3 256->256 @14 8.5 vs the
+            # per-tile 64x64 s4's 10.9; N=8 128->128 @28 7.3 vs 7.9; N=32 512->512 @7 18.7 vs 20.1; N=1
+            # 64->64 @56 3.6 vs 4.0)
+            t128 = -(-M // 64) * -(-K // 128)
+            if tiles > sms and bn == 64 and K >= 128 and t128 <= sms:
+                bn, tiles = 128, t128
+            persistent = tiles <= sms
+    if persistent:
+        # one consumer with a deep ring where the tiles are at most one per SM (N=8 3x3 512->512 @7: s8
+        # 14.5 us vs two consumers, s4, 15.4; 64x128 tiles take 6 stages: 7 would not fit beside the C
+        # tile), else two consumers taking turns over the tiles
+        math, splits = "wgmma_ws", 1
+        wm, stages = (1, 8 if bn == 64 else 6) if tiles <= sms else (2, 4)
     store, vec_o, fuse = store_for(pb, math, bn, splits)
     spec = KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
                       fuse, epilogue_functors(pb), splits)
@@ -644,9 +662,9 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = f"TMA loads of this problem are {tma_kind(pb)!r}"
     elif spec.streamk and (spec.math != "wgmma" or spec.load_a != "tma" or spec.store != "regs" or spec.splits != 1):
         why = "stream-K: the per-tile TMA wgmma kernel with the register epilogue, no split-K"
-    elif spec.persistent and (spec.load_a != "tma" or spec.bm != 64 or spec.wm != 2 or spec.splits != 1
+    elif spec.persistent and (spec.load_a != "tma" or spec.bm != 64 or spec.wm not in (1, 2) or spec.splits != 1
                               or spec.bn not in (64, 128, 256)):
-        why = "the persistent kernel: TMA loads, two consumer warpgroups of 64-row tiles, no split-K"
+        why = "the persistent kernel: TMA loads, one or two consumer warpgroups of 64-row tiles, no split-K"
     elif spec.load_b == "tma" and (no_tma := tma_unsupported(pb, spec.bm)):
         why = no_tma
     elif (spec.load_a == "patch") != pb.patch:

@@ -184,7 +184,14 @@ def test_choose_config_rules(monkeypatch):
     for kw in (dict(N=1, H=14, W=14, C=256, K=256), dict(N=8, H=7, W=7, C=512, K=512)):
         ws = choose_config(_pb(**kw))                   # few tiles, deep reduction: the persistent kernel
         assert (ws.math, ws.splits, ws.persistent) == ("wgmma_ws", 1, True) and validate_spec(ws, _pb(**kw))
-    assert choose_config(_pb(N=32, H=7, W=7, C=512, K=512)).math == "wgmma"      # enough tiles
+    # at most one 64-row tile per SM (with 64 columns, else 128): one consumer and a deep ring
+    for kw, want in ((dict(N=8, H=7, W=7, C=512, K=512), (64, 8)), (dict(N=8, H=14, W=14, C=256, K=256), (64, 8)),
+                     (dict(N=8, H=28, W=28, C=128, K=128), (128, 6)), (dict(N=32, H=7, W=7, C=512, K=512), (128, 6))):
+        ws = choose_config(_pb(**kw))
+        assert (ws.math, ws.wm, ws.bn, ws.stages) == ("wgmma_ws", 1, *want), (kw, ws.name())
+        assert validate_spec(ws, _pb(**kw)) and ws.smem + ws.static_smem <= 227 * 1024
+    assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512, R=1, S=1)).math == "wgmma"   # no taps: per-tile
+    assert choose_config(_pb(N=32, H=28, W=28, C=128, K=128)).math == "wgmma"    # enough tiles
     # config overrides the persistent kernel cannot run fall back to the per-tile kernel
     xs, wsh = (8, 7, 7, 512), (512, 3, 3, 512)
     for cfg, want in (({"splits": 4}, ("wgmma", 4)), ({"load_a": "vec", "load_b": "vec"}, ("wgmma", 3)),
@@ -925,11 +932,14 @@ def test_gpu_tma_loader(dtype, layout, rng):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("sms", [None, 5], ids=["all-SMs", "5-CTAs"])
-def test_gpu_persistent_kernel(dtype, layout, sms, rng, monkeypatch):
-    """The persistent warp-specialised kernel (a producer warp, two consumer warpgroups taking turns)
-    against the float64 reference and bitwise against the per-tile TMA kernel, plain and with
-    BN+Add+ReLU(mask). With 5 CTAs every CTA loops over many tiles: the stage rings wrap many times
-    and the two consumers get unequal tile counts."""
+@pytest.mark.parametrize("wm", [2, 1], ids=["two-consumers", "one-consumer"])
+def test_gpu_persistent_kernel(dtype, layout, sms, wm, rng, monkeypatch):
+    """The persistent warp-specialised kernel (a producer warp, two consumer warpgroups taking turns, or
+    one consumer with a deep ring) against the float64 reference and bitwise against the per-tile TMA
+    kernel, plain and with BN+Add+ReLU(mask). With 5 CTAs every CTA loops over many tiles: the stage
+    rings wrap many times and the two consumers get unequal tile counts; the one consumer's producer
+    runs on into its next tile's k-tiles during each epilogue. The 3x3 256-channel case has a deep
+    reduction (36 k-tiles): the residual tile is prefetched into L2 half-way through it."""
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
     from igemm import epilogues as ep
@@ -940,18 +950,23 @@ def test_gpu_persistent_kernel(dtype, layout, sms, rng, monkeypatch):
              ((3, 128, 13, 7), (72, 128, 3, 3), 2, 1, 1, {"bn": 128, "stages": 3}),
              ((4, 64, 14, 14), (256, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4}),      # 4 column tiles
              ((2, 192, 8, 8), (130, 192, 1, 1), 1, 0, 1, {"bn": 128, "stages": 3}),
-             ((2, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, {"bn": 64, "stages": 4})]
+             ((2, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, {"bn": 64, "stages": 4}),
+             ((2, 256, 7, 7), (136, 256, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4})]
     for xs, ws, st, pd, dl, cfg in cases:
+        if wm == 1:                 # the default's deep rings
+            cfg = {**cfg, "stages": 8 if cfg["bn"] == 64 else 6}
         K = ws[0]
         g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
         chain = ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))
         xsl, wsl = to_layout_shape(xs, layout), to_layout_shape(ws, layout)
-        pers = {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1, **cfg}
+        pers = {"math": "wgmma_ws", "bm": 64, "wm": wm, "splits": 1, **cfg}
         nchw = "transpose" if layout == "NCHW" else "auto"      # (the persistent kernel reads NHWC TMA tiles)
         plans = {kind: [Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, config=c, epilogue=e, nchw_path=nchw)
                         for e in (None, chain)]
-                 for kind, c in (("ws", pers), ("tile", {"bn": cfg["bn"], "splits": 1}))}
-        assert all(p.spec().persistent for p in plans["ws"]) and plans["tile"][0].spec().load_a == "tma"
+                 for kind, c in (("ws", pers), ("tile", {"math": "wgmma", "bm": 64, "wm": 1, "bn": cfg["bn"],
+                                                         "splits": 1}))}
+        assert all(p.spec().persistent and p.spec().wm == wm for p in plans["ws"])
+        assert plans["tile"][0].spec().load_a == "tma" and not plans["tile"][0].spec().persistent
         for _ in range(2):
             x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
             x, w = to_torch(x64, dtype), to_torch(w64, dtype)
@@ -1023,7 +1038,8 @@ def test_gpu_small_batch_default_configs(dtype, rng):
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
     for n, c, h, want in ((1, 256, 14, "wgmma_ws"), (8, 512, 7, "wgmma_ws"), (1, 512, 7, "wgmma"),
-                          (1, 128, 28, "wgmma_ws")):
+                          (1, 128, 28, "wgmma_ws"), (8, 256, 14, "wgmma_ws"), (8, 128, 28, "wgmma_ws"),
+                          (32, 512, 7, "wgmma_ws")):
         xs, ws = (n, h, h, c), (c, 3, 3, c)
         g_, b_, m_, v_ = (torch.rand(c, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
         for chain in (None, ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.ReLU(mask=True))):
@@ -1063,7 +1079,8 @@ def _both_store_phases(torch, x, w, dtype, layout, st, pd, chain, cfg, stores, r
         plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, epilogue=chain, config=c or None)
         spec = plan.spec()
         assert (spec.store == stores[0]) == (store == stores[0]), spec.name()   # (the fp32 tile: rows or linear)
-        assert spec.persistent == (c.get("math") == "wgmma_ws"), spec.name()
+        if "math" in c:                     # (without one the default may be either kernel)
+            assert spec.persistent == (c["math"] == "wgmma_ws"), spec.name()
         y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
         kw = {"out": y}
         if chain is not None and chain.mask:
@@ -1096,7 +1113,8 @@ def test_gpu_register_epilogue_bitwise(dtype, rng):
                               ((2, 5, 6, 16), 24, 3, 1, None), ((2, 40, 33, 64), 64, 3, 1, {"bm": 128, "wm": 2}),
                               # the persistent kernel's consumers (per-tile vectors, their own C tiles)
                               ((2, 9, 11, 64), 256, 3, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
-                              ((3, 7, 5, 64), 136, 1, 1, {**_PERSISTENT, "bn": 64, "stages": 2})]:
+                              ((3, 7, 5, 64), 136, 1, 1, {**_PERSISTENT, "bn": 64, "stages": 2}),
+                              ((2, 9, 11, 64), 256, 3, 1, {**_PERSISTENT, "wm": 1, "bn": 128, "stages": 6})]:
         C = xs[-1]
         x = to_torch(rng.standard_normal(xs), dtype)
         w = to_torch(rng.standard_normal((K, R, R, C)) / np.sqrt(R * R * C), dtype)
@@ -1137,6 +1155,7 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
              ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
              ((3, 64, 8, 12), (72, 64, 3, 3), 1, 1, None),
              ((2, 64, 8, 8), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
+             ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "wm": 1, "bn": 64, "stages": 8}),
              ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None)]                       # the patch kernel
     for xs, ws, st, pd, cfg in cases:
         x = to_torch(rng.standard_normal(xs), dtype)

@@ -19,14 +19,19 @@ T = {"math": "wgmma"}
 def _pt(bm, bn, s, sp):
     return dict(T, bm=bm, wm=bm // 64, bn=bn, stages=s, splits=sp)
 
-N8 = [{}] + [_pt(64, 64, s, sp) for s in (4, 6, 8, 12) for sp in (1, 2, 4)] \
-    + [dict(math="wgmma_ws", bm=64, wm=2, bn=64, stages=s, splits=1) for s in (5, 6)] \
-    + [_pt(64, 128, s, sp) for s in (4, 8) for sp in (1, 2)]
-N32 = [{}] + [_pt(64, 128, s, sp) for s in (4, 6, 8) for sp in (1, 2)] + [_pt(64, 64, s, 1) for s in (4, 8)] \
-    + [_pt(128, 128, s, 1) for s in (4, 6)]
+def _ws(bn, s, wm=1):
+    return dict(math="wgmma_ws", bm=64, wm=wm, bn=bn, stages=s, splits=1)
+
+# (session 13, first run: per-tile stages 4-12 x splits 1-4 and the two-consumer persistent s5 on these
+# layers; notes/perf.md) now: the one-consumer persistent kernel (WM = 1) against the chosen
+N8 = [{}, _ws(64, 4, 2), _ws(64, 5, 2)] + [_ws(64, s) for s in (4, 6, 8, 12)] + [_ws(128, s) for s in (4, 6)]
+N32 = [{}] + [_pt(64, 128, s, 1) for s in (4, 8)] + [_ws(128, s) for s in (4, 6)] + [_ws(64, s) for s in (4, 8)]
+N1 = [{}, _ws(64, 4, 2)] + [_ws(64, s) for s in (4, 8, 12)]
 LAYERS = [("3x3 512->512 @7", 512, 512, 7, 8, N8), ("3x3 512->512 @7", 512, 512, 7, 32, N32),
           ("3x3 256->256 @14", 256, 256, 14, 8, N8), ("3x3 256->256 @14", 256, 256, 14, 32, N32),
-          ("3x3 128->128 @28", 128, 128, 28, 32, N32)]
+          ("3x3 128->128 @28", 128, 128, 28, 32, N32), ("3x3 128->128 @28", 128, 128, 28, 8, N8),
+          ("3x3 128->128 @28", 128, 128, 28, 1, N1), ("3x3 256->256 @14", 256, 256, 14, 1, N1),
+          ("3x3 64->64 @56", 64, 64, 56, 8, N8), ("3x3 64->64 @56", 64, 64, 56, 1, N1)]
 
 
 def specs(arch="sm_90a"):

@@ -156,10 +156,15 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
         # TMA loads are the wgmma kernel's: another mainloop (or one operand overridden) gathers both
         la, lb = cfg.get("load_a", "vec"), cfg.get("load_b", "vec")
         spec = dataclasses.replace(spec, load_a="vec" if la.startswith("tma") else la, load_b="vec" if lb == "tma" else lb)
-    if spec.persistent and "math" not in cfg and (spec.load_a != "tma" or spec.splits != 1 or spec.streamk):
-        # the persistent kernel is TMA-only and has no split-K or stream-K: gathered loads, splits or
-        # stream-K asked for run on the per-tile wgmma kernel
-        spec = dataclasses.replace(spec, math="wgmma", wm=spec.bm // 64)
+    if spec.persistent and "math" not in cfg:
+        from ._heuristics import validate_spec
+        if spec.wm == 1 and "stages" not in cfg:     # the one consumer's ring: as deep as the tile allows
+            spec = dataclasses.replace(spec, stages={64: 8, 128: 6}.get(spec.bn, 3))
+        if spec.load_a != "tma" or spec.splits != 1 or spec.streamk or not validate_spec(spec, pb, raise_=False):
+            # the persistent kernel is TMA-only, has 64-row tiles and no split-K or stream-K: gathered
+            # loads, other tiles, splits or stream-K asked for run on the per-tile wgmma kernel (with its
+            # 4 stages unless asked: a deep ring may not fit its tile)
+            spec = dataclasses.replace(spec, math="wgmma", wm=spec.bm // 64, stages=cfg.get("stages", 4))
     if "math" in cfg and not cfg["math"].startswith("wgmma") and "bk" not in cfg:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
         if cfg["math"] in ("tensorop", "tf32x3") and "wn" not in cfg:

@@ -836,6 +836,49 @@ struct NamedSync {
   IGEMM_DEVICE void operator()() const { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 };
 
+// ---- the cluster k-split (IGEMM_CSPLIT = 2, with __cluster_dims__(2, 1, 1) on the kernel)
+// The two CTAs of a cluster run the same tile, each over half of the k-tiles with its own loads (no
+// operand is shared); rank 1 then writes its fp32 partial sums into rank 0's shared memory (st.shared::
+// cluster, behind rank 0's "xfer_empty" handshake) and arrives on rank 0's "xfer_full" barrier (release,
+// cluster scope); rank 0 adds them in fragment order and runs the epilogue. Against split-K through global
+// memory: no workspace, no ticket, no fence -- twice the SMs for a grid of few tiles at the cost of one
+// 64 x BN fp32 hand-over in distributed shared memory.
+#if defined(IGEMM_CSPLIT)
+constexpr int kCsplit = IGEMM_CSPLIT;
+#else
+constexpr int kCsplit = 1;
+#endif
+static_assert(kCsplit == 1 || kCsplit == 2, "the cluster k-split pairs two CTAs");
+
+IGEMM_DEVICE uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+IGEMM_DEVICE void cluster_sync_all() {     // every thread of both CTAs (none may have exited)
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+IGEMM_DEVICE uint32_t smem_in_rank(const void* local, uint32_t rank) {   // the same offset in CTA `rank`
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(local)), "r"(rank));
+  return r;
+}
+
+IGEMM_DEVICE void mbar_arrive_remote(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+IGEMM_DEVICE void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {   // acquire at cluster scope
+  uint32_t done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+
 template <class Cfg, class P>
 IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   using T = typename Cfg::Element;
@@ -844,10 +887,16 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   constexpr int A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2, RING = S * (A_STAGE + B_STAGE);
   constexpr int NACC = BN / 2, KSTEPS = BK / 16;
   static_assert((NC == 1 || NC == 2) && Cfg::LoadA == kLoadTma, "one or two consumer warpgroups, 64-channel TMA k-tiles");
+  static_assert(kCsplit == 1 || NC == 1, "the cluster k-split: one consumer warpgroup");
   __shared__ alignas(8) uint64_t full[NC][S], empty[NC][S];
+  __shared__ alignas(8) uint64_t xfer[2];           // kCsplit: [0] full (rank 0's), [1] empty (rank 1's)
   __shared__ __align__(16) float s_vec[NC][3][BN];
   const int TM = (p.M + BM - 1) / BM, NT = TM * ((p.K + BN - 1) / BN);   // tiles
   const int KT = (p.Kred + BK - 1) / BK;
+  // kCsplit: cluster rank r runs k-tiles [kb, ke) of tile t = cluster index + i · clusters
+  const uint32_t rank = kCsplit == 1 ? 0 : cluster_rank();
+  const int first = blockIdx.x / kCsplit, step = gridDim.x / kCsplit;
+  const int kb = rank == 0 ? 0 : (KT + 1) / 2, ke = kCsplit == 1 || rank == 1 ? KT : (KT + 1) / 2;
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int c = 0; c < NC; ++c)
@@ -856,23 +905,28 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
         mbar_init(&full[c][s], 1);
         mbar_init(&empty[c][s], 128);
       }
+    if constexpr (kCsplit == 2) {
+      mbar_init(&xfer[0], 128);
+      mbar_init(&xfer[1], 128);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (kCsplit == 2) cluster_sync_all();   // the peer's barriers are initialised before any arrival
+  else __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == NC) {                                   // the producer warp
     if ((threadIdx.x & 31) != 0) return;
     tma_prefetch_maps(p.tmA, p.tmB);
     int k0 = 0, k1 = 0;                             // stages filled so far, per consumer ring
     for (int i = 0;; ++i) {
-      const int t = blockIdx.x + i * gridDim.x;
+      const int t = first + i * step;
       if (t >= NT) break;
       const int c = NC == 1 ? 0 : i & 1;
       const auto [m0, n0] = tile_coord<Cfg>(p, t);
       const TileOrigin o = tile_origin(p, m0);
       uint8_t* ring = smem + c * RING;
       int k = c ? k1 : k0;
-      for (int kt = 0; kt < KT; ++kt, ++k) {
+      for (int kt = kb; kt < ke; ++kt, ++k) {
         const int slot = k % S;
         mbar_wait(&empty[c][slot], ((k / S) & 1) ^ 1);   // a fresh barrier counts as emptied once
         tma_issue_stage<Cfg>(p, ring + slot * A_STAGE, ring + S * A_STAGE + slot * B_STAGE, &full[c][slot], kt, o, n0);
@@ -886,17 +940,18 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   float* Cs = reinterpret_cast<float*>(smem + NC * RING + wg * Cfg::kCsBytes);
   const uint32_t sA_u = smem_u32(ring), sB_u = smem_u32(ring + S * A_STAGE);
   const int tid = threadIdx.x - wg * 128;
-  int k = 0;
+  int k = 0, done = 0;                              // (done: kCsplit tiles handed over / received)
   for (int i = wg;; i += NC) {
-    const int t = blockIdx.x + i * gridDim.x;
+    const int t = first + i * step;
     if (t >= NT) break;
     const auto [m0, n0] = tile_coord<Cfg>(p, t);
-    if constexpr (Cfg::kRegsStore) epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg]);
+    if constexpr (Cfg::kRegsStore)
+      if (rank == 0) epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg]);
     float acc[NACC];
 #pragma unroll
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
     int prev = -1;
-    for (int kt = 0; kt < KT; ++kt, ++k) {
+    for (int kt = kb; kt < ke; ++kt, ++k) {
       const int slot = k % S;
       mbar_wait(&full[wg][slot], (k / S) & 1);
       wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + slot * A_STAGE), desc_sw128(sB_u + slot * B_STAGE), acc);
@@ -907,14 +962,41 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       prev = slot;
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
       if constexpr (Cfg::StoreMode == kStoreRegs && Cfg::Epi::kResidual)   // as in mainloop_wgmma_tma
-        if (KT > 2 * S && kt == KT / 2) prefetch_residual_l2<Cfg, 128>(p, m0, n0, tid);
+        if (rank == 0 && KT > 2 * S && kt == (kb + ke) / 2) prefetch_residual_l2<Cfg, 128>(p, m0, n0, tid);
 #endif
     }
     cute::warpgroup_wait<0>();
 #pragma unroll
     for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);
-    mbar_arrive(&empty[wg][prev]);
+    if (prev >= 0) mbar_arrive(&empty[wg][prev]);
     const NamedSync sync{1 + wg};
+    if constexpr (kCsplit == 2) {
+      // the hand-over, through rank 0's C tile (free: its previous epilogue has released it); fragment
+      // order, float4 i of thread tid at (i · 128 + tid) · 16 bytes
+      float4* xbuf = reinterpret_cast<float4*>(Cs);
+      if (rank == 1) {
+        if (done > 0) mbar_wait_cluster(&xfer[1], (done - 1) & 1);   // rank 0 has read the previous one
+        const uint32_t dst = smem_in_rank(xbuf, 0);
+#pragma unroll
+        for (int j = 0; j < NACC / 4; ++j)
+          asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + (j * 128 + tid) * 16),
+                       "f"(acc[4 * j]), "f"(acc[4 * j + 1]), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3]) : "memory");
+        mbar_arrive_remote(smem_in_rank(&xfer[0], 0));
+        ++done;
+        continue;                                   // rank 0 stores the tile
+      }
+      mbar_wait_cluster(&xfer[0], done & 1);
+#pragma unroll
+      for (int j = 0; j < NACC / 4; ++j) {
+        const float4 v = xbuf[j * 128 + tid];
+        acc[4 * j] += v.x;
+        acc[4 * j + 1] += v.y;
+        acc[4 * j + 2] += v.z;
+        acc[4 * j + 3] += v.w;
+      }
+      ++done;
+      sync();                                       // every thread has read its partial: the epilogue may reuse Cs
+    }
     if constexpr (Cfg::StoreMode == kStoreRegs) {
       epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
     } else if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
@@ -925,7 +1007,10 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       epilogue_store_by<Cfg, 128>(p, Cs, m0, n0, tid, s_vec[wg], sync);
     }
     sync();                                         // C tile and channel vectors free for the next tile
+    if constexpr (kCsplit == 2) mbar_arrive_remote(smem_in_rank(&xfer[1], 1));   // rank 1 may hand over again
   }
+  if constexpr (kCsplit == 2)
+    if (rank == 1 && done > 0) mbar_wait_cluster(&xfer[1], (done - 1) & 1);   // rank 0's last arrival lands first
 }
 
 }  // namespace igemm::conv

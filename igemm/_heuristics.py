@@ -91,6 +91,7 @@ class KernelSpec:
     min_blocks: int = 1
     patch_bytes: int = 0      # load_a "patch": the input patch's shared memory (problem-dependent, not in the code)
     streamk: int = 0          # stream-K (the per-tile TMA kernel): CTAs per SM sharing the tiles x k-tiles; 0: off
+    csplit: int = 1           # 2: the persistent kernel's cluster k-split (two CTAs a tile, each half the k-tiles)
 
     @property
     def threads(self) -> int:
@@ -133,8 +134,8 @@ class KernelSpec:
 
     @property
     def static_smem(self) -> int:
-        if self.persistent:                  # per consumer: channel vectors, full and empty barriers
-            return self.wm * (3 * self.bn * 4 + 16 * self.stages)
+        if self.persistent:                  # per consumer: channel vectors, full and empty barriers (+ xfer)
+            return self.wm * (3 * self.bn * 4 + 16 * self.stages) + 16
         return 3 * self.bn * 4 + 16 + (8 * self.stages if self.load_b == "tma" else 8 if self.load_a == "patch" else 0)
 
     def config_type(self) -> str:
@@ -154,12 +155,13 @@ class KernelSpec:
     def name(self) -> str:
         return (f"conv_{self.dtype}_{self.layout}_{self.math}_{self.bm}x{self.bn}x{self.bk}_w{self.wm}x{self.wn}"
                 f"_s{self.stages}_{self.load_a}{self.load_b}_{self.store}{self.vec_o}{'_m' if self.fuse_mask else ''}"
-                f"{'_sk' if self.streamk else ''}")
+                f"{'_sk' if self.streamk else ''}{f'_cs{self.csplit}' if self.csplit > 1 else ''}")
 
     def prelude(self) -> str:
         if self.math not in ("wgmma", "wgmma_ws"):
             return ""
-        return "#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
+        return ("#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
+                + (f"\n#define IGEMM_CSPLIT {self.csplit}" if self.csplit > 1 else ""))
 
 
 #: the store modes of NCHW outputs (a channel-major C tile)
@@ -525,15 +527,22 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             if tiles > sms and bn == 64 and K >= 128 and t128 <= sms:
                 bn, tiles = 128, t128
             persistent = tiles <= sms
+    csplit = 1
     if persistent:
         # one consumer with a deep ring where the tiles are at most one per SM (N=8 3x3 512->512 @7: s8
         # 14.5 us vs two consumers, s4, 15.4; 64x128 tiles take 6 stages: 7 would not fit beside the C
         # tile), else two consumers taking turns over the tiles
         math, splits = "wgmma_ws", 1
         wm, stages = (1, 8 if bn == 64 else 6) if tiles <= sms else (2, 4)
+        if wm == 1 and bn == 64 and 2 * tiles <= sms and kt >= 32:
+            # at most half a wave of tiles with a deep reduction: the cluster k-split (two CTAs a tile, the
+            # partial sums handed over in distributed shared memory; tools/probes/stage_probe.py, H100,
+            # fp16 NHWC, us: N=8 3x3 512->512 @7 12.6 vs 14.9; N=1 256->256 @14 7.3 vs 8.3; with 18 k-tiles,
+            # N=1 128->128 @28, 5.9 vs 5.2: the hand-over is not paid back)
+            csplit, stages = 2, 6
     store, vec_o, fuse = store_for(pb, math, bn, splits)
     spec = KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
-                      fuse, epilogue_functors(pb), splits)
+                      fuse, epilogue_functors(pb), splits, csplit=csplit)
     return dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
 
 
@@ -581,7 +590,8 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
         return out
     # the alternatives derive from the per-tile kernel (the persistent one, when it is the choice, has no
     # tile, stage or split-K variants of its own)
-    tile = base if not base.persistent else dataclasses.replace(base, math="wgmma", wm=base.bm // 64)
+    tile = base if not base.persistent else dataclasses.replace(base, math="wgmma", wm=base.bm // 64, stages=4,
+                                                                 csplit=1)
     def add(smem_store=False, **kw):
         spec = dataclasses.replace(tile, **kw)
         if "splits" not in kw:
@@ -603,6 +613,9 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
         for bn in (64, 128):
             for stages in (3, 4):
                 add(math="wgmma_ws", bm=64, wm=2, bn=bn, stages=stages, splits=1)
+            # one consumer with a deep ring; and the cluster k-split (two CTAs a tile)
+            add(math="wgmma_ws", bm=64, wm=1, bn=bn, stages=8 if bn == 64 else 6, splits=1)
+        add(math="wgmma_ws", bm=64, wm=1, bn=64, stages=6, splits=1, csplit=2)
         if tile.store == "regs":             # stream-K: equal shares of tiles x k-tiles, 1 or 2 CTAs an SM
             for bm, bn, stages, sk in ((64, 128, 4, 1), (64, 128, 4, 2), (128, 128, 4, 1), (64, 64, 4, 2)):
                 add(math="wgmma", bm=bm, wm=bm // 64, bn=bn, stages=stages, splits=1, streamk=sk)
@@ -665,6 +678,8 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     elif spec.persistent and (spec.load_a != "tma" or spec.bm != 64 or spec.wm not in (1, 2) or spec.splits != 1
                               or spec.bn not in (64, 128, 256)):
         why = "the persistent kernel: TMA loads, one or two consumer warpgroups of 64-row tiles, no split-K"
+    elif spec.csplit != 1 and (spec.csplit != 2 or not spec.persistent or spec.wm != 1 or -(-pb.Kred // spec.bk) < 2):
+        why = "the cluster k-split: csplit 2, the persistent kernel with one consumer, at least 2 k-tiles"
     elif spec.load_b == "tma" and (no_tma := tma_unsupported(pb, spec.bm)):
         why = no_tma
     elif (spec.load_a == "patch") != pb.patch:

@@ -33,8 +33,10 @@ _C = {"int32": "int32_t", "uint32": "uint32_t", "int64": "int64_t", "float32": "
 
 
 def render_kernel(*, include: str, entry: str, params: list[ParamSpec], body: str, threads: int,
-                  min_blocks: int | None = None, prelude: str = "") -> str:
-    """The whole generated stub: include, Params struct, kernel signature and a one-line body."""
+                  min_blocks: int | None = None, prelude: str = "", cluster: int = 1) -> str:
+    """The whole generated stub: include, Params struct, kernel signature and a one-line body.
+    ``cluster`` > 1: compile-time cluster dimensions (cluster, 1, 1) -- a plain launch then runs the grid
+    in clusters (its x extent must be a multiple)."""
     fields, sig, init = [], [], []
     tmap_type = ""
     for p in params:
@@ -56,6 +58,8 @@ def render_kernel(*, include: str, entry: str, params: list[ParamSpec], body: st
             sig.append(f"{_C[p.ctype]} {p.name}")
             init.append(p.name)
     bounds = f"__launch_bounds__({threads}{', ' + str(min_blocks) if min_blocks else ''})"
+    if cluster > 1:
+        bounds += f" __cluster_dims__({cluster}, 1, 1)"
     return (f'{prelude}\n#include "{include}"\n'
             f"{tmap_type}namespace {{\nstruct Params {{\n" + "\n".join(fields) + "\n};\n}\n"
             f'extern "C" __global__ void {bounds} {entry}({", ".join(sig)}) {{\n'

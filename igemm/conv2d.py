@@ -47,6 +47,7 @@ _PRECISIONS = ("strict", "tf32")
 def _stub(spec: KernelSpec) -> str:
     return _kernel.render_kernel(include="conv2d_fprop.cuh", entry="igemm_conv2d_fprop", params=CONV_PARAMS,
                                  threads=spec.threads, min_blocks=spec.min_blocks, prelude=spec.prelude(),
+                                 cluster=spec.csplit,
                                  body=f"igemm::conv::fprop<{spec.config_type()}>(p);")
 
 
@@ -156,6 +157,8 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
         # TMA loads are the wgmma kernel's: another mainloop (or one operand overridden) gathers both
         la, lb = cfg.get("load_a", "vec"), cfg.get("load_b", "vec")
         spec = dataclasses.replace(spec, load_a="vec" if la.startswith("tma") else la, load_b="vec" if lb == "tma" else lb)
+    if spec.csplit != 1 and "csplit" not in cfg and (not spec.persistent or spec.wm != 1):
+        spec = dataclasses.replace(spec, csplit=1)  # (the cluster k-split is the one-consumer kernel's)
     if spec.persistent and "math" not in cfg:
         from ._heuristics import validate_spec
         if spec.wm == 1 and "stages" not in cfg:     # the one consumer's ring: as deep as the tile allows
@@ -164,7 +167,7 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
             # the persistent kernel is TMA-only, has 64-row tiles and no split-K or stream-K: gathered
             # loads, other tiles, splits or stream-K asked for run on the per-tile wgmma kernel (with its
             # 4 stages unless asked: a deep ring may not fit its tile)
-            spec = dataclasses.replace(spec, math="wgmma", wm=spec.bm // 64, stages=cfg.get("stages", 4))
+            spec = dataclasses.replace(spec, math="wgmma", wm=spec.bm // 64, stages=cfg.get("stages", 4), csplit=1)
     if "math" in cfg and not cfg["math"].startswith("wgmma") and "bk" not in cfg:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
         if cfg["math"] in ("tensorop", "tf32x3") and "wn" not in cfg:
@@ -275,9 +278,10 @@ class Conv2dPlan:
         residual_dtype: dtype of the ``Add`` residual (default: ``dtype``).
         device: CUDA device index (default 0); ``None`` builds a plan for the numpy backend.
         config: override the kernel choice: a dict of ``KernelSpec`` fields (``{"bn": 256, "splits": 2}``,
-            ``{"math": "wgmma_ws", "bm": 64, "wm": 2}`` for the persistent kernel, ``{"streamk": 1}`` for
-            stream-K with one CTA per SM) or a whole ``KernelSpec``; checked, ``NotImplementedError`` if it
-            cannot run the problem.
+            ``{"math": "wgmma_ws", "bm": 64, "wm": 2}`` for the persistent kernel (``"wm": 1``: one
+            consumer; with ``"csplit": 2`` two CTAs a tile in a cluster), ``{"streamk": 1}`` for stream-K
+            with one CTA per SM) or a whole ``KernelSpec``; checked, ``NotImplementedError`` if it cannot
+            run the problem.
             ``IGEMM_AUTOTUNE=1`` instead times the candidates on first use and remembers the fastest.
         nchw_path: NCHW only: ``"auto"`` (default), ``"native"`` (the NCHW gather) or ``"transpose"`` (x and
             w are transposed to NHWC/KRSC by one extra kernel into plan-owned scratch, then gathered with
@@ -415,7 +419,7 @@ class Conv2dPlan:
                 spec = _override(spec, self.kproblem, cfg)
         if not (x_aligned and w_aligned):
             if spec.persistent:             # TMA-only kernel: the per-tile wgmma kernel gathers instead
-                spec = dataclasses.replace(spec, math="wgmma", wm=1)
+                spec = dataclasses.replace(spec, math="wgmma", wm=1, stages=min(spec.stages, 4), csplit=1)
             spec = dataclasses.replace(spec, streamk=0)     # (stream-K too: TMA loads only)
             la, lb = (("vec" if self.kproblem.layout == "NHWC" else "elem"), "vec") if spec.load_b == "tma" \
                 else (spec.load_a, spec.load_b)
@@ -436,7 +440,7 @@ class Conv2dPlan:
             tiles = -(-self.problem.M // spec.bm) * -(-self.problem.K // spec.bn)
             grid = (tiles, 1, spec.splits)      # tile blockIdx.x, n-fastest (csrc/conv2d_common.cuh, tile_coord)
             if spec.persistent:                 # one CTA per SM at most, looping over the tiles
-                grid = (min(tiles, self.sms), 1, 1)
+                grid = (spec.csplit * min(tiles, self.sms // spec.csplit), 1, 1)   # (csplit: CTA pairs a tile)
             kt = -(-self.kproblem.Kred // spec.bk)  # the kernel's reduction (padded or unfolded copies: longer)
             ws = None
             if spec.streamk:                    # equal shares of tiles x k-tiles (csrc/conv2d_sm90.cuh, fprop_streamk)

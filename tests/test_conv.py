@@ -8,7 +8,7 @@ import pytest
 import igemm
 from igemm import _build, reference
 from igemm._heuristics import ConvProblem, choose_config, validate_spec
-from igemm.conv2d import Conv2dPlan, _stub
+from igemm.conv2d import Conv2dPlan, _override, _stub
 
 from helpers import TOL, poison, rel_err, to_numpy, to_torch
 
@@ -185,11 +185,19 @@ def test_choose_config_rules(monkeypatch):
         ws = choose_config(_pb(**kw))                   # few tiles, deep reduction: the persistent kernel
         assert (ws.math, ws.splits, ws.persistent) == ("wgmma_ws", 1, True) and validate_spec(ws, _pb(**kw))
     # at most one 64-row tile per SM (with 64 columns, else 128): one consumer and a deep ring
-    for kw, want in ((dict(N=8, H=7, W=7, C=512, K=512), (64, 8)), (dict(N=8, H=14, W=14, C=256, K=256), (64, 8)),
-                     (dict(N=8, H=28, W=28, C=128, K=128), (128, 6)), (dict(N=32, H=7, W=7, C=512, K=512), (128, 6))):
+    # (and at most half a wave with >= 32 k-tiles: two CTAs a tile, the cluster k-split)
+    for kw, want in ((dict(N=8, H=7, W=7, C=512, K=512), (64, 6, 2)), (dict(N=8, H=14, W=14, C=256, K=256), (64, 8, 1)),
+                     (dict(N=8, H=28, W=28, C=128, K=128), (128, 6, 1)), (dict(N=32, H=7, W=7, C=512, K=512), (128, 6, 1)),
+                     (dict(N=1, H=14, W=14, C=256, K=256), (64, 6, 2)), (dict(N=1, H=28, W=28, C=128, K=128), (64, 8, 1))):
         ws = choose_config(_pb(**kw))
-        assert (ws.math, ws.wm, ws.bn, ws.stages) == ("wgmma_ws", 1, *want), (kw, ws.name())
+        assert (ws.math, ws.wm, ws.bn, ws.stages, ws.csplit) == ("wgmma_ws", 1, *want), (kw, ws.name())
         assert validate_spec(ws, _pb(**kw)) and ws.smem + ws.static_smem <= 227 * 1024
+        assert ("__cluster_dims__(2, 1, 1)" in _stub(ws)) == ws.name().endswith("_cs2") == (ws.csplit == 2)
+    cs = choose_config(_pb(N=8, H=7, W=7, C=512, K=512))
+    for cfg in ({"wm": 2}, {"math": "wgmma"}, {"splits": 3}):    # overrides the cluster k-split cannot run drop it
+        sp = _override(cs, _pb(N=8, H=7, W=7, C=512, K=512), cfg)
+        assert sp.csplit == 1 and validate_spec(sp, _pb(N=8, H=7, W=7, C=512, K=512)), (cfg, sp.name())
+    assert not validate_spec(dataclasses.replace(cs, csplit=3), _pb(N=8, H=7, W=7, C=512, K=512), raise_=False)
     assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512, R=1, S=1)).math == "wgmma"   # no taps: per-tile
     assert choose_config(_pb(N=32, H=28, W=28, C=128, K=128)).math == "wgmma"    # enough tiles
     # config overrides the persistent kernel cannot run fall back to the per-tile kernel
@@ -625,6 +633,12 @@ COMPILE_CASES = [
     ("fp16 NHWC 1x1 64->256 BN+Add+ReLU", _pb(K=256, R=1, S=1, padding=(0, 0),
                                                epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
                                                residual_dtype="float16")),
+    # the persistent kernel: one consumer with a deep ring (N=8 3x3 256 @14), the cluster k-split (N=8 @7)
+    ("fp16 NHWC persistent one consumer", _pb(N=8, C=256, K=256, H=14, W=14,
+                                              epilogue=(("BatchNorm",), ("ReLU", True)))),
+    ("fp16 NHWC cluster k-split BN+Add+ReLU", _pb(N=8, C=512, K=512, H=7, W=7,
+                                                  epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
+                                                  residual_dtype="float16")),
 ]
 
 
@@ -650,7 +664,8 @@ def test_persistent_and_tma8_kernels_compile(tmp_path, monkeypatch):
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     pb = _pb(K=256, epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)), residual_dtype="float16")
     ws = [c for c in candidates(pb) if c.persistent]
-    assert ws and all(validate_spec(c, pb) and c.threads == 288 and c.splits == 1 for c in ws)
+    assert ws and all(validate_spec(c, pb) and c.threads == 128 * c.wm + 32 and c.splits == 1 for c in ws)
+    assert {(c.wm, c.csplit) for c in ws} == {(2, 1), (1, 1), (1, 2)}    # two consumers, one, the cluster k-split
     c8pb = _pb(C=8, R=7, S=7, stride=(2, 2), padding=(3, 3), epilogue=(("ReLU", True),))
     t8 = [c for c in candidates(c8pb) if c.load_a == "tma8"]          # and the 8-tap TMA candidate
     from igemm._heuristics import kernel_setup                          # and the patch kernel (conv1 + BN+ReLU+mask)
@@ -660,7 +675,7 @@ def test_persistent_and_tma8_kernels_compile(tmp_path, monkeypatch):
     sk = [c for c in candidates(_pb(C=256, H=7, W=7, K=256, epilogue=(("BatchNorm",), ("ReLU", True))))
           if c.streamk]                                                   # and stream-K
     assert sk and all(c.store == "regs" and c.splits == 1 for c in sk)
-    for spec in (ws[-1], t8[0], patch, sk[0]):
+    for spec in (ws[0], ws[-1], t8[0], patch, sk[0]):
         cubin, _ = _build.compile_cubin(_stub(spec), "sm_90a", name=spec.name())
         assert cubin[:4] == b"\x7fELF"
     for log in tmp_path.glob("*.log"):
@@ -983,6 +998,58 @@ def test_gpu_persistent_kernel(dtype, layout, sms, wm, rng, monkeypatch):
                 outs[kind] = (y, yf, mf)
             for a, b in zip(outs["ws"], outs["tile"]):
                 assert torch.equal(a, b), f"persistent and per-tile kernels differ: {layout} {xs} {ws} {cfg} sms={sms}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sms", [None, 4], ids=["all-SMs", "2-clusters"])
+def test_gpu_cluster_ksplit(dtype, layout, sms, rng, monkeypatch):
+    """The cluster k-split (two CTAs a tile, each over half the k-tiles; rank 1's fp32 partial sums handed
+    to rank 0 in distributed shared memory) against the float64 reference, plain and with BN+Add+ReLU(mask),
+    outputs poisoned, reruns bitwise equal (the hand-over adds in a fixed order). Odd k-tile counts (rank 0
+    runs one more), a K tail, 128 columns, stride and dilation. With 2 clusters every pair loops over many
+    tiles: the hand-over's two barriers turn over many times."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from igemm import epilogues as ep
+    from igemm import _runtime
+    if sms is not None:     # the plan sizes the persistent grid from the SM count
+        monkeypatch.setattr(_runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
+    cases = [((2, 512, 7, 7), (136, 512, 3, 3), 1, 1, 1, {"bn": 64, "stages": 6}),      # 72 k-tiles, K tail
+             ((3, 192, 9, 10), (64, 192, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4}),      # 27 k-tiles
+             ((2, 128, 8, 8), (200, 128, 3, 3), 2, 1, 1, {"bn": 128, "stages": 6}),    # stride 2, 128 columns
+             ((1, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, {"bn": 64, "stages": 8})]      # dilation 2, 9 k-tiles
+    cax = 1 if layout == "NCHW" else -1
+    for xs, ws, st, pd, dl, cfg in cases:
+        K = ws[0]
+        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        chain = ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))
+        c = {"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1, "csplit": 2, **cfg}
+        nchw = "transpose" if layout == "NCHW" else "auto"
+        xsl, wsl = to_layout_shape(xs, layout), to_layout_shape(ws, layout)
+        plain, fused = (Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, config=c, epilogue=e, nchw_path=nchw)
+                        for e in (None, chain))
+        assert plain.spec().csplit == 2 and fused.spec().csplit == 2, plain.spec().name()
+        sc = to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)
+        shape = [1, 1, 1, 1]
+        shape[cax] = K
+        sc, sh = sc.reshape(shape), (to_numpy(b_) - to_numpy(m_) * sc).reshape(shape)
+        x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+        x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), (st, st), (pd, pd), (dl, dl), layout)
+        res = to_torch(rng.standard_normal(ref.shape), dtype)
+        ref_f = np.maximum(ref * sc + sh + to_numpy(res), 0)
+        name = f"{layout} {xs} {ws} {cfg} sms={sms}: {plain.spec().name()}"
+        y = plain(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+        assert rel_err(to_numpy(y), ref) <= TOL[dtype], name
+        yf, mf = fused(x, w, residual=res, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")),
+                       mask_out=torch.full(((ref.size + 31) // 32,), -1, dtype=torch.int32, device="cuda"))
+        assert rel_err(to_numpy(yf), ref_f) <= TOL[dtype], f"fused {name}"
+        assert torch.equal(mf, igemm.relu_mask(yf)), f"{name}: mask differs from y > 0"
+        for _ in range(2):
+            assert torch.equal(plain(x, w), y), f"{name}: rerun differs"
+            assert torch.equal(fused(x, w, residual=res)[0], yf), f"fused {name}: rerun differs"
 
 
 @pytest.mark.gpu

@@ -24,14 +24,13 @@ def _ws(bn, s, wm=1):
 
 # (session 13, first run: per-tile stages 4-12 x splits 1-4 and the two-consumer persistent s5 on these
 # layers; notes/perf.md) now: the one-consumer persistent kernel (WM = 1) against the chosen
-N8 = [{}, _ws(64, 4, 2), _ws(64, 5, 2)] + [_ws(64, s) for s in (4, 6, 8, 12)] + [_ws(128, s) for s in (4, 6)]
-N32 = [{}] + [_pt(64, 128, s, 1) for s in (4, 8)] + [_ws(128, s) for s in (4, 6)] + [_ws(64, s) for s in (4, 8)]
-N1 = [{}, _ws(64, 4, 2)] + [_ws(64, s) for s in (4, 8, 12)]
-LAYERS = [("3x3 512->512 @7", 512, 512, 7, 8, N8), ("3x3 512->512 @7", 512, 512, 7, 32, N32),
-          ("3x3 256->256 @14", 256, 256, 14, 8, N8), ("3x3 256->256 @14", 256, 256, 14, 32, N32),
-          ("3x3 128->128 @28", 128, 128, 28, 32, N32), ("3x3 128->128 @28", 128, 128, 28, 8, N8),
-          ("3x3 128->128 @28", 128, 128, 28, 1, N1), ("3x3 256->256 @14", 256, 256, 14, 1, N1),
-          ("3x3 64->64 @56", 64, 64, 56, 8, N8), ("3x3 64->64 @56", 64, 64, 56, 1, N1)]
+# (second run: the one-consumer persistent kernel WM=1, s4-s12, against the chosen; notes/perf.md) now: the
+# cluster k-split (csplit 2: two CTAs a tile, half the k-tiles each, partials handed over in DSMEM)
+CS = [{}] + [dict(_ws(64, s), csplit=2) for s in (4, 6, 8)] + [dict(_ws(128, 6), csplit=2)]
+LAYERS = [("3x3 512->512 @7", 512, 512, 7, 8, CS), ("3x3 512->512 @7", 512, 512, 7, 1, CS),
+          ("3x3 256->256 @14", 256, 256, 14, 1, CS), ("3x3 128->128 @28", 128, 128, 28, 1, CS),
+          ("3x3 256->256 @14", 256, 256, 14, 8, CS), ("3x3 64->64 @56", 64, 64, 56, 1, CS),
+          ("3x3 512->512 @7", 512, 512, 7, 32, CS)]
 
 
 def specs(arch="sm_90a"):

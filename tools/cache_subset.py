@@ -47,6 +47,12 @@ def main() -> int:
     test_syncbn._warm_kernels(arch, sms)
     for stub, name in test_fuzz.fuzz_stubs().items():
         seen.append((name, stub))
+    for b in (8, 1):                    # bench_conv --batch 8 / --batch 1
+        M.precompile(argparse.Namespace(epilogues=False, configs="float16:NHWC:strict,float16:NCHW:strict",
+                                        jobs=1, arch=arch, batch=b))
+    sys.path.insert(0, str(ROOT / "tools"))
+    import precompile_tests            # the GPU tests' non-default conv kernels
+    seen.extend(precompile_tests.test_stubs().values())
     from igemm import compare
     try:
         compare.main(["--precompile", "--arch", arch])

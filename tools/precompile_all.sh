@@ -14,6 +14,10 @@ step "conv (bench/test configs) + epilogues" python3 -m igemm precompile --epilo
 step "index_add + prelu" python3 -c "import importlib,sys;[importlib.import_module(m).precompile('$ARCH',$JOBS) for m in ('igemm.index_add','igemm.prelu')]"
 step "norm" python3 -c "import igemm.norm as n; n.precompile('$ARCH', jobs=$JOBS)"
 step "syncbn (2-GPU test)" python3 tests/test_syncbn.py precompile "$ARCH" "$SMS"
+step "conv, batch 8 and 1 (bench_conv --batch)" bash -c "python3 -m igemm precompile --batch 8 --configs \
+  float16:NHWC:strict,float16:NCHW:strict --arch $ARCH --jobs $JOBS && python3 -m igemm precompile --batch 1 \
+  --configs float16:NHWC:strict,float16:NCHW:strict --arch $ARCH --jobs $JOBS"
+step "the GPU tests' non-default conv kernels" python3 tools/precompile_tests.py "$ARCH"
 step "compare" python3 -m igemm compare --precompile --arch "$ARCH"
 step "fuzz" python3 tests/test_fuzz.py precompile "$ARCH"
 echo "cache: $(ls "$IGEMM_CACHE_DIR" | grep -c cubin) cubins, $(du -sh "$IGEMM_CACHE_DIR" | cut -f1)"

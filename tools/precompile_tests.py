@@ -1,5 +1,7 @@
 """Compile the kernels of the GPU tests whose configs are not a default (so not in the precompile sets):
-the persistent kernel, cluster k-split and register-epilogue cases of tests/test_conv.py. Dev machine.
+the persistent kernel, cluster k-split and small-batch cases of tests/test_conv.py (262 kernels that
+otherwise compile on the GPU machine: session 13's first run of the conv tier ran out of its 600 s).
+Dev machine; tools/precompile_all.sh runs it and tools/cache_subset.py carries its kernels.
 
     python tools/precompile_tests.py [arch=sm_90a]
 """
@@ -11,7 +13,6 @@ sys.path.insert(0, ".")
 from igemm import _build, epilogues as ep  # noqa: E402
 from igemm.conv2d import Conv2dPlan, _stub  # noqa: E402
 
-arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90a"
 PERS = {"math": "wgmma_ws", "bm": 64, "splits": 1}
 V = [np.random.rand(256 * 4) + 0.5 for _ in range(4)]
 
@@ -28,38 +29,45 @@ def shape(s, layout):
     return (s[0], s[2], s[3], s[1]) if layout == "NHWC" else s
 
 
-cases = []   # (xs NCHW, ws KCRS, stride, pad, dil, config, nchw_path)
-for xs, ws, st, pd, dl, cfg in [((2, 64, 9, 11), (40, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 3}),
-                                ((3, 128, 13, 7), (72, 128, 3, 3), 2, 1, 1, {"bn": 128, "stages": 3}),
-                                ((4, 64, 14, 14), (256, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4}),
-                                ((2, 192, 8, 8), (130, 192, 1, 1), 1, 0, 1, {"bn": 128, "stages": 3}),
-                                ((2, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, {"bn": 64, "stages": 4}),
-                                ((2, 256, 7, 7), (136, 256, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4})]:
-    for wm in (1, 2):
-        c = {**PERS, "wm": wm, **cfg}
-        if wm == 1:
-            c["stages"] = 8 if cfg["bn"] == 64 else 6
-        cases += [(xs, ws, st, pd, dl, c), (xs, ws, st, pd, dl, {"math": "wgmma", "bm": 64, "wm": 1,
-                                                                  "bn": cfg["bn"], "splits": 1})]
-for xs, ws, st, pd, dl, cfg in [((2, 512, 7, 7), (136, 512, 3, 3), 1, 1, 1, {"bn": 64, "stages": 6}),
-                                ((3, 192, 9, 10), (64, 192, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4}),
-                                ((2, 128, 8, 8), (200, 128, 3, 3), 2, 1, 1, {"bn": 128, "stages": 6}),
-                                ((1, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, {"bn": 64, "stages": 8})]:
-    cases.append((xs, ws, st, pd, dl, {**PERS, "wm": 1, "csplit": 2, **cfg}))
-for n, c, h in ((1, 256, 14), (8, 512, 7), (1, 512, 7), (1, 128, 28), (8, 256, 14), (8, 128, 28), (32, 512, 7)):
-    cases.append(((n, c, h, h), (c, c, 3, 3), 1, 1, 1, None))
-specs = {}
-for xs, ws, st, pd, dl, cfg in cases:
-    for dtype in ("float16", "bfloat16"):
-        for layout in ("NCHW", "NHWC"):
-            for ch in chains(ws[0]):
-                try:
-                    plan = Conv2dPlan(shape(xs, layout), shape(ws, layout), dtype, layout, st, pd, dl, config=cfg,
-                                      epilogue=ch, nchw_path="transpose" if layout == "NCHW" else "auto",
-                                      device=None)
-                    s = plan.spec()
-                except Exception as e:  # noqa: BLE001
-                    print("skip", xs, ws, cfg, layout, dtype, e)
-                    continue
-                specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
-print(_build.compile_many(specs.values(), arch, None), "kernels")
+def test_stubs() -> dict:
+    """{key: (kernel name, stub)} of the cases below, every dtype, layout and chain."""
+    cases = []   # (xs NCHW, ws KCRS, stride, pad, dil, config)
+    for xs, ws, st, pd, dl, cfg in [((2, 64, 9, 11), (40, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 3}),
+                                    ((3, 128, 13, 7), (72, 128, 3, 3), 2, 1, 1, {"bn": 128, "stages": 3}),
+                                    ((4, 64, 14, 14), (256, 64, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4}),
+                                    ((2, 192, 8, 8), (130, 192, 1, 1), 1, 0, 1, {"bn": 128, "stages": 3}),
+                                    ((2, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, {"bn": 64, "stages": 4}),
+                                    ((2, 256, 7, 7), (136, 256, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4})]:
+        for wm in (1, 2):
+            c = {**PERS, "wm": wm, **cfg}
+            if wm == 1:
+                c["stages"] = 8 if cfg["bn"] == 64 else 6
+            cases += [(xs, ws, st, pd, dl, c), (xs, ws, st, pd, dl, {"math": "wgmma", "bm": 64, "wm": 1,
+                                                                      "bn": cfg["bn"], "splits": 1})]
+    for xs, ws, st, pd, dl, cfg in [((2, 512, 7, 7), (136, 512, 3, 3), 1, 1, 1, {"bn": 64, "stages": 6}),
+                                    ((3, 192, 9, 10), (64, 192, 3, 3), 1, 1, 1, {"bn": 64, "stages": 4}),
+                                    ((2, 128, 8, 8), (200, 128, 3, 3), 2, 1, 1, {"bn": 128, "stages": 6}),
+                                    ((1, 64, 12, 12), (64, 64, 3, 3), 1, 2, 2, {"bn": 64, "stages": 8})]:
+        cases.append((xs, ws, st, pd, dl, {**PERS, "wm": 1, "csplit": 2, **cfg}))
+    for n, c, h in ((1, 256, 14), (8, 512, 7), (1, 512, 7), (1, 128, 28), (8, 256, 14), (8, 128, 28), (32, 512, 7)):
+        cases.append(((n, c, h, h), (c, c, 3, 3), 1, 1, 1, None))
+    specs = {}
+    for xs, ws, st, pd, dl, cfg in cases:
+        for dtype in ("float16", "bfloat16"):
+            for layout in ("NCHW", "NHWC"):
+                for ch in chains(ws[0]):
+                    try:
+                        plan = Conv2dPlan(shape(xs, layout), shape(ws, layout), dtype, layout, st, pd, dl, config=cfg,
+                                          epilogue=ch, nchw_path="transpose" if layout == "NCHW" else "auto",
+                                          device=None)
+                        s = plan.spec()
+                    except Exception as e:  # noqa: BLE001
+                        print("skip", xs, ws, cfg, layout, dtype, e)
+                        continue
+                    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
+    return specs
+
+
+if __name__ == "__main__":
+    arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90a"
+    print(_build.compile_many(test_stubs().values(), arch, None), "kernels")

@@ -186,9 +186,12 @@ def test_choose_config_rules(monkeypatch):
         assert (ws.math, ws.splits, ws.persistent) == ("wgmma_ws", 1, True) and validate_spec(ws, _pb(**kw))
     # at most one 64-row tile per SM (with 64 columns, else 128): one consumer and a deep ring
     # (and at most half a wave with >= 32 k-tiles: two CTAs a tile, the cluster k-split)
-    for kw, want in ((dict(N=8, H=7, W=7, C=512, K=512), (64, 6, 2)), (dict(N=8, H=14, W=14, C=256, K=256), (64, 8, 1)),
-                     (dict(N=8, H=28, W=28, C=128, K=128), (128, 6, 1)), (dict(N=32, H=7, W=7, C=512, K=512), (128, 6, 1)),
-                     (dict(N=1, H=14, W=14, C=256, K=256), (64, 6, 2)), (dict(N=1, H=28, W=28, C=128, K=128), (64, 8, 1))):
+    for kw, want in ((dict(N=8, H=7, W=7, C=512, K=512), (64, 6, 2)),
+                     (dict(N=8, H=14, W=14, C=256, K=256), (64, 8, 1)),
+                     (dict(N=8, H=28, W=28, C=128, K=128), (128, 6, 1)),
+                     (dict(N=32, H=7, W=7, C=512, K=512), (128, 6, 1)),
+                     (dict(N=1, H=14, W=14, C=256, K=256), (64, 6, 2)),
+                     (dict(N=1, H=28, W=28, C=128, K=128), (64, 8, 1))):
         ws = choose_config(_pb(**kw))
         assert (ws.math, ws.wm, ws.bn, ws.stages, ws.csplit) == ("wgmma_ws", 1, *want), (kw, ws.name())
         assert validate_spec(ws, _pb(**kw)) and ws.smem + ws.static_smem <= 227 * 1024

@@ -431,6 +431,12 @@ def _strict_math() -> str:
     return v
 
 
+def one_consumer_stages(bn: int) -> int:
+    """The one-consumer persistent kernel's ring: as deep as fits beside its C tile (64x64 tiles: 8 stages,
+    64x128: 6, 64x256: 3)."""
+    return {64: 8, 128: 6}.get(bn, 3)
+
+
 def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = True, w_aligned: bool = True,
                   sms: int = 132) -> KernelSpec:
     """Pick the kernel for a problem. ``x_aligned``/``w_aligned``: base pointers 16-byte aligned."""
@@ -533,7 +539,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # 14.5 us vs two consumers, s4, 15.4; 64x128 tiles take 6 stages: 7 would not fit beside the C
         # tile), else two consumers taking turns over the tiles
         math, splits = "wgmma_ws", 1
-        wm, stages = (1, 8 if bn == 64 else 6) if tiles <= sms else (2, 4)
+        wm, stages = (1, one_consumer_stages(bn)) if tiles <= sms else (2, 4)
         if wm == 1 and bn == 64 and 2 * tiles <= sms and kt >= 32:
             # at most half a wave of tiles with a deep reduction: the cluster k-split (two CTAs a tile, the
             # partial sums handed over in distributed shared memory; tools/probes/stage_probe.py, H100,
@@ -614,7 +620,7 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             for stages in (3, 4):
                 add(math="wgmma_ws", bm=64, wm=2, bn=bn, stages=stages, splits=1)
             # one consumer with a deep ring; and the cluster k-split (two CTAs a tile)
-            add(math="wgmma_ws", bm=64, wm=1, bn=bn, stages=8 if bn == 64 else 6, splits=1)
+            add(math="wgmma_ws", bm=64, wm=1, bn=bn, stages=one_consumer_stages(bn), splits=1)
         add(math="wgmma_ws", bm=64, wm=1, bn=64, stages=6, splits=1, csplit=2)
         if tile.store == "regs":             # stream-K: equal shares of tiles x k-tiles, 1 or 2 CTAs an SM
             for bm, bn, stages, sk in ((64, 128, 4, 1), (64, 128, 4, 2), (128, 128, 4, 1), (64, 64, 4, 2)):

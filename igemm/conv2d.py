@@ -160,9 +160,9 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
     if spec.csplit != 1 and "csplit" not in cfg and (not spec.persistent or spec.wm != 1):
         spec = dataclasses.replace(spec, csplit=1)  # (the cluster k-split is the one-consumer kernel's)
     if spec.persistent and "math" not in cfg:
-        from ._heuristics import validate_spec
+        from ._heuristics import one_consumer_stages, validate_spec
         if spec.wm == 1 and "stages" not in cfg:     # the one consumer's ring: as deep as the tile allows
-            spec = dataclasses.replace(spec, stages={64: 8, 128: 6}.get(spec.bn, 3))
+            spec = dataclasses.replace(spec, stages=one_consumer_stages(spec.bn))
         if spec.load_a != "tma" or spec.splits != 1 or spec.streamk or not validate_spec(spec, pb, raise_=False):
             # the persistent kernel is TMA-only, has 64-row tiles and no split-K or stream-K: gathered
             # loads, other tiles, splits or stream-K asked for run on the per-tile wgmma kernel (with its

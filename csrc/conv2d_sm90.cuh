@@ -239,6 +239,57 @@ IGEMM_DEVICE epi::Ctx regs_epilogue_start(const P& p, float (*s_vec)[Cfg::BN], i
 // warpgroup g owns rows g·64 + w·16 + lane / 4 (wgmma's accumulator layout).
 IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2); }
 
+// The register epilogue's residual element pairs at the accumulator fragment's positions (zero outside
+// the problem), as raw bits: a 16-bit pair is one 32-bit load, converted by two HADD2.F32 (element-wise Vec
+// loads cost four PRMTs a pair, ptxas 13.0). G column blocks of 8 at a time: the whole tile (G = BN / 8)
+// where BN <= 128, else groups of four (one mask word). Thread tid holds rows r0 and r0 + 8 (ra, rb).
+template <class Cfg>
+struct ResidualPairs {
+  using Epi = typename Cfg::Epi;
+  using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, typename Cfg::ElementOut>;
+  static constexpr int NB = Cfg::BN / 8;
+  static constexpr int G = Epi::kResidual && NB <= 16 ? NB : 4;    // column blocks per group
+  static constexpr bool kWholeTile = Epi::kResidual && G == NB;
+  static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4 (one mask word)");
+  using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
+  RawPair ra[G], rb[G];
+
+  template <class P>
+  IGEMM_DEVICE void load(const P& p, int m0, int n0, int tid, int j0) {
+    if constexpr (Epi::kResidual) {
+      const int lane = tid & 31, r0 = fragment_row0(tid), c0 = j0 * 8 + 2 * (lane & 3);
+      const RT* b0 = static_cast<const RT*>(p.residual) + int64_t(m0 + r0) * p.K + n0 + c0;   // row r0, pair 0
+      const RT* b1 = b0 + int64_t(8) * p.K;
+      const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
+      const int cols = p.K - n0 - c0;            // the columns from the first pair's on
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const bool okc = g * 8 < cols;
+        ra[g] = rb[g] = RawPair{};
+        if (ok0 && okc) ra[g] = *reinterpret_cast<const RawPair*>(b0 + g * 8);
+        if (ok1 && okc) rb[g] = *reinterpret_cast<const RawPair*>(b1 + g * 8);
+      }
+    }
+  }
+};
+
+// Whether the mainloop loads the whole tile's residual pairs into registers a few k-tiles before its end
+// (kStoreRegs, BN <= 128): their L2 round trip then overlaps the last k-tiles' MMAs instead of following
+// them. A grid of one wave (3x3 128->128 @28, N=32: 196 tiles) has every CTA in its epilogue at once, so
+// after the mainloop the whole residual (6.4 MB) crossed from L2 in one burst: conv+BN+Add+ReLU(mask)
+// cost 3.5 us more than conv+BN+ReLU(mask) there (ncu, notes/perf.md session 14).
+template <class Cfg>
+constexpr bool kResidualPreload =
+#if defined(IGEMM_NO_EPI_PROLOGUE)
+    false;
+#else
+    Cfg::StoreMode == kStoreRegs && ResidualPairs<Cfg>::kWholeTile;
+#endif
+
+// The k-tile (of KT, counted from the range's start) at whose start the residual pairs are loaded: an
+// eighth of the range before its end, at least two k-tiles (at the start when KT <= 2).
+IGEMM_DEVICE int residual_preload_at(int KT) { return KT - min(KT, max(2, KT / 8)); }
+
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
@@ -249,44 +300,29 @@ IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) &
 // C tile: half the shared-memory bytes, and no index math, chain or mask work per vector in the store loop.
 // NT threads (tid = 0..NT-1, 64 rows a warpgroup) synchronised by `sync`: the CTA, or one consumer
 // warpgroup of the persistent kernel; ct: the tile's C buffer; s_vec: its channel vectors.
+// pre: the residual pairs, loaded by the mainloop (kResidualPreload) or nullptr (loaded here).
 template <class Cfg, int NT, class P, class Sync>
 IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float (*s_vec)[Cfg::BN], int tid,
-                                   int m0, int n0, Sync sync) {
+                                   int m0, int n0, Sync sync, const ResidualPairs<Cfg>* pre = nullptr) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
   static_assert(NT % CPR == 0, "whole rows per store pass");
   const int lane = tid & 31, r0 = fragment_row0(tid);
-  using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
-  const RT* resp = static_cast<const RT*>(p.residual);
   const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
-  const int64_t row0 = int64_t(m0 + r0) * p.K + n0, row1 = row0 + int64_t(8) * p.K;
+  const int64_t row0 = int64_t(m0 + r0) * p.K + n0;
   // the rows' mask words (FuseMask: K % 32 == 0, n0 % 32 == 0), one per 32 columns
   uint32_t* mrow0 = Cfg::FuseMask ? static_cast<uint32_t*>(const_cast<void*>(p.mask)) + (row0 >> 5) : nullptr;
   uint32_t* mrow1 = Cfg::FuseMask ? mrow0 + (p.K >> 2) : nullptr;
-  // The residual pairs (zero outside the problem) are loaded G column blocks at a time, as raw bits: a
-  // 16-bit pair is one 32-bit load, converted by two HADD2.F32 (element-wise Vec loads cost four PRMTs a
-  // pair, ptxas 13.0). With BN <= 128 the whole tile's pairs (2 x BN/8 registers) are loaded at once, before
-  // the channel vectors' barrier: one round trip to L2 per tile. In groups of four, the mask stores between
-  // groups kept each group's loads behind the previous group's work: four round trips after the mainloop.
-  constexpr int NB = BN / 8;
-  constexpr int G = Epi::kResidual && NB <= 16 ? NB : 4;   // column blocks per group
-  static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4 (one mask word)");
-  using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
-  RawPair ra[G], rb[G];
-  auto load_residual = [&](int j0) {
-    if constexpr (Epi::kResidual) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const int c = (j0 + g) * 8 + 2 * (lane & 3);
-        const bool okc = n0 + c < p.K;
-        ra[g] = rb[g] = RawPair{};
-        if (ok0 && okc) ra[g] = *reinterpret_cast<const RawPair*>(resp + row0 + c);
-        if (ok1 && okc) rb[g] = *reinterpret_cast<const RawPair*>(resp + row1 + c);
-      }
-    }
-  };
-  load_residual(0);
+  // The residual pairs: with BN <= 128 the whole tile's (2 x BN/8 registers) at once -- by the mainloop
+  // (pre), else here, before the channel vectors' barrier: one round trip to L2 per tile. In groups of
+  // four, the mask stores between groups kept each group's loads behind the previous group's work: four
+  // round trips after the mainloop.
+  using RP = ResidualPairs<Cfg>;
+  constexpr int NB = RP::NB, G = RP::G;
+  RP rp;
+  if (pre) rp = *pre;
+  else rp.load(p, m0, n0, tid, 0);
   const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
   TO* ct = reinterpret_cast<TO*>(smem);
   uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
@@ -294,7 +330,7 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   constexpr int WORDS = BN / 32;        // mask words a tile row
 #pragma unroll
   for (int j0 = 0; j0 < NB; j0 += G) {
-    if (j0 > 0) load_residual(j0);
+    if (j0 > 0) rp.load(p, m0, n0, tid, j0);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const int j = j0 + g;
@@ -303,8 +339,8 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
       const int ch[4] = {c, c + 1, c, c + 1};
       float res[4] = {0.f, 0.f, 0.f, 0.f};
       if constexpr (Epi::kResidual) {
-        unpack_pair<RT>(ra[g], res[0], res[1]);
-        unpack_pair<RT>(rb[g], res[2], res[3]);
+        unpack_pair<typename RP::RT>(rp.ra[g], res[0], res[1]);
+        unpack_pair<typename RP::RT>(rp.rb[g], res[2], res[3]);
       }
       Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
       const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);
@@ -695,10 +731,16 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   const uint32_t sA_u = smem_u32(sA) + (threadIdx.x / 128) * 64 * 128, sB_u = smem_u32(sB);
   const uint32_t sA8 = smem_u32(sA) + (threadIdx.x / 128) * 64 * 16;   // kLoadTmaC8: rows of a region are 16 B
+  // the tile's residual pairs, loaded near the mainloop's end (kResidualPreload; the per-tile epilogue only)
+  constexpr bool kPre = kResidualPreload<Cfg> && std::is_same_v<Fin, FinishTile>;
+  ResidualPairs<Cfg> pre;
+  const int pre_at = residual_preload_at(KT);
   // Iteration i: wait for stage i's bytes → issue its wgmma group → wait until only that group is in
   // flight → barrier (stage i-1 is free in every warpgroup) → thread 0 refills it with k-tile i+S-1.
   for (int it = 0; it < KT; ++it) {
     const int buf = (it0 + it) % S;
+    if constexpr (kPre)
+      if (it == pre_at) pre.load(p, m0, n0, threadIdx.x, 0);
     mbar_wait(&full[buf], ((it0 + it) / S) & 1);
     if constexpr (Cfg::LoadA == kLoadTmaC8)   // A: 8 regions of BM 16-byte rows; this warpgroup's rows
       wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * STAGE, Cfg::BM * 16, 128),
@@ -728,7 +770,13 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                        // every stage read: the C tile may overwrite them
-  fin.template run<Cfg>(p, acc, smem, m0, n0);
+  if constexpr (kPre) {
+    if (m0 >= p.M) return;                // (as in epilogue_regs)
+    epilogue_regs_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
+                                         CtaSync{}, &pre);
+  } else {
+    fin.template run<Cfg>(p, acc, smem, m0, n0);
+  }
 }
 
 // ------------------------------------------------------------ stream-K (IGEMM_STREAMK; the TMA kernel)
@@ -951,8 +999,12 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
 #pragma unroll
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
     int prev = -1;
+    ResidualPairs<Cfg> pre;                         // (kResidualPreload: rank 0 stores the tile)
+    const int pre_at = kb + residual_preload_at(ke - kb);
     for (int kt = kb; kt < ke; ++kt, ++k) {
       const int slot = k % S;
+      if constexpr (kResidualPreload<Cfg>)
+        if (rank == 0 && kt == pre_at) pre.load(p, m0, n0, tid, 0);
       mbar_wait(&full[wg][slot], (k / S) & 1);
       wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + slot * A_STAGE), desc_sw128(sB_u + slot * B_STAGE), acc);
       cute::warpgroup_wait<1>();
@@ -998,7 +1050,8 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       sync();                                       // every thread has read its partial: the epilogue may reuse Cs
     }
     if constexpr (Cfg::StoreMode == kStoreRegs) {
-      epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
+      epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync,
+                                 kResidualPreload<Cfg> ? &pre : nullptr);
     } else if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
       epilogue_regs_nchw_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
     } else {

@@ -273,11 +273,12 @@ struct ResidualPairs {
   }
 };
 
-// Whether the mainloop loads the whole tile's residual pairs into registers a few k-tiles before its end
-// (kStoreRegs, BN <= 128): their L2 round trip then overlaps the last k-tiles' MMAs instead of following
-// them. A grid of one wave (3x3 128->128 @28, N=32: 196 tiles) has every CTA in its epilogue at once, so
-// after the mainloop the whole residual (6.4 MB) crossed from L2 in one burst: conv+BN+Add+ReLU(mask)
-// cost 3.5 us more than conv+BN+ReLU(mask) there (ncu, notes/perf.md session 14).
+// Whether the mainloop loads the whole tile's residual pairs into registers (kStoreRegs, BN <= 128) before
+// the epilogue: with a short reduction (KT <= 2) before the first stage's wait, so that their DRAM round
+// trip overlaps the TMA loads' (1x1 64->256 @56, N=32, conv+BN+Add+ReLU(mask): 47.7 -> 45.3 us); else
+// right after the last k-tile's wgmma group is issued, overlapping the last groups. Not earlier: the next
+// wgmma's warpgroup.arrive waits for every pending register write, so loads issued an eighth of the
+// reduction before the end stalled the MMA pipe for their latency (3x3 256->256 @14: 17.0 -> 18.5 us).
 template <class Cfg>
 constexpr bool kResidualPreload =
 #if defined(IGEMM_NO_EPI_PROLOGUE)
@@ -286,9 +287,7 @@ constexpr bool kResidualPreload =
     Cfg::StoreMode == kStoreRegs && ResidualPairs<Cfg>::kWholeTile;
 #endif
 
-// The k-tile (of KT, counted from the range's start) at whose start the residual pairs are loaded: an
-// eighth of the range before its end, at least two k-tiles (at the start when KT <= 2).
-IGEMM_DEVICE int residual_preload_at(int KT) { return KT - min(KT, max(2, KT / 8)); }
+constexpr int kResidualPreloadEarlyKT = 2;    // reductions this short load before the first wait
 
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
@@ -734,13 +733,12 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   // the tile's residual pairs, loaded near the mainloop's end (kResidualPreload; the per-tile epilogue only)
   constexpr bool kPre = kResidualPreload<Cfg> && std::is_same_v<Fin, FinishTile>;
   ResidualPairs<Cfg> pre;
-  const int pre_at = residual_preload_at(KT);
   // Iteration i: wait for stage i's bytes → issue its wgmma group → wait until only that group is in
   // flight → barrier (stage i-1 is free in every warpgroup) → thread 0 refills it with k-tile i+S-1.
   for (int it = 0; it < KT; ++it) {
     const int buf = (it0 + it) % S;
     if constexpr (kPre)
-      if (it == pre_at) pre.load(p, m0, n0, threadIdx.x, 0);
+      if (KT <= kResidualPreloadEarlyKT && it == 0) pre.load(p, m0, n0, threadIdx.x, 0);
     mbar_wait(&full[buf], ((it0 + it) / S) & 1);
     if constexpr (Cfg::LoadA == kLoadTmaC8)   // A: 8 regions of BM 16-byte rows; this warpgroup's rows
       wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * STAGE, Cfg::BM * 16, 128),
@@ -750,6 +748,8 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
                                                    acc);
     else
       wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * STAGE), desc_sw128(sB_u + buf * STAGE), acc);
+    if constexpr (kPre)
+      if (KT > kResidualPreloadEarlyKT && it == KT - 1) pre.load(p, m0, n0, threadIdx.x, 0);
     cute::warpgroup_wait<1>();
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -1000,13 +1000,15 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
     int prev = -1;
     ResidualPairs<Cfg> pre;                         // (kResidualPreload: rank 0 stores the tile)
-    const int pre_at = kb + residual_preload_at(ke - kb);
+    const bool early = ke - kb <= kResidualPreloadEarlyKT;
     for (int kt = kb; kt < ke; ++kt, ++k) {
       const int slot = k % S;
       if constexpr (kResidualPreload<Cfg>)
-        if (rank == 0 && kt == pre_at) pre.load(p, m0, n0, tid, 0);
+        if (rank == 0 && early && kt == kb) pre.load(p, m0, n0, tid, 0);
       mbar_wait(&full[wg][slot], (k / S) & 1);
       wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + slot * A_STAGE), desc_sw128(sB_u + slot * B_STAGE), acc);
+      if constexpr (kResidualPreload<Cfg>)
+        if (rank == 0 && !early && kt == ke - 1) pre.load(p, m0, n0, tid, 0);
       cute::warpgroup_wait<1>();
 #pragma unroll
       for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);

@@ -470,6 +470,12 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             if pb.R * pb.S > 1 and 2 * tiles >= sms:
                 bm, wm, bn = 128, 2, bn128
                 stages = 3 if tiles >= sms else 4
+            elif pb.epilogue and pb.Kred >= 256 and K >= 256 and tiles >= 2 * sms:
+                # a 1x1 filter with an epilogue chain, a reduction of 4+ k-tiles and two waves of 128-row
+                # tiles: the second warpgroup shares the B tile and doubles the epilogue's warps per CTA
+                # (tools/sweep.py, H100, N=32, 1x1/2 512->1024 @28, conv+BN+ReLU(mask): 128x128 s3 17.4 us
+                # vs 64x128 s3 18.9; the conv alone 16.4 either way; NCHW output 38.7 vs 39.6)
+                bm, wm, bn, stages = 128, 2, bn128, 3
             elif -(-M // bm) * -(-K // bn) < sms:
                 stages = 4
         elif pb.R * pb.S > 1 and K <= 64 and pb.layout == "NHWC" and pb.C % ce == 0:

@@ -239,56 +239,6 @@ IGEMM_DEVICE epi::Ctx regs_epilogue_start(const P& p, float (*s_vec)[Cfg::BN], i
 // warpgroup g owns rows g·64 + w·16 + lane / 4 (wgmma's accumulator layout).
 IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2); }
 
-// The register epilogue's residual element pairs at the accumulator fragment's positions (zero outside
-// the problem), as raw bits: a 16-bit pair is one 32-bit load, converted by two HADD2.F32 (element-wise Vec
-// loads cost four PRMTs a pair, ptxas 13.0). G column blocks of 8 at a time: the whole tile (G = BN / 8)
-// where BN <= 128, else groups of four (one mask word). Thread tid holds rows r0 and r0 + 8 (ra, rb).
-template <class Cfg>
-struct ResidualPairs {
-  using Epi = typename Cfg::Epi;
-  using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, typename Cfg::ElementOut>;
-  static constexpr int NB = Cfg::BN / 8;
-  static constexpr int G = Epi::kResidual && NB <= 16 ? NB : 4;    // column blocks per group
-  static constexpr bool kWholeTile = Epi::kResidual && G == NB;
-  static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4 (one mask word)");
-  using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
-  RawPair ra[G], rb[G];
-
-  template <class P>
-  IGEMM_DEVICE void load(const P& p, int m0, int n0, int tid, int j0) {
-    if constexpr (Epi::kResidual) {
-      const int lane = tid & 31, r0 = fragment_row0(tid), c0 = j0 * 8 + 2 * (lane & 3);
-      const RT* b0 = static_cast<const RT*>(p.residual) + int64_t(m0 + r0) * p.K + n0 + c0;   // row r0, pair 0
-      const RT* b1 = b0 + int64_t(8) * p.K;
-      const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
-      const int cols = p.K - n0 - c0;            // the columns from the first pair's on
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const bool okc = g * 8 < cols;
-        ra[g] = rb[g] = RawPair{};
-        if (ok0 && okc) ra[g] = *reinterpret_cast<const RawPair*>(b0 + g * 8);
-        if (ok1 && okc) rb[g] = *reinterpret_cast<const RawPair*>(b1 + g * 8);
-      }
-    }
-  }
-};
-
-// Whether the mainloop loads the whole tile's residual pairs into registers (kStoreRegs, BN <= 128) before
-// the epilogue: with a short reduction (KT <= 2) before the first stage's wait, so that their DRAM round
-// trip overlaps the TMA loads' (1x1 64->256 @56, N=32, conv+BN+Add+ReLU(mask): 47.7 -> 45.3 us); else
-// right after the last k-tile's wgmma group is issued, overlapping the last groups. Not earlier: the next
-// wgmma's warpgroup.arrive waits for every pending register write, so loads issued an eighth of the
-// reduction before the end stalled the MMA pipe for their latency (3x3 256->256 @14: 17.0 -> 18.5 us).
-template <class Cfg>
-constexpr bool kResidualPreload =
-#if defined(IGEMM_NO_EPI_PROLOGUE)
-    false;
-#else
-    Cfg::StoreMode == kStoreRegs && ResidualPairs<Cfg>::kWholeTile;
-#endif
-
-constexpr int kResidualPreloadEarlyKT = 2;    // reductions this short load before the first wait
-
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
@@ -299,29 +249,44 @@ constexpr int kResidualPreloadEarlyKT = 2;    // reductions this short load befo
 // C tile: half the shared-memory bytes, and no index math, chain or mask work per vector in the store loop.
 // NT threads (tid = 0..NT-1, 64 rows a warpgroup) synchronised by `sync`: the CTA, or one consumer
 // warpgroup of the persistent kernel; ct: the tile's C buffer; s_vec: its channel vectors.
-// pre: the residual pairs, loaded by the mainloop (kResidualPreload) or nullptr (loaded here).
 template <class Cfg, int NT, class P, class Sync>
 IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float (*s_vec)[Cfg::BN], int tid,
-                                   int m0, int n0, Sync sync, const ResidualPairs<Cfg>* pre = nullptr) {
+                                   int m0, int n0, Sync sync) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
   static_assert(NT % CPR == 0, "whole rows per store pass");
   const int lane = tid & 31, r0 = fragment_row0(tid);
+  using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
+  const RT* resp = static_cast<const RT*>(p.residual);
   const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
-  const int64_t row0 = int64_t(m0 + r0) * p.K + n0;
+  const int64_t row0 = int64_t(m0 + r0) * p.K + n0, row1 = row0 + int64_t(8) * p.K;
   // the rows' mask words (FuseMask: K % 32 == 0, n0 % 32 == 0), one per 32 columns
   uint32_t* mrow0 = Cfg::FuseMask ? static_cast<uint32_t*>(const_cast<void*>(p.mask)) + (row0 >> 5) : nullptr;
   uint32_t* mrow1 = Cfg::FuseMask ? mrow0 + (p.K >> 2) : nullptr;
-  // The residual pairs: with BN <= 128 the whole tile's (2 x BN/8 registers) at once -- by the mainloop
-  // (pre), else here, before the channel vectors' barrier: one round trip to L2 per tile. In groups of
-  // four, the mask stores between groups kept each group's loads behind the previous group's work: four
-  // round trips after the mainloop.
-  using RP = ResidualPairs<Cfg>;
-  constexpr int NB = RP::NB, G = RP::G;
-  RP rp;
-  if (pre) rp = *pre;
-  else rp.load(p, m0, n0, tid, 0);
+  // The residual pairs (zero outside the problem) are loaded G column blocks at a time, as raw bits: a
+  // 16-bit pair is one 32-bit load, converted by two HADD2.F32 (element-wise Vec loads cost four PRMTs a
+  // pair, ptxas 13.0). With BN <= 128 the whole tile's pairs (2 x BN/8 registers) are loaded at once, before
+  // the channel vectors' barrier: one round trip to L2 per tile. In groups of four, the mask stores between
+  // groups kept each group's loads behind the previous group's work: four round trips after the mainloop.
+  constexpr int NB = BN / 8;
+  constexpr int G = Epi::kResidual && NB <= 16 ? NB : 4;   // column blocks per group
+  static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4 (one mask word)");
+  using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
+  RawPair ra[G], rb[G];
+  auto load_residual = [&](int j0) {
+    if constexpr (Epi::kResidual) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int c = (j0 + g) * 8 + 2 * (lane & 3);
+        const bool okc = n0 + c < p.K;
+        ra[g] = rb[g] = RawPair{};
+        if (ok0 && okc) ra[g] = *reinterpret_cast<const RawPair*>(resp + row0 + c);
+        if (ok1 && okc) rb[g] = *reinterpret_cast<const RawPair*>(resp + row1 + c);
+      }
+    }
+  };
+  load_residual(0);
   const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
   TO* ct = reinterpret_cast<TO*>(smem);
   uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
@@ -329,7 +294,7 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   constexpr int WORDS = BN / 32;        // mask words a tile row
 #pragma unroll
   for (int j0 = 0; j0 < NB; j0 += G) {
-    if (j0 > 0) rp.load(p, m0, n0, tid, j0);
+    if (j0 > 0) load_residual(j0);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const int j = j0 + g;
@@ -338,8 +303,8 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
       const int ch[4] = {c, c + 1, c, c + 1};
       float res[4] = {0.f, 0.f, 0.f, 0.f};
       if constexpr (Epi::kResidual) {
-        unpack_pair<typename RP::RT>(rp.ra[g], res[0], res[1]);
-        unpack_pair<typename RP::RT>(rp.rb[g], res[2], res[3]);
+        unpack_pair<RT>(ra[g], res[0], res[1]);
+        unpack_pair<RT>(rb[g], res[2], res[3]);
       }
       Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
       const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);
@@ -730,15 +695,10 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   const uint32_t sA_u = smem_u32(sA) + (threadIdx.x / 128) * 64 * 128, sB_u = smem_u32(sB);
   const uint32_t sA8 = smem_u32(sA) + (threadIdx.x / 128) * 64 * 16;   // kLoadTmaC8: rows of a region are 16 B
-  // the tile's residual pairs, loaded near the mainloop's end (kResidualPreload; the per-tile epilogue only)
-  constexpr bool kPre = kResidualPreload<Cfg> && std::is_same_v<Fin, FinishTile>;
-  ResidualPairs<Cfg> pre;
   // Iteration i: wait for stage i's bytes → issue its wgmma group → wait until only that group is in
   // flight → barrier (stage i-1 is free in every warpgroup) → thread 0 refills it with k-tile i+S-1.
   for (int it = 0; it < KT; ++it) {
     const int buf = (it0 + it) % S;
-    if constexpr (kPre)
-      if (KT <= kResidualPreloadEarlyKT && it == 0) pre.load(p, m0, n0, threadIdx.x, 0);
     mbar_wait(&full[buf], ((it0 + it) / S) & 1);
     if constexpr (Cfg::LoadA == kLoadTmaC8)   // A: 8 regions of BM 16-byte rows; this warpgroup's rows
       wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * STAGE, Cfg::BM * 16, 128),
@@ -748,8 +708,6 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
                                                    acc);
     else
       wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * STAGE), desc_sw128(sB_u + buf * STAGE), acc);
-    if constexpr (kPre)
-      if (KT > kResidualPreloadEarlyKT && it == KT - 1) pre.load(p, m0, n0, threadIdx.x, 0);
     cute::warpgroup_wait<1>();
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -770,13 +728,7 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                        // every stage read: the C tile may overwrite them
-  if constexpr (kPre) {
-    if (m0 >= p.M) return;                // (as in epilogue_regs)
-    epilogue_regs_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
-                                         CtaSync{}, &pre);
-  } else {
-    fin.template run<Cfg>(p, acc, smem, m0, n0);
-  }
+  fin.template run<Cfg>(p, acc, smem, m0, n0);
 }
 
 // ------------------------------------------------------------ stream-K (IGEMM_STREAMK; the TMA kernel)
@@ -999,16 +951,10 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
 #pragma unroll
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
     int prev = -1;
-    ResidualPairs<Cfg> pre;                         // (kResidualPreload: rank 0 stores the tile)
-    const bool early = ke - kb <= kResidualPreloadEarlyKT;
     for (int kt = kb; kt < ke; ++kt, ++k) {
       const int slot = k % S;
-      if constexpr (kResidualPreload<Cfg>)
-        if (rank == 0 && early && kt == kb) pre.load(p, m0, n0, tid, 0);
       mbar_wait(&full[wg][slot], (k / S) & 1);
       wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + slot * A_STAGE), desc_sw128(sB_u + slot * B_STAGE), acc);
-      if constexpr (kResidualPreload<Cfg>)
-        if (rank == 0 && !early && kt == ke - 1) pre.load(p, m0, n0, tid, 0);
       cute::warpgroup_wait<1>();
 #pragma unroll
       for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);
@@ -1052,8 +998,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       sync();                                       // every thread has read its partial: the epilogue may reuse Cs
     }
     if constexpr (Cfg::StoreMode == kStoreRegs) {
-      epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync,
-                                 kResidualPreload<Cfg> ? &pre : nullptr);
+      epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
     } else if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
       epilogue_regs_nchw_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
     } else {

@@ -470,12 +470,6 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             if pb.R * pb.S > 1 and 2 * tiles >= sms:
                 bm, wm, bn = 128, 2, bn128
                 stages = 3 if tiles >= sms else 4
-            elif pb.epilogue and pb.Kred >= 256 and K >= 256 and tiles >= 2 * sms:
-                # a 1x1 filter with an epilogue chain, a reduction of 4+ k-tiles and two waves of 128-row
-                # tiles: the second warpgroup shares the B tile and doubles the epilogue's warps per CTA
-                # (tools/sweep.py, H100, N=32, 1x1/2 512->1024 @28, conv+BN+ReLU(mask): 128x128 s3 17.4 us
-                # vs 64x128 s3 18.9; the conv alone 16.4 either way; NCHW output 38.7 vs 39.6)
-                bm, wm, bn, stages = 128, 2, bn128, 3
             elif -(-M // bm) * -(-K // bn) < sms:
                 stages = 4
         elif pb.R * pb.S > 1 and K <= 64 and pb.layout == "NHWC" and pb.C % ce == 0:
@@ -580,16 +574,8 @@ def min_blocks_for(spec: KernelSpec) -> int:
     """The register cap (``__launch_bounds__`` min blocks) of a spec: single-warpgroup wgmma tiles get 3
     CTAs per SM, 4 where shared memory holds 4 and the accumulators are at most 64 registers a thread
     (BN <= 128). Measured on an H200 (tools/epi_probe.py): 1x1 64->256 @56, 64x128 tile, 2 stages, 4 CTAs:
-    conv 33.0 -> 30.0 us, +BN+Add+ReLU+mask 83.4 -> 69.4 us; no change on the layers where smem caps it.
-    Two-warpgroup tiles whose mainloop holds the residual pairs in registers (the register epilogue with
-    Add, BN <= 128: csrc kResidualPreload) get as many CTAs as shared memory holds (at most 3): uncapped,
-    ptxas 13.0 gave 3x3 64->64's 128x64 tile 102 registers, 2 CTAs an SM where shared memory holds 3."""
-    if spec.math != "wgmma":
-        return 1
-    if spec.bm != 64:
-        if (spec.load_a.startswith("tma") and spec.load_b == "tma" and spec.store == "regs" and spec.bn <= 128
-                and any("AddResidual" in e for e in spec.epilogue)):
-            return max(1, min(3, SMEM_LIMIT // (spec.smem + spec.static_smem + 1024)))
+    conv 33.0 -> 30.0 us, +BN+Add+ReLU+mask 83.4 -> 69.4 us; no change on the layers where smem caps it."""
+    if spec.math != "wgmma" or spec.bm != 64:
         return 1
     if spec.bn <= 128 and 4 * (spec.smem + spec.static_smem) <= SMEM_LIMIT:
         return 4

@@ -232,33 +232,6 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(layout="NCHW", H=6, W=5)).vec_o == 2
 
 
-def test_epilogue_tile_rules():
-    """A 1x1 layer with an epilogue chain, 4+ k-tiles and two waves of 128-row tiles takes 128-row tiles (the
-    conv alone keeps 64); two-warpgroup tiles whose mainloop holds the residual pairs in registers get the
-    register cap of the CTAs shared memory holds (csrc kResidualPreload), other specs keep theirs."""
-    from igemm._heuristics import kernel_setup, min_blocks_for
-    one = dict(C=512, K=1024, H=28, W=28, R=1, S=1, stride=(2, 2), padding=(0, 0))
-    bnrelu = (("BatchNorm",), ("ReLU", True))
-    add = (("BatchNorm",), ("Add",), ("ReLU", True))
-    assert (choose_config(_pb(**one)).bm, choose_config(_pb(**one)).bn) == (64, 128)
-    for epi, rd in ((bnrelu, None), (add, "float16")):
-        s = choose_config(_pb(**one, epilogue=epi, residual_dtype=rd))
-        assert (s.bm, s.wm, s.bn, s.stages, s.store) == (128, 2, 128, 3, "regs"), s.name()
-    nchw = choose_config(kernel_setup(_pb(**one, layout="NCHW", epilogue=bnrelu), arch="sm_90a")[1])
-    assert (nchw.bm, nchw.store) == (128, "regsnchw")                    # the transpose path's kernel too
-    assert choose_config(_pb(**{**one, "N": 8}, epilogue=bnrelu)).bm == 64            # under two waves
-    assert choose_config(_pb(C=64, K=256, R=1, S=1, padding=(0, 0), epilogue=bnrelu)).bm == 64   # one k-tile
-    # the register cap: 128x64 s3 (3 CTAs of shared memory), 128x128 s3 (2), 128x128 s4 (1); none without Add
-    for kw, want in ((dict(), 3), (dict(C=128, K=128, H=28, W=28), 2), (dict(C=256, K=256, H=14, W=14), 1)):
-        s = choose_config(_pb(**kw, epilogue=add, residual_dtype="float16"))
-        assert s.bm == 128 and s.min_blocks == want, (kw, s.name(), s.min_blocks)
-        assert choose_config(_pb(**kw, epilogue=bnrelu)).min_blocks == 1
-        assert f"__launch_bounds__(256, {want})" in _stub(s)
-    patch = choose_config(kernel_setup(_pb(C=3, R=7, S=7, stride=(2, 2), padding=(3, 3), K=64, epilogue=add,
-                                           residual_dtype="float16"), arch="sm_90a")[1])
-    assert patch.load_a == "patch" and min_blocks_for(patch) == 1        # no preload in the patch kernel
-
-
 def test_tma_choice_and_limits(monkeypatch):
     """The TMA loader: sm_90 16-bit NHWC with C % 64 == 0 inside the 4-D im2col box limits; the NCHW
     transpose path's kernel problem qualifies; IGEMM_TMA=0 and misaligned pointers fall back."""
@@ -663,12 +636,6 @@ COMPILE_CASES = [
     ("fp16 NHWC 1x1 64->256 BN+Add+ReLU", _pb(K=256, R=1, S=1, padding=(0, 0),
                                                epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
                                                residual_dtype="float16")),
-    # the residual pairs loaded by the mainloop under the register cap: 128x64 (3 CTAs), 128x128 (2)
-    ("fp16 NHWC 3x3 64->64 BN+Add+ReLU", _pb(epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
-                                             residual_dtype="float16")),
-    ("bf16 NHWC 3x3 128->128 BN+Add+ReLU", _pb(dtype="bfloat16", C=128, K=128, H=28, W=28,
-                                               epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
-                                               residual_dtype="bfloat16")),
     # the persistent kernel: one consumer with a deep ring (N=8 3x3 256 @14), the cluster k-split (N=8 @7)
     ("fp16 NHWC persistent one consumer", _pb(N=8, C=256, K=256, H=14, W=14,
                                               epilogue=(("BatchNorm",), ("ReLU", True)))),

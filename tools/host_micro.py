@@ -107,6 +107,14 @@ def main():
         ("3 data_ptr() + 2 is_contiguous()", lambda: (xl.data_ptr(), w.data_ptr(), y.data_ptr(), xl.is_contiguous(),
                                                       w.is_contiguous())),
     ]
+    cf = plan_b._cfast
+    if cf is not None:
+        r = cf(plan_b._cst, xl, w, None, None, None)
+        print(f"BN+ReLU(mask) allocating call in C: {'no (None: the Python path)' if r is None else 'yes'}")
+        rows += [("torch.empty_like(the mask's template)", lambda: torch.empty_like(plan_b._cst[14])),
+                 ("torch.empty_like(x)", lambda: torch.empty_like(xl)),
+                 ("C conv() allocating y and the mask, called directly",
+                  lambda: cf(plan_b._cst, xl, w, None, None, None))]
     print("| piece | host us per call (loop, queue up to N deep) | median per call (queue <= 100) |\n|---|---|---|")
     for name, fn_ in rows:
         loop, med = t(fn_, n)

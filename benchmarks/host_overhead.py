@@ -112,6 +112,7 @@ def main(argv=None) -> int:
         print(f"\n=== {name}: cProfile of 500 calls, by own time")
         print("\n".join(ln for ln in text.splitlines()[4:] if ln.strip())[:2600])
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
             json.dump(rows, f, indent=1)
     return 0

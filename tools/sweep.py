@@ -27,7 +27,7 @@ def main(argv=None):
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--epilogue", default="none", choices=["none", "bn_relu_mask"])
+    ap.add_argument("--epilogue", default="none", choices=["none", "bn_relu_mask", "bn_add_relu_mask"])
     ap.add_argument("--layers", default="", help="comma-separated layer indices (default: all)")
     args = ap.parse_args(argv)
     from bench_conv import CONFIGS, RESNET50
@@ -36,14 +36,21 @@ def main(argv=None):
     from igemm import epilogues as ep
     from igemm._heuristics import ConvProblem, candidates, kernel_setup
     from igemm.conv2d import _stub
-    chain = ep.chain() if args.epilogue == "none" else ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True))
+    add = args.epilogue == "bn_add_relu_mask"
+
+    def make_chain(*bn):
+        if args.epilogue == "none":
+            return ep.chain()
+        return ep.chain(ep.BatchNorm(*bn), *((ep.Add(),) if add else ()), ep.ReLU(mask=True))
+    chain = make_chain(0, 0, 0, 0)
     work = []
     for cfg in args.configs.split(","):
         dtype, layout, precision, _ = CONFIGS[cfg]
         layers = [RESNET50[int(i)] for i in args.layers.split(",")] if args.layers else RESNET50
         for name, C, K, H, R, st, pd in layers:
             pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
-                             precision if dtype == "float32" else "tensorop", chain.signature())
+                             precision if dtype == "float32" else "tensorop", chain.signature(),
+                             residual_dtype=dtype if add else None)
             # the kernel's own problem (NCHW: the transpose path's NHWC-in/NCHW-out kernel where it applies)
             work.append((cfg, name, pb, candidates(kernel_setup(pb, arch=args.arch)[1], args.arch)))
     specs = {s: _stub(s) for _, _, _, cs in work for s in cs}
@@ -80,7 +87,8 @@ def main(argv=None):
                         device="cuda", dtype=tdt)
         mask = torch.empty((y.numel() + 31) // 32, device="cuda", dtype=torch.int32)
         g, b, m, v = (torch.rand(pb.K, device="cuda") + 0.5 for _ in range(4))
-        real_chain = chain if args.epilogue == "none" else ep.chain(ep.BatchNorm(g, b, m, v), ep.ReLU(mask=True))
+        real_chain = make_chain(g, b, m, v)
+        res = _harness.rotating(lambda i: torch.randn_like(y), io, cap=8) if add else None
         times = []
         ref = None
         for spec in cands:
@@ -88,8 +96,9 @@ def main(argv=None):
                 plan = igemm.Conv2dPlan(xs, wsh, pb.dtype, pb.layout, pb.stride, pb.padding, epilogue=real_chain,
                                         config=spec)
                 kw = {"out": y} if not chain.mask else {"out": y, "mask_out": mask}
-                t = bench.time(lambda i: plan(x[i], w, **kw), len(x))
-                out = plan(x[0], w, **kw)
+                rk = (lambda i: {"residual": res[i % len(res)]}) if add else (lambda i: {})
+                t = bench.time(lambda i: plan(x[i], w, **kw, **rk(i)), len(x))
+                out = plan(x[0], w, **kw, **rk(0))
                 out = out[0] if isinstance(out, tuple) else out
                 if ref is None:
                     ref = out.float().clone()

@@ -89,16 +89,16 @@ def main(argv=None):
         g, b, m, v = (torch.rand(pb.K, device="cuda") + 0.5 for _ in range(4))
         real_chain = make_chain(g, b, m, v)
         res = _harness.rotating(lambda i: torch.randn_like(y), io, cap=8) if add else None
+        kw = {"out": y} if not chain.mask else {"out": y, "mask_out": mask}
+        kws = [{**kw, "residual": res[i]} if add else kw for i in range(len(x))]   # (res: as many sets as x)
         times = []
         ref = None
         for spec in cands:
             try:
                 plan = igemm.Conv2dPlan(xs, wsh, pb.dtype, pb.layout, pb.stride, pb.padding, epilogue=real_chain,
                                         config=spec)
-                kw = {"out": y} if not chain.mask else {"out": y, "mask_out": mask}
-                rk = (lambda i: {"residual": res[i % len(res)]}) if add else (lambda i: {})
-                t = bench.time(lambda i: plan(x[i], w, **kw, **rk(i)), len(x))
-                out = plan(x[0], w, **kw, **rk(0))
+                t = bench.time(lambda i: plan(x[i], w, **kws[i]), len(x))
+                out = plan(x[0], w, **kws[0])
                 out = out[0] if isinstance(out, tuple) else out
                 if ref is None:
                     ref = out.float().clone()
@@ -115,7 +115,7 @@ def main(argv=None):
             print(f"   {t * 1e6:8.1f} us  {s.name()} splits={s.splits} maxdiff={e:.2g}")
         results.append({"config": cfg, "layer": name, "default_us": default_t * 1e6, "best_us": best_t * 1e6,
                         "best": best.__dict__, "top": [(t * 1e6, s.name(), s.splits) for t, s, _ in times[:8]]})
-        del x, y
+        del x, y, res, kws
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sweep.json"), "w") as f:

@@ -27,8 +27,8 @@ enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3, kTensorOp3 = 4 
 enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3, kLoadPatch = 4, kLoadTmaMN = 5 };
 // kStoreRegs (sm_90a wgmma, NHWC output, no split-K): the chain runs on the accumulators in
 // registers and a 16-bit C tile leaves shared memory in 16-byte vectors (conv2d_sm90.cuh, epilogue_regs).
-// kStoreRegsNCHW: the same for NCHW outputs without a residual: a channel-major 16-bit C tile leaves in
-// vectors along each channel's pixels (epilogue_regs_nchw_by).
+// kStoreRegsNCHW: the same for NCHW outputs (16-bit residuals staged in the C tile): a channel-major
+// 16-bit C tile leaves in vectors along each channel's pixels (epilogue_regs_nchw_by).
 enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2, kStoreRegs = 3, kStoreRegsNCHW = 4 };
 
 template <class Element_, class ElementOut_, int Layout_, int Math_, int BM_, int BN_, int BK_, int WM_,
@@ -69,9 +69,8 @@ struct Config {
   static_assert(kNchwOut || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
   static_assert(StoreMode != kStoreRegs || (kIsWgmma && VecO * sizeof(ElementOut) == 16 && sizeof(ElementOut) == 2),
                 "register epilogue: the wgmma kernels, 16-bit outputs in 16-byte vectors");
-  static_assert(StoreMode != kStoreRegsNCHW || (kIsWgmma && sizeof(ElementOut) == 2 && !Epi::kResidual &&
-                                                (!FuseMask || VecO == 8)),
-                "NCHW register epilogue: the wgmma kernels, 16-bit outputs, no residual, masks from 8-pixel vectors");
+  static_assert(StoreMode != kStoreRegsNCHW || (kIsWgmma && sizeof(ElementOut) == 2 && (!FuseMask || VecO == 8)),
+                "NCHW register epilogue: the wgmma kernels, 16-bit outputs, masks from 8-pixel vectors");
   static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8 || LoadA_ == kLoadTmaMN;
   static_assert(LoadA_ != kLoadTmaMN || (Layout_ == kNCHW && BM_ == 64 && Math_ == kWgmma && kNchwOut),
                 "MN-major TMA A tiles: NCHW x, one 64-row warpgroup, the NCHW store");

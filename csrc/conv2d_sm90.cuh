@@ -127,17 +127,30 @@ constexpr bool kEarlyVectors =
     !Cfg::Epi::kEmpty;
 #endif
 
-// The residual tile's 128-byte lines into L2 (NHWC rows of the register epilogue), by NT threads.
+// The residual tile's 128-byte lines into L2, by NT threads: NHWC, the tile's rows (BN channels each);
+// NCHW (kStoreRegsNCHW), its channel rows (64-pixel runs, each located by one divmod: a run may cross into
+// the next image, whose part is left to the epilogue's loads).
 template <class Cfg, int NT, class P>
 IGEMM_DEVICE void prefetch_residual_l2(const P& p, int m0, int n0, int tid) {
   using RT = typename Cfg::Epi::Res;
   constexpr int BN = Cfg::BN, BM = Cfg::BM;
-  constexpr int LPR = (BN * int(sizeof(RT)) + 127) / 128;     // 128-byte lines per tile row
   const RT* res = static_cast<const RT*>(p.residual);
   const int cols = min(BN, p.K - n0), rows = min(BM, p.M - m0);
-  for (int i = tid; i < rows * LPR; i += NT) {
-    const int r = i / LPR, c = min((i % LPR) * (128 / int(sizeof(RT))), cols - 1);
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + int64_t(m0 + r) * p.K + n0 + c));
+  if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
+    constexpr int RUN = 128 / int(sizeof(RT)), LPR = (BM + RUN - 1) / RUN;   // 128-byte runs per channel row
+    for (int i = tid; i < cols * LPR; i += NT) {
+      const int r = i / LPR, m = (i % LPR) * RUN;
+      if (m >= rows) continue;
+      int img, pq;
+      p.fd_PQ.divmod(img, pq, m0 + m);
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + (int64_t(img) * p.K + n0 + r) * p.PQ + pq));
+    }
+  } else {
+    constexpr int LPR = (BN * int(sizeof(RT)) + 127) / 128;     // 128-byte lines per tile row
+    for (int i = tid; i < rows * LPR; i += NT) {
+      const int r = i / LPR, c = min((i % LPR) * (128 / int(sizeof(RT))), cols - 1);
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + int64_t(m0 + r) * p.K + n0 + c));
+    }
   }
 }
 
@@ -147,7 +160,7 @@ template <class Cfg, int NT, class P>
 IGEMM_DEVICE void epilogue_regs_prologue_by(const P& p, int m0, int n0, int tid, float (*s_vec)[Cfg::BN]) {
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
   using Epi = typename Cfg::Epi;
-  constexpr int BN = Cfg::BN, BM = Cfg::BM;
+  constexpr int BN = Cfg::BN;
   if constexpr (kEarlyVectors<Cfg>) {
     const float* src[3] = {static_cast<const float*>(p.scale), static_cast<const float*>(p.shift),
                            static_cast<const float*>(p.alpha)};
@@ -356,7 +369,18 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   }
 }
 
-// The register epilogue for NCHW outputs (kStoreRegsNCHW: no residual, no split-K): the chain runs on the
+// One 16-, 8-, 4- or 2-byte global store of v at p. (As a plain assignment, the uint4 store of
+// epilogue_regs_nchw_by's fused-mask variant left nvcc 13.0's front end as four st.global.u32.)
+IGEMM_DEVICE void store_vec(void* p, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+IGEMM_DEVICE void store_vec(void* p, const uint2& v) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+IGEMM_DEVICE void store_vec(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
+IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = v; }
+
+// The register epilogue for NCHW outputs (kStoreRegsNCHW: no split-K): the chain runs on the
 // accumulators as in epilogue_regs_by and each value is rounded once into a channel-major 16-bit C tile
 // (BN rows of BM + 8 pixels: the fragment's 16-bit writes hit 4 words of each of 4 distinct bank groups,
 // conflict-free), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
@@ -364,24 +388,57 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
 // divmod is done once. FuseMask (P·Q % 32 == 0, V = 8): a quad of lanes holds 32 consecutive pixels of one
 // channel, one mask word: one set.gt per stored pair, two shuffles; the words gather in shared memory and
 // each channel row's BM / 32 of them leave in one store.
-// Against the fp32 C tile (kStoreNCHW): half the shared-memory bytes, the channel vectors fetched before
-// the mainloop, and no index math or chain work per vector in the store loop.
+// A residual (16-bit) first fills the C tile in the store loop's vectors (cp.async, zeros outside the
+// problem), and each fragment element reads its residual where it then writes its output: the same thread,
+// the same address, in place. Against the fp32 C tile's store (kStoreNCHW, where the chain ran per vector
+// in the store loop): half the shared-memory bytes, the channel vectors fetched before the mainloop, and
+// no index math or chain work per vector in the store loop.
 template <class Cfg, int NT, class P, class Sync>
 IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, float (*s_vec)[Cfg::BN], int tid,
                                         int m0, int n0, Sync sync) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
+  using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDT = BM + 8, V = Cfg::VecO, CPR = BM / V, RSTEP = NT / CPR;
-  static_assert(!Epi::kResidual && NT % CPR == 0 && BN % RSTEP == 0, "whole channel rows per store pass");
+  static_assert(NT % CPR == 0 && BN % RSTEP == 0, "whole channel rows per store pass");
+  static_assert(sizeof(RT) == 2, "16-bit residuals (staged in the 16-bit C tile)");
+  using VecT = std::conditional_t<V == 8, uint4, std::conditional_t<V == 4, uint2, std::conditional_t<V == 2, uint32_t, uint16_t>>>;
+  // thread tid's store-loop vectors: pixel vector tid % CPR of channel rows tid / CPR + i·RSTEP
+  const int ml = (tid % CPR) * V, nl0 = tid / CPR;
+  const bool okm = m0 + ml < p.M;                            // (M = N·P·Q, a multiple of V)
+  int img, pq;
+  p.fd_PQ.divmod(img, pq, okm ? m0 + ml : 0);
+  const int ncols = min(BN, p.K - n0);
+  const int64_t off0 = (int64_t(img) * p.K + n0 + nl0) * p.PQ + pq, ostep = int64_t(RSTEP) * p.PQ;
   const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
   uint16_t* ct = reinterpret_cast<uint16_t*>(smem);
+  if constexpr (Epi::kResidual) {
+    const RT* resp = static_cast<const RT*>(p.residual);
+#pragma unroll 8
+    for (int i = 0; i < BN / RSTEP; ++i) {
+      const int nl = nl0 + i * RSTEP;
+      const bool ok = okm && nl < ncols;
+      const RT* src = ok ? resp + off0 + i * ostep : resp;
+      if constexpr (sizeof(VecT) >= 4)
+        cp_async_zfill<int(sizeof(VecT))>(ct + nl * LDT + ml, src, ok);
+      else
+        ct[nl * LDT + ml] = ok ? *reinterpret_cast<const uint16_t*>(src) : uint16_t(0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    sync();
+  }
   const int lane = tid & 31, r0 = fragment_row0(tid);
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int c = j * 8 + 2 * (lane & 3);
     float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
     const int ch[4] = {c, c + 1, c, c + 1};
-    const float res[4] = {0.f, 0.f, 0.f, 0.f};
+    float res[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (Epi::kResidual) {      // (r0, c | c+1), (r0+8, c | c+1): the pairs as unpack_pair takes them
+      unpack_pair<RT>(uint32_t(ct[c * LDT + r0]) | uint32_t(ct[(c + 1) * LDT + r0]) << 16, res[0], res[1]);
+      unpack_pair<RT>(uint32_t(ct[c * LDT + r0 + 8]) | uint32_t(ct[(c + 1) * LDT + r0 + 8]) << 16, res[2], res[3]);
+    }
     Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
     const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);   // (r0, c | c+1), (r0+8, ..)
     ct[c * LDT + r0] = uint16_t(o0);
@@ -390,14 +447,6 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     ct[(c + 1) * LDT + r0 + 8] = uint16_t(o1 >> 16);
   }
   sync();
-  // thread tid stores pixel vector tid % CPR of channel rows tid / CPR + i·RSTEP
-  using VecT = std::conditional_t<V == 8, uint4, std::conditional_t<V == 4, uint2, std::conditional_t<V == 2, uint32_t, uint16_t>>>;
-  const int ml = (tid % CPR) * V, nl0 = tid / CPR;
-  const bool okm = m0 + ml < p.M;                            // (M = N·P·Q, a multiple of V)
-  int img, pq;
-  p.fd_PQ.divmod(img, pq, okm ? m0 + ml : 0);
-  const int ncols = min(BN, p.K - n0);
-  const int64_t off0 = (int64_t(img) * p.K + n0 + nl0) * p.PQ + pq, ostep = int64_t(RSTEP) * p.PQ;
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));
   uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
   // FuseMask: the tile's mask words, BN rows of WPR = BM / 32, in shared memory after the C tile first
@@ -411,13 +460,14 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     const int64_t off = off0 + i * ostep;
     const bool ok = okm && nl < ncols;
     const VecT o = *reinterpret_cast<const VecT*>(ct + nl * LDT + ml);
-    if (ok) *reinterpret_cast<VecT*>(y + off) = o;
+    if (ok) store_vec(y + off, o);
     if constexpr (Cfg::FuseMask) {
       // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word
+      const uint32_t pairs[4] = {o.x, o.y, o.z, o.w};      // (V = 8)
       uint32_t bits = 0;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const uint32_t g = gt0_pair<TO>(reinterpret_cast<const uint32_t*>(&o)[k]);
+        const uint32_t g = gt0_pair<TO>(pairs[k]);
         bits |= ((g & 1u) | ((g >> 15) & 2u)) << (2 * k);
       }
       uint32_t word = bits << (8 * (lane & 3));
@@ -715,7 +765,7 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     const int nk = it + S - 1;
     if (leader && nk < KT) issue(kt0 + nk, (it0 + nk) % S);
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
-    if constexpr (Cfg::StoreMode == kStoreRegs && Cfg::Epi::kResidual && std::is_same_v<Fin, FinishTile>) {
+    if constexpr (Cfg::kRegsStore && Cfg::Epi::kResidual && std::is_same_v<Fin, FinishTile>) {
       // a deep reduction (the prologue prefetched nothing): the residual tile's lines into L2 half-way,
       // so that the epilogue's fragment loads hit L2 instead of waiting on DRAM. A single-wave grid's
       // CTAs all reach their epilogues together: S k-tiles before the end left them ~1 us for the whole
@@ -961,7 +1011,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       if (prev >= 0) mbar_arrive(&empty[wg][prev]);   // the group that read it has finished
       prev = slot;
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
-      if constexpr (Cfg::StoreMode == kStoreRegs && Cfg::Epi::kResidual)   // as in mainloop_wgmma_tma
+      if constexpr (Cfg::kRegsStore && Cfg::Epi::kResidual)   // as in mainloop_wgmma_tma
         if (rank == 0 && KT > 2 * S && kt == (kb + ke) / 2) prefetch_residual_l2<Cfg, 128>(p, m0, n0, tid);
 #endif
     }

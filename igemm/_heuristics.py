@@ -268,12 +268,13 @@ def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
     """Whether a register epilogue (the chain on the accumulators, a 16-bit C tile, mask words from
     registers; ``csrc/conv2d_sm90.cuh`` epilogue_regs_by / epilogue_regs_nchw_by) can store this problem: the
     per-tile wgmma kernel or the persistent one, 16-bit output, no split-K; NHWC with K % 8 == 0 (16-byte
-    vectors, store ``"regs"``), or NCHW without a residual (store ``"regsnchw"``)."""
+    vectors, store ``"regs"``), or NCHW with a 16-bit residual if any (staged in the 16-bit C tile; store
+    ``"regsnchw"``)."""
     if math not in ("wgmma", "wgmma_ws") or splits != 1 or DTYPE_SIZES[pb.dtype] != 2:
         return False
     if pb.y_layout == "NHWC":
         return pb.K % 8 == 0
-    return not any(sig[0] == "Add" for sig in pb.epilogue)
+    return not any(sig[0] == "Add" for sig in pb.epilogue) or DTYPE_SIZES[pb.residual_dtype or pb.dtype] == 2
 
 
 def _regs_store(pb: ConvProblem) -> tuple[str, int, bool]:
@@ -700,7 +701,7 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     elif spec.store in REGS_STORES and (not regs_epilogue_ok(pb, spec.math, spec.splits)
                                         or (spec.store, spec.vec_o, spec.fuse_mask) != _regs_store(pb)):
         why = ("the register epilogues: wgmma, 16-bit output, no split-K; NHWC with K % 8 == 0 (regs), "
-               "NCHW without a residual (regsnchw)")
+               "NCHW with a 16-bit residual if any (regsnchw)")
     elif spec.store not in REGS_STORES and (spec.store, spec.vec_o, spec.fuse_mask) != _store(pb, spec.bn)[:2] + (spec.fuse_mask and _store(pb, spec.bn)[2],):
         why = "store mode does not match the tile"
     elif spec.store not in REGS_STORES and spec.fuse_mask and not _store(pb, spec.bn)[2]:

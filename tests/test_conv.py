@@ -175,7 +175,9 @@ def test_choose_config_rules(monkeypatch):
     assert (res.store, res.fuse_mask) == ("regs", True)
     assert choose_config(_pb(K=256, layout="NCHW", H=28, W=28)).store == "regsnchw"  # NCHW output, registers
     nres = choose_config(_pb(K=256, layout="NCHW", epilogue=(("Add",), ("ReLU", True)), residual_dtype="float16"))
-    assert (nres.store, nres.fuse_mask) == ("nchw", True)                 # NCHW + residual: the fp32 C tile
+    assert (nres.store, nres.fuse_mask) == ("regsnchw", True)             # a 16-bit residual: staged in the C tile
+    nr32 = choose_config(_pb(K=256, layout="NCHW", epilogue=(("Add",), ("ReLU", True)), residual_dtype="float32"))
+    assert (nr32.store, nr32.fuse_mask) == ("nchw", True)                 # an fp32 residual: the fp32 C tile
     assert choose_config(_pb(K=256, layout="NCHW"), "sm_80").store == "nchw"
     assert choose_config(_pb(K=256), "sm_80").store == "rows"
     assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512)).store == "rows"           # split-K
@@ -1210,8 +1212,9 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
     tile's NCHW store phase of the same tile: identical bits of y and mask on every NCHW kernel path (the
     transpose path's TMA and gather kernels, 64/128-row tiles, the persistent kernel; the MN-major 1x1 path;
     the patch kernel), output vectors of 8, 4, 2 and 1 pixels (P*Q % 32 == 0: mask fused, each channel row's
-    words stored in 8- or 16-byte pieces or word by word), M and K tails;
-    y and mask poisoned first; plain results against the float64 reference."""
+    words stored in 8- or 16-byte pieces or word by word), M and K tails, 16-bit residuals of either type
+    (staged in the C tile: zeros past the tails); y and mask poisoned first; plain results against the
+    float64 reference."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
     cases = [((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, None),                       # TMA, K tail, V = 8, fused mask
@@ -1233,8 +1236,12 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
         K = ws[0]
         V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NCHW")
+        r16 = to_torch(rng.standard_normal(ref.shape), dtype)
+        rother = to_torch(rng.standard_normal(ref.shape), "bfloat16" if dtype == "float16" else "float16")
         for chain in (None, ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)), ep.chain(ep.PReLU(V[0] - 1.0)),
-                      ep.chain(ep.Bias(V[1]), ep.ReLU()), ep.chain(ep.Bias(V[1]), ep.PReLU(0.25))):
+                      ep.chain(ep.Bias(V[1]), ep.ReLU()), ep.chain(ep.Bias(V[1]), ep.PReLU(0.25)),
+                      ep.chain(ep.BatchNorm(*V), ep.Add(r16), ep.ReLU(mask=True)),
+                      ep.chain(ep.Add(rother), ep.Bias(V[1]), ep.PReLU(V[0] - 1.0))):
             _both_store_phases(torch, x, w, dtype, "NCHW", st, pd, chain, cfg, ("regsnchw", "nchw"), ref,
                                f"{dtype} x{xs} w{ws}")
 

@@ -174,7 +174,7 @@ MAINLOOP = {
 NHWC_K = {"lin": [5, 8, 13, 24, 30, 64], "rows": [160, 192, 256], "rows_nofuse": [136, 200],
           "rows_scalar": [130, 150]}
 #: NCHW store classes by the output map P x Q (16-bit wgmma paths: the register epilogue "regsnchw" unless
-#: split or the chain has a residual): pq32 (P*Q % 32 == 0: vector stores, mask fused), pq_vec
+#: split or the chain has an fp32 residual): pq32 (P*Q % 32 == 0: vector stores, mask fused), pq_vec
 #: (P*Q % 8 == 0 only), pq_pair (P*Q % 4 == 2: 2-element vectors), pq_scalar (P*Q odd).
 NCHW_PQ = {"pq32": [(4, 8), (8, 4), (2, 16), (8, 8), (1, 32)], "pq_vec": [(2, 4), (4, 4), (3, 8), (6, 4), (5, 8)],
            "pq_pair": [(6, 5), (2, 3), (3, 2), (5, 2), (2, 7)],

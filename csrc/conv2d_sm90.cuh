@@ -454,23 +454,22 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   // write sectors for a 100k-sector mask)
   constexpr int WPR = BM / 32;
   uint32_t* ms = reinterpret_cast<uint32_t*>(smem + BN * LDT * 2);
+  TO* yp = y + off0;                                         // (a pointer stepped per pass: no 64-bit IMADs)
 #pragma unroll 4
-  for (int i = 0; i < BN / RSTEP; ++i) {
+  for (int i = 0; i < BN / RSTEP; ++i, yp += ostep) {
     const int nl = nl0 + i * RSTEP;
-    const int64_t off = off0 + i * ostep;
     const bool ok = okm && nl < ncols;
     const VecT o = *reinterpret_cast<const VecT*>(ct + nl * LDT + ml);
-    if (ok) store_vec(y + off, o);
+    if (ok) store_vec(yp, o);
     if constexpr (Cfg::FuseMask) {
-      // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word
+      // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word.
+      // Pair k's set.gt halves keep bits 2k (low) and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16
+      // then has pixel e at bit e.
       const uint32_t pairs[4] = {o.x, o.y, o.z, o.w};      // (V = 8)
-      uint32_t bits = 0;
+      uint32_t x = 0;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t g = gt0_pair<TO>(pairs[k]);
-        bits |= ((g & 1u) | ((g >> 15) & 2u)) << (2 * k);
-      }
-      uint32_t word = bits << (8 * (lane & 3));
+      for (int k = 0; k < 4; ++k) x |= gt0_pair<TO>(pairs[k]) & (0x00020001u << (2 * k));
+      uint32_t word = ((x | (x >> 16)) & 0xFFu) << (8 * (lane & 3));
       word |= __shfl_xor_sync(0xffffffffu, word, 1);
       word |= __shfl_xor_sync(0xffffffffu, word, 2);
       if ((lane & 3) == 0) ms[nl * WPR + (ml >> 5)] = word;

@@ -51,7 +51,7 @@ def test_stubs() -> dict:
         cases.append((xs, ws, st, pd, dl, {**PERS, "wm": 1, "csplit": 2, **cfg}))
     for n, c, h in ((1, 256, 14), (8, 512, 7), (1, 512, 7), (1, 128, 28), (8, 256, 14), (8, 128, 28), (32, 512, 7)):
         cases.append(((n, c, h, h), (c, c, 3, 3), 1, 1, 1, None))
-    specs = {}
+    specs = bitwise_stubs()
     for xs, ws, st, pd, dl, cfg in cases:
         for dtype in ("float16", "bfloat16"):
             for layout in ("NCHW", "NHWC"):
@@ -63,6 +63,39 @@ def test_stubs() -> dict:
                         s = plan.spec()
                     except Exception as e:  # noqa: BLE001
                         print("skip", xs, ws, cfg, layout, dtype, e)
+                        continue
+                    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
+    return specs
+
+
+def bitwise_stubs() -> dict:
+    """The kernels of test_conv.py's test_gpu_register_epilogue_nchw_bitwise: each case's chains (the
+    16-bit residual ones among them) on the register epilogue and on the fp32 C tile's store."""
+    pers = {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1}
+    cases = [((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, None), ((3, 72, 7, 7), (130, 72, 3, 3), 1, 1, None),
+             ((2, 64, 14, 14), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}), ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, None),
+             ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**pers, "bn": 128, "stages": 3}),
+             ((3, 64, 16, 16), (72, 64, 1, 1), 1, 0, None), ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
+             ((3, 64, 8, 12), (72, 64, 3, 3), 1, 1, None), ((2, 64, 8, 8), (136, 64, 3, 3), 1, 1, {**pers, "bn": 128, "stages": 3}),
+             ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**pers, "wm": 1, "bn": 64, "stages": 8}),
+             ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None)]
+    specs = {}
+    for xs, ws, st, pd, cfg in cases:
+        g = [v[:ws[0]] for v in V]
+        for dtype in ("float16", "bfloat16"):
+            other = "bfloat16" if dtype == "float16" else "float16"
+            for ch, rdt in ((None, None), (ep.chain(ep.BatchNorm(*g), ep.ReLU(mask=True)), None),
+                            (ep.chain(ep.PReLU(g[0] - 1.0)), None), (ep.chain(ep.Bias(g[1]), ep.ReLU()), None),
+                            (ep.chain(ep.Bias(g[1]), ep.PReLU(0.25)), None),
+                            (ep.chain(ep.BatchNorm(*g), ep.Add(), ep.ReLU(mask=True)), dtype),
+                            (ep.chain(ep.Add(), ep.Bias(g[1]), ep.PReLU(g[0] - 1.0)), other)):
+                for c in (cfg, {**(cfg or {}), "store": "nchw"}):
+                    try:
+                        plan = Conv2dPlan(xs, ws, dtype, "NCHW", st, pd, 1, config=c or None, epilogue=ch,
+                                          residual_dtype=rdt, device=None)
+                        s = plan.spec()
+                    except Exception as e:  # noqa: BLE001
+                        print("skip", xs, ws, c, dtype, e)
                         continue
                     specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
     return specs

@@ -173,6 +173,14 @@ CONV = {
     # the subsampled copy's pair loads (SUBVEC), the NCHW patch path; a deep reduction's residual L2 prefetch
     "regsnchw_mn_1x1_mask": lambda: _conv("regsnchw MN 1x1", "float16", "NCHW", (2, 64, 8, 8), (96, 64, 1, 1),
                                           chain="bn_relu_mask"),
+    # 16-bit residuals staged in the C tile (cp.async, zero-filled tails, read and overwritten in place)
+    "regsnchw_residual_mn_1x1_mask": lambda: _conv("regsnchw residual MN 1x1", "float16", "NCHW", (2, 64, 8, 8),
+                                                   (96, 64, 1, 1), chain="add_relu_mask"),
+    "regsnchw_residual_v1_persistent": lambda: _conv("regsnchw residual 7x7", "bfloat16", "NCHW", (2, 64, 7, 7),
+                                                     (72, 64, 3, 3), padding=1, chain="bn_add_relu",
+                                                     residual_dtype="float16",
+                                                     config={"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1,
+                                                             "bn": 128, "stages": 3}),
     "regsnchw_v1_prelu": lambda: _conv("regsnchw 7x7", "bfloat16", "NCHW", (2, 64, 7, 7), (72, 64, 3, 3), padding=1,
                                        chain="prelu_channel"),
     "regsnchw_mask_across_images": lambda: _conv("regsnchw mask words", "float16", "NCHW", (3, 64, 8, 12),

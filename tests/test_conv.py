@@ -1204,6 +1204,24 @@ def test_gpu_register_epilogue_bitwise(dtype, rng):
                                f"{dtype} x{xs} K={K} R={R}")
 
 
+#: test_gpu_register_epilogue_nchw_bitwise's cases (x NCHW, w KCRS, stride, padding, config); tools/precompile_tests.py
+#: compiles their kernels
+NCHW_BITWISE_CASES = [
+    ((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, None),                        # TMA, K tail, V = 8, fused mask
+    ((3, 72, 7, 7), (130, 72, 3, 3), 1, 1, None),                       # gather, V = 1, K tail
+    ((2, 64, 14, 14), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),      # V = 4, 128-row tiles
+    ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, None),                        # V = 2
+    ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
+    ((3, 64, 16, 16), (72, 64, 1, 1), 1, 0, None),                      # MN-major TMA (1x1 in place)
+    # the fused mask's row stores: 16-byte (128-row tiles), tiles across images with odd word
+    # offsets and an M tail (P*Q = 96: word by word), the persistent kernel with a K tail
+    ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
+    ((3, 64, 8, 12), (72, 64, 3, 3), 1, 1, None),
+    ((2, 64, 8, 8), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
+    ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "wm": 1, "bn": 64, "stages": 8}),
+    ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None)]                        # the patch kernel
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
@@ -1217,20 +1235,7 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
     float64 reference."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
-    cases = [((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, None),                       # TMA, K tail, V = 8, fused mask
-             ((3, 72, 7, 7), (130, 72, 3, 3), 1, 1, None),                      # gather, V = 1, K tail
-             ((2, 64, 14, 14), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),     # V = 4, 128-row tiles
-             ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, None),                       # V = 2
-             ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
-             ((3, 64, 16, 16), (72, 64, 1, 1), 1, 0, None),                     # MN-major TMA (1x1 in place)
-             # the fused mask's row stores: 16-byte (128-row tiles), tiles across images with odd word
-             # offsets and an M tail (P*Q = 96: word by word), the persistent kernel with a K tail
-             ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
-             ((3, 64, 8, 12), (72, 64, 3, 3), 1, 1, None),
-             ((2, 64, 8, 8), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
-             ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "wm": 1, "bn": 64, "stages": 8}),
-             ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None)]                       # the patch kernel
-    for xs, ws, st, pd, cfg in cases:
+    for xs, ws, st, pd, cfg in NCHW_BITWISE_CASES:
         x = to_torch(rng.standard_normal(xs), dtype)
         w = to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), dtype)
         K = ws[0]

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "tests")
 from igemm import _build, epilogues as ep  # noqa: E402
 from igemm.conv2d import Conv2dPlan, _stub  # noqa: E402
 
@@ -71,17 +72,9 @@ def test_stubs() -> dict:
 def bitwise_stubs() -> dict:
     """The kernels of test_conv.py's test_gpu_register_epilogue_nchw_bitwise: each case's chains (the
     16-bit residual ones among them) on the register epilogue and on the fp32 C tile's store."""
-    pers = {"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1}
-    cases = [((2, 64, 8, 8), (40, 64, 3, 3), 1, 1, None), ((3, 72, 7, 7), (130, 72, 3, 3), 1, 1, None),
-             ((2, 64, 14, 14), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}), ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, None),
-             ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**pers, "bn": 128, "stages": 3}),
-             ((3, 64, 16, 16), (72, 64, 1, 1), 1, 0, None),
-             ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}), ((3, 64, 8, 12), (72, 64, 3, 3), 1, 1, None),
-             ((2, 64, 8, 8), (136, 64, 3, 3), 1, 1, {**pers, "bn": 128, "stages": 3}),
-             ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**pers, "wm": 1, "bn": 64, "stages": 8}),
-             ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None)]
+    from test_conv import NCHW_BITWISE_CASES
     specs = {}
-    for xs, ws, st, pd, cfg in cases:
+    for xs, ws, st, pd, cfg in NCHW_BITWISE_CASES:
         g = [v[:ws[0]] for v in V]
         for dtype in ("float16", "bfloat16"):
             other = "bfloat16" if dtype == "float16" else "float16"

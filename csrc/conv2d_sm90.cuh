@@ -154,6 +154,48 @@ IGEMM_DEVICE void prefetch_residual_l2(const P& p, int m0, int n0, int tid) {
   }
 }
 
+// The residual tile staged in shared memory for the NHWC register epilogue (kStoreRegs; a 16-bit residual,
+// BN <= 128, so that epilogue_regs_by reads the whole tile's pairs before its first barrier): BM rows of
+// BN·2 bytes, 16-byte chunk j of row r at chunk j ^ (r & 7) (a fragment read, 8 rows x 4 lanes of 4 bytes,
+// hits 32 distinct banks), zeros outside the problem. The per-tile TMA kernel copies it into the first
+// stage buffer its mainloop frees for good (S - 1 k-tiles before the end), the persistent kernel into the
+// unused upper half of its consumer's C tile before the tile's mainloop: the residual's DRAM reads overlap
+// MMA work and hold no registers, where loading it after the mainloop left them exposed (a single-wave
+// grid's CTAs all reach their epilogues at once). Each warp copies the 16 rows its own fragments hold
+// (cp.async, one group), so the epilogue needs the warp's own wait and a __syncwarp, no CTA barrier.
+template <class Epi, bool = Epi::kResidual>
+struct ResidualBytes { static constexpr int value = 0; };
+template <class Epi>
+struct ResidualBytes<Epi, true> { static constexpr int value = int(sizeof(typename Epi::Res)); };
+
+template <class Cfg>
+constexpr bool kStageResidual =
+#if defined(IGEMM_NO_RES_STAGE)
+    false;
+#else
+    Cfg::StoreMode == kStoreRegs && ResidualBytes<typename Cfg::Epi>::value == 2 && Cfg::BN <= 128;
+#endif
+
+template <class Cfg>
+constexpr int kResidualStageBytes = Cfg::BM * Cfg::BN * 2;
+
+// (tid: the thread's index in its CTA, or in its consumer warpgroup of the persistent kernel)
+template <class Cfg, class P>
+IGEMM_DEVICE void stage_residual_smem(const P& p, uint8_t* dst, int m0, int n0, int tid) {
+  constexpr int NB = Cfg::BN / 8, PER_LANE = 16 * NB / 32;   // 16-byte chunks a lane copies
+  using RT = typename Cfg::Epi::Res;
+  const RT* res = static_cast<const RT*>(p.residual);
+  const int lane = tid & 31, rbase = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16;   // the warp's fragment rows
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int c = lane + 32 * i, r = rbase + c / NB, j = c % NB;
+    const bool ok = m0 + r < p.M && n0 + j * 8 < p.K;
+    cp_async_zfill<16>(dst + r * (Cfg::BN * 2) + ((j ^ (r & 7)) << 4),
+                       ok ? res + int64_t(m0 + r) * p.K + n0 + j * 8 : res, ok);
+  }
+  cp_async_commit();
+}
+
 // NT threads (tid = 0..NT-1): the CTA's, or one consumer warpgroup's in the persistent kernel (its own
 // s_vec, refilled per tile before the tile's mainloop).
 template <class Cfg, int NT, class P>
@@ -264,7 +306,7 @@ IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) &
 // warpgroup of the persistent kernel; ct: the tile's C buffer; s_vec: its channel vectors.
 template <class Cfg, int NT, class P, class Sync>
 IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float (*s_vec)[Cfg::BN], int tid,
-                                   int m0, int n0, Sync sync) {
+                                   int m0, int n0, Sync sync, const uint8_t* res_s = nullptr) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
@@ -288,6 +330,21 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
   RawPair ra[G], rb[G];
   auto load_residual = [&](int j0) {
+    if constexpr (kStageResidual<Cfg>) {
+      if (res_s != nullptr) {   // staged (stage_residual_smem): this warp's rows, copied by this warp
+        static_assert(G == NB, "the whole tile's pairs before the first barrier");
+        cp_async_wait<0>();
+        __syncwarp();
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const int c = (j0 + g) * 8 + 2 * (lane & 3);
+          const int off = ((c >> 3) << 4) + (c & 7) * 2;        // byte offset of the pair in the unswizzled row
+          ra[g] = *reinterpret_cast<const RawPair*>(res_s + r0 * (BN * 2) + (off ^ ((r0 & 7) << 4)));
+          rb[g] = *reinterpret_cast<const RawPair*>(res_s + (r0 + 8) * (BN * 2) + (off ^ (((r0 + 8) & 7) << 4)));
+        }
+        return;
+      }
+    }
     if constexpr (Epi::kResidual) {
 #pragma unroll
       for (int g = 0; g < G; ++g) {
@@ -385,9 +442,9 @@ IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = 
 // (BN rows of BM + 8 pixels: the fragment's 16-bit writes hit 4 words of each of 4 distinct bank groups,
 // conflict-free), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
 // stays inside one image's plane); a thread's pixels are the same in every pass, so its (image, pixel)
-// divmod is done once. FuseMask (P·Q % 32 == 0, V = 8): a quad of lanes holds 32 consecutive pixels of one
+// divmod is done once. FuseMask (P·Q % 8 == 0, V = 8): a quad of lanes holds 32 consecutive pixels of one
 // channel, one mask word: one set.gt per stored pair, two shuffles; the words gather in shared memory and
-// each channel row's BM / 32 of them leave in one store.
+// each channel row's BM / 32 of them leave in one store (P·Q % 32 == 0), else byte by byte.
 // A residual (16-bit) first fills the C tile in the store loop's vectors (cp.async, zeros outside the
 // problem), and each fragment element reads its residual where it then writes its output: the same thread,
 // the same address, in place. Against the fp32 C tile's store (kStoreNCHW, where the chain ran per vector
@@ -479,6 +536,35 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     // each channel row's WPR words leave together: one 8- or 16-byte store where they are contiguous (the
     // tile inside one image) and aligned, else word by word
     sync();
+    if (p.PQ % 32 != 0) {
+      // P·Q % 8 == 0 only (28x28: V = 8 still): a run of a channel row starts on a byte, not a word, and the
+      // words at its ends also hold bits of a neighbouring tile. Each tile stores its own 8-pixel bytes
+      // (st.global.u8 leaves the word's other bytes alone), so no word is written whole by two tiles: no
+      // atomics, no fix-up, the same bits whatever the order. Thread tid: byte tid % BPR of rows tid / BPR
+      // + i·RS (one image per byte: P·Q % 8 == 0).
+      constexpr int BPR = BM / 8, RS = NT / BPR;
+      static_assert(NT % BPR == 0, "whole rows of mask bytes per pass");
+      const int b = tid % BPR;
+      if (m0 + 8 * b < p.M) {
+        int im, pq;
+        p.fd_PQ.divmod(im, pq, m0 + 8 * b);
+        const int r0 = tid / BPR;
+        uint8_t* dst = reinterpret_cast<uint8_t*>(mask) + (((int64_t(im) * p.K + n0 + r0) * p.PQ + pq) >> 3);
+        const int64_t step = (int64_t(RS) * p.PQ) >> 3;
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(ms) + b;   // byte b of row r: src[r · BPR]
+        uint8_t* last = nullptr;
+        for (int r = r0; r < ncols; r += RS, dst += step) {
+          *dst = src[r * BPR];
+          last = dst;
+        }
+        // the tensor's last byte: the rest of its word (past the last element) is zero, as relu_mask leaves it
+        uint8_t* const mb = reinterpret_cast<uint8_t*>(mask);
+        const int64_t nbytes = (int64_t(p.M) * p.K) >> 3;
+        if ((nbytes & 3) != 0 && last == mb + nbytes - 1)
+          for (int64_t e = nbytes; (e & 3) != 0; ++e) mb[e] = 0;
+      }
+      return;
+    }
     int img0, pq0;
     p.fd_PQ.divmod(img0, pq0, m0);
     const int nw = min(WPR, (p.M - m0) / 32);               // (M = N·P·Q, a multiple of 32 here)
@@ -507,7 +593,7 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
 
 // The per-tile kernel's: the whole CTA.
 template <class Cfg, class P>
-IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
+IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0, const uint8_t* res_s = nullptr) {
   // A tile past the last row has nothing to store (uniform per CTA). The branch also ends the basic block
   // that holds the mainloop's last wgmma wait: with the accumulators' first reads in that block (the
   // identity chain has nothing else before them), ptxas 13.0 serialises every wgmma of the mainloop
@@ -518,12 +604,12 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
                                               CtaSync{});
   else
     epilogue_regs_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
-                                         CtaSync{});
+                                         CtaSync{}, res_s);
 }
 
 template <class Cfg, class P>
-IGEMM_DEVICE void finish_tile(const P& p, float* acc, uint8_t* smem, int m0, int n0) {
-  if constexpr (Cfg::kRegsStore) epilogue_regs<Cfg>(p, acc, smem, m0, n0);
+IGEMM_DEVICE void finish_tile(const P& p, float* acc, uint8_t* smem, int m0, int n0, const uint8_t* res_s = nullptr) {
+  if constexpr (Cfg::kRegsStore) epilogue_regs<Cfg>(p, acc, smem, m0, n0, res_s);
   else acc_to_cs<Cfg>(acc, smem);
 }
 
@@ -772,12 +858,20 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
       if (KT > 2 * S && it == KT / 2) prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
     }
 #endif
+    if constexpr (kStageResidual<Cfg> && std::is_same_v<Fin, FinishTile>) {
+      // stage (it - 1) % S is free for good from here (no k-tile left to refill it): the residual tile into it
+      static_assert(kResidualStageBytes<Cfg> <= STAGE, "the residual tile fits a stage");
+      if (KT >= S && it == KT - S + 1) stage_residual_smem<Cfg>(p, smem + ((it - 1) % S) * STAGE, m0, n0, threadIdx.x);
+    }
   }
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                        // every stage read: the C tile may overwrite them
-  fin.template run<Cfg>(p, acc, smem, m0, n0);
+  if constexpr (kStageResidual<Cfg> && std::is_same_v<Fin, FinishTile>)
+    finish_tile<Cfg>(p, acc, smem, m0, n0, KT >= S ? smem + ((KT - S) % S) * STAGE : nullptr);
+  else
+    fin.template run<Cfg>(p, acc, smem, m0, n0);
 }
 
 // ------------------------------------------------------------ stream-K (IGEMM_STREAMK; the TMA kernel)
@@ -996,6 +1090,12 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     const auto [m0, n0] = tile_coord<Cfg>(p, t);
     if constexpr (Cfg::kRegsStore)
       if (rank == 0) epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg]);
+    // the residual tile into the C tile's upper half (the 16-bit C tile takes the lower; both free since the
+    // previous tile's epilogue ended with `sync`)
+    // (not with the cluster k-split: rank 1's partial sums arrive in the whole C tile)
+    constexpr bool kStage = kStageResidual<Cfg> && kCsplit == 1;
+    uint8_t* res_s = reinterpret_cast<uint8_t*>(Cs) + BM * (BN + 8) * 2;
+    if constexpr (kStage) stage_residual_smem<Cfg>(p, res_s, m0, n0, tid);
     float acc[NACC];
 #pragma unroll
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
@@ -1010,7 +1110,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       if (prev >= 0) mbar_arrive(&empty[wg][prev]);   // the group that read it has finished
       prev = slot;
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
-      if constexpr (Cfg::kRegsStore && Cfg::Epi::kResidual)   // as in mainloop_wgmma_tma
+      if constexpr (Cfg::kRegsStore && Cfg::Epi::kResidual && !kStage)   // as in mainloop_wgmma_tma
         if (rank == 0 && KT > 2 * S && kt == (kb + ke) / 2) prefetch_residual_l2<Cfg, 128>(p, m0, n0, tid);
 #endif
     }
@@ -1047,7 +1147,8 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       sync();                                       // every thread has read its partial: the epilogue may reuse Cs
     }
     if constexpr (Cfg::StoreMode == kStoreRegs) {
-      epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
+      epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync,
+                                 kStage ? res_s : nullptr);
     } else if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
       epilogue_regs_nchw_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
     } else {

@@ -226,9 +226,14 @@ def test_choose_config_rules(monkeypatch):
     odd = choose_config(_pb(K=300, epilogue=(("ReLU", True),)))
     assert (odd.store, odd.vec_o, odd.fuse_mask) == ("rows", 1, False)    # words would straddle CTAs
     nchw = choose_config(_pb(layout="NCHW", H=28, W=28, epilogue=(("ReLU", True),)))
-    assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("regsnchw", 8, False)  # 784 % 32 != 0
+    assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("regsnchw", 8, True)   # 784 % 8 == 0: each tile's bytes
     nchw56 = choose_config(_pb(layout="NCHW", epilogue=(("ReLU", True),)))
     assert nchw56.fuse_mask
+    for hw in (14, 7):                                                    # 4- and 1-pixel vectors: not fused
+        assert not choose_config(_pb(layout="NCHW", H=hw, W=hw, epilogue=(("ReLU", True),))).fuse_mask
+    nchw32 = choose_config(_pb(layout="NCHW", H=28, W=28, dtype="float32", precision="tf32",
+                               epilogue=(("ReLU", True),)))
+    assert (nchw32.store, nchw32.fuse_mask) == ("nchw", False)           # the fp32 C tile: whole words only
     for hw, v in ((14, 4), (7, 1), (6, 4), (5, 1)):                       # widest vector dividing P*Q
         assert choose_config(_pb(layout="NCHW", H=hw, W=hw)).vec_o == v
     assert choose_config(_pb(layout="NCHW", H=6, W=5)).vec_o == 2
@@ -1170,6 +1175,20 @@ def _both_store_phases(torch, x, w, dtype, layout, st, pd, chain, cfg, stores, r
         assert torch.equal(outs[0][1], igemm.relu_mask(outs[0][0])), label
 
 
+#: test_gpu_register_epilogue_bitwise's cases (x NHWC, K, R = S, stride, config); tools/precompile_tests.py compiles
+#: their kernels
+REGS_BITWISE_CASES = [
+    ((2, 9, 11, 64), 256, 3, 1, None), ((3, 7, 5, 64), 136, 1, 1, None),
+    ((2, 13, 13, 32), 64, 3, 2, None), ((1, 30, 30, 64), 128, 3, 1, {"bm": 128, "wm": 2}),
+    ((2, 5, 6, 16), 24, 3, 1, None), ((2, 40, 33, 64), 64, 3, 1, {"bm": 128, "wm": 2}),
+    # the residual staged in a freed stage (a reduction of at least `stages` k-tiles) with a K tail
+    ((2, 9, 11, 64), 136, 3, 1, None),
+    # the persistent kernel's consumers (per-tile vectors, their own C tiles, the residual staged there)
+    ((2, 9, 11, 64), 256, 3, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
+    ((3, 7, 5, 64), 136, 1, 1, {**_PERSISTENT, "bn": 64, "stages": 2}),
+    ((2, 9, 11, 64), 256, 3, 1, {**_PERSISTENT, "wm": 1, "bn": 128, "stages": 6})]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_register_epilogue_bitwise(dtype, rng):
@@ -1177,16 +1196,11 @@ def test_gpu_register_epilogue_bitwise(dtype, rng):
     registers) against the fp32 C tile's store phase of the same tile: identical bits of y and mask, over
     M and K tails, 64/128-row tiles (TMA and gather loads) and the persistent kernel, mask fused
     (K % 32 == 0) or not, the chains
-    with a 16-bit or fp32 residual among them; y and mask poisoned first."""
+    with a 16-bit residual (staged in shared memory where the kernel can: a freed stage, the persistent
+    kernel's C tile) or an fp32 one among them; y and mask poisoned first."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
-    for xs, K, R, st, cfg in [((2, 9, 11, 64), 256, 3, 1, None), ((3, 7, 5, 64), 136, 1, 1, None),
-                              ((2, 13, 13, 32), 64, 3, 2, None), ((1, 30, 30, 64), 128, 3, 1, {"bm": 128, "wm": 2}),
-                              ((2, 5, 6, 16), 24, 3, 1, None), ((2, 40, 33, 64), 64, 3, 1, {"bm": 128, "wm": 2}),
-                              # the persistent kernel's consumers (per-tile vectors, their own C tiles)
-                              ((2, 9, 11, 64), 256, 3, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
-                              ((3, 7, 5, 64), 136, 1, 1, {**_PERSISTENT, "bn": 64, "stages": 2}),
-                              ((2, 9, 11, 64), 256, 3, 1, {**_PERSISTENT, "wm": 1, "bn": 128, "stages": 6})]:
+    for xs, K, R, st, cfg in REGS_BITWISE_CASES:
         C = xs[-1]
         x = to_torch(rng.standard_normal(xs), dtype)
         w = to_torch(rng.standard_normal((K, R, R, C)) / np.sqrt(R * R * C), dtype)
@@ -1219,7 +1233,12 @@ NCHW_BITWISE_CASES = [
     ((3, 64, 8, 12), (72, 64, 3, 3), 1, 1, None),
     ((2, 64, 8, 8), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
     ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "wm": 1, "bn": 64, "stages": 8}),
-    ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None)]                        # the patch kernel
+    ((2, 3, 37, 48), (70, 3, 7, 7), 2, 3, None),                        # the patch kernel
+    # the fused mask's byte stores (P*Q % 8 == 0, % 32 != 0): tiles across images, an M tail, the last word
+    # of the tensor part-filled (1 * 35 * 8 elements), 128-row tiles, the persistent kernel
+    ((1, 64, 4, 2), (35, 64, 3, 3), 1, 1, None),
+    ((2, 64, 12, 12), (72, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
+    ((3, 64, 4, 6), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3})]
 
 
 @pytest.mark.gpu
@@ -1229,8 +1248,8 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
     tile, vectors along each channel's pixels, mask words from quads of 8-pixel vectors) against the fp32 C
     tile's NCHW store phase of the same tile: identical bits of y and mask on every NCHW kernel path (the
     transpose path's TMA and gather kernels, 64/128-row tiles, the persistent kernel; the MN-major 1x1 path;
-    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (P*Q % 32 == 0: mask fused, each channel row's
-    words stored in 8- or 16-byte pieces or word by word), M and K tails, 16-bit residuals of either type
+    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (8: mask fused, each channel row's words stored
+    in 8- or 16-byte pieces or word by word where P*Q % 32 == 0, else byte by byte), M and K tails, 16-bit residuals of either type
     (staged in the C tile: zeros past the tails); y and mask poisoned first; plain results against the
     float64 reference."""
     torch = pytest.importorskip("torch")

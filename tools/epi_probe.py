@@ -1,7 +1,11 @@
 """Probe: how the fused epilogue's cost on epilogue-bound layers moves with occupancy and tile width.
 
-    python tools/epi_probe.py precompile [arch]      # compile every variant here (no GPU)
-    python tools/epi_probe.py run                    # on the GPU: (a) conv, (b) +BN+ReLU+mask, (c) +Add
+    python tools/epi_probe.py precompile [arch] [SET]   # compile every variant here (no GPU)
+    python tools/epi_probe.py run [SET]                 # on the GPU: (a) conv, (b) +BN+ReLU+mask, (c) +Add
+
+SET: "tiles" (default: the 1x1 layers, tile and occupancy variants) or "stage" (ResNet-50's layers after
+conv1, N=32: the residual staged in shared memory, as built, against IGEMM_NO_RES_STAGE's loads after the
+mainloop).
 
 Variants are overrides of the chosen KernelSpec (min_blocks = CTAs per SM the register cap allows, bn,
 stages); times are CUDA-graph medians (benchmarks/_harness.py), inputs rotated past L2.
@@ -23,6 +27,17 @@ LAYERS = [("1x1 64->256 @56", 64, 256, 56, 1, 1, 0, 32), ("1x1/2 512->1024 @28",
 _SK = {"splits": 1, "stages": 4, "math": "wgmma"}    # stream-K variants (CTAs per SM)
 VARIANTS = [{}, {"bn": 64}, {"bm": 128, "wm": 2, "bn": 64}, {"bm": 128, "wm": 2, "bn": 128, "stages": 3},
             {"bn": 256}, {"bn": 64, "min_blocks": 6}]
+
+
+RESNET_N32 = [("3x3 64->64 @56", 64, 64, 56, 3, 1, 1, 32), ("1x1 64->256 @56", 64, 256, 56, 1, 1, 0, 32),
+              ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1, 32), ("3x3 256->256 @14", 256, 256, 14, 3, 1, 1, 32),
+              ("3x3 512->512 @7", 512, 512, 7, 3, 1, 1, 32), ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0, 32)]
+SETS = {"tiles": (LAYERS, VARIANTS), "stage": (RESNET_N32, [{}, {"define": "IGEMM_NO_RES_STAGE"}])}
+
+
+def _use_set(name: str) -> None:
+    global LAYERS, VARIANTS
+    LAYERS, VARIANTS = SETS[name]
 
 
 def _defines(v) -> str:
@@ -93,8 +108,10 @@ def _check(x, w, res, vec, st, pd, plan) -> str:
 def main() -> int:
     if sys.argv[1:2] == ["precompile"]:
         arch = sys.argv[2] if len(sys.argv) > 2 else "sm_90a"
+        _use_set(sys.argv[3] if len(sys.argv) > 3 else "tiles")
         print(f"{precompile_variants(specs(arch), VARIANTS, arch)} kernels")
         return 0
+    _use_set(sys.argv[2] if len(sys.argv) > 2 else "tiles")
     import argparse
 
     import torch

@@ -70,10 +70,28 @@ def test_stubs() -> dict:
 
 
 def bitwise_stubs() -> dict:
-    """The kernels of test_conv.py's test_gpu_register_epilogue_nchw_bitwise: each case's chains (the
-    16-bit residual ones among them) on the register epilogue and on the fp32 C tile's store."""
-    from test_conv import NCHW_BITWISE_CASES
+    """The kernels of test_conv.py's test_gpu_register_epilogue_nchw_bitwise and
+    test_gpu_register_epilogue_bitwise: each case's chains (the residual ones among them) on the register
+    epilogue and on the fp32 C tile's store."""
+    from test_conv import NCHW_BITWISE_CASES, REGS_BITWISE_CASES
     specs = {}
+    for xs, K, R, st, cfg in REGS_BITWISE_CASES:
+        g = [v[:K] for v in V]
+        for dtype in ("float16", "bfloat16"):
+            for ch, rdt in ((None, None), (ep.chain(ep.BatchNorm(*g), ep.ReLU(mask=True)), None),
+                            (ep.chain(ep.PReLU(g[0] - 1.0)), None), (ep.chain(ep.Bias(g[1]), ep.ReLU()), None),
+                            (ep.chain(ep.Bias(g[1]), ep.PReLU(0.25)), None),
+                            (ep.chain(ep.BatchNorm(*g), ep.Add(), ep.ReLU(mask=True)), dtype),
+                            (ep.chain(ep.Add(), ep.BatchNorm(*g), ep.ReLU()), "float32")):
+                for c in (cfg, {**(cfg or {}), "store": "rows"}):
+                    try:
+                        plan = Conv2dPlan(xs, (K, R, R, xs[-1]), dtype, "NHWC", st, R // 2, 1, config=c or None,
+                                          epilogue=ch, residual_dtype=rdt, device=None)
+                        s = plan.spec()
+                    except Exception as e:  # noqa: BLE001
+                        print("skip", xs, K, c, dtype, e)
+                        continue
+                    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
     for xs, ws, st, pd, cfg in NCHW_BITWISE_CASES:
         g = [v[:ws[0]] for v in V]
         for dtype in ("float16", "bfloat16"):

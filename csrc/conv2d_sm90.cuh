@@ -186,7 +186,7 @@ IGEMM_DEVICE void stage_residual_smem(const P& p, uint8_t* dst, int m0, int n0, 
   using RT = typename Cfg::Epi::Res;
   const RT* res = static_cast<const RT*>(p.residual);
   const int lane = tid & 31, rbase = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16;   // the warp's fragment rows
-#pragma unroll
+#pragma unroll 1   // (in the mainloop: see stage_residual_nchw)
   for (int i = 0; i < PER_LANE; ++i) {
     const int c = lane + 32 * i, r = rbase + c / NB, j = c % NB;
     const bool ok = m0 + r < p.M && n0 + j * 8 < p.K;
@@ -437,26 +437,71 @@ IGEMM_DEVICE void store_vec(void* p, const uint2& v) {
 IGEMM_DEVICE void store_vec(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
 IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = v; }
 
+// The NCHW register epilogue's 16-bit C tile: channel-major, BN rows of BM pixels, the 16-byte chunk k of row
+// nl at chunk k ^ (nl & 7). The fragment's 16-bit accesses (8 consecutive pixels of 4 channels 2 apart in a
+// warp) then hit 16 distinct banks; a V-pixel vector stays inside one chunk. BM · BN · 2 bytes: a 128x128
+// tile fits one stage buffer, so the residual can be staged in place before the mainloop ends.
+template <class Cfg>
+IGEMM_DEVICE int nchw_ct_index(int nl, int ml) {
+  static_assert(Cfg::BM >= 64, "at least 8 chunks a row");
+  return nl * Cfg::BM + (ml & ~63) + ((((ml >> 3) ^ nl) & 7) << 3) + (ml & 7);
+}
+
+template <class Cfg>
+constexpr bool kStageResidualNchw =
+#if defined(IGEMM_NO_RES_STAGE)
+    false;
+#else
+    Cfg::StoreMode == kStoreRegsNCHW && ResidualBytes<typename Cfg::Epi>::value == 2 && Cfg::VecO >= 2;
+#endif
+
+// The residual tile into the NCHW C tile (V ≥ 2: cp.async of V-pixel vectors, the store loop's assignment:
+// pixel vector tid % CPR of channel rows tid / CPR + i·RSTEP; zeros outside the problem), one group.
+template <class Cfg, int NT, class P>
+IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, int tid) {
+  using RT = typename Cfg::Epi::Res;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM, V = Cfg::VecO, CPR = BM / V, RSTEP = NT / CPR;
+  static_assert(V >= 2 && sizeof(RT) == 2, "cp.async of 4- to 16-byte vectors of a 16-bit residual");
+  const int ml = (tid % CPR) * V, nl0 = tid / CPR;
+  const bool okm = m0 + ml < p.M;
+  int img, pq;
+  p.fd_PQ.divmod(img, pq, okm ? m0 + ml : 0);
+  const int ncols = min(BN, p.K - n0);
+  const RT* resp = static_cast<const RT*>(p.residual);
+  const RT* src = resp + (int64_t(img) * p.K + n0 + nl0) * p.PQ + pq;
+  const int64_t ostep = int64_t(RSTEP) * p.PQ;
+  // (not unrolled: in the mainloop, beside the accumulators, an unrolled loop's addresses cost registers --
+  // 3x3 128->128 @28's 128x128 tile went from 111 to 135, past two CTAs an SM)
+#pragma unroll 1
+  for (int nl = nl0; nl < BN; nl += RSTEP, src += ostep) {
+    const bool ok = okm && nl < ncols;
+    cp_async_zfill<V * 2>(ct + nchw_ct_index<Cfg>(nl, ml), ok ? src : resp, ok);
+  }
+  cp_async_commit();
+}
+
 // The register epilogue for NCHW outputs (kStoreRegsNCHW: no split-K): the chain runs on the
 // accumulators as in epilogue_regs_by and each value is rounded once into a channel-major 16-bit C tile
-// (BN rows of BM + 8 pixels: the fragment's 16-bit writes hit 4 words of each of 4 distinct bank groups,
-// conflict-free), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
+// (nchw_ct_index), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
 // stays inside one image's plane); a thread's pixels are the same in every pass, so its (image, pixel)
 // divmod is done once. FuseMask (P·Q % 8 == 0, V = 8): a quad of lanes holds 32 consecutive pixels of one
 // channel, one mask word: one set.gt per stored pair, two shuffles; the words gather in shared memory and
 // each channel row's BM / 32 of them leave in one store (P·Q % 32 == 0), else byte by byte.
-// A residual (16-bit) first fills the C tile in the store loop's vectors (cp.async, zeros outside the
-// problem), and each fragment element reads its residual where it then writes its output: the same thread,
-// the same address, in place. Against the fp32 C tile's store (kStoreNCHW, where the chain ran per vector
-// in the store loop): half the shared-memory bytes, the channel vectors fetched before the mainloop, and
-// no index math or chain work per vector in the store loop.
+// A residual (16-bit) fills the C tile first, in the store loop's vectors, and each fragment element reads
+// its residual where it then writes its output: the same thread, the same address, in place. It is staged
+// ahead (res_s: the C tile, filled by stage_residual_nchw during the mainloop -- the per-tile kernel's
+// first stage freed for good, the persistent kernel's C tile before the tile's mainloop -- and waited for
+// with the channel vectors), or else here, after the mainloop (cp.async, or 2-byte loads for V = 1).
+// Against the fp32 C tile's store (kStoreNCHW, where the chain ran per vector in the store loop): half the
+// shared-memory bytes, the channel vectors fetched before the mainloop, and no index math or chain work per
+// vector in the store loop.
 template <class Cfg, int NT, class P, class Sync>
 IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, float (*s_vec)[Cfg::BN], int tid,
-                                        int m0, int n0, Sync sync) {
+                                        int m0, int n0, Sync sync, uint8_t* res_s = nullptr) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
   using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
-  constexpr int BN = Cfg::BN, BM = Cfg::BM, LDT = BM + 8, V = Cfg::VecO, CPR = BM / V, RSTEP = NT / CPR;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM, V = Cfg::VecO, CPR = BM / V, RSTEP = NT / CPR;
   static_assert(NT % CPR == 0 && BN % RSTEP == 0, "whole channel rows per store pass");
   static_assert(sizeof(RT) == 2, "16-bit residuals (staged in the 16-bit C tile)");
   using VecT = std::conditional_t<V == 8, uint4, std::conditional_t<V == 4, uint2, std::conditional_t<V == 2, uint32_t, uint16_t>>>;
@@ -467,23 +512,25 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   p.fd_PQ.divmod(img, pq, okm ? m0 + ml : 0);
   const int ncols = min(BN, p.K - n0);
   const int64_t off0 = (int64_t(img) * p.K + n0 + nl0) * p.PQ + pq, ostep = int64_t(RSTEP) * p.PQ;
-  const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
-  uint16_t* ct = reinterpret_cast<uint16_t*>(smem);
+  const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);   // (waits for a staged residual)
+  uint16_t* ct = reinterpret_cast<uint16_t*>(res_s != nullptr ? res_s : smem);
+  auto cti = [](int nl, int m) { return nchw_ct_index<Cfg>(nl, m); };
   if constexpr (Epi::kResidual) {
-    const RT* resp = static_cast<const RT*>(p.residual);
+    if (res_s == nullptr) {
+      if constexpr (V >= 2) {
+        stage_residual_nchw<Cfg, NT>(p, ct, m0, n0, tid);
+      } else {
+        const RT* resp = static_cast<const RT*>(p.residual);
 #pragma unroll 8
-    for (int i = 0; i < BN / RSTEP; ++i) {
-      const int nl = nl0 + i * RSTEP;
-      const bool ok = okm && nl < ncols;
-      const RT* src = ok ? resp + off0 + i * ostep : resp;
-      if constexpr (sizeof(VecT) >= 4)
-        cp_async_zfill<int(sizeof(VecT))>(ct + nl * LDT + ml, src, ok);
-      else
-        ct[nl * LDT + ml] = ok ? *reinterpret_cast<const uint16_t*>(src) : uint16_t(0);
+        for (int i = 0; i < BN / RSTEP; ++i) {
+          const int nl = nl0 + i * RSTEP;
+          const bool ok = okm && nl < ncols;
+          ct[cti(nl, ml)] = ok ? *reinterpret_cast<const uint16_t*>(resp + off0 + i * ostep) : uint16_t(0);
+        }
+      }
+      cp_async_wait<0>();
+      sync();
     }
-    cp_async_commit();
-    cp_async_wait<0>();
-    sync();
   }
   const int lane = tid & 31, r0 = fragment_row0(tid);
 #pragma unroll
@@ -493,30 +540,30 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     const int ch[4] = {c, c + 1, c, c + 1};
     float res[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (Epi::kResidual) {      // (r0, c | c+1), (r0+8, c | c+1): the pairs as unpack_pair takes them
-      unpack_pair<RT>(uint32_t(ct[c * LDT + r0]) | uint32_t(ct[(c + 1) * LDT + r0]) << 16, res[0], res[1]);
-      unpack_pair<RT>(uint32_t(ct[c * LDT + r0 + 8]) | uint32_t(ct[(c + 1) * LDT + r0 + 8]) << 16, res[2], res[3]);
+      unpack_pair<RT>(uint32_t(ct[cti(c, r0)]) | uint32_t(ct[cti(c + 1, r0)]) << 16, res[0], res[1]);
+      unpack_pair<RT>(uint32_t(ct[cti(c, r0 + 8)]) | uint32_t(ct[cti(c + 1, r0 + 8)]) << 16, res[2], res[3]);
     }
     Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
     const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);   // (r0, c | c+1), (r0+8, ..)
-    ct[c * LDT + r0] = uint16_t(o0);
-    ct[(c + 1) * LDT + r0] = uint16_t(o0 >> 16);
-    ct[c * LDT + r0 + 8] = uint16_t(o1);
-    ct[(c + 1) * LDT + r0 + 8] = uint16_t(o1 >> 16);
+    ct[cti(c, r0)] = uint16_t(o0);
+    ct[cti(c + 1, r0)] = uint16_t(o0 >> 16);
+    ct[cti(c, r0 + 8)] = uint16_t(o1);
+    ct[cti(c + 1, r0 + 8)] = uint16_t(o1 >> 16);
   }
   sync();
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));
   uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
-  // FuseMask: the tile's mask words, BN rows of WPR = BM / 32, in shared memory after the C tile first
-  // (ncu, 1x1 64->256 NCHW: a warp's 4-byte word stores, 8 bytes of each of four channel rows, cost 1.04M L2
-  // write sectors for a 100k-sector mask)
+  // FuseMask: the tile's mask words, BN rows of WPR = BM / 32, in shared memory first, after the C tile, or
+  // at smem's start where the C tile is a later stage buffer (ncu, 1x1 64->256 NCHW: a warp's 4-byte word
+  // stores, 8 bytes of each of four channel rows, cost 1.04M L2 write sectors for a 100k-sector mask)
   constexpr int WPR = BM / 32;
-  uint32_t* ms = reinterpret_cast<uint32_t*>(smem + BN * LDT * 2);
+  uint32_t* ms = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(ct) == smem ? smem + BN * BM * 2 : smem);
   TO* yp = y + off0;                                         // (a pointer stepped per pass: no 64-bit IMADs)
 #pragma unroll 4
   for (int i = 0; i < BN / RSTEP; ++i, yp += ostep) {
     const int nl = nl0 + i * RSTEP;
     const bool ok = okm && nl < ncols;
-    const VecT o = *reinterpret_cast<const VecT*>(ct + nl * LDT + ml);
+    const VecT o = *reinterpret_cast<const VecT*>(ct + cti(nl, ml));
     if (ok) store_vec(yp, o);
     if constexpr (Cfg::FuseMask) {
       // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word.
@@ -601,7 +648,7 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
   if (m0 >= p.M) return;
   if constexpr (Cfg::StoreMode == kStoreRegsNCHW)
     epilogue_regs_nchw_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
-                                              CtaSync{});
+                                              CtaSync{}, const_cast<uint8_t*>(res_s));
   else
     epilogue_regs_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
                                          CtaSync{}, res_s);
@@ -858,17 +905,24 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
       if (KT > 2 * S && it == KT / 2) prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
     }
 #endif
-    if constexpr (kStageResidual<Cfg> && std::is_same_v<Fin, FinishTile>) {
+    if constexpr ((kStageResidual<Cfg> || kStageResidualNchw<Cfg>) && std::is_same_v<Fin, FinishTile>) {
       // stage (it - 1) % S is free for good from here (no k-tile left to refill it): the residual tile into it
+      // (NCHW: as the C tile, which the epilogue then builds in place)
       static_assert(kResidualStageBytes<Cfg> <= STAGE, "the residual tile fits a stage");
-      if (KT >= S && it == KT - S + 1) stage_residual_smem<Cfg>(p, smem + ((it - 1) % S) * STAGE, m0, n0, threadIdx.x);
+      if (KT >= S && it == KT - S + 1) {
+        uint8_t* dst = smem + ((it - 1) % S) * STAGE;
+        if constexpr (kStageResidualNchw<Cfg>)
+          stage_residual_nchw<Cfg, Cfg::kThreads>(p, reinterpret_cast<uint16_t*>(dst), m0, n0, threadIdx.x);
+        else
+          stage_residual_smem<Cfg>(p, dst, m0, n0, threadIdx.x);
+      }
     }
   }
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                        // every stage read: the C tile may overwrite them
-  if constexpr (kStageResidual<Cfg> && std::is_same_v<Fin, FinishTile>)
+  if constexpr ((kStageResidual<Cfg> || kStageResidualNchw<Cfg>) && std::is_same_v<Fin, FinishTile>)
     finish_tile<Cfg>(p, acc, smem, m0, n0, KT >= S ? smem + ((KT - S) % S) * STAGE : nullptr);
   else
     fin.template run<Cfg>(p, acc, smem, m0, n0);
@@ -1093,9 +1147,15 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     // the residual tile into the C tile's upper half (the 16-bit C tile takes the lower; both free since the
     // previous tile's epilogue ended with `sync`)
     // (not with the cluster k-split: rank 1's partial sums arrive in the whole C tile)
-    constexpr bool kStage = kStageResidual<Cfg> && kCsplit == 1;
-    uint8_t* res_s = reinterpret_cast<uint8_t*>(Cs) + BM * (BN + 8) * 2;
-    if constexpr (kStage) stage_residual_smem<Cfg>(p, res_s, m0, n0, tid);
+    // NCHW (V >= 2): into the C tile itself, which the epilogue then builds in place
+    constexpr bool kStage = (kStageResidual<Cfg> || kStageResidualNchw<Cfg>) && kCsplit == 1;
+    uint8_t* res_s = reinterpret_cast<uint8_t*>(Cs) + (kStageResidualNchw<Cfg> ? 0 : BM * (BN + 8) * 2);
+    if constexpr (kStage) {
+      if constexpr (kStageResidualNchw<Cfg>)
+        stage_residual_nchw<Cfg, 128>(p, reinterpret_cast<uint16_t*>(res_s), m0, n0, tid);
+      else
+        stage_residual_smem<Cfg>(p, res_s, m0, n0, tid);
+    }
     float acc[NACC];
 #pragma unroll
     for (int j = 0; j < NACC; ++j) acc[j] = 0.f;
@@ -1150,7 +1210,8 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync,
                                  kStage ? res_s : nullptr);
     } else if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
-      epilogue_regs_nchw_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync);
+      epilogue_regs_nchw_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync,
+                                      kStage ? res_s : nullptr);
     } else {
       acc_to_cs_rows<Cfg>(acc, Cs, 0);
       sync();

@@ -189,6 +189,16 @@ CONV = {
                                             stride=2, chain="bn_relu_mask"),
     "patch_c3_nchw_mask": lambda: _conv("patch C=3 NCHW", "float16", "NCHW", (2, 3, 21, 48), (64, 3, 7, 7), stride=2,
                                         padding=3, chain="bn_relu_mask"),
+    # the residual staged during the mainloop (a freed stage: NCHW as the C tile, built in place; the
+    # persistent kernel's C tile before the mainloop) and the NCHW mask's byte stores (P*Q % 32 != 0)
+    "regsnchw_residual_staged_mask_bytes": lambda: _conv("regsnchw staged residual", "float16", "NCHW",
+                                                         (2, 64, 12, 12), (72, 64, 3, 3), padding=1,
+                                                         chain="add_relu_mask", config={"bm": 128, "wm": 2}),
+    "regsnchw_residual_staged_persistent": lambda: _conv("regsnchw staged residual persistent", "bfloat16", "NCHW",
+                                                         (2, 64, 14, 14), (136, 64, 3, 3), padding=1,
+                                                         chain="bn_add_relu",
+                                                         config={"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1,
+                                                                 "bn": 128, "stages": 3}),
     "tma_deep_residual_prefetch": lambda: _conv("TMA residual prefetch", "float16", "NHWC", (2, 9, 9, 128),
                                                 (64, 3, 3, 128), padding=1, chain="bn_add_relu"),
     # the width unfold (conv1's default for 16-bit): the unfold kernel, then the conv on its copies

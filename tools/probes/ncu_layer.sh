@@ -7,7 +7,7 @@ set -uo pipefail
 idx=$1; n=$2; shift 2
 NCU=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
 SECTIONS=${SECTIONS:-"--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats"}
-METRICS="--metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_read.sum,lts__t_sector_hit_rate.pct,sm__cycles_active.avg,smsp__warps_launched.sum"
+METRICS="--metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_read.sum,lts__t_sector_hit_rate.pct,sm__cycles_active.avg,smsp__warps_launched.sum,smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_global_st.sum"
 for cfg in "$@"; do
   if [ "$cfg" = cudnn ]; then chain=cudnn; c=""; else chain=${CHAIN:-none}; c=$cfg; fi
   echo "=== layer $idx N=$n ${LAYOUT:-NHWC} chain $chain config ${cfg:-chosen}"

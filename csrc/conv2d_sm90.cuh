@@ -533,22 +533,29 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     }
   }
   const int lane = tid & 31, r0 = fragment_row0(tid);
+  // the fragment's four C-tile positions in column block 0, (channel c | c+1) x (pixel r0 | r0+8); block j's
+  // are j·8·BM further on (the swizzle depends on the channel's low 3 bits only): four registers, where the
+  // swizzle computed per element left ptxas holding 158 registers for the identity chain's 128x128 tile
+  uint16_t* const f00 = ct + cti(2 * (lane & 3), r0);
+  uint16_t* const f10 = ct + cti(2 * (lane & 3) + 1, r0);
+  uint16_t* const f01 = ct + cti(2 * (lane & 3), r0 + 8);
+  uint16_t* const f11 = ct + cti(2 * (lane & 3) + 1, r0 + 8);
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
-    const int c = j * 8 + 2 * (lane & 3);
+    const int c = j * 8 + 2 * (lane & 3), jo = j * 8 * BM;
     float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
     const int ch[4] = {c, c + 1, c, c + 1};
     float res[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (Epi::kResidual) {      // (r0, c | c+1), (r0+8, c | c+1): the pairs as unpack_pair takes them
-      unpack_pair<RT>(uint32_t(ct[cti(c, r0)]) | uint32_t(ct[cti(c + 1, r0)]) << 16, res[0], res[1]);
-      unpack_pair<RT>(uint32_t(ct[cti(c, r0 + 8)]) | uint32_t(ct[cti(c + 1, r0 + 8)]) << 16, res[2], res[3]);
+      unpack_pair<RT>(uint32_t(f00[jo]) | uint32_t(f10[jo]) << 16, res[0], res[1]);
+      unpack_pair<RT>(uint32_t(f01[jo]) | uint32_t(f11[jo]) << 16, res[2], res[3]);
     }
     Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
     const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);   // (r0, c | c+1), (r0+8, ..)
-    ct[cti(c, r0)] = uint16_t(o0);
-    ct[cti(c + 1, r0)] = uint16_t(o0 >> 16);
-    ct[cti(c, r0 + 8)] = uint16_t(o1);
-    ct[cti(c + 1, r0 + 8)] = uint16_t(o1 >> 16);
+    f00[jo] = uint16_t(o0);
+    f10[jo] = uint16_t(o0 >> 16);
+    f01[jo] = uint16_t(o1);
+    f11[jo] = uint16_t(o1 >> 16);
   }
   sync();
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));
@@ -559,11 +566,13 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   constexpr int WPR = BM / 32;
   uint32_t* ms = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(ct) == smem ? smem + BN * BM * 2 : smem);
   TO* yp = y + off0;                                         // (a pointer stepped per pass: no 64-bit IMADs)
+  const uint16_t* const sbase = ct + cti(nl0, ml);
 #pragma unroll 4
   for (int i = 0; i < BN / RSTEP; ++i, yp += ostep) {
     const int nl = nl0 + i * RSTEP;
     const bool ok = okm && nl < ncols;
-    const VecT o = *reinterpret_cast<const VecT*>(ct + cti(nl, ml));
+    // (RSTEP % 8 == 0: the same swizzle every pass, one base and a constant step)
+    const VecT o = *reinterpret_cast<const VecT*>(RSTEP % 8 == 0 ? sbase + i * RSTEP * BM : ct + cti(nl, ml));
     if (ok) store_vec(yp, o);
     if constexpr (Cfg::FuseMask) {
       // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word.
@@ -872,6 +881,19 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     for (int st = 0; st < S - 1; ++st)
       if (st < KT) issue(kt0 + st, (it0 + st) % S);
   }
+  // the residual tile staged in shared memory (kStageResidual / kStageResidualNchw): into stage buffer KT now
+  // when the reduction is shorter than the ring (that buffer is never filled; the plan launches with KT + 1
+  // stages' shared memory, KernelSpec.launch_smem), else into the first buffer the mainloop frees for good
+  constexpr bool kStage = (kStageResidual<Cfg> || kStageResidualNchw<Cfg>) && std::is_same_v<Fin, FinishTile>;
+  static_assert(!kStage || kResidualStageBytes<Cfg> <= STAGE, "the residual tile fits a stage");
+  auto stage_residual = [&](uint8_t* dst) {
+    if constexpr (kStageResidualNchw<Cfg>)
+      stage_residual_nchw<Cfg, Cfg::kThreads>(p, reinterpret_cast<uint16_t*>(dst), m0, n0, threadIdx.x);
+    else if constexpr (kStageResidual<Cfg>)
+      stage_residual_smem<Cfg>(p, dst, m0, n0, threadIdx.x);
+  };
+  if constexpr (kStage)
+    if (KT < S) stage_residual(smem + KT * STAGE);
   float acc[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
@@ -905,25 +927,17 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
       if (KT > 2 * S && it == KT / 2) prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
     }
 #endif
-    if constexpr ((kStageResidual<Cfg> || kStageResidualNchw<Cfg>) && std::is_same_v<Fin, FinishTile>) {
-      // stage (it - 1) % S is free for good from here (no k-tile left to refill it): the residual tile into it
-      // (NCHW: as the C tile, which the epilogue then builds in place)
-      static_assert(kResidualStageBytes<Cfg> <= STAGE, "the residual tile fits a stage");
-      if (KT >= S && it == KT - S + 1) {
-        uint8_t* dst = smem + ((it - 1) % S) * STAGE;
-        if constexpr (kStageResidualNchw<Cfg>)
-          stage_residual_nchw<Cfg, Cfg::kThreads>(p, reinterpret_cast<uint16_t*>(dst), m0, n0, threadIdx.x);
-        else
-          stage_residual_smem<Cfg>(p, dst, m0, n0, threadIdx.x);
-      }
+    if constexpr (kStage) {
+      // stage (it - 1) % S is free for good from here (no k-tile left to refill it)
+      if (KT >= S && it == KT - S + 1) stage_residual(smem + ((it - 1) % S) * STAGE);
     }
   }
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                        // every stage read: the C tile may overwrite them
-  if constexpr ((kStageResidual<Cfg> || kStageResidualNchw<Cfg>) && std::is_same_v<Fin, FinishTile>)
-    finish_tile<Cfg>(p, acc, smem, m0, n0, KT >= S ? smem + ((KT - S) % S) * STAGE : nullptr);
+  if constexpr (kStage)
+    finish_tile<Cfg>(p, acc, smem, m0, n0, smem + (KT >= S ? ((KT - S) % S) * STAGE : KT * STAGE));
   else
     fin.template run<Cfg>(p, acc, smem, m0, n0);
 }

@@ -119,16 +119,28 @@ class KernelSpec:
             main = (2 * self.bm + self.stages * self.bn) * self.bk * eb + self.patch_bytes
         return max(main, cs) + (1024 if self.math == "wgmma" else 128)
 
+    @property
+    def residual_staged(self) -> bool:
+        """Whether the kernel stages a 16-bit residual in shared memory during the mainloop
+        (csrc/conv2d_sm90.cuh: kStageResidual, kStageResidualNchw): the register epilogues, NHWC with
+        BN <= 128 or NCHW with vectors of 2 pixels or more; the per-tile TMA kernel and the persistent one."""
+        res16 = any(f.startswith("igemm::epi::AddResidual<cutlass::") for f in self.epilogue)
+        return res16 and (self.store == "regs" and self.bn <= 128 or self.store == "regsnchw" and self.vec_o >= 2)
+
     def launch_smem(self, kt: int) -> int:
         """Dynamic shared memory for a launch whose CTAs run ``kt`` k-tiles each: the TMA mainloop lays its
         stages out one after another and touches only the first ``min(kt, stages)``, so a short reduction
-        (a 1x1 conv over 64 channels: one k-tile) launches with less and fits more CTAs per SM.
+        (a 1x1 conv over 64 channels: one k-tile) launches with less and fits more CTAs per SM -- one stage
+        more where the residual is staged (:attr:`residual_staged`: into stage ``kt``, before the mainloop).
         ``IGEMM_SMEM_TRIM=0``: always :attr:`smem`."""
         import os
         if (self.math != "wgmma" or self.load_b != "tma" or kt >= self.stages
                 or os.environ.get("IGEMM_SMEM_TRIM", "1") == "0"):
             return self.smem
-        main = max(kt, 1) * (self.bm + self.bn) * self.bk * DTYPE_SIZES[self.dtype]
+        used = max(kt, 1) + (1 if self.residual_staged and not self.streamk else 0)
+        if used >= self.stages:
+            return self.smem
+        main = used * (self.bm + self.bn) * self.bk * DTYPE_SIZES[self.dtype]
         cs = self.bm * (self.bn + 8) * 4 if self.store not in NCHW_STORES else self.bn * (self.bm + 4) * 4
         return max(main, cs) + 1024
 
@@ -158,10 +170,15 @@ class KernelSpec:
                 f"{'_sk' if self.streamk else ''}{f'_cs{self.csplit}' if self.csplit > 1 else ''}")
 
     def prelude(self) -> str:
+        """Macros in front of the kernel source. ``IGEMM_KERNEL_DEFINES`` (space-separated names, each
+        defined to 1) adds the kernels' A/B switches for measurements, e.g. ``IGEMM_NO_RES_STAGE``: they are
+        part of the source, hence of the kernel cache key."""
+        import os
+        extra = "".join(f"\n#define {d} 1" for d in os.environ.get("IGEMM_KERNEL_DEFINES", "").split())
         if self.math not in ("wgmma", "wgmma_ws"):
-            return ""
+            return extra.lstrip("\n")
         return ("#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
-                + (f"\n#define IGEMM_CSPLIT {self.csplit}" if self.csplit > 1 else ""))
+                + (f"\n#define IGEMM_CSPLIT {self.csplit}" if self.csplit > 1 else "") + extra)
 
 
 #: the store modes of NCHW outputs (a channel-major C tile)

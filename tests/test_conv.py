@@ -239,6 +239,30 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(layout="NCHW", H=6, W=5)).vec_o == 2
 
 
+def test_launch_smem_and_residual_staging(monkeypatch):
+    """A TMA kernel whose reduction is shorter than its ring launches with the stages it touches, one more
+    where it stages a 16-bit residual there (KernelSpec.residual_staged: NHWC register epilogue, or NCHW with
+    vectors of at least 2 pixels; not an fp32 residual, not 1-pixel vectors)."""
+    one = ((("BatchNorm",), ("Add",), ("ReLU", True)))
+    kw = dict(H=56, W=56, K=256, R=1, S=1, padding=(0, 0))
+    plain = choose_config(_pb(**kw))
+    res16 = choose_config(_pb(**kw, epilogue=one, residual_dtype="float16"))
+    res32 = choose_config(_pb(**kw, epilogue=one, residual_dtype="float32"))
+    stage = (plain.bm + plain.bn) * plain.bk * 2
+    assert (plain.stages, plain.load_b) == (2, "tma")
+    assert not plain.residual_staged and res16.residual_staged and not res32.residual_staged
+    assert plain.launch_smem(1) == max(stage, plain.bm * (plain.bn + 8) * 4) + 1024
+    assert res16.launch_smem(1) == res16.smem                    # both stages: k-tile 0 and the residual
+    assert res16.launch_smem(1) > plain.launch_smem(1)
+    monkeypatch.setenv("IGEMM_SMEM_TRIM", "0")
+    assert plain.launch_smem(1) == plain.smem
+    monkeypatch.delenv("IGEMM_SMEM_TRIM")
+    nchw = choose_config(_pb(layout="NCHW", H=7, W=7, epilogue=one, residual_dtype="float16"))
+    assert (nchw.store, nchw.vec_o, nchw.residual_staged) == ("regsnchw", 1, False)
+    nchw14 = choose_config(_pb(layout="NCHW", H=14, W=14, epilogue=one, residual_dtype="bfloat16"))
+    assert (nchw14.store, nchw14.vec_o, nchw14.residual_staged) == ("regsnchw", 4, True)
+
+
 def test_tma_choice_and_limits(monkeypatch):
     """The TMA loader: sm_90 16-bit NHWC with C % 64 == 0 inside the 4-D im2col box limits; the NCHW
     transpose path's kernel problem qualifies; IGEMM_TMA=0 and misaligned pointers fall back."""

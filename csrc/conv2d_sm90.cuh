@@ -437,14 +437,26 @@ IGEMM_DEVICE void store_vec(void* p, const uint2& v) {
 IGEMM_DEVICE void store_vec(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
 IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = v; }
 
-// The NCHW register epilogue's 16-bit C tile: channel-major, BN rows of BM pixels, the 16-byte chunk k of row
-// nl at chunk k ^ (nl & 7). The fragment's 16-bit accesses (8 consecutive pixels of 4 channels 2 apart in a
-// warp) then hit 16 distinct banks; a V-pixel vector stays inside one chunk. BM · BN · 2 bytes: a 128x128
-// tile fits one stage buffer, so the residual can be staged in place before the mainloop ends.
+// The NCHW register epilogue's 16-bit C tile: channel-major, BN rows. With vectors of 4 or 8 pixels: rows of
+// BM pixels, the 16-byte chunk k of row nl at chunk k ^ (nl & 7) -- the fragment's 16-bit accesses (8
+// consecutive pixels of 4 channels 2 apart in a warp) hit 16 distinct banks, a vector stays inside one chunk,
+// a store-loop pass moves 8 rows on (the same swizzle every pass), and BM · BN · 2 bytes fit one stage buffer
+// even for a 128x128 tile, so the residual can be staged in place before the mainloop ends. With 1- or
+// 2-pixel vectors, rows of BM + 8 pixels, unswizzled (conflict-free as well): a pass moves 2 or 4 rows on,
+// and the swizzle per pass cost 3x3 512->512 @7's store loop (V = 1) 7% of the conv.
+template <class Cfg>
+constexpr bool kNchwSwizzled = Cfg::VecO >= 4;
+
+template <class Cfg>
+constexpr int kNchwLd = kNchwSwizzled<Cfg> ? Cfg::BM : Cfg::BM + 8;
+
 template <class Cfg>
 IGEMM_DEVICE int nchw_ct_index(int nl, int ml) {
   static_assert(Cfg::BM >= 64, "at least 8 chunks a row");
-  return nl * Cfg::BM + (ml & ~63) + ((((ml >> 3) ^ nl) & 7) << 3) + (ml & 7);
+  if constexpr (kNchwSwizzled<Cfg>)
+    return nl * Cfg::BM + (ml & ~63) + ((((ml >> 3) ^ nl) & 7) << 3) + (ml & 7);
+  else
+    return nl * (Cfg::BM + 8) + ml;
 }
 
 template <class Cfg>
@@ -452,10 +464,10 @@ constexpr bool kStageResidualNchw =
 #if defined(IGEMM_NO_RES_STAGE)
     false;
 #else
-    Cfg::StoreMode == kStoreRegsNCHW && ResidualBytes<typename Cfg::Epi>::value == 2 && Cfg::VecO >= 2;
+    Cfg::StoreMode == kStoreRegsNCHW && ResidualBytes<typename Cfg::Epi>::value == 2 && kNchwSwizzled<Cfg>;
 #endif
 
-// The residual tile into the NCHW C tile (V ≥ 2: cp.async of V-pixel vectors, the store loop's assignment:
+// The residual tile into the NCHW C tile (V ≥ 4: cp.async of V-pixel vectors, the store loop's assignment:
 // pixel vector tid % CPR of channel rows tid / CPR + i·RSTEP; zeros outside the problem), one group.
 template <class Cfg, int NT, class P>
 IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, int tid) {
@@ -534,7 +546,7 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   }
   const int lane = tid & 31, r0 = fragment_row0(tid);
   // the fragment's four C-tile positions in column block 0, (channel c | c+1) x (pixel r0 | r0+8); block j's
-  // are j·8·BM further on (the swizzle depends on the channel's low 3 bits only): four registers, where the
+  // are j·8 rows further on (a swizzle depends on the channel's low 3 bits only): four registers, where the
   // swizzle computed per element left ptxas holding 158 registers for the identity chain's 128x128 tile
   uint16_t* const f00 = ct + cti(2 * (lane & 3), r0);
   uint16_t* const f10 = ct + cti(2 * (lane & 3) + 1, r0);
@@ -542,7 +554,7 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   uint16_t* const f11 = ct + cti(2 * (lane & 3) + 1, r0 + 8);
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
-    const int c = j * 8 + 2 * (lane & 3), jo = j * 8 * BM;
+    const int c = j * 8 + 2 * (lane & 3), jo = j * 8 * kNchwLd<Cfg>;
     float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
     const int ch[4] = {c, c + 1, c, c + 1};
     float res[4] = {0.f, 0.f, 0.f, 0.f};
@@ -564,15 +576,16 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   // at smem's start where the C tile is a later stage buffer (ncu, 1x1 64->256 NCHW: a warp's 4-byte word
   // stores, 8 bytes of each of four channel rows, cost 1.04M L2 write sectors for a 100k-sector mask)
   constexpr int WPR = BM / 32;
-  uint32_t* ms = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(ct) == smem ? smem + BN * BM * 2 : smem);
+  uint32_t* ms = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(ct) == smem ? smem + BN * kNchwLd<Cfg> * 2 : smem);
   TO* yp = y + off0;                                         // (a pointer stepped per pass: no 64-bit IMADs)
   const uint16_t* const sbase = ct + cti(nl0, ml);
 #pragma unroll 4
   for (int i = 0; i < BN / RSTEP; ++i, yp += ostep) {
     const int nl = nl0 + i * RSTEP;
     const bool ok = okm && nl < ncols;
-    // (RSTEP % 8 == 0: the same swizzle every pass, one base and a constant step)
-    const VecT o = *reinterpret_cast<const VecT*>(RSTEP % 8 == 0 ? sbase + i * RSTEP * BM : ct + cti(nl, ml));
+    // (one base and a constant step: unswizzled, or 8 rows a pass)
+    static_assert(!kNchwSwizzled<Cfg> || RSTEP % 8 == 0, "the same swizzle every pass");
+    const VecT o = *reinterpret_cast<const VecT*>(sbase + i * RSTEP * kNchwLd<Cfg>);
     if (ok) store_vec(yp, o);
     if constexpr (Cfg::FuseMask) {
       // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word.
@@ -1161,7 +1174,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     // the residual tile into the C tile's upper half (the 16-bit C tile takes the lower; both free since the
     // previous tile's epilogue ended with `sync`)
     // (not with the cluster k-split: rank 1's partial sums arrive in the whole C tile)
-    // NCHW (V >= 2): into the C tile itself, which the epilogue then builds in place
+    // NCHW (V >= 4): into the C tile itself, which the epilogue then builds in place
     constexpr bool kStage = (kStageResidual<Cfg> || kStageResidualNchw<Cfg>) && kCsplit == 1;
     uint8_t* res_s = reinterpret_cast<uint8_t*>(Cs) + (kStageResidualNchw<Cfg> ? 0 : BM * (BN + 8) * 2);
     if constexpr (kStage) {

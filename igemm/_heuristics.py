@@ -123,9 +123,9 @@ class KernelSpec:
     def residual_staged(self) -> bool:
         """Whether the kernel stages a 16-bit residual in shared memory during the mainloop
         (csrc/conv2d_sm90.cuh: kStageResidual, kStageResidualNchw): the register epilogues, NHWC with
-        BN <= 128 or NCHW with vectors of 2 pixels or more; the per-tile TMA kernel and the persistent one."""
+        BN <= 128 or NCHW with vectors of 4 pixels or more; the per-tile TMA kernel and the persistent one."""
         res16 = any(f.startswith("igemm::epi::AddResidual<cutlass::") for f in self.epilogue)
-        return res16 and (self.store == "regs" and self.bn <= 128 or self.store == "regsnchw" and self.vec_o >= 2)
+        return res16 and (self.store == "regs" and self.bn <= 128 or self.store == "regsnchw" and self.vec_o >= 4)
 
     def launch_smem(self, kt: int) -> int:
         """Dynamic shared memory for a launch whose CTAs run ``kt`` k-tiles each: the TMA mainloop lays its

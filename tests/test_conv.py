@@ -242,7 +242,7 @@ def test_choose_config_rules(monkeypatch):
 def test_launch_smem_and_residual_staging(monkeypatch):
     """A TMA kernel whose reduction is shorter than its ring launches with the stages it touches, one more
     where it stages a 16-bit residual there (KernelSpec.residual_staged: NHWC register epilogue, or NCHW with
-    vectors of at least 2 pixels; not an fp32 residual, not 1-pixel vectors)."""
+    vectors of at least 4 pixels; not an fp32 residual, not 1- or 2-pixel vectors)."""
     one = ((("BatchNorm",), ("Add",), ("ReLU", True)))
     kw = dict(H=56, W=56, K=256, R=1, S=1, padding=(0, 0))
     plain = choose_config(_pb(**kw))
@@ -261,6 +261,8 @@ def test_launch_smem_and_residual_staging(monkeypatch):
     assert (nchw.store, nchw.vec_o, nchw.residual_staged) == ("regsnchw", 1, False)
     nchw14 = choose_config(_pb(layout="NCHW", H=14, W=14, epilogue=one, residual_dtype="bfloat16"))
     assert (nchw14.store, nchw14.vec_o, nchw14.residual_staged) == ("regsnchw", 4, True)
+    nchw30 = choose_config(_pb(layout="NCHW", H=6, W=5, epilogue=one, residual_dtype="float16"))
+    assert (nchw30.store, nchw30.vec_o, nchw30.residual_staged) == ("regsnchw", 2, False)
 
 
 def test_tma_choice_and_limits(monkeypatch):

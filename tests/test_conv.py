@@ -1275,9 +1275,9 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
     tile's NCHW store phase of the same tile: identical bits of y and mask on every NCHW kernel path (the
     transpose path's TMA and gather kernels, 64/128-row tiles, the persistent kernel; the MN-major 1x1 path;
     the patch kernel), output vectors of 8, 4, 2 and 1 pixels (8: mask fused, each channel row's words stored
-    in 8- or 16-byte pieces or word by word where P*Q % 32 == 0, else byte by byte), M and K tails, 16-bit residuals of either type
-    (staged in the C tile: zeros past the tails); y and mask poisoned first; plain results against the
-    float64 reference."""
+    in 8- or 16-byte pieces or word by word where P*Q % 32 == 0, else byte by byte), M and K tails, 16-bit
+    residuals of either type (staged in the C tile: zeros past the tails); y and mask poisoned first; plain
+    results against the float64 reference."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
     for xs, ws, st, pd, cfg in NCHW_BITWISE_CASES:

@@ -29,9 +29,12 @@ VARIANTS = [{}, {"bn": 64}, {"bm": 128, "wm": 2, "bn": 64}, {"bm": 128, "wm": 2,
             {"bn": 256}, {"bn": 64, "min_blocks": 6}]
 
 
-RESNET_N32 = [("3x3 64->64 @56", 64, 64, 56, 3, 1, 1, 32), ("1x1 64->256 @56", 64, 256, 56, 1, 1, 0, 32),
-              ("3x3 128->128 @28", 128, 128, 28, 3, 1, 1, 32), ("3x3 256->256 @14", 256, 256, 14, 3, 1, 1, 32),
-              ("3x3 512->512 @7", 512, 512, 7, 3, 1, 1, 32), ("1x1/2 512->1024 @28", 512, 1024, 28, 1, 2, 0, 32)]
+def _resnet_n32():
+    from igemm.layers import RESNET50          # every layer after conv1 (whose patch kernel stages nothing), N=32
+    return [(*layer, 32) for layer in RESNET50[1:]]
+
+
+RESNET_N32 = _resnet_n32()
 SETS = {"tiles": (LAYERS, VARIANTS), "stage": (RESNET_N32, [{}, {"define": "IGEMM_NO_RES_STAGE"}])}
 
 

@@ -75,41 +75,33 @@ def bitwise_stubs() -> dict:
     epilogue and on the fp32 C tile's store."""
     from test_conv import NCHW_BITWISE_CASES, REGS_BITWISE_CASES
     specs = {}
-    for xs, K, R, st, cfg in REGS_BITWISE_CASES:
-        g = [v[:K] for v in V]
-        for dtype in ("float16", "bfloat16"):
-            for ch, rdt in ((None, None), (ep.chain(ep.BatchNorm(*g), ep.ReLU(mask=True)), None),
-                            (ep.chain(ep.PReLU(g[0] - 1.0)), None), (ep.chain(ep.Bias(g[1]), ep.ReLU()), None),
-                            (ep.chain(ep.Bias(g[1]), ep.PReLU(0.25)), None),
-                            (ep.chain(ep.BatchNorm(*g), ep.Add(), ep.ReLU(mask=True)), dtype),
-                            (ep.chain(ep.Add(), ep.BatchNorm(*g), ep.ReLU()), "float32")):
-                for c in (cfg, {**(cfg or {}), "store": "rows"}):
-                    try:
-                        plan = Conv2dPlan(xs, (K, R, R, xs[-1]), dtype, "NHWC", st, R // 2, 1, config=c or None,
-                                          epilogue=ch, residual_dtype=rdt, device=None)
-                        s = plan.spec()
-                    except Exception as e:  # noqa: BLE001
-                        print("skip", xs, K, c, dtype, e)
-                        continue
-                    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
-    for xs, ws, st, pd, cfg in NCHW_BITWISE_CASES:
+
+    def add(xs, ws, layout, st, pd, cfg, fp32_store, last_chain):
+        """Each dtype's seven chains (the 16-bit residual one, then ``last_chain(g, dtype)``: (chain, residual
+        dtype)) on the register epilogue and on the fp32 C tile's ``fp32_store``."""
         g = [v[:ws[0]] for v in V]
         for dtype in ("float16", "bfloat16"):
-            other = "bfloat16" if dtype == "float16" else "float16"
             for ch, rdt in ((None, None), (ep.chain(ep.BatchNorm(*g), ep.ReLU(mask=True)), None),
                             (ep.chain(ep.PReLU(g[0] - 1.0)), None), (ep.chain(ep.Bias(g[1]), ep.ReLU()), None),
                             (ep.chain(ep.Bias(g[1]), ep.PReLU(0.25)), None),
-                            (ep.chain(ep.BatchNorm(*g), ep.Add(), ep.ReLU(mask=True)), dtype),
-                            (ep.chain(ep.Add(), ep.Bias(g[1]), ep.PReLU(g[0] - 1.0)), other)):
-                for c in (cfg, {**(cfg or {}), "store": "nchw"}):
+                            (ep.chain(ep.BatchNorm(*g), ep.Add(), ep.ReLU(mask=True)), dtype), last_chain(g, dtype)):
+                for c in (cfg, {**(cfg or {}), "store": fp32_store}):
                     try:
-                        plan = Conv2dPlan(xs, ws, dtype, "NCHW", st, pd, 1, config=c or None, epilogue=ch,
+                        plan = Conv2dPlan(xs, ws, dtype, layout, st, pd, 1, config=c or None, epilogue=ch,
                                           residual_dtype=rdt, device=None)
                         s = plan.spec()
                     except Exception as e:  # noqa: BLE001
                         print("skip", xs, ws, c, dtype, e)
                         continue
                     specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
+
+    for xs, K, R, st, cfg in REGS_BITWISE_CASES:      # the fp32 residual's chain
+        add(xs, (K, R, R, xs[-1]), "NHWC", st, R // 2, cfg, "rows",
+            lambda g, dt: (ep.chain(ep.Add(), ep.BatchNorm(*g), ep.ReLU()), "float32"))
+    for xs, ws, st, pd, cfg in NCHW_BITWISE_CASES:    # the other 16-bit type's residual
+        add(xs, ws, "NCHW", st, pd, cfg, "nchw",
+            lambda g, dt: (ep.chain(ep.Add(), ep.Bias(g[1]), ep.PReLU(g[0] - 1.0)),
+                           "bfloat16" if dt == "float16" else "float16"))
     return specs
 
 

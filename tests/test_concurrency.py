@@ -2,8 +2,9 @@
 from two threads is safe; library workspaces are ordered with the stream the work runs on; a thread that
 never touched CUDA itself can call igemm.
 
-What is documented as unsupported, and so not tested: concurrent calls of one *split-K* conv plan on
-different streams (the plan's split-K workspace and tickets are shared; ``Conv2dPlan.__call__`` says so).
+What is documented as unsupported, and so not tested: concurrent calls on different streams of one conv
+plan that keeps scratch (a split-K or stream-K workspace, the NCHW transpose path's copies of x and w, the
+tickets of an NCHW mask where P*Q % 8 != 0; ``Conv2dPlan.__call__`` says so).
 The kernel cache under concurrent processes is in test_cache.py.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from helpers import poison, rel_err, to_numpy
 def test_plan_call_documents_thread_safety():
     doc = Conv2dPlan.__call__.__doc__
     assert "Thread-safe" in doc, doc
-    assert "split-K" in doc and "streams" in doc and "overlap" in doc, doc
+    assert "split-K" in doc and "streams" in doc and "overlap" in doc and "transpose" in doc, doc
 
 
 def _torch():

@@ -53,6 +53,7 @@ def test_stubs() -> dict:
     for n, c, h in ((1, 256, 14), (8, 512, 7), (1, 512, 7), (1, 128, 28), (8, 256, 14), (8, 128, 28), (32, 512, 7)):
         cases.append(((n, c, h, h), (c, c, 3, 3), 1, 1, 1, None))
     specs = bitwise_stubs()
+    specs.update(epilogue_stubs())
     for xs, ws, st, pd, dl, cfg in cases:
         for dtype in ("float16", "bfloat16"):
             for layout in ("NCHW", "NHWC"):
@@ -102,6 +103,37 @@ def bitwise_stubs() -> dict:
         add(xs, ws, "NCHW", st, pd, cfg, "nchw",
             lambda g, dt: (ep.chain(ep.Add(), ep.Bias(g[1]), ep.PReLU(g[0] - 1.0)),
                            "bfloat16" if dt == "float16" else "float16"))
+    return specs
+
+
+def epilogue_stubs() -> dict:
+    """The kernels of tests/test_epilogues.py's test_gpu_chains: its random problems, drawn from the same
+    per-test generator (conftest's ``rng``: seeded from the test id) in the same order of draws."""
+    import zlib
+
+    import test_epilogues as te
+    specs = {}
+    for dtype in ("float16", "bfloat16", "float32"):
+        for layout in ("NCHW", "NHWC"):
+            for name in te.CHAINS:
+                rng = np.random.default_rng(zlib.crc32(
+                    f"tests/test_epilogues.py::test_gpu_chains[{dtype}-{layout}-{name}]".encode()))
+                for _ in range(50):
+                    xs, ws, st, pd = te._shape_family(rng, layout)
+                    x64, w64 = te.to_layout(rng.standard_normal(xs), rng.standard_normal(ws), layout)
+                    N, K, R = xs[0], ws[0], ws[2]
+                    P, Q = ((xs[2] + 2 * pd - R) // st + 1, (xs[3] + 2 * pd - R) // st + 1)
+                    V = te.bn_vectors(rng, K)
+                    rng.standard_normal((N, K, P, Q))                   # the residual
+                    chain = ep.chain(te.CHAINS[name](V, None))
+                    try:
+                        plan = Conv2dPlan(x64.shape, w64.shape, dtype, layout, st, pd, epilogue=chain,
+                                          residual_dtype=dtype if chain.residual_op else None, device=None)
+                        s = plan.spec()
+                    except Exception as e:  # noqa: BLE001
+                        print("skip", xs, ws, layout, dtype, name, e)
+                        continue
+                    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
     return specs
 
 

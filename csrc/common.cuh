@@ -64,4 +64,22 @@ IGEMM_DEVICE void stg_stream16(void* p, uint4 v) {
   asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
+// Programmatic dependent launch (sm_90+; igemm/_kernel.py, Launcher(..., after=True)): a kernel launched
+// with programmatic stream serialization may start while the kernel before it on the stream still runs,
+// and waits here until that grid has finished and its writes are visible. A no-op for a kernel launched
+// the usual way, and before sm_90.
+IGEMM_DEVICE void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Let a programmatic dependent of this grid launch once every CTA of this grid has run this (or exited):
+// its CTAs then take the SM room this grid's last wave leaves, and wait in pdl_wait.
+IGEMM_DEVICE void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 }  // namespace igemm

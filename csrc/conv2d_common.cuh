@@ -69,8 +69,8 @@ struct Config {
   static_assert(kNchwOut || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
   static_assert(StoreMode != kStoreRegs || (kIsWgmma && VecO * sizeof(ElementOut) == 16 && sizeof(ElementOut) == 2),
                 "register epilogue: the wgmma kernels, 16-bit outputs in 16-byte vectors");
-  static_assert(StoreMode != kStoreRegsNCHW || (kIsWgmma && sizeof(ElementOut) == 2),
-                "NCHW register epilogue: the wgmma kernels, 16-bit outputs");
+  static_assert(StoreMode != kStoreRegsNCHW || (kIsWgmma && sizeof(ElementOut) == 2 && (!FuseMask || VecO == 8)),
+                "NCHW register epilogue: the wgmma kernels, 16-bit outputs, masks from 8-pixel vectors");
   static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8 || LoadA_ == kLoadTmaMN;
   static_assert(LoadA_ != kLoadTmaMN || (Layout_ == kNCHW && BM_ == 64 && Math_ == kWgmma && kNchwOut),
                 "MN-major TMA A tiles: NCHW x, one 64-row warpgroup, the NCHW store");

@@ -492,79 +492,6 @@ IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, 
   cp_async_commit();
 }
 
-// The NCHW mask where P·Q % 8 != 0 (14x14, 7x7: vectors of 4, 2 or 1 pixels): the tile's bits are in ms
-// (BN channel rows of WPR = BM / 32 words, bit i of a row = tile pixel i), and each channel row's run of
-// pixels inside one image is a contiguous range of bits in the mask, starting anywhere in a word. Task
-// (row r, run u) stores the words its range covers whole; a word it covers in part (the range's ends) is
-// shared with other runs -- of this tile or a neighbour -- and goes through a ticket: a 64-bit slot per
-// mask word (p.mslots: zeroed when the plan is made) that each contributor adds (coverage << 32 | bits) to.
-// The coverages are disjoint, so the sum is an OR, and the contributor whose add completes the coverage
-// stores the word (a plain store: the same bits whatever the order) and zeroes the slot for the next call.
-// Bits past the tensor's last element count as covered, zero, by the run that holds that element.
-template <class Cfg, int NT, class P>
-IGEMM_DEVICE void store_mask_runs(const P& p, const uint32_t* ms, int m0, int n0, int ncols, int tid) {
-  constexpr int BM = Cfg::BM, WPR = BM / 32;
-  uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
-  unsigned long long* slots = static_cast<unsigned long long*>(const_cast<void*>(p.mslots));
-  const int rows = min(BM, p.M - m0);
-  int img0, pq0;
-  p.fd_PQ.divmod(img0, pq0, m0);
-  const int PQ = p.PQ, nruns = (pq0 + rows + PQ - 1) / PQ;   // the images the tile's pixels touch
-  const int64_t L = int64_t(p.M) * p.K;                       // elements
-  for (int t = tid; t < ncols * nruns; t += NT) {
-    const int u = t / ncols, r = t - u * ncols;
-    const int i0 = u == 0 ? 0 : PQ - pq0 + (u - 1) * PQ;     // the run's tile pixels [i0, i1)
-    const int i1 = min(rows, PQ - pq0 + u * PQ);
-    const int64_t a = (int64_t(img0 + u) * p.K + n0 + r) * PQ + (u == 0 ? pq0 : 0);   // mask bit of pixel i0
-    const int64_t e = a + (i1 - i0);
-    const uint32_t* row = ms + r * WPR;
-    // word w's bits from this run (bit b = tile pixel i0 + 32·w - a + b), and the bits the run covers
-    auto word = [&](int64_t w, uint32_t& cov) {
-      const int s = int(i0 + (w << 5) - a);
-      uint32_t bits;
-      if (s < 0) {
-        bits = row[0] << -s;
-      } else {
-        const int q = s >> 5;
-        bits = __funnelshift_r(row[q], q + 1 < WPR ? row[q + 1] : 0u, s & 31);
-      }
-      const int b0 = int(max(a - (w << 5), int64_t(0))), b1 = int(min(e - (w << 5), int64_t(32)));
-      const uint32_t hi = b1 == 32 ? ~0u : (1u << b1) - 1u;
-      cov = hi & ~((1u << b0) - 1u);
-      bits &= cov;
-      if (e == L) cov |= ~hi;                                  // past the last element: covered, zero
-      return bits;
-    };
-    const int64_t wf = a >> 5, wl = (e - 1) >> 5;
-    for (int64_t w = wf + 1; w < wl; ++w) {                   // the words inside the run: its own
-      uint32_t cov;
-      mask[w] = word(w, cov);
-    }
-    // the end words: stored if the run covers them, else a ticket each, both added before either is read
-    uint32_t cf, cl = ~0u;
-    const uint32_t bf = word(wf, cf), bl = wl != wf ? word(wl, cl) : 0u;
-    const unsigned long long af = (static_cast<unsigned long long>(cf) << 32) | bf;
-    const unsigned long long al = (static_cast<unsigned long long>(cl) << 32) | bl;
-    unsigned long long nf = 0, nl = 0;
-    if (cf != ~0u) nf = atomicAdd(slots + wf, af) + af;
-    if (cl != ~0u) nl = atomicAdd(slots + wl, al) + al;
-    if (cf == ~0u) {
-      mask[wf] = bf;
-    } else if ((nf >> 32) == 0xFFFFFFFFull) {
-      mask[wf] = uint32_t(nf);
-      slots[wf] = 0ull;
-    }
-    if (wl != wf) {
-      if (cl == ~0u) {
-        mask[wl] = bl;
-      } else if ((nl >> 32) == 0xFFFFFFFFull) {
-        mask[wl] = uint32_t(nl);
-        slots[wl] = 0ull;
-      }
-    }
-  }
-}
-
 // The register epilogue for NCHW outputs (kStoreRegsNCHW: no split-K): the chain runs on the
 // accumulators as in epilogue_regs_by and each value is rounded once into a channel-major 16-bit C tile
 // (nchw_ct_index), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
@@ -606,8 +533,9 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
         stage_residual_nchw<Cfg, NT>(p, ct, m0, n0, tid);
       } else {
         // V = 1: one 2-byte load an element, in batches of B loads in flight before their stores (the
-        // loop unrolled by 8 ran 8 round trips to L2 one after another: 3x3 512->512 @7, N=32, (c) cost
-        // 5.5 us more than (b)). The persistent kernel (one CTA an SM, registers to spare) issues them all.
+        // loop unrolled by 8 ran its 8 batches' round trips to L2 one after another: 3x3 512->512 @7, N=32,
+        // (c) cost 5.5 us more than (b)). The persistent kernel (one CTA an SM, registers to spare) issues
+        // them all at once.
         const uint16_t* resp = static_cast<const uint16_t*>(p.residual);
         constexpr int NI = BN / RSTEP, B = Cfg::kMath == kWgmmaWs ? NI : (NI < 16 ? NI : 16);
         static_assert(NI % B == 0, "whole batches");
@@ -671,32 +599,20 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     const VecT o = *reinterpret_cast<const VecT*>(sbase + i * RSTEP * kNchwLd<Cfg>);
     if (ok) store_vec(yp, o);
     if constexpr (Cfg::FuseMask) {
-      // bit e of the vector's V bits: pixel ml + e stored > 0; the 32 / V lanes of a word (consecutive
-      // vectors of one channel row) OR them together in lane order. Pair k's set.gt halves keep bits 2k
-      // (low) and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16 then has pixel e at bit e. V = 1: a ballot.
-      uint32_t word;
-      if constexpr (V == 1) {
-        word = __ballot_sync(0xffffffffu, gt0_pair<TO>(uint32_t(o)) & 1u);
-      } else {
-        constexpr int NP = V / 2, LPW = 32 / V;
-        uint32_t pairs[NP];
-        if constexpr (V == 8) { pairs[0] = o.x; pairs[1] = o.y; pairs[2] = o.z; pairs[3] = o.w; }
-        else if constexpr (V == 4) { pairs[0] = o.x; pairs[1] = o.y; }
-        else pairs[0] = o;
-        uint32_t x = 0;
+      // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word.
+      // Pair k's set.gt halves keep bits 2k (low) and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16
+      // then has pixel e at bit e.
+      const uint32_t pairs[4] = {o.x, o.y, o.z, o.w};      // (V = 8)
+      uint32_t x = 0;
 #pragma unroll
-        for (int k = 0; k < NP; ++k) x |= gt0_pair<TO>(pairs[k]) & (0x00020001u << (2 * k));
-        word = ((x | (x >> 16)) & ((1u << V) - 1u)) << (V * (lane % LPW));
-#pragma unroll
-        for (int s = 1; s < LPW; s <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, s);
-      }
-      if (lane % (32 / V) == 0) ms[nl * WPR + (ml >> 5)] = word;
+      for (int k = 0; k < 4; ++k) x |= gt0_pair<TO>(pairs[k]) & (0x00020001u << (2 * k));
+      uint32_t word = ((x | (x >> 16)) & 0xFFu) << (8 * (lane & 3));
+      word |= __shfl_xor_sync(0xffffffffu, word, 1);
+      word |= __shfl_xor_sync(0xffffffffu, word, 2);
+      if ((lane & 3) == 0) ms[nl * WPR + (ml >> 5)] = word;
     }
   }
-  if constexpr (Cfg::FuseMask && V < 8) {
-    sync();
-    store_mask_runs<Cfg, NT>(p, ms, m0, n0, ncols, tid);
-  } else if constexpr (Cfg::FuseMask) {
+  if constexpr (Cfg::FuseMask) {
     // each channel row's WPR words leave together: one 8- or 16-byte store where they are contiguous (the
     // tile inside one image) and aligned, else word by word
     sync();

@@ -66,6 +66,7 @@ template <class T, int Vec, class Params>
 __device__ void relu_mask(const Params& p) {
   const T* y = static_cast<const T*>(p.y);
   uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
+  pdl_wait();   // (after a conv whose epilogue could not own whole words: launched as its dependent)
   constexpr int kLanesPerWord = 32 / Vec;
   const int lane = threadIdx.x & 31;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;

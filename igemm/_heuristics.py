@@ -13,7 +13,7 @@ from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
 __all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits",
            "nchw_path", "kernel_problem", "kernel_channels", "kernel_setup", "use_unfold", "store_for",
-           "regs_epilogue_ok", "patch_config", "patch_bytes", "patch_unsupported", "subsampled", "mask_tickets"]
+           "regs_epilogue_ok", "patch_config", "patch_bytes", "patch_unsupported", "subsampled"]
 
 
 @dataclass(frozen=True)
@@ -296,19 +296,12 @@ def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
 
 def _regs_store(pb: ConvProblem) -> tuple[str, int, bool]:
     """A register epilogue's (store, output vector width, mask fusion): NHWC, whole 32-channel mask words;
-    NCHW, the widest vector inside one image's plane (as :func:`_store`) and the mask always: P·Q % 32 == 0,
-    whole words; P·Q % 8 == 0, each tile's own bytes; else each run's words, the shared ones through
-    tickets (:func:`mask_tickets`)."""
+    NCHW, the widest vector inside one image's plane (as :func:`_store`) and the mask from 8-pixel vectors
+    (P·Q % 8 == 0: whole words where P·Q % 32 == 0, else each tile's own bytes)."""
     if pb.y_layout == "NHWC":
         return "regs", 8, pb.mask and pb.K % 32 == 0
     _, v, _ = _store(pb, 0)
-    return "regsnchw", v, pb.mask
-
-
-def mask_tickets(spec: KernelSpec) -> bool:
-    """Whether a kernel's fused mask needs the plan's ticket slots (``mslots``): the NCHW register epilogue
-    with vectors under 8 pixels (P·Q % 8 != 0), where mask words are shared between tiles."""
-    return spec.fuse_mask and spec.store == "regsnchw" and spec.vec_o < 8
+    return "regsnchw", v, pb.mask and v == 8
 
 
 def store_for(pb: ConvProblem, math: str, bn: int, splits: int, regs: bool = True) -> tuple[str, int, bool]:

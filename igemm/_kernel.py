@@ -188,9 +188,9 @@ class Launcher:
     """
 
     __slots__ = ("kernel", "func", "grid", "block", "smem", "_launch", "_ctx", "_ctx_id", "_get_ctx", "_set_ctx",
-                 "_raw", "_fn")
+                 "_raw", "_fn", "_pdl", "_pdl_cfg")
 
-    def __init__(self, kernel, grid, block, smem: int = 0):
+    def __init__(self, kernel, grid, block, smem: int = 0, pdl: bool = False):
         from cuda.bindings import driver
         self.kernel = kernel
         h = kernel.handle
@@ -215,6 +215,8 @@ class Launcher:
         fl = _fastlaunch.get() if api else None      # the C launch (igemm/_fastlaunch.py), when it could be built
         self._raw = fl.raw if fl is not None else None
         self._fn = int(h)
+        self._pdl = bool(pdl) and hasattr(driver, "cuLaunchKernelEx")   # launch_after: the device is sm_90+
+        self._pdl_cfg = None
 
     def __call__(self, stream, args: PackedArgs) -> None:
         handle = stream if isinstance(stream, int) else int(stream.handle)
@@ -227,6 +229,33 @@ class Launcher:
         else:
             (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
                                   args.address, 0)
+        if err:
+            raise launch_error(err)
+
+    def launch_after(self, stream, args: PackedArgs) -> None:
+        """Launch as a programmatic dependent of the kernel before it on ``stream`` (PDL, sm_90+): the grid
+        may start while that kernel's last CTAs still run; the kernel must call ``pdl_wait()``
+        (csrc/common.cuh) before it reads that kernel's outputs. Elsewhere (before sm_90, no
+        cuLaunchKernelEx, the CPU tests' stand-in driver) a plain launch."""
+        if self._get_ctx is None or not self._pdl:
+            return self(stream, args)
+        from cuda.bindings import driver
+        handle = stream if isinstance(stream, int) else int(stream.handle)
+        if _runtime._ctx_int(self._get_ctx()[1]) != self._ctx_id:
+            self._set_ctx(self._ctx)
+        cfg = self._pdl_cfg
+        if cfg is None:
+            cfg = self._pdl_cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
+            cfg.sharedMemBytes = self.smem
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+        cfg.hStream = _cu_stream(handle)
+        (err,) = driver.cuLaunchKernelEx(cfg, self.func, args.address, 0)
         if err:
             raise launch_error(err)
 

@@ -18,8 +18,7 @@ import numpy as np
 from . import _fastlaunch, _kernel, _runtime, reference
 from ._dispatch import CallContext
 from ._runtime import keeps_current_context
-from ._heuristics import (ConvProblem, KernelSpec, choose_config, kernel_setup, mask_tickets, subsampled,
-                          validate_spec)
+from ._heuristics import ConvProblem, KernelSpec, choose_config, kernel_setup, subsampled, validate_spec
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_SIZES, Tensor, as_tensor
 from .fastdiv import MAX_DIVIDEND
@@ -31,7 +30,7 @@ __all__ = ["Conv2dPlan", "conv2d", "conv2d_bn_relu", "CONV_PARAMS"]
 CONV_PARAMS = [
     ParamSpec("x", "ptr"), ParamSpec("w", "ptr"), ParamSpec("y", "ptr"), ParamSpec("residual", "ptr"),
     ParamSpec("scale", "ptr"), ParamSpec("shift", "ptr"), ParamSpec("alpha", "ptr"), ParamSpec("mask", "ptr"),
-    ParamSpec("ws", "ptr"), ParamSpec("counters", "ptr"), ParamSpec("ktab", "ptr"), ParamSpec("mslots", "ptr"),
+    ParamSpec("ws", "ptr"), ParamSpec("counters", "ptr"), ParamSpec("ktab", "ptr"),
     ParamSpec("alpha_scalar", "float32"), ParamSpec("splits", "int32"), ParamSpec("kt_per_split", "int32"),
     *(ParamSpec(n, "int32") for n in ("N", "H", "W", "C", "K", "R", "S", "P", "Q", "PQ", "M", "Kred",
                                       "sh", "sw", "ph", "pw", "dh", "dw")),
@@ -367,7 +366,6 @@ class Conv2dPlan:
         self.sms = _runtime.device_props(device).multiprocessor_count if device is not None else 132
         self._fast = None
         self._ktab = None
-        self._mslots = None
         self._xpose = None
         self._split_args = None          # the launcher whose split-K values are in the argument buffer
         self._maps: dict = {}            # launcher -> its TMA tensor maps (igemm/_tma.py), TMA kernels only
@@ -456,14 +454,6 @@ class Conv2dPlan:
                 _runtime.memcpy_htod(d.ptr, tab.ctypes.data, tab.nbytes)
                 self._ktab = d
                 self._args.u64[self._slot["ktab"]] = d.ptr
-            if spec.fuse_mask and mask_tickets(spec) and self._mslots is None:
-                # the NCHW mask's tickets (P·Q % 8 != 0): a zeroed 64-bit slot per mask word, which the
-                # kernel leaves zero (csrc/conv2d_sm90.cuh, store_mask_runs)
-                nw = -(-self.problem.M * self.problem.K // 32)
-                d = _runtime.DeviceArray((2 * nw,), "int32", self.device_id)
-                _runtime.memset_d32_sync(d.ptr, 0, 2 * nw)
-                self._mslots = d
-                self._args.u64[self._slot["mslots"]] = d.ptr
             l = (_kernel.Launcher(k, grid, spec.threads,
                                   spec.smem if spec.streamk else spec.launch_smem(-(-kt // spec.splits))), spec, ws)
             if spec.load_b == "tma":
@@ -525,9 +515,9 @@ class Conv2dPlan:
         ``out``: preallocated output (contiguous, 16-byte aligned). ``residual``: the ``Add`` input (else
         the one given to ``ep.Add``). ``mask_out``: preallocated mask (``ceil(numel(y)/32)`` uint32/int32).
         Thread-safe (a lock guards the shared argument buffer). A plan's scratch is shared by its calls: the
-        split-K or stream-K workspace, the NCHW transpose path's copies of x and w, the tickets of a fused
-        NCHW mask where P·Q % 8 != 0 (:func:`~igemm._heuristics.mask_tickets`); calls of one such plan on
-        different streams must not overlap in time (order them, or make a plan per stream).
+        split-K or stream-K workspace, the NCHW transpose path's copies of x and w (:attr:`nchw_path`); calls
+        of one such plan on different streams must not overlap in time (order them, or make a plan per
+        stream).
         """
         c = self._cfast
         if c is not None and stream is None and _folded is None:
@@ -730,7 +720,8 @@ class Conv2dPlan:
                 launcher(stream, a)
         if mask and not spec.fuse_mask:
             from .relu import launch_mask
-            launch_mask(self.device_id, _runtime.RawStream(stream), self.dtype, y, mask, self.numel_y)
+            launch_mask(self.device_id, _runtime.RawStream(stream), self.dtype, y, mask, self.numel_y,
+                        after_kernel=True)
 
     def _copy_plan(self) -> "Conv2dPlan":
         """This plan on the copy path (``unfold="copy"``): a patch plan's kernel reads x through a tensor map,

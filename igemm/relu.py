@@ -45,9 +45,9 @@ def _vec(dtype: str, *ptrs: int) -> int:
 
 
 @lru_cache(maxsize=256)
-def _launcher(func: str, dtype: str, vec: int, device_id: int, grid: int):
+def _launcher(func: str, dtype: str, vec: int, device_id: int, grid: int, pdl: bool = False):
     k = _kernel.load(_stub(func, dtype, vec), func, f"igemm_{func}", device_id)
-    return _kernel.Launcher(k, grid, _THREADS)
+    return _kernel.Launcher(k, grid, _THREADS, pdl=pdl)
 
 
 def _grid(device_id: int, work_items: int) -> int:
@@ -147,12 +147,28 @@ def relu_mask(y, *, out=None, stream=None):
     return ctx.finish(out_obj)
 
 
-def launch_mask(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n: int) -> None:
-    """Launch the pack kernel (also used by the conv plan when its epilogue cannot own whole words)."""
+def launch_mask(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n: int,
+                after_kernel: bool = False) -> None:
+    """Launch the pack kernel (also used by the conv plan when its epilogue cannot own whole words).
+    ``after_kernel``: ``y`` is the output of the kernel just launched on ``stream``; on sm_90+ the pack
+    kernel launches as its programmatic dependent (PDL: it waits in the kernel, not behind the launch)."""
     if n == 0:
         return
     vec = _vec(dtype, y_ptr)
     chunks = (mask_words(n) * 32 + 32 * vec - 1) // (32 * vec)
     grid = _grid(device_id, chunks * 32)
-    _launcher("relu_mask", dtype, vec, device_id, grid)(stream, _kernel.bind_args(
-        _MASK_PARAMS, {"y": y_ptr, "mask": mask_ptr, "n": n}))
+    pdl = after_kernel and _pdl_ok(device_id)
+    launcher = _launcher("relu_mask", dtype, vec, device_id, grid, pdl)
+    args = _kernel.bind_args(_MASK_PARAMS, {"y": y_ptr, "mask": mask_ptr, "n": n})
+    if pdl:
+        launcher.launch_after(stream, args)
+    else:
+        launcher(stream, args)
+
+
+@lru_cache(maxsize=None)
+def _pdl_ok(device_id: int) -> bool:
+    """Programmatic dependent launch: sm_90 and later (IGEMM_PDL=0 turns it off)."""
+    import os
+    from ._runtime import device
+    return device(device_id).compute_capability.major >= 9 and os.environ.get("IGEMM_PDL", "1") != "0"

@@ -3,8 +3,8 @@ from two threads is safe; library workspaces are ordered with the stream the wor
 never touched CUDA itself can call igemm.
 
 What is documented as unsupported, and so not tested: concurrent calls on different streams of one conv
-plan that keeps scratch (a split-K or stream-K workspace, the NCHW transpose path's copies of x and w, the
-tickets of an NCHW mask where P*Q % 8 != 0; ``Conv2dPlan.__call__`` says so).
+plan that keeps scratch (a split-K or stream-K workspace and tickets, the NCHW transpose path's copies of x
+and w; ``Conv2dPlan.__call__`` says so).
 The kernel cache under concurrent processes is in test_cache.py.
 """
 from __future__ import annotations

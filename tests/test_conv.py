@@ -7,7 +7,7 @@ import pytest
 
 import igemm
 from igemm import _build, reference
-from igemm._heuristics import ConvProblem, choose_config, mask_tickets, validate_spec
+from igemm._heuristics import ConvProblem, choose_config, validate_spec
 from igemm.conv2d import Conv2dPlan, _override, _stub
 
 from helpers import TOL, poison, rel_err, to_numpy, to_torch
@@ -229,10 +229,8 @@ def test_choose_config_rules(monkeypatch):
     assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("regsnchw", 8, True)   # 784 % 8 == 0: each tile's bytes
     nchw56 = choose_config(_pb(layout="NCHW", epilogue=(("ReLU", True),)))
     assert nchw56.fuse_mask
-    for hw, v in ((14, 4), (7, 1)):                   # 4- and 1-pixel vectors: fused, shared words by ticket
-        s = choose_config(_pb(layout="NCHW", H=hw, W=hw, epilogue=(("ReLU", True),)))
-        assert (s.store, s.vec_o, s.fuse_mask, mask_tickets(s)) == ("regsnchw", v, True, True), s.name()
-    assert not mask_tickets(nchw) and not mask_tickets(nchw56)           # whole words or bytes: no tickets
+    for hw in (14, 7):                                                    # 4- and 1-pixel vectors: not fused
+        assert not choose_config(_pb(layout="NCHW", H=hw, W=hw, epilogue=(("ReLU", True),))).fuse_mask
     nchw32 = choose_config(_pb(layout="NCHW", H=28, W=28, dtype="float32", precision="tf32",
                                epilogue=(("ReLU", True),)))
     assert (nchw32.store, nchw32.fuse_mask) == ("nchw", False)           # the fp32 C tile: whole words only
@@ -1267,8 +1265,8 @@ NCHW_BITWISE_CASES = [
     ((1, 64, 4, 2), (35, 64, 3, 3), 1, 1, None),
     ((2, 64, 12, 12), (72, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
     ((3, 64, 4, 6), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
-    # the fused mask's tickets (P*Q % 8 != 0; the V = 1, 2, 4 cases above too): the tensor's last word
-    # part-filled (35 * 9 elements), several images a tile (P*Q = 9; P*Q = 1: a run a pixel), 128-row tiles
+    # V = 1 (the mask from the separate kernel): the tensor's last word part-filled (35 * 9 elements), several
+    # images a tile (P*Q = 9; P*Q = 1), 128-row tiles, the persistent kernel's residual in one batch of loads
     ((1, 64, 3, 3), (35, 64, 3, 3), 1, 1, None),
     ((9, 64, 5, 5), (96, 64, 3, 3), 1, 0, None),
     ((40, 64, 3, 3), (72, 64, 3, 3), 1, 0, {"bm": 128, "wm": 2}),
@@ -1282,9 +1280,8 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
     tile, vectors along each channel's pixels, mask words from quads of 8-pixel vectors) against the fp32 C
     tile's NCHW store phase of the same tile: identical bits of y and mask on every NCHW kernel path (the
     transpose path's TMA and gather kernels, 64/128-row tiles, the persistent kernel; the MN-major 1x1 path;
-    the patch kernel), output vectors of 8, 4, 2 and 1 pixels, the mask always fused (each channel row's words
-    stored in 8- or 16-byte pieces or word by word where P*Q % 32 == 0, byte by byte where P*Q % 8 == 0,
-    else words shared between runs through the plan's tickets), M and K tails, 16-bit
+    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (8: mask fused, each channel row's words stored
+    in 8- or 16-byte pieces or word by word where P*Q % 32 == 0, else byte by byte), M and K tails, 16-bit
     residuals of either type (staged in the C tile: zeros past the tails); y and mask poisoned first; plain
     results against the float64 reference."""
     torch = pytest.importorskip("torch")

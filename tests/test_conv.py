@@ -1428,6 +1428,61 @@ def test_gpu_plan_in_cuda_graph(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hw,C", [(14, 256), (7, 512)])
+def test_gpu_unfused_mask_after_the_conv(hw, C, rng):
+    """Where the NCHW epilogue cannot own whole mask bytes (P*Q % 8 != 0), relu_mask packs y > 0 after the
+    conv, launched on sm_90+ as its programmatic dependent (PDL: it may start during the conv's last wave
+    and waits in the kernel). Its mask must be the one of the conv's finished y: y and mask poisoned before
+    every call, back-to-back calls on a side stream with new inputs, a CUDA graph replay; each mask equal
+    to relu_mask(y) run on its own, and y to the float64 reference."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    from igemm import relu as relu_mod
+    N, K = 8, C                                               # (tools/precompile_tests.py's shapes)
+    ws = (K, C, 3, 3)
+    w = to_torch(rng.standard_normal(ws) / np.sqrt(C * 9), "float16")
+    V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
+    V[1] = V[1] - 1.0                                         # (a shift that makes some outputs negative)
+    plan = Conv2dPlan((N, C, hw, hw), ws, "float16", "NCHW", 1, 1,
+                      epilogue=ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)))
+    assert not plan.spec().fuse_mask, plan.spec().name()
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert relu_mod._pdl_ok(plan.device_id)
+    xs = [to_torch(rng.standard_normal((N, C, hw, hw)), "float16") for _ in range(4)]
+    ys = [poison(torch.empty(plan.y_shape, dtype=torch.float16, device="cuda")) for _ in xs]
+    ms = [torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda") for _ in xs]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for x, y, m in zip(xs, ys, ms):
+            plan(x, w, out=y, mask_out=m)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for x, y, m in zip(xs, ys, ms):
+        assert not torch.isnan(y).any()
+        assert torch.equal(m, igemm.relu_mask(y))
+    ref = reference.conv2d_direct(to_numpy(xs[0]), to_numpy(w), 1, 1, 1, "NCHW")
+    sc = (V[0] / torch.sqrt(V[3] + 1e-5)).double().cpu().numpy()
+    sh = V[1].double().cpu().numpy() - V[2].double().cpu().numpy() * sc
+    ref = np.maximum(ref * sc[None, :, None, None] + sh[None, :, None, None], 0)
+    assert rel_err(to_numpy(ys[0]), ref) <= TOL["float16"]
+    y, m = ys[0], ms[0]
+    with torch.cuda.stream(s):
+        plan(xs[1], w, out=y, mask_out=m)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan(xs[1], w, out=y, mask_out=m)
+    for x in xs:
+        xs[1].copy_(x)
+        y.fill_(float("nan"))
+        m.fill_(-1)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(m, igemm.relu_mask(y)) and not torch.isnan(y).any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_nchw_paths(dtype, rng):
     """NCHW both ways (native gather, transpose path) on shapes that take every transpose variant:

@@ -58,16 +58,19 @@ def test_stubs() -> dict:
         for dtype in ("float16", "bfloat16"):
             for layout in ("NCHW", "NHWC"):
                 for ch in chains(ws[0]):
-                    try:
-                        plan = Conv2dPlan(shape(xs, layout), shape(ws, layout), dtype, layout, st, pd, dl, config=cfg,
-                                          epilogue=ch, nchw_path="transpose" if layout == "NCHW" else "auto",
-                                          device=None)
-                        s = plan.spec()
-                    except Exception as e:  # noqa: BLE001
-                        print("skip", xs, ws, cfg, layout, dtype, e)
-                        continue
-                    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
+                    _add(specs, (xs, ws, cfg, layout, dtype), shape(xs, layout), shape(ws, layout), dtype, layout,
+                         st, pd, dl, config=cfg, epilogue=ch, nchw_path="transpose" if layout == "NCHW" else "auto")
     return specs
+
+
+def _add(specs: dict, label: tuple, *args, **kw) -> None:
+    """``Conv2dPlan(*args, **kw)``'s kernel (no device) into ``specs``, or a line where the plan refuses it."""
+    try:
+        s = Conv2dPlan(*args, device=None, **kw).spec()
+    except Exception as e:  # noqa: BLE001
+        print("skip", *label, e)
+        return
+    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
 
 
 def bitwise_stubs() -> dict:
@@ -87,14 +90,8 @@ def bitwise_stubs() -> dict:
                             (ep.chain(ep.Bias(g[1]), ep.PReLU(0.25)), None),
                             (ep.chain(ep.BatchNorm(*g), ep.Add(), ep.ReLU(mask=True)), dtype), last_chain(g, dtype)):
                 for c in (cfg, {**(cfg or {}), "store": fp32_store}):
-                    try:
-                        plan = Conv2dPlan(xs, ws, dtype, layout, st, pd, 1, config=c or None, epilogue=ch,
-                                          residual_dtype=rdt, device=None)
-                        s = plan.spec()
-                    except Exception as e:  # noqa: BLE001
-                        print("skip", xs, ws, c, dtype, e)
-                        continue
-                    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
+                    _add(specs, (xs, ws, c, dtype), xs, ws, dtype, layout, st, pd, 1, config=c or None, epilogue=ch,
+                         residual_dtype=rdt)
 
     for xs, K, R, st, cfg in REGS_BITWISE_CASES:      # the fp32 residual's chain
         add(xs, (K, R, R, xs[-1]), "NHWC", st, R // 2, cfg, "rows",
@@ -126,14 +123,8 @@ def epilogue_stubs() -> dict:
                     V = te.bn_vectors(rng, K)
                     rng.standard_normal((N, K, P, Q))                   # the residual
                     chain = ep.chain(te.CHAINS[name](V, None))
-                    try:
-                        plan = Conv2dPlan(x64.shape, w64.shape, dtype, layout, st, pd, epilogue=chain,
-                                          residual_dtype=dtype if chain.residual_op else None, device=None)
-                        s = plan.spec()
-                    except Exception as e:  # noqa: BLE001
-                        print("skip", xs, ws, layout, dtype, name, e)
-                        continue
-                    specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
+                    _add(specs, (xs, ws, layout, dtype, name), x64.shape, w64.shape, dtype, layout, st, pd,
+                         epilogue=chain, residual_dtype=dtype if chain.residual_op else None)
     return specs
 
 

@@ -216,7 +216,7 @@ class Launcher:
         self._raw = fl.raw if fl is not None else None
         self._fn = int(h)
         self._pdl = bool(pdl) and hasattr(driver, "cuLaunchKernelEx")   # launch_after: the device is sm_90+
-        self._pdl_cfg = None
+        self._pdl_cfg = {}                            # stream handle -> CUlaunchConfig (launch_after)
 
     def __call__(self, stream, args: PackedArgs) -> None:
         handle = stream if isinstance(stream, int) else int(stream.handle)
@@ -243,18 +243,24 @@ class Launcher:
         handle = stream if isinstance(stream, int) else int(stream.handle)
         if _runtime._ctx_int(self._get_ctx()[1]) != self._ctx_id:
             self._set_ctx(self._ctx)
-        cfg = self._pdl_cfg
+        # a launch configuration per stream, made once and never changed after (a Launcher is shared
+        # between plans and threads: one configuration whose stream each call rewrote could launch on
+        # another thread's stream)
+        cfg = self._pdl_cfg.get(handle)
         if cfg is None:
-            cfg = self._pdl_cfg = driver.CUlaunchConfig()
+            cfg = driver.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
             cfg.sharedMemBytes = self.smem
+            cfg.hStream = _cu_stream(handle)
             attr = driver.CUlaunchAttribute()
             attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
             cfg.attrs = [attr]
             cfg.numAttrs = 1
-        cfg.hStream = _cu_stream(handle)
+            if len(self._pdl_cfg) >= 64:
+                self._pdl_cfg = {}
+            self._pdl_cfg[handle] = cfg
         (err,) = driver.cuLaunchKernelEx(cfg, self.func, args.address, 0)
         if err:
             raise launch_error(err)

@@ -1095,3 +1095,37 @@ def test_fresh_process_without_cuda_initialised_gpu(tmp_path):
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_launch_after_is_pdl_with_a_configuration_per_stream(monkeypatch):
+    """Launcher.launch_after (relu_mask after a conv, sm_90+): cuLaunchKernelEx with programmatic stream
+    serialization, the launcher's grid, block and shared memory, on the caller's stream; one configuration
+    per stream, so that a call on another stream (another thread's) never rewrites one in use. Without
+    PDL (pdl=False: before sm_90) a plain cuLaunchKernel."""
+    import types
+
+    from cuda.bindings import driver
+
+    from igemm import _kernel
+    ex, plain = [], []
+
+    def launch_ex(cfg, func, args, extra):
+        a = cfg.attrs[0]
+        ex.append((cfg, int(cfg.hStream), cfg.numAttrs, a.id, a.value.programmaticStreamSerializationAllowed,
+                   (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), (cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ),
+                   cfg.sharedMemBytes, int(args)))
+        return (0,)
+    monkeypatch.setattr(driver, "cuLaunchKernelEx", launch_ex)
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda *a: (plain.append(a), (0,))[1])
+    args = types.SimpleNamespace(address=0x5000)
+    for pdl in (True, False):
+        ln = _kernel.Launcher(types.SimpleNamespace(handle=0), 7, 256, 1024, pdl=pdl)
+        ln._raw = None
+        ln._get_ctx, ln._set_ctx, ln._ctx, ln._ctx_id = (lambda: (0, None)), (lambda c: None), None, 0
+        for s in (0x11, 0x22, 0x11):
+            ln.launch_after(s, args)
+    assert len(plain) == 3 and len(ex) == 3
+    assert [e[1] for e in ex] == [0x11, 0x22, 0x11] and ex[0][0] is ex[2][0] and ex[0][0] is not ex[1][0]
+    for e in ex:
+        assert e[2:] == (1, driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1,
+                         (7, 1, 1), (256, 1, 1), 1024, 0x5000), e

@@ -64,7 +64,7 @@ IGEMM_DEVICE void stg_stream16(void* p, uint4 v) {
   asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
-// Programmatic dependent launch (sm_90+; igemm/_kernel.py, Launcher(..., after=True)): a kernel launched
+// Programmatic dependent launch (sm_90+; igemm/_kernel.py, Launcher.launch_after): a kernel launched
 // with programmatic stream serialization may start while the kernel before it on the stream still runs,
 // and waits here until that grid has finished and its writes are visible. A no-op for a kernel launched
 // the usual way, and before sm_90.

@@ -55,7 +55,16 @@ struct Config {
   static constexpr bool kCsPixelMajor = !kNchwOut;
   static constexpr int kCsPad = kCsPixelMajor ? 8 : 4;
   static constexpr int kCsLd = kCsPixelMajor ? BN + kCsPad : BM + kCsPad;
-  static constexpr int kCsBytes = (kCsPixelMajor ? BM : BN) * kCsLd * 4;
+  // kWgmmaWs with a register epilogue, no residual and no cluster k-split: the C tile at the size the register
+  // epilogue writes (16-bit values; NCHW: BN rows of at most BM + 8 pixels, then the mask words), not the fp32
+  // tile's -- room for a third CTA an SM (ctas). A staged residual and the k-split's fp32 hand-over need the rest.
+#if defined(IGEMM_CSPLIT)
+  static constexpr bool kCsCompact = false;
+#else
+  static constexpr bool kCsCompact = Math_ == kWgmmaWs && kRegsStore && !Epi::kResidual;
+#endif
+  static constexpr int kCsBytes = kCsCompact ? (kNchwOut ? BN * (BM + 8) * 2 + BN * (BM / 32) * 4 : BM * (BN + 8) * 2)
+                                             : (kCsPixelMajor ? BM : BN) * kCsLd * 4;
   static constexpr int kMainBytes = Stages * (BM + BN) * BK * (Math_ == kSimt ? 4 : EB);
   static constexpr bool kIsWgmma = Math_ == kWgmma || Math_ == kWgmmaWs;
   static constexpr int kAlign = kIsWgmma ? 1024 : 128;   // SW128 atoms need 1024-byte alignment
@@ -72,11 +81,12 @@ struct Config {
   static_assert(StoreMode != kStoreRegsNCHW || (kIsWgmma && sizeof(ElementOut) == 2 && (!FuseMask || VecO == 8)),
                 "NCHW register epilogue: the wgmma kernels, 16-bit outputs, masks from 8-pixel vectors");
   static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8 || LoadA_ == kLoadTmaMN;
-  static_assert(LoadA_ != kLoadTmaMN || (Layout_ == kNCHW && BM_ == 64 && Math_ == kWgmma && kNchwOut),
+  static_assert(LoadA_ != kLoadTmaMN || (Layout_ == kNCHW && BM_ == 64 && kIsWgmma && WM_ == 1 && kNchwOut),
                 "MN-major TMA A tiles: NCHW x, one 64-row warpgroup, the NCHW store");
   static_assert(kTma == (LoadB_ == kLoadTma) && (!kTma || (kIsWgmma && (Layout_ == kNHWC || LoadA_ == kLoadTmaMN))),
                 "TMA loads: both operands, wgmma, NHWC");
-  static_assert(Math_ != kWgmmaWs || (LoadA_ == kLoadTma && BM == 64), "the persistent kernel: TMA loads, 64-row tiles");
+  static_assert(Math_ != kWgmmaWs || ((LoadA_ == kLoadTma || LoadA_ == kLoadTmaMN) && BM == 64),
+                "the persistent kernel: TMA loads, 64-row tiles");
   static_assert(LoadA_ != kLoadPatch || (Math_ == kWgmma && Layout_ == kNHWC && LoadB_ == kLoadVec),
                 "patch loads: the per-tile wgmma kernel, NHWC x, a gathered filter");
   static_assert(!kIsWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),

@@ -1118,10 +1118,12 @@ template <class Cfg, class P>
 IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   using T = typename Cfg::Element;
   using Atom = typename GmmaAtom<T, Cfg::BN>::type;
+  using AtomMN = typename GmmaAtom<T, Cfg::BN, gmma::Major::MN>::type;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages, NC = Cfg::WM;
   constexpr int A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2, RING = S * (A_STAGE + B_STAGE);
   constexpr int NACC = BN / 2, KSTEPS = BK / 16;
-  static_assert((NC == 1 || NC == 2) && Cfg::LoadA == kLoadTma, "one or two consumer warpgroups, 64-channel TMA k-tiles");
+  static_assert((NC == 1 || NC == 2) && (Cfg::LoadA == kLoadTma || Cfg::LoadA == kLoadTmaMN),
+                "one or two consumer warpgroups, 64-channel TMA k-tiles");
   static_assert(kCsplit == 1 || NC == 1, "the cluster k-split: one consumer warpgroup");
   __shared__ alignas(8) uint64_t full[NC][S], empty[NC][S];
   __shared__ alignas(8) uint64_t xfer[2];           // kCsplit: [0] full (rank 0's), [1] empty (rank 1's)
@@ -1201,7 +1203,11 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     for (int kt = kb; kt < ke; ++kt, ++k) {
       const int slot = k % S;
       mbar_wait(&full[wg][slot], (k / S) & 1);
-      wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + slot * A_STAGE), desc_sw128(sB_u + slot * B_STAGE), acc);
+      if constexpr (Cfg::LoadA == kLoadTmaMN)   // A MN-major (NCHW x in place), as in mainloop_wgmma_tma
+        wgmma_stage<AtomMN, NACC, KSTEPS, 2048 / 16>(desc_mn_sw128(sA_u + slot * A_STAGE),
+                                                     desc_sw128(sB_u + slot * B_STAGE), acc);
+      else
+        wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + slot * A_STAGE), desc_sw128(sB_u + slot * B_STAGE), acc);
       cute::warpgroup_wait<1>();
 #pragma unroll
       for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);

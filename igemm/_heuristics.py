@@ -13,7 +13,7 @@ from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
 __all__ = ["ConvProblem", "KernelSpec", "choose_config", "candidates", "validate_spec", "choose_splits",
            "nchw_path", "kernel_problem", "kernel_channels", "kernel_setup", "use_unfold", "store_for",
-           "regs_epilogue_ok", "patch_config", "patch_bytes", "patch_unsupported", "subsampled"]
+           "regs_epilogue_ok", "patch_config", "patch_bytes", "patch_unsupported", "subsampled", "max_ctas"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,10 @@ class KernelSpec:
     patch_bytes: int = 0      # load_a "patch": the input patch's shared memory (problem-dependent, not in the code)
     streamk: int = 0          # stream-K (the per-tile TMA kernel): CTAs per SM sharing the tiles x k-tiles; 0: off
     csplit: int = 1           # 2: the persistent kernel's cluster k-split (two CTAs a tile, each half the k-tiles)
+    #: the persistent kernel's CTAs per SM (grid min(tiles, ctas x SMs)): more than one where the reduction is
+    #: short and the epilogue long (a 1x1 conv's single k-tile), so that each CTA's producer loads its next
+    #: tile while its consumer runs the epilogue, beside the other CTAs' mainloops
+    ctas: int = 1
 
     @property
     def threads(self) -> int:
@@ -100,7 +104,7 @@ class KernelSpec:
 
     @property
     def persistent(self) -> bool:
-        """The persistent warp-specialised kernel: grid min(tiles, SMs), WM consumer warpgroups of
+        """The persistent warp-specialised kernel: grid min(tiles, ctas x SMs), WM consumer warpgroups of
         BM-row tiles and a producer warp (``Config`` kWgmmaWs)."""
         return self.math == "wgmma_ws"
 
@@ -114,10 +118,18 @@ class KernelSpec:
         else:
             cs = self.bn * (self.bm + 4) * 4
         if self.persistent:                  # a stage ring and a C tile per consumer warpgroup
+            if self.store in REGS_STORES and self.csplit == 1 and not self.residual:   # (Config::kCsCompact)
+                cs = self.bn * (self.bm + 8) * 2 + self.bn * (self.bm // 32) * 4 if self.store == "regsnchw" \
+                    else self.bm * (self.bn + 8) * 2
             return self.wm * (main + cs) + 1024
         if self.load_a == "patch":           # two A buffers, B for the whole reduction, then the patch
             main = (2 * self.bm + self.stages * self.bn) * self.bk * eb + self.patch_bytes
         return max(main, cs) + (1024 if self.math == "wgmma" else 128)
+
+    @property
+    def residual(self) -> bool:
+        """Whether the epilogue chain reads a residual."""
+        return any(f.startswith("igemm::epi::AddResidual<") for f in self.epilogue)
 
     @property
     def residual_staged(self) -> bool:
@@ -167,7 +179,8 @@ class KernelSpec:
     def name(self) -> str:
         return (f"conv_{self.dtype}_{self.layout}_{self.math}_{self.bm}x{self.bn}x{self.bk}_w{self.wm}x{self.wn}"
                 f"_s{self.stages}_{self.load_a}{self.load_b}_{self.store}{self.vec_o}{'_m' if self.fuse_mask else ''}"
-                f"{'_sk' if self.streamk else ''}{f'_cs{self.csplit}' if self.csplit > 1 else ''}")
+                f"{'_sk' if self.streamk else ''}{f'_cs{self.csplit}' if self.csplit > 1 else ''}"
+                f"{f'_x{self.ctas}' if self.ctas > 1 else ''}")
 
     def prelude(self) -> str:
         """Macros in front of the kernel source. ``IGEMM_KERNEL_DEFINES`` (space-separated names, each
@@ -594,11 +607,19 @@ def min_blocks_for(spec: KernelSpec) -> int:
     CTAs per SM, 4 where shared memory holds 4 and the accumulators are at most 64 registers a thread
     (BN <= 128). Measured on an H200 (tools/epi_probe.py): 1x1 64->256 @56, 64x128 tile, 2 stages, 4 CTAs:
     conv 33.0 -> 30.0 us, +BN+Add+ReLU+mask 83.4 -> 69.4 us; no change on the layers where smem caps it."""
+    if spec.persistent:
+        return spec.ctas
     if spec.math != "wgmma" or spec.bm != 64:
         return 1
     if spec.bn <= 128 and 4 * (spec.smem + spec.static_smem) <= SMEM_LIMIT:
         return 4
     return 3
+
+
+def max_ctas(spec: KernelSpec, cap: int = 4) -> int:
+    """The most CTAs of a persistent spec an SM holds (shared memory; at most ``cap``; registers: the launch
+    bounds then cap each thread at 65536 / (threads x CTAs))."""
+    return max(1, min(cap, SMEM_PER_SM // (spec.smem + spec.static_smem + 1024)))
 
 
 def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[KernelSpec]:
@@ -641,6 +662,12 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
             # one consumer with a deep ring; and the cluster k-split (two CTAs a tile)
             add(math="wgmma_ws", bm=64, wm=1, bn=bn, stages=one_consumer_stages(bn), splits=1)
         add(math="wgmma_ws", bm=64, wm=1, bn=64, stages=6, splits=1, csplit=2)
+    if base.load_a in ("tma", "tmamn"):
+        for bn, stages in ((64, 2), (64, 3), (128, 2), (128, 3)):
+            # one consumer, several CTAs an SM (a short reduction: the next tile's loads under the epilogue)
+            ws = dataclasses.replace(tile, math="wgmma_ws", bm=64, wm=1, bn=bn, stages=stages, splits=1, csplit=1)
+            if (c := max_ctas(ws)) > 1:
+                add(math="wgmma_ws", bm=64, wm=1, bn=bn, stages=stages, splits=1, ctas=c)
         if tile.store == "regs":             # stream-K: equal shares of tiles x k-tiles, 1 or 2 CTAs an SM
             for bm, bn, stages, sk in ((64, 128, 4, 1), (64, 128, 4, 2), (128, 128, 4, 1), (64, 64, 4, 2)):
                 add(math="wgmma", bm=bm, wm=bm // 64, bn=bn, stages=stages, splits=1, streamk=sk)
@@ -671,6 +698,8 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
 
 
 SMEM_LIMIT = 227 * 1024
+#: shared memory an SM has for its CTAs (sm_90: 228 KB, 1 KB of it reserved per CTA)
+SMEM_PER_SM = 228 * 1024
 
 
 def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> bool:
@@ -700,11 +729,15 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = f"TMA loads of this problem are {tma_kind(pb)!r}"
     elif spec.streamk and (spec.math != "wgmma" or spec.load_a != "tma" or spec.store != "regs" or spec.splits != 1):
         why = "stream-K: the per-tile TMA wgmma kernel with the register epilogue, no split-K"
-    elif spec.persistent and (spec.load_a != "tma" or spec.bm != 64 or spec.wm not in (1, 2) or spec.splits != 1
+    elif spec.persistent and (spec.load_a not in ("tma", "tmamn") or spec.bm != 64 or spec.wm not in (1, 2) or spec.splits != 1
                               or spec.bn not in (64, 128, 256)):
         why = "the persistent kernel: TMA loads, one or two consumer warpgroups of 64-row tiles, no split-K"
     elif spec.csplit != 1 and (spec.csplit != 2 or not spec.persistent or spec.wm != 1 or -(-pb.Kred // spec.bk) < 2):
         why = "the cluster k-split: csplit 2, the persistent kernel with one consumer, at least 2 k-tiles"
+    elif spec.ctas != 1 and (spec.ctas < 1 or not spec.persistent or spec.csplit != 1
+                             or spec.ctas * (spec.smem + spec.static_smem + 1024) > SMEM_PER_SM):
+        why = (f"ctas={spec.ctas}: several CTAs an SM are the persistent kernel's (no cluster k-split), "
+               f"as many as {SMEM_PER_SM} bytes of shared memory hold")
     elif spec.load_b == "tma" and (no_tma := tma_unsupported(pb, spec.bm)):
         why = no_tma
     elif (spec.load_a == "patch") != pb.patch:

@@ -163,11 +163,13 @@ def _override(spec: KernelSpec, pb: ConvProblem, cfg: dict) -> KernelSpec:
         from ._heuristics import one_consumer_stages, validate_spec
         if spec.wm == 1 and "stages" not in cfg:     # the one consumer's ring: as deep as the tile allows
             spec = dataclasses.replace(spec, stages=one_consumer_stages(spec.bn))
-        if spec.load_a != "tma" or spec.splits != 1 or spec.streamk or not validate_spec(spec, pb, raise_=False):
+        if spec.load_a not in ("tma", "tmamn") or spec.splits != 1 or spec.streamk or not validate_spec(spec, pb, raise_=False):
             # the persistent kernel is TMA-only, has 64-row tiles and no split-K or stream-K: gathered
             # loads, other tiles, splits or stream-K asked for run on the per-tile wgmma kernel (with its
             # 4 stages unless asked: a deep ring may not fit its tile)
             spec = dataclasses.replace(spec, math="wgmma", wm=spec.bm // 64, stages=cfg.get("stages", 4), csplit=1)
+    if not spec.persistent and spec.ctas != 1:
+        spec = dataclasses.replace(spec, ctas=1)    # (several CTAs an SM: the persistent kernel's grid)
     if "math" in cfg and not cfg["math"].startswith("wgmma") and "bk" not in cfg:
         spec = dataclasses.replace(spec, bk={"simt": 8}.get(cfg["math"], 64 // DTYPE_SIZES[pb.dtype]))
         if cfg["math"] in ("tensorop", "tf32x3") and "wn" not in cfg:
@@ -419,7 +421,8 @@ class Conv2dPlan:
                 spec = _override(spec, self.kproblem, cfg)
         if not (x_aligned and w_aligned):
             if spec.persistent:             # TMA-only kernel: the per-tile wgmma kernel gathers instead
-                spec = dataclasses.replace(spec, math="wgmma", wm=1, stages=min(spec.stages, 4), csplit=1)
+                spec = dataclasses.replace(spec, math="wgmma", wm=1, stages=min(spec.stages, 4), csplit=1, ctas=1,
+                                           min_blocks=1)
             spec = dataclasses.replace(spec, streamk=0)     # (stream-K too: TMA loads only)
             la, lb = (("vec" if self.kproblem.layout == "NHWC" else "elem"), "vec") if spec.load_b == "tma" \
                 else (spec.load_a, spec.load_b)
@@ -439,8 +442,8 @@ class Conv2dPlan:
             k = _kernel.load(_stub(spec), spec.name(), "igemm_conv2d_fprop", self.device_id, smem=spec.smem)
             tiles = -(-self.problem.M // spec.bm) * -(-self.problem.K // spec.bn)
             grid = (tiles, 1, spec.splits)      # tile blockIdx.x, n-fastest (csrc/conv2d_common.cuh, tile_coord)
-            if spec.persistent:                 # one CTA per SM at most, looping over the tiles
-                grid = (spec.csplit * min(tiles, self.sms // spec.csplit), 1, 1)   # (csplit: CTA pairs a tile)
+            if spec.persistent:                 # ctas CTAs per SM at most, looping over the tiles
+                grid = (spec.csplit * min(tiles, spec.ctas * self.sms // spec.csplit), 1, 1)   # (csplit: CTA pairs a tile)
             kt = -(-self.kproblem.Kred // spec.bk)  # the kernel's reduction (padded or unfolded copies: longer)
             ws = None
             if spec.streamk:                    # equal shares of tiles x k-tiles (csrc/conv2d_sm90.cuh, fprop_streamk)

@@ -3,9 +3,9 @@
     python tools/epi_probe.py precompile [arch] [SET]   # compile every variant here (no GPU)
     python tools/epi_probe.py run [SET]                 # on the GPU: (a) conv, (b) +BN+ReLU+mask, (c) +Add
 
-SET: "tiles" (default: the 1x1 layers, tile and occupancy variants) or "stage" (ResNet-50's layers after
+SET: "tiles" (default: the 1x1 layers, tile and occupancy variants), "stage" (ResNet-50's layers after
 conv1, N=32: the residual staged in shared memory, as built, against IGEMM_NO_RES_STAGE's loads after the
-mainloop).
+mainloop) or "ws" (the 1x1 layers on the persistent kernel with one consumer and several CTAs an SM).
 
 Variants are overrides of the chosen KernelSpec (min_blocks = CTAs per SM the register cap allows, bn,
 stages); times are CUDA-graph medians (benchmarks/_harness.py), inputs rotated past L2.
@@ -35,12 +35,21 @@ def _resnet_n32():
 
 
 RESNET_N32 = _resnet_n32()
-SETS = {"tiles": (LAYERS, VARIANTS), "stage": (RESNET_N32, [{}, {"define": "IGEMM_NO_RES_STAGE"}])}
+_WS = {"math": "wgmma_ws", "wm": 1, "splits": 1}     # the persistent kernel, one consumer, `ctas` CTAs an SM
+WS_VARIANTS = [{}, {**_WS, "bn": 64, "stages": 2, "ctas": 4}, {**_WS, "bn": 64, "stages": 2, "ctas": 5},
+               {**_WS, "bn": 64, "stages": 3, "ctas": 3}, {**_WS, "bn": 128, "stages": 2, "ctas": 3},
+               {**_WS, "bn": 128, "stages": 3, "ctas": 2}, {**_WS, "bn": 128, "stages": 4, "ctas": 1}]
+SETS = {"tiles": (LAYERS, VARIANTS), "stage": (RESNET_N32, [{}, {"define": "IGEMM_NO_RES_STAGE"}]),
+        "ws": (LAYERS, WS_VARIANTS)}
+
+
+LAYOUTS = ("NHWC",)        # the "ws" set runs NCHW too (the 1x1 64->256 layer's native MN-major kernel)
 
 
 def _use_set(name: str) -> None:
-    global LAYERS, VARIANTS
+    global LAYERS, VARIANTS, LAYOUTS
     LAYERS, VARIANTS = SETS[name]
+    LAYOUTS = ("NHWC", "NCHW") if name == "ws" else ("NHWC",)
 
 
 def _defines(v) -> str:
@@ -71,13 +80,15 @@ def _chains(ep, vecs=None):
 
 def specs(arch="sm_90a"):
     from igemm import epilogues as ep
-    from igemm._heuristics import ConvProblem, choose_config, validate_spec
+    from igemm._heuristics import ConvProblem, choose_config, max_ctas, validate_spec
+    from igemm._heuristics import kernel_setup
     from igemm.conv2d import _override
     out = {}
-    for name, C, K, H, R, st, pd, N in LAYERS:
+    for (name, C, K, H, R, st, pd, N), layout in ((l, lo) for l in LAYERS for lo in LAYOUTS):
         for cn, ch in _chains(ep).items():
-            pb = ConvProblem(N, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), "float16", "NHWC", "tensorop",
+            pb = ConvProblem(N, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), "float16", layout, "tensorop",
                              ch.signature(), "float16" if ch.residual_op else None)
+            pb = kernel_setup(pb, arch=arch)[1]          # (the kernel's problem: NCHW may run on NHWC copies)
             base = choose_config(pb, arch)
             for i, v in enumerate(VARIANTS):
                 kw = {k: x for k, x in v.items() if k not in ("define", "env")}
@@ -85,20 +96,23 @@ def specs(arch="sm_90a"):
                     s = _override(base, pb, kw) if kw else base
                 except Exception:
                     continue
+                if s.ctas > 1 and not validate_spec(s, pb, raise_=False):   # (c)'s C tile is larger: fewer CTAs
+                    s = dataclasses.replace(s, ctas=max_ctas(s, s.ctas), min_blocks=max_ctas(s, s.ctas))
                 if validate_spec(s, pb, raise_=False) and 65536 // (s.threads * s.min_blocks) >= 80:
-                    out[(name, cn, i)] = s
+                    out[(name, layout, cn, i)] = s
     return out
 
 
-def _check(x, w, res, vec, st, pd, plan) -> str:
+def _check(x, w, res, vec, st, pd, plan, layout="NHWC") -> str:
     """(c) of the last variant against torch in fp32: max relative error, and mask == (y > 0) everywhere."""
     import torch
     g, b, m, v = vec
     y, mask = plan(x, w, residual=res, out=torch.full_like(res, float("nan")))
-    ref = torch.nn.functional.conv2d(x.permute(0, 3, 1, 2).float(), w.permute(0, 3, 1, 2).float(), stride=st, padding=pd)
+    nchw = (lambda t: t) if layout == "NCHW" else (lambda t: t.permute(0, 3, 1, 2))
+    ref = torch.nn.functional.conv2d(nchw(x).float(), nchw(w).float(), stride=st, padding=pd)
     sc = g / torch.sqrt(v + 1e-5)
     ref = ref * sc[None, :, None, None] + (b - m * sc)[None, :, None, None]
-    ref = torch.relu(ref.permute(0, 2, 3, 1) + res.float())
+    ref = torch.relu((ref if layout == "NCHW" else ref.permute(0, 2, 3, 1)) + res.float())
     rel = ((y.float() - ref).abs().max() / ref.abs().max()).item()
     bits = (y.reshape(-1) > 0).to(torch.int64)
     n = bits.numel()
@@ -125,15 +139,16 @@ def main() -> int:
     bench = _harness.Bench("epi_probe", argparse.Namespace(quick=True, reps=30, warmup=3, out=None))
     table = specs()
     print("| layer | variant | spec | a_us | b_us | c_us | b/a | c/a | (c) check |\n|---|---|---|---|---|---|---|---|---|")
-    for name, C, K, H, R, st, pd, N in LAYERS:
+    for (name, C, K, H, R, st, pd, N), layout in ((l, lo) for l in LAYERS for lo in LAYOUTS):
         P = (H + 2 * pd - R) // st + 1
         nset = _harness.n_rotations((N * H * H * C + 2 * N * P * P * K) * 2)
-        xs = [torch.randn(N, H, H, C, device="cuda", dtype=torch.float16) for _ in range(nset)]
-        res = [torch.randn(N, P, P, K, device="cuda", dtype=torch.float16) for _ in range(nset)]
-        w = torch.randn(K, R, R, C, device="cuda", dtype=torch.float16) / (C * R * R) ** 0.5
+        sh = (lambda n, h, c: (n, c, h, h)) if layout == "NCHW" else (lambda n, h, c: (n, h, h, c))
+        xs = [torch.randn(*sh(N, H, C), device="cuda", dtype=torch.float16) for _ in range(nset)]
+        res = [torch.randn(*sh(N, P, K), device="cuda", dtype=torch.float16) for _ in range(nset)]
+        w = torch.randn(*sh(K, R, C), device="cuda", dtype=torch.float16) / (C * R * R) ** 0.5
         vec = (torch.rand(K, device="cuda") + 0.5, torch.randn(K, device="cuda") * 0.1,
                torch.randn(K, device="cuda") * 0.1, torch.rand(K, device="cuda") + 0.5)
-        outs = [torch.empty(N, P, P, K, device="cuda", dtype=torch.float16) for _ in range(2)]
+        outs = [torch.empty(*sh(N, P, K), device="cuda", dtype=torch.float16) for _ in range(2)]
         masks = [torch.empty((N * P * P * K + 31) // 32, device="cuda", dtype=torch.int32) for _ in range(2)]
         for i, v in enumerate(VARIANTS):
             t = {}
@@ -142,11 +157,11 @@ def main() -> int:
             for k, x in v.get("env", {}).items():
                 os.environ[k] = x
             for cn, ch in _chains(ep, vec).items():
-                s = table.get((name, cn, i))
+                s = table.get((name, layout, cn, i))
                 if s is None:
                     break
-                desc = f"{s.bm}x{s.bn} s{s.stages} mb{s.min_blocks}"
-                plan = igemm.Conv2dPlan(tuple(xs[0].shape), tuple(w.shape), "float16", "NHWC", st, pd, epilogue=ch,
+                desc = f"{s.math} {s.bm}x{s.bn} s{s.stages} mb{s.min_blocks} x{s.ctas}"
+                plan = igemm.Conv2dPlan(tuple(xs[0].shape), tuple(w.shape), "float16", layout, st, pd, epilogue=ch,
                                         config=s)
                 if cn == "a":
                     t[cn] = bench.time(lambda j: plan(xs[j], w, out=outs[j % 2]), nset)
@@ -155,11 +170,11 @@ def main() -> int:
                 else:
                     t[cn] = bench.time(lambda j: plan(xs[j], w, residual=res[j], out=outs[j % 2],
                                                       mask_out=masks[j % 2]), nset)
-            err = _check(xs[0], w, res[0], vec, st, pd, plan) if len(t) == 3 else ""
+            err = _check(xs[0], w, res[0], vec, st, pd, plan, layout) if len(t) == 3 else ""
             for k in v.get("env", {}):
                 del os.environ[k]
             if len(t) == 3:
-                print(f"| {name} | {v or 'chosen'} | {desc} | {t['a'] * 1e6:.1f} | {t['b'] * 1e6:.1f} | "
+                print(f"| {layout} {name} | {v or 'chosen'} | {desc} | {t['a'] * 1e6:.1f} | {t['b'] * 1e6:.1f} | "
                       f"{t['c'] * 1e6:.1f} | {t['b'] / t['a']:.2f} | {t['c'] / t['a']:.2f} | {err} |", flush=True)
         del xs, res, outs, masks
         torch.cuda.empty_cache()

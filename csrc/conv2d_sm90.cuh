@@ -295,6 +295,32 @@ IGEMM_DEVICE epi::Ctx regs_epilogue_start(const P& p, float (*s_vec)[Cfg::BN], i
 // warpgroup g owns rows g·64 + w·16 + lane / 4 (wgmma's accumulator layout).
 IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2); }
 
+// Four 8x8 16-bit matrices between a warp's fragments and shared memory, one instruction (stmatrix, sm_90;
+// ldmatrix): register i holds the thread's pair of matrix i (row lane / 4, columns 2·(lane % 4) + {0, 1}, the
+// accumulator fragment's layout), and lane l gives the 16-byte row l % 8 of matrix l / 8. TRANS: that row is
+// the matrix's column l % 8 (the NCHW C tile: one channel's 8 pixels). In the register epilogues matrix i is
+// (column block 2·jp + i / 2, rows r0 | r0 + 8 by i % 2): four 16-byte rows a lane where 16-bit stores (NCHW)
+// took eight 2-byte ones and (NHWC) four 4-byte ones.
+template <bool TRANS>
+IGEMM_DEVICE void stmatrix_x4(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  if constexpr (TRANS)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(smem_u32(dst)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+  else
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(smem_u32(dst)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+template <bool TRANS>
+IGEMM_DEVICE void ldmatrix_x4(const void* src, uint32_t& a, uint32_t& b, uint32_t& c, uint32_t& d) {
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(smem_u32(src)) : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(smem_u32(src)) : "memory");
+}
+
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
@@ -336,13 +362,12 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
         static_assert(G == NB, "the whole tile's pairs before the first barrier");
         cp_async_wait<0>();
         __syncwarp();
+        // lane l: row (l / 8) % 2 · 8 + l % 8 of the warp's 16 (r & 7 = l % 8), 16-byte chunk 2·jp + l / 16
+        const uint8_t* row = res_s + (r0 - (lane >> 2) + ((lane >> 3) & 1) * 8 + (lane & 7)) * (BN * 2);
+        const int x = (lane >> 4) ^ (lane & 7);
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const int c = (j0 + g) * 8 + 2 * (lane & 3);
-          const int off = ((c >> 3) << 4) + (c & 7) * 2;        // byte offset of the pair in the unswizzled row
-          ra[g] = *reinterpret_cast<const RawPair*>(res_s + r0 * (BN * 2) + (off ^ ((r0 & 7) << 4)));
-          rb[g] = *reinterpret_cast<const RawPair*>(res_s + (r0 + 8) * (BN * 2) + (off ^ (((r0 + 8) & 7) << 4)));
-        }
+        for (int jp = 0; jp < G / 2; ++jp)
+          ldmatrix_x4<false>(row + (((2 * jp) ^ x) << 4), ra[2 * jp], rb[2 * jp], ra[2 * jp + 1], rb[2 * jp + 1]);
         return;
       }
     }
@@ -363,6 +388,9 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
   uint32_t keep0 = 0, keep1 = 0;        // lane q of a quad keeps word 4i + q of its rows until i's 4 are done
   constexpr int WORDS = BN / 32;        // mask words a tile row
+  // stmatrix row of lane l: row (l / 8) % 2 · 8 + l % 8 of the warp's 16, column block 2·jp + l / 16
+  TO* const cst = ct + (r0 - (lane >> 2) + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDH + (lane >> 4) * 8;
+  uint32_t op[2][4];                    // the pairs (rows r0, r0 + 8) of column blocks j - j % 2 and j - j % 2 + 1
 #pragma unroll
   for (int j0 = 0; j0 < NB; j0 += G) {
     if (j0 > 0) load_residual(j0);
@@ -378,9 +406,16 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
         unpack_pair<RT>(rb[g], res[2], res[3]);
       }
       Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
-      const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);
+      uint32_t* const q = op[(j >> 1) & 1];   // (two quads in turn: one need not wait for the last stmatrix's reads)
+      q[2 * (j & 1)] = pack_pair<TO>(v[0], v[1]);
+      q[2 * (j & 1) + 1] = pack_pair<TO>(v[2], v[3]);
+      const uint32_t o0 = q[2 * (j & 1)], o1 = q[2 * (j & 1) + 1];
+#if defined(IGEMM_NO_STSM)   // (A/B: the 4-byte stores)
       *reinterpret_cast<uint32_t*>(ct + r0 * LDH + c) = o0;
       *reinterpret_cast<uint32_t*>(ct + (r0 + 8) * LDH + c) = o1;
+#else
+      if (j & 1) stmatrix_x4<false>(cst + (j - 1) * 8, q[0], q[1], q[2], q[3]);
+#endif
       if constexpr (Cfg::FuseMask) {
         // (stored value > 0) of the pair, as bits jj and 16 + jj (jj = j % 4) ...
         const uint32_t sel = 0x00010001u << (j & 3);
@@ -557,29 +592,47 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     }
   }
   const int lane = tid & 31, r0 = fragment_row0(tid);
-  // the fragment's four C-tile positions in column block 0, (channel c | c+1) x (pixel r0 | r0+8); block j's
-  // are j·8 rows further on (a swizzle depends on the channel's low 3 bits only): four registers, where the
-  // swizzle computed per element left ptxas holding 158 registers for the identity chain's 128x128 tile
-  uint16_t* const f00 = ct + cti(2 * (lane & 3), r0);
-  uint16_t* const f10 = ct + cti(2 * (lane & 3) + 1, r0);
-  uint16_t* const f01 = ct + cti(2 * (lane & 3), r0 + 8);
-  uint16_t* const f11 = ct + cti(2 * (lane & 3) + 1, r0 + 8);
+  // Column blocks 2·jp and 2·jp + 1 of the warp's 16 pixels leave (and a residual arrives) by one transposed
+  // stmatrix (ldmatrix): lane l's 16-byte row is channel 16·jp + (l / 16)·8 + l % 8, pixels
+  // r0 - lane / 4 + ((l / 8) % 2)·8 .. + 7 -- one C-tile chunk (the swizzle depends on the channel's low 3 bits
+  // only, so block pair jp is 16·jp rows further on).
+  uint16_t* const fm = ct + cti((lane >> 4) * 8 + (lane & 7), r0 - (lane >> 2) + ((lane >> 3) & 1) * 8);
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int c = j * 8 + 2 * (lane & 3), jo = j * 8 * kNchwLd<Cfg>;
-    float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
-    const int ch[4] = {c, c + 1, c, c + 1};
-    float res[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (Epi::kResidual) {      // (r0, c | c+1), (r0+8, c | c+1): the pairs as unpack_pair takes them
-      unpack_pair<RT>(uint32_t(f00[jo]) | uint32_t(f10[jo]) << 16, res[0], res[1]);
-      unpack_pair<RT>(uint32_t(f01[jo]) | uint32_t(f11[jo]) << 16, res[2], res[3]);
+  for (int jp = 0; jp < BN / 16; ++jp) {
+    uint16_t* const f = fm + jp * 16 * kNchwLd<Cfg>;
+    uint32_t rp[4] = {0u, 0u, 0u, 0u};   // the residual pairs: (block 2jp | 2jp+1) x (pixel r0 | r0+8)
+    if constexpr (Epi::kResidual) ldmatrix_x4<true>(f, rp[0], rp[1], rp[2], rp[3]);
+    uint32_t o[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * jp + h, c = j * 8 + 2 * (lane & 3);
+      float v[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
+      const int ch[4] = {c, c + 1, c, c + 1};
+      float res[4] = {0.f, 0.f, 0.f, 0.f};
+      if constexpr (Epi::kResidual) {    // (r0, c | c+1), (r0+8, c | c+1): the pairs as unpack_pair takes them
+        unpack_pair<RT>(rp[2 * h], res[0], res[1]);
+        unpack_pair<RT>(rp[2 * h + 1], res[2], res[3]);
+      }
+      Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
+      o[2 * h] = pack_pair<TO>(v[0], v[1]);       // (r0, c | c+1)
+      o[2 * h + 1] = pack_pair<TO>(v[2], v[3]);   // (r0+8, c | c+1)
     }
-    Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
-    const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);   // (r0, c | c+1), (r0+8, ..)
-    f00[jo] = uint16_t(o0);
-    f10[jo] = uint16_t(o0 >> 16);
-    f01[jo] = uint16_t(o1);
-    f11[jo] = uint16_t(o1 >> 16);
+#if defined(IGEMM_NO_STSM)   // (A/B: the 2-byte stores)
+    uint16_t* const g0 = ct + cti(2 * (lane & 3), r0) + jp * 16 * kNchwLd<Cfg>;
+    uint16_t* const g1 = ct + cti(2 * (lane & 3) + 1, r0) + jp * 16 * kNchwLd<Cfg>;
+    uint16_t* const g2 = ct + cti(2 * (lane & 3), r0 + 8) + jp * 16 * kNchwLd<Cfg>;
+    uint16_t* const g3 = ct + cti(2 * (lane & 3) + 1, r0 + 8) + jp * 16 * kNchwLd<Cfg>;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int jo = h * 8 * kNchwLd<Cfg>;
+      g0[jo] = uint16_t(o[2 * h]);
+      g1[jo] = uint16_t(o[2 * h] >> 16);
+      g2[jo] = uint16_t(o[2 * h + 1]);
+      g3[jo] = uint16_t(o[2 * h + 1] >> 16);
+    }
+#else
+    stmatrix_x4<true>(f, o[0], o[1], o[2], o[3]);
+#endif
   }
   sync();
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));

@@ -299,8 +299,10 @@ IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) &
 // ldmatrix): register i holds the thread's pair of matrix i (row lane / 4, columns 2·(lane % 4) + {0, 1}, the
 // accumulator fragment's layout), and lane l gives the 16-byte row l % 8 of matrix l / 8. TRANS: that row is
 // the matrix's column l % 8 (the NCHW C tile: one channel's 8 pixels). In the register epilogues matrix i is
-// (column block 2·jp + i / 2, rows r0 | r0 + 8 by i % 2): four 16-byte rows a lane where 16-bit stores (NCHW)
-// took eight 2-byte ones and (NHWC) four 4-byte ones.
+// (column block 2·jp + i / 2, rows r0 | r0 + 8 by i % 2): the NCHW C tile's values (and residual) move as four
+// 16-byte rows a lane where they took eight 2-byte stores (loads), the NHWC staged residual's as four where it
+// took four 4-byte loads. H100, N=32, fp16 NCHW (tools/epi_probe.py stsm): 0.2-0.6 us off (a)/(b)/(c) on most
+// ResNet-50 layers, none slower.
 template <bool TRANS>
 IGEMM_DEVICE void stmatrix_x4(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   if constexpr (TRANS)
@@ -388,9 +390,6 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
   uint32_t keep0 = 0, keep1 = 0;        // lane q of a quad keeps word 4i + q of its rows until i's 4 are done
   constexpr int WORDS = BN / 32;        // mask words a tile row
-  // stmatrix row of lane l: row (l / 8) % 2 · 8 + l % 8 of the warp's 16, column block 2·jp + l / 16
-  TO* const cst = ct + (r0 - (lane >> 2) + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDH + (lane >> 4) * 8;
-  uint32_t op[2][4];                    // the pairs (rows r0, r0 + 8) of column blocks j - j % 2 and j - j % 2 + 1
 #pragma unroll
   for (int j0 = 0; j0 < NB; j0 += G) {
     if (j0 > 0) load_residual(j0);
@@ -406,16 +405,11 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
         unpack_pair<RT>(rb[g], res[2], res[3]);
       }
       Epi::template apply<4, epi::kChPairs>(v, ch, res, ctx);
-      uint32_t* const q = op[(j >> 1) & 1];   // (two quads in turn: one need not wait for the last stmatrix's reads)
-      q[2 * (j & 1)] = pack_pair<TO>(v[0], v[1]);
-      q[2 * (j & 1) + 1] = pack_pair<TO>(v[2], v[3]);
-      const uint32_t o0 = q[2 * (j & 1)], o1 = q[2 * (j & 1) + 1];
-#if defined(IGEMM_NO_STSM)   // (A/B: the 4-byte stores)
+      // (4-byte stores: with a fused mask, stmatrix's register quads cost more moves than it saves stores --
+      // the set.gt overwrites its operand -- and 1x1 64->256's conv+BN+ReLU+mask measured 1.2 us slower)
+      const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);
       *reinterpret_cast<uint32_t*>(ct + r0 * LDH + c) = o0;
       *reinterpret_cast<uint32_t*>(ct + (r0 + 8) * LDH + c) = o1;
-#else
-      if (j & 1) stmatrix_x4<false>(cst + (j - 1) * 8, q[0], q[1], q[2], q[3]);
-#endif
       if constexpr (Cfg::FuseMask) {
         // (stored value > 0) of the pair, as bits jj and 16 + jj (jj = j % 4) ...
         const uint32_t sel = 0x00010001u << (j & 3);
@@ -617,22 +611,7 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
       o[2 * h] = pack_pair<TO>(v[0], v[1]);       // (r0, c | c+1)
       o[2 * h + 1] = pack_pair<TO>(v[2], v[3]);   // (r0+8, c | c+1)
     }
-#if defined(IGEMM_NO_STSM)   // (A/B: the 2-byte stores)
-    uint16_t* const g0 = ct + cti(2 * (lane & 3), r0) + jp * 16 * kNchwLd<Cfg>;
-    uint16_t* const g1 = ct + cti(2 * (lane & 3) + 1, r0) + jp * 16 * kNchwLd<Cfg>;
-    uint16_t* const g2 = ct + cti(2 * (lane & 3), r0 + 8) + jp * 16 * kNchwLd<Cfg>;
-    uint16_t* const g3 = ct + cti(2 * (lane & 3) + 1, r0 + 8) + jp * 16 * kNchwLd<Cfg>;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int jo = h * 8 * kNchwLd<Cfg>;
-      g0[jo] = uint16_t(o[2 * h]);
-      g1[jo] = uint16_t(o[2 * h] >> 16);
-      g2[jo] = uint16_t(o[2 * h + 1]);
-      g3[jo] = uint16_t(o[2 * h + 1] >> 16);
-    }
-#else
     stmatrix_x4<true>(f, o[0], o[1], o[2], o[3]);
-#endif
   }
   sync();
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));

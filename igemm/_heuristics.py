@@ -565,13 +565,24 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             if tiles > sms and bn == 64 and K >= 128 and t128 <= sms:
                 bn, tiles = 128, t128
             persistent = tiles <= sms
+    ctas = 1
+    if (math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 128 and splits == 1 and kt == 1
+            and epilogue_functors(pb) and pb.residual_dtype is None and tiles >= 12 * sms):
+        # One k-tile a tile (a 1x1 conv over 64 channels), many waves, and a chain to run on each: the
+        # persistent kernel with one consumer, 2 stages and 3 CTAs an SM, so that each CTA's producer loads its
+        # next tile while its consumer runs the chain (the per-tile kernel's CTAs wait for their single load,
+        # then run the epilogue with no load in flight). tools/epi_probe.py ws, H100, N=32, fp16, us: 1x1
+        # 64->256 @56 conv+BN+ReLU+mask NHWC 27.4-27.5 vs the per-tile 64x128's 29.1-30.3, NCHW 31.1-32.3 vs
+        # 35.1-36.7. Not taken: the conv alone (25.3 vs 24.8-25.0), with a residual (NHWC 47.1-48.3 vs
+        # 44.5-44.8), 8 k-tiles (1x1/2 512->1024: 20.6 vs 19.0), 64x64 tiles with 4 CTAs (29.7 NHWC).
+        persistent, ctas = True, 3
     csplit = 1
     if persistent:
         # one consumer with a deep ring where the tiles are at most one per SM (N=8 3x3 512->512 @7: s8
         # 14.5 us vs two consumers, s4, 15.4; 64x128 tiles take 6 stages: 7 would not fit beside the C
-        # tile), else two consumers taking turns over the tiles
+        # tile), else two consumers taking turns over the tiles (or one with 2 stages, ctas CTAs an SM)
         math, splits = "wgmma_ws", 1
-        wm, stages = (1, one_consumer_stages(bn)) if tiles <= sms else (2, 4)
+        wm, stages = (1, 2) if ctas > 1 else (1, one_consumer_stages(bn)) if tiles <= sms else (2, 4)
         if wm == 1 and bn == 64 and 2 * tiles <= sms and kt >= 32:
             # at most half a wave of tiles with a deep reduction: the cluster k-split (two CTAs a tile, the
             # partial sums handed over in distributed shared memory; tools/probes/stage_probe.py, H100,
@@ -580,7 +591,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             csplit, stages = 2, 6
     store, vec_o, fuse = store_for(pb, math, bn, splits)
     spec = KernelSpec(pb.dtype, pb.layout, math, bm, bn, bk, wm, wn, stages, load_a, load_b, store, vec_o,
-                      fuse, epilogue_functors(pb), splits, csplit=csplit)
+                      fuse, epilogue_functors(pb), splits, csplit=csplit, ctas=ctas)
     return dataclasses.replace(spec, min_blocks=min_blocks_for(spec))
 
 

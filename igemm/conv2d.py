@@ -281,7 +281,8 @@ class Conv2dPlan:
         device: CUDA device index (default 0); ``None`` builds a plan for the numpy backend.
         config: override the kernel choice: a dict of ``KernelSpec`` fields (``{"bn": 256, "splits": 2}``,
             ``{"math": "wgmma_ws", "bm": 64, "wm": 2}`` for the persistent kernel (``"wm": 1``: one
-            consumer; with ``"csplit": 2`` two CTAs a tile in a cluster), ``{"streamk": 1}`` for stream-K
+            consumer; with ``"csplit": 2`` two CTAs a tile in a cluster; ``"ctas": 3`` three CTAs an SM, as
+            the one k-tile 1x1 layers with a chain take by default), ``{"streamk": 1}`` for stream-K
             with one CTA per SM) or a whole ``KernelSpec``; checked, ``NotImplementedError`` if it cannot
             run the problem.
             ``IGEMM_AUTOTUNE=1`` instead times the candidates on first use and remembers the fastest.

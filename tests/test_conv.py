@@ -1088,6 +1088,116 @@ def test_gpu_cluster_ksplit(dtype, layout, sms, rng, monkeypatch):
             assert torch.equal(fused(x, w, residual=res)[0], yf), f"fused {name}: rerun differs"
 
 
+def test_persistent_several_ctas_an_sm():
+    """The one k-tile 1x1 layers with a chain (no residual) and many waves take the persistent kernel with one
+    consumer, 2 stages and 3 CTAs an SM (launch bounds and grid to match); the conv alone, a residual, fewer
+    tiles or a deeper reduction keep the per-tile kernel. Several CTAs fit the SM's shared memory, and the
+    spec refuses more than fit, or several CTAs on another kernel."""
+    from igemm._heuristics import SMEM_PER_SM, candidates, max_ctas
+    bnrm = (("BatchNorm",), ("ReLU", True))
+    for layout in LAYOUTS:
+        pb = _pb(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0), layout=layout, epilogue=bnrm)
+        sp = choose_config(pb)
+        assert (sp.math, sp.wm, sp.bm, sp.bn, sp.stages, sp.ctas, sp.min_blocks) == \
+            ("wgmma_ws", 1, 64, 128, 2, 3, 3), sp.name()
+        assert sp.load_a == ("tmamn" if layout == "NCHW" else "tma") and sp.name().endswith("_x3")
+        assert validate_spec(sp, pb) and 3 * (sp.smem + sp.static_smem + 1024) <= SMEM_PER_SM
+        assert "__launch_bounds__(160, 3)" in _stub(sp)
+        assert not validate_spec(dataclasses.replace(sp, ctas=4), pb, raise_=False)          # does not fit
+        for kw in (dict(epilogue=()), dict(epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
+                                            residual_dtype="float16"),
+                   dict(N=8), dict(C=128)):
+            other = choose_config(_pb(**{**dict(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0),
+                                                 layout=layout, epilogue=bnrm), **kw}))
+            assert other.ctas == 1 and other.math == "wgmma", (kw, other.name())
+        alts = [c for c in candidates(pb) if c.ctas > 1]
+        assert alts and all(validate_spec(c, pb) and c.ctas == max_ctas(c) for c in alts)
+    one = _pb(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0))
+    assert not validate_spec(dataclasses.replace(choose_config(one), ctas=2), one, raise_=False)
+    plan = Conv2dPlan((32, 56, 56, 64), (256, 1, 1, 64), "float16", "NHWC", 1, 0, device=None,
+                      config={"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": 128, "stages": 2, "ctas": 3, "splits": 1})
+    assert plan.spec().ctas == 3
+    gather = plan.spec(x_aligned=False)         # (misaligned x: the per-tile kernel gathers, one CTA each)
+    assert (gather.math, gather.ctas, gather.min_blocks) == ("wgmma", 1, 1)
+
+
+#: test_gpu_persistent_several_ctas's problems (x NCHW, w KCRS, stride, padding, dilation; tools/precompile_tests.py
+#: compiles their kernels) and the two plans each chain runs on
+SEVERAL_CTAS_CASES = [((2, 64, 16, 16), (256, 64, 1, 1), 1, 0, 1),       # one k-tile, 2 column blocks
+                      ((3, 64, 16, 16), (600, 64, 1, 1), 1, 0, 1),       # 5 column blocks, a K tail
+                      ((2, 128, 8, 16), (192, 128, 1, 1), 1, 0, 1),      # 2 k-tiles
+                      ((2, 64, 15, 13), (136, 64, 1, 1), 2, 0, 1),       # stride 2, M and K tails
+                      ((1, 64, 9, 11), (130, 64, 3, 3), 1, 1, 1)]        # 9 k-tiles, NHWC's fp32 C tile
+
+
+def several_ctas_plans(*args, **kw) -> dict:
+    """{"ws": ``Conv2dPlan(*args, **kw)`` on the persistent kernel with 3 CTAs an SM (2 where its C tile is
+    the larger one: a staged residual, or the fp32 tile's store), "tile": on the per-tile kernel of the same
+    64x128 tile}"""
+    ws = {"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": 128, "stages": 2, "splits": 1}
+    try:
+        plan = Conv2dPlan(*args, config={**ws, "ctas": 3}, **kw)
+        plan.spec()
+    except NotImplementedError:
+        plan = Conv2dPlan(*args, config={**ws, "ctas": 2}, **kw)
+    return {"ws": plan, "tile": Conv2dPlan(*args, config={**ws, "math": "wgmma"}, **kw)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sms", [None, 2], ids=["all-SMs", "2-SMs"])
+def test_gpu_persistent_several_ctas(dtype, layout, sms, rng, monkeypatch):
+    """The persistent kernel with one consumer and several CTAs an SM (ctas; its C tile at the register
+    epilogue's size where no residual is staged) against the float64 reference and bitwise against the
+    per-tile TMA kernel of the same tile, plain, with BN+ReLU(mask) and with BN+Add+ReLU(mask), outputs
+    poisoned. On 2 SMs (6 or 4 CTAs) every CTA runs many tiles: with 5 column blocks (K = 600, a tail) a
+    CTA's column block changes from tile to tile, so its producer reloads B and its consumer the channel
+    vectors; with 2 it stays, and both are skipped after the first. NCHW: the 1x1 stride-1 cases read x in
+    place (MN-major A), the others run on the NHWC copy."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from igemm import epilogues as ep
+    from igemm import _runtime
+    if sms is not None:     # the plan sizes the persistent grid from the SM count
+        monkeypatch.setattr(_runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
+    for xs, ws, st, pd, dl in SEVERAL_CTAS_CASES:
+        K = ws[0]
+        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        chains = {"plain": None, "bn_relu_mask": ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.ReLU(mask=True)),
+                  "bn_add_relu_mask": ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))}
+        xsl, wsl = to_layout_shape(xs, layout), to_layout_shape(ws, layout)
+        x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
+        x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), (st, st), (pd, pd), (dl, dl), layout)
+        res = to_torch(rng.standard_normal(ref.shape), dtype)
+        shape = [1, 1, 1, 1]
+        shape[1 if layout == "NCHW" else -1] = K
+        sc = to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)
+        sc, sh = sc.reshape(shape), (to_numpy(b_) - to_numpy(m_) * sc).reshape(shape)
+        for cn, chain in chains.items():
+            outs = {}
+            for kind, plan in several_ctas_plans(xsl, wsl, dtype, layout, st, pd, dl, epilogue=chain).items():
+                sp = plan.spec()
+                assert sp.persistent == (kind == "ws") and (sp.ctas > 1) == (kind == "ws"), sp.name()
+                name = f"{kind} {cn} {layout} {xs} {ws} sms={sms}: {sp.name()}"
+                out = poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda"))
+                if chain is None:
+                    y = plan(x, w, out=out)
+                    assert rel_err(to_numpy(y), ref) <= TOL[dtype], name
+                    outs[kind] = (y,)
+                    continue
+                args = {"residual": res} if cn == "bn_add_relu_mask" else {}
+                y, m = plan(x, w, out=out, **args,
+                            mask_out=torch.full(((ref.size + 31) // 32,), -1, dtype=torch.int32, device="cuda"))
+                assert torch.equal(m, igemm.relu_mask(y)), f"{name}: mask differs from y > 0"
+                want = np.maximum(ref * sc + sh + (to_numpy(res) if args else 0), 0)
+                assert rel_err(to_numpy(y), want) <= TOL[dtype], name
+                outs[kind] = (y, m)
+            for a, b in zip(outs["ws"], outs["tile"]):
+                assert torch.equal(a, b), f"persistent ({cn}) and per-tile kernels differ: {layout} {xs} {ws} sms={sms}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("sms", [None, 3], ids=["all-SMs", "3-SMs"])

@@ -5,9 +5,8 @@
 
 SET: "tiles" (default: the 1x1 layers, tile and occupancy variants), "stage" (ResNet-50's layers after
 conv1, N=32: the residual staged in shared memory, as built, against IGEMM_NO_RES_STAGE's loads after the
-mainloop), "ws" (the 1x1 layers on the persistent kernel with one consumer and several CTAs an SM) or "stsm"
-(ResNet-50's layers after conv1, N=32, NHWC and NCHW: the register epilogues' C tile written by stmatrix, as
-built, against IGEMM_NO_STSM's 2- and 4-byte stores; the default kernel and the persistent one with 3 CTAs an SM).
+mainloop) or "ws" (the 1x1 layers, NHWC and NCHW, on the persistent kernel with one consumer and several CTAs
+an SM).
 
 Variants are overrides of the chosen KernelSpec (min_blocks = CTAs per SM the register cap allows, bn,
 stages); times are CUDA-graph medians (benchmarks/_harness.py), inputs rotated past L2.
@@ -41,12 +40,9 @@ _WS = {"math": "wgmma_ws", "wm": 1, "splits": 1}     # the persistent kernel, on
 WS_VARIANTS = [{}, {**_WS, "bn": 64, "stages": 2, "ctas": 4}, {**_WS, "bn": 64, "stages": 2, "ctas": 5},
                {**_WS, "bn": 64, "stages": 3, "ctas": 3}, {**_WS, "bn": 128, "stages": 2, "ctas": 3},
                {**_WS, "bn": 128, "stages": 3, "ctas": 2}, {**_WS, "bn": 128, "stages": 4, "ctas": 1}]
-_WS3 = {**_WS, "bn": 128, "stages": 2, "ctas": 3}
 SETS = {"tiles": (LAYERS, VARIANTS), "stage": (RESNET_N32, [{}, {"define": "IGEMM_NO_RES_STAGE"}]),
-        "ws": (LAYERS, WS_VARIANTS),
-        # the register epilogues' C tile by stmatrix, against IGEMM_NO_STSM's 2- and 4-byte stores
-        "stsm": (RESNET_N32, [{}, {"define": "IGEMM_NO_STSM"}, _WS3, {**_WS3, "define": "IGEMM_NO_STSM"}])}
-_TWO_LAYOUTS = ("ws", "stsm")
+        "ws": (LAYERS, WS_VARIANTS)}
+_TWO_LAYOUTS = ("ws",)
 
 
 LAYOUTS = ("NHWC",)        # the "ws" set runs NCHW too (the 1x1 64->256 layer's native MN-major kernel)

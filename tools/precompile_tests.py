@@ -54,6 +54,15 @@ def test_stubs() -> dict:
         cases.append(((n, c, h, h), (c, c, 3, 3), 1, 1, 1, None))
     specs = bitwise_stubs()
     specs.update(epilogue_stubs())
+    from test_conv import SEVERAL_CTAS_CASES, several_ctas_plans
+    for xs, ws, st, pd, dl in SEVERAL_CTAS_CASES:       # test_gpu_persistent_several_ctas (NCHW: as the test runs it)
+        for dtype in ("float16", "bfloat16"):
+            for layout in ("NCHW", "NHWC"):
+                for ch in chains(ws[0]):
+                    for p in several_ctas_plans(shape(xs, layout), shape(ws, layout), dtype, layout, st, pd, dl,
+                                                epilogue=ch, device=None).values():
+                        s = p.spec()
+                        specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
     for xs, ws, st, pd, dl, cfg in cases:
         for dtype in ("float16", "bfloat16"):
             for layout in ("NCHW", "NHWC"):

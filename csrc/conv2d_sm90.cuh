@@ -295,22 +295,17 @@ IGEMM_DEVICE epi::Ctx regs_epilogue_start(const P& p, float (*s_vec)[Cfg::BN], i
 // warpgroup g owns rows g·64 + w·16 + lane / 4 (wgmma's accumulator layout).
 IGEMM_DEVICE int fragment_row0(int tid) { return (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2); }
 
-// Four 8x8 16-bit matrices between a warp's fragments and shared memory, one instruction (stmatrix, sm_90;
-// ldmatrix): register i holds the thread's pair of matrix i (row lane / 4, columns 2·(lane % 4) + {0, 1}, the
+// Four 8x8 16-bit matrices between a warp's fragments and shared memory, one instruction (ldmatrix; stmatrix,
+// sm_90): register i holds the thread's pair of matrix i (row lane / 4, columns 2·(lane % 4) + {0, 1}, the
 // accumulator fragment's layout), and lane l gives the 16-byte row l % 8 of matrix l / 8. TRANS: that row is
 // the matrix's column l % 8 (the NCHW C tile: one channel's 8 pixels). In the register epilogues matrix i is
 // (column block 2·jp + i / 2, rows r0 | r0 + 8 by i % 2): the NCHW C tile's values (and residual) move as four
 // 16-byte rows a lane where they took eight 2-byte stores (loads), the NHWC staged residual's as four where it
-// took four 4-byte loads. H100, N=32, fp16 NCHW (tools/epi_probe.py stsm): 0.2-0.6 us off (a)/(b)/(c) on most
-// ResNet-50 layers, none slower.
-template <bool TRANS>
-IGEMM_DEVICE void stmatrix_x4(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  if constexpr (TRANS)
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 ::"r"(smem_u32(dst)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-  else
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 ::"r"(smem_u32(dst)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+// took four 4-byte loads. H100, N=32, fp16 NCHW (tools/epi_probe.py, session 20): 0.2-0.6 us off (a)/(b)/(c)
+// on 3x3 128 @28, 3x3 256 @14 and 1x1/2 512->1024, the other layers within 0.5 us either way.
+IGEMM_DEVICE void stmatrix_x4_trans(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(smem_u32(dst)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
 template <bool TRANS>
@@ -611,7 +606,7 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
       o[2 * h] = pack_pair<TO>(v[0], v[1]);       // (r0, c | c+1)
       o[2 * h + 1] = pack_pair<TO>(v[2], v[3]);   // (r0+8, c | c+1)
     }
-    stmatrix_x4<true>(f, o[0], o[1], o[2], o[3]);
+    stmatrix_x4_trans(f, o[0], o[1], o[2], o[3]);
   }
   sync();
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));

@@ -199,6 +199,16 @@ CONV = {
                                                          chain="bn_add_relu",
                                                          config={"math": "wgmma_ws", "bm": 64, "wm": 2, "splits": 1,
                                                                  "bn": 128, "stages": 3}),
+    # the persistent kernel with 3 CTAs an SM (its 16-bit C tile, a producer skipping B copies it holds; 5
+    # column blocks: a CTA's block changes between its tiles), NHWC and NCHW read in place (MN-major A)
+    "persistent_ctas_nhwc_mask": lambda: _conv("persistent 3 CTAs", "float16", "NHWC", (2, 16, 16, 64),
+                                               (600, 1, 1, 64), chain="bn_relu_mask",
+                                               config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
+                                                       "bn": 128, "stages": 2, "ctas": 3}),
+    "persistent_ctas_nchw_mn_mask": lambda: _conv("persistent 3 CTAs NCHW", "bfloat16", "NCHW", (2, 64, 16, 16),
+                                                  (256, 64, 1, 1), chain="bn_relu_mask",
+                                                  config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
+                                                          "bn": 128, "stages": 2, "ctas": 3}),
     "tma_deep_residual_prefetch": lambda: _conv("TMA residual prefetch", "float16", "NHWC", (2, 9, 9, 128),
                                                 (64, 3, 3, 128), padding=1, chain="bn_add_relu"),
     # the width unfold (conv1's default for 16-bit): the unfold kernel, then the conv on its copies

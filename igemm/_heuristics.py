@@ -740,9 +740,11 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = f"TMA loads of this problem are {tma_kind(pb)!r}"
     elif spec.streamk and (spec.math != "wgmma" or spec.load_a != "tma" or spec.store != "regs" or spec.splits != 1):
         why = "stream-K: the per-tile TMA wgmma kernel with the register epilogue, no split-K"
-    elif spec.persistent and (spec.load_a not in ("tma", "tmamn") or spec.bm != 64 or spec.wm not in (1, 2) or spec.splits != 1
-                              or spec.bn not in (64, 128, 256)):
-        why = "the persistent kernel: TMA loads, one or two consumer warpgroups of 64-row tiles, no split-K"
+    elif spec.persistent and (spec.load_a not in ("tma", "tmamn") or spec.bm != 64 or spec.wm not in (1, 2)
+                              or spec.splits != 1 or spec.bn not in (64, 128, 256)
+                              or spec.load_a == "tmamn" and spec.wm != 1):
+        why = ("the persistent kernel: TMA loads, one or two consumer warpgroups of 64-row tiles (one with NCHW x "
+               "in place), no split-K")
     elif spec.csplit != 1 and (spec.csplit != 2 or not spec.persistent or spec.wm != 1 or -(-pb.Kred // spec.bk) < 2):
         why = "the cluster k-split: csplit 2, the persistent kernel with one consumer, at least 2 k-tiles"
     elif spec.ctas != 1 and (spec.ctas < 1 or not spec.persistent or spec.csplit != 1

@@ -664,6 +664,7 @@ COMPILE_CASES = [
                                                 "layout": "NHWC", "out_layout": "NCHW"})),
     # 128-column wgmma tiles with the register epilogue: the identity chain, and BN+Add+ReLU+mask
     ("fp16 NHWC 3x3 128->128 identity", _pb(C=128, K=128, H=28, W=28)),
+    # (sm_90a: the persistent kernel with 3 CTAs an SM, MN-major A, the transposed stmatrix)
     ("fp16 NCHW 1x1 MN-major TMA", _pb(layout="NCHW", K=256, R=1, S=1, padding=(0, 0),
                                        epilogue=(("BatchNorm",), ("ReLU", True)))),
     ("fp16 NHWC 1x1 64->256 BN+Add+ReLU", _pb(K=256, R=1, S=1, padding=(0, 0),
@@ -1104,6 +1105,8 @@ def test_persistent_several_ctas_an_sm():
         assert validate_spec(sp, pb) and 3 * (sp.smem + sp.static_smem + 1024) <= SMEM_PER_SM
         assert "__launch_bounds__(160, 3)" in _stub(sp)
         assert not validate_spec(dataclasses.replace(sp, ctas=4), pb, raise_=False)          # does not fit
+        two = dataclasses.replace(sp, wm=2, ctas=1, min_blocks=1)      # two consumers: NHWC only (MN-major A: one)
+        assert validate_spec(two, pb, raise_=False) == (layout == "NHWC"), two.name()
         for kw in (dict(epilogue=()), dict(epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
                                             residual_dtype="float16"),
                    dict(N=8), dict(C=128)):

@@ -197,14 +197,13 @@ IGEMM_DEVICE void stage_residual_smem(const P& p, uint8_t* dst, int m0, int n0, 
 }
 
 // NT threads (tid = 0..NT-1): the CTA's, or one consumer warpgroup's in the persistent kernel (its own
-// s_vec, refilled per tile before the tile's mainloop unless it holds column block n0's already: vectors false).
+// s_vec, refilled per tile before the tile's mainloop).
 template <class Cfg, int NT, class P>
-IGEMM_DEVICE void epilogue_regs_prologue_by(const P& p, int m0, int n0, int tid, float (*s_vec)[Cfg::BN],
-                                            bool vectors = true) {
+IGEMM_DEVICE void epilogue_regs_prologue_by(const P& p, int m0, int n0, int tid, float (*s_vec)[Cfg::BN]) {
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN;
-  if constexpr (kEarlyVectors<Cfg>) if (vectors) {
+  if constexpr (kEarlyVectors<Cfg>) {
     const float* src[3] = {static_cast<const float*>(p.scale), static_cast<const float*>(p.shift),
                            static_cast<const float*>(p.alpha)};
     const float dflt[3] = {1.f, 0.f, 0.f};
@@ -857,17 +856,16 @@ IGEMM_DEVICE TileOrigin tile_origin(const P& p, int m0) {
 }
 
 // One thread: k-tile kt (taps (r, s), channels c0..c0+63) of the tile at (o, n0) → a_dst/b_dst, completing
-// on `bar` (the expected bytes are set first). load_b false: b_dst holds that B tile already (the persistent
-// kernel's producer keeps track of what each ring slot holds).
+// on `bar` (the expected bytes are set first).
 template <class Cfg, class P>
 IGEMM_DEVICE void tma_issue_stage(const P& p, uint8_t* a_dst, uint8_t* b_dst, uint64_t* bar, int kt,
-                                  const TileOrigin& o, int n0, bool load_b = true) {
+                                  const TileOrigin& o, int n0) {
   constexpr int BK = Cfg::BK;
   const int k0 = kt * BK;
   int rs, c0, r, s;
   p.fd_C.divmod(rs, c0, k0);
   p.fd_S.divmod(r, s, rs);
-  mbar_expect_tx(bar, (Cfg::BM + (load_b ? Cfg::BN : 0)) * BK * 2);
+  mbar_expect_tx(bar, (Cfg::BM + Cfg::BN) * BK * 2);
   if constexpr (Cfg::LoadA == kLoadTmaC8) {
     // 8 taps of 8 channels: tap j = 8·kt + i into region i. Taps past R·S read zeros: their w offset puts
     // every pixel outside the image (tma_unsupported keeps W below it).
@@ -885,7 +883,7 @@ IGEMM_DEVICE void tma_issue_stage(const P& p, uint8_t* a_dst, uint8_t* b_dst, ui
   } else {
     tma_load_im2col_4d(a_dst, p.tmA, bar, c0, o.w0, o.h0, o.n, uint16_t(s * p.dw), uint16_t(r * p.dh));
   }
-  if (load_b) tma_load_2d(b_dst, p.tmB, bar, k0, n0);
+  tma_load_2d(b_dst, p.tmB, bar, k0, n0);
 }
 
 IGEMM_DEVICE void tma_prefetch_maps(const void* a, const void* b) {
@@ -1157,7 +1155,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   __shared__ alignas(8) uint64_t full[NC][S], empty[NC][S];
   __shared__ alignas(8) uint64_t xfer[2];           // kCsplit: [0] full (rank 0's), [1] empty (rank 1's)
   __shared__ __align__(16) float s_vec[NC][3][BN];
-  const int TM = (p.M + BM - 1) / BM, TNB = (p.K + BN - 1) / BN, NT = TM * TNB;   // tiles
+  const int TM = (p.M + BM - 1) / BM, NT = TM * ((p.K + BN - 1) / BN);   // tiles
   const int KT = (p.Kred + BK - 1) / BK;
   // kCsplit: cluster rank r runs k-tiles [kb, ke) of tile t = cluster index + i · clusters
   const uint32_t rank = kCsplit == 1 ? 0 : cluster_rank();
@@ -1184,14 +1182,6 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     if ((threadIdx.x & 31) != 0) return;
     tma_prefetch_maps(p.tmA, p.tmB);
     int k0 = 0, k1 = 0;                             // stages filled so far, per consumer ring
-    // the B tile (k-tile, column block) each ring slot holds: a slot refilled with the same B skips that copy.
-    // With one k-tile a tile and a grid that is a multiple of the column blocks, every tile of a CTA has the
-    // same n0 and B leaves L2 once per slot, not once per tile (1x1 64->256: 16 of each tile's 24 KB).
-    int held[NC][S];
-#pragma unroll
-    for (int c = 0; c < NC; ++c)
-#pragma unroll
-      for (int s = 0; s < S; ++s) held[c][s] = -1;
     for (int i = 0;; ++i) {
       const int t = first + i * step;
       if (t >= NT) break;
@@ -1203,18 +1193,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       for (int kt = kb; kt < ke; ++kt, ++k) {
         const int slot = k % S;
         mbar_wait(&empty[c][slot], ((k / S) & 1) ^ 1);   // a fresh barrier counts as emptied once
-        const int key = kt * TNB + n0 / BN;
-        bool same = false;
-#pragma unroll
-        for (int cc = 0; cc < NC; ++cc)              // (unrolled: the indices stay out of local memory)
-#pragma unroll
-          for (int s = 0; s < S; ++s)
-            if (cc == c && s == slot) {
-              same = held[cc][s] == key;
-              held[cc][s] = key;
-            }
-        tma_issue_stage<Cfg>(p, ring + slot * A_STAGE, ring + S * A_STAGE + slot * B_STAGE, &full[c][slot], kt, o, n0,
-                             !same);
+        tma_issue_stage<Cfg>(p, ring + slot * A_STAGE, ring + S * A_STAGE + slot * B_STAGE, &full[c][slot], kt, o, n0);
       }
       if (c) k1 = k; else k0 = k;
     }
@@ -1226,16 +1205,12 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   const uint32_t sA_u = smem_u32(ring), sB_u = smem_u32(ring + S * A_STAGE);
   const int tid = threadIdx.x - wg * 128;
   int k = 0, done = 0;                              // (done: kCsplit tiles handed over / received)
-  int vec_n0 = -1;                                  // the column block whose channel vectors s_vec[wg] holds
   for (int i = wg;; i += NC) {
     const int t = first + i * step;
     if (t >= NT) break;
     const auto [m0, n0] = tile_coord<Cfg>(p, t);
     if constexpr (Cfg::kRegsStore)
-      if (rank == 0) {
-        epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg], n0 != vec_n0);
-        vec_n0 = n0;
-      }
+      if (rank == 0) epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg]);
     // the residual tile into the C tile's upper half (the 16-bit C tile takes the lower; both free since the
     // previous tile's epilogue ended with `sync`)
     // (not with the cluster k-split: rank 1's partial sums arrive in the whole C tile)

@@ -1113,6 +1113,17 @@ constexpr int kCsplit = 1;
 #endif
 static_assert(kCsplit == 1 || kCsplit == 2, "the cluster k-split pairs two CTAs");
 
+// IGEMM_WS_CTAS (KernelSpec.ctas > 1: several CTAs an SM, the one k-tile 1x1 layers' kernel): the producer skips
+// a ring slot's B copy when the slot holds that column block's B tile already, and the consumer refetches its
+// channel vectors only when its column block changes (below). Compiled into that kernel only: in the one-CTA
+// persistent kernels of deep reductions the same bookkeeping, even behind a branch on the k-tile count, made
+// 3x3 512->512 @7 (72 k-tiles) 0.3-1.2 us slower with a residual (H200, session 20).
+#if defined(IGEMM_WS_CTAS)
+constexpr bool kWsBooks = true;
+#else
+constexpr bool kWsBooks = false;
+#endif
+
 IGEMM_DEVICE uint32_t cluster_rank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -1183,9 +1194,9 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     if ((threadIdx.x & 31) != 0) return;
     tma_prefetch_maps(p.tmA, p.tmB);
     int k0 = 0, k1 = 0;                             // stages filled so far, per consumer ring
-    // One k-tile a tile (a 1x1 conv over 64 channels): a slot's B tile is its column block's, and with a grid
-    // that is a multiple of the column blocks each CTA keeps one, so a slot refilled with the column block it
-    // holds skips that copy (H200, 1x1 64->256 @56 with BN+ReLU+mask, 3 CTAs an SM: NHWC 24.0 -> 23.0 us, NCHW
+    // kWsBooks, one k-tile a tile (a 1x1 conv over 64 channels): a slot's B tile is its column block's, and with
+    // a grid that is a multiple of the column blocks each CTA keeps one, so a slot refilled with the column block
+    // it holds skips that copy (H200, 1x1 64->256 @56 with BN+ReLU+mask, 3 CTAs an SM: NHWC 24.0 -> 23.0 us, NCHW
     // 27.6 -> 25.8). Deeper reductions keep no such books: the producer's per-k-tile work is on their critical
     // path (a check per k-tile cost 3x3 512->512 @7's 72 k-tiles 1.4-1.9 us).
     int held[NC][S];
@@ -1205,7 +1216,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
         const int slot = k % S;
         mbar_wait(&empty[c][slot], ((k / S) & 1) ^ 1);   // a fresh barrier counts as emptied once
         bool load_b = true;
-        if (KT == 1) {
+        if (kWsBooks && KT == 1) {
 #pragma unroll
           for (int cc = 0; cc < NC; ++cc)            // (unrolled: the indices stay out of local memory)
 #pragma unroll
@@ -1235,7 +1246,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     const auto [m0, n0] = tile_coord<Cfg>(p, t);
     if constexpr (Cfg::kRegsStore)
       if (rank == 0) {
-        epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg], n0 != vec_n0);
+        epilogue_regs_prologue_by<Cfg, 128>(p, m0, n0, tid, s_vec[wg], !kWsBooks || n0 != vec_n0);
         vec_n0 = n0;
       }
     // the residual tile into the C tile's upper half (the 16-bit C tile takes the lower; both free since the

@@ -191,7 +191,8 @@ class KernelSpec:
         if self.math not in ("wgmma", "wgmma_ws"):
             return extra.lstrip("\n")
         return ("#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
-                + (f"\n#define IGEMM_CSPLIT {self.csplit}" if self.csplit > 1 else "") + extra)
+                + (f"\n#define IGEMM_CSPLIT {self.csplit}" if self.csplit > 1 else "")
+                + (f"\n#define IGEMM_WS_CTAS {self.ctas}" if self.ctas > 1 else "") + extra)
 
 
 #: the store modes of NCHW outputs (a channel-major C tile)

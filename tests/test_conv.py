@@ -196,6 +196,7 @@ def test_choose_config_rules(monkeypatch):
                      (dict(N=1, H=28, W=28, C=128, K=128), (64, 8, 1))):
         ws = choose_config(_pb(**kw))
         assert (ws.math, ws.wm, ws.bn, ws.stages, ws.csplit) == ("wgmma_ws", 1, *want), (kw, ws.name())
+        assert "IGEMM_WS_CTAS" not in _stub(ws)     # (one CTA an SM: no B-tile bookkeeping compiled in)
         assert validate_spec(ws, _pb(**kw)) and ws.smem + ws.static_smem <= 227 * 1024
         assert ("__cluster_dims__(2, 1, 1)" in _stub(ws)) == ws.name().endswith("_cs2") == (ws.csplit == 2)
     cs = choose_config(_pb(N=8, H=7, W=7, C=512, K=512))
@@ -1103,7 +1104,7 @@ def test_persistent_several_ctas_an_sm():
             ("wgmma_ws", 1, 64, 128, 2, 3, 3), sp.name()
         assert sp.load_a == ("tmamn" if layout == "NCHW" else "tma") and sp.name().endswith("_x3")
         assert validate_spec(sp, pb) and 3 * (sp.smem + sp.static_smem + 1024) <= SMEM_PER_SM
-        assert "__launch_bounds__(160, 3)" in _stub(sp)
+        assert "__launch_bounds__(160, 3)" in _stub(sp) and "#define IGEMM_WS_CTAS 3" in _stub(sp)
         assert not validate_spec(dataclasses.replace(sp, ctas=4), pb, raise_=False)          # does not fit
         two = dataclasses.replace(sp, wm=2, ctas=1, min_blocks=1)      # two consumers: NHWC only (MN-major A: one)
         assert validate_spec(two, pb, raise_=False) == (layout == "NHWC"), two.name()

@@ -42,10 +42,8 @@ WS_VARIANTS = [{}, {**_WS, "bn": 64, "stages": 2, "ctas": 4}, {**_WS, "bn": 64, 
                {**_WS, "bn": 128, "stages": 3, "ctas": 2}, {**_WS, "bn": 128, "stages": 4, "ctas": 1}]
 SETS = {"tiles": (LAYERS, VARIANTS), "stage": (RESNET_N32, [{}, {"define": "IGEMM_NO_RES_STAGE"}]),
         "ws": (LAYERS, WS_VARIANTS)}
-_TWO_LAYOUTS = ("ws",)
-
-
-LAYOUTS = ("NHWC",)        # the "ws" set runs NCHW too (the 1x1 64->256 layer's native MN-major kernel)
+_TWO_LAYOUTS = ("ws",)     # sets that run NCHW too (the 1x1 64->256 layer's native MN-major kernel)
+LAYOUTS = ("NHWC",)
 
 
 def _use_set(name: str) -> None:
@@ -82,8 +80,7 @@ def _chains(ep, vecs=None):
 
 def specs(arch="sm_90a"):
     from igemm import epilogues as ep
-    from igemm._heuristics import ConvProblem, choose_config, max_ctas, validate_spec
-    from igemm._heuristics import kernel_setup
+    from igemm._heuristics import ConvProblem, choose_config, kernel_setup, max_ctas, validate_spec
     from igemm.conv2d import _override
     out = {}
     for (name, C, K, H, R, st, pd, N), layout in ((l, lo) for l in LAYERS for lo in LAYOUTS):

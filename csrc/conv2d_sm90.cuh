@@ -243,15 +243,28 @@ IGEMM_DEVICE uint32_t gt0_pair(uint32_t u) {
   return r;
 }
 
-// Eight 16-bit values -> bit e set where value e is > 0 (NaN: 0). Pair k's set.gt halves keep bits 2k (low)
-// and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16 then has value e at bit e. (By value: reading the
-// store loop's vector through a pointer split its 16-byte store.)
+// The NCHW store loop's V-pixel vector -> bit e set where pixel e is > 0 (NaN: 0). Pair k's set.gt halves
+// keep bits 2k (low) and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16 then has pixel e at bit e. (By
+// value, one overload a width: reading the vector's words through a pointer split its 16-byte store.)
 template <class TO>
 IGEMM_DEVICE uint32_t vec_gt0_bits(const uint4& o) {
   uint32_t x = (gt0_pair<TO>(o.x) & 0x00020001u) | (gt0_pair<TO>(o.y) & 0x00080004u) |
                (gt0_pair<TO>(o.z) & 0x00200010u) | (gt0_pair<TO>(o.w) & 0x00800040u);
   return (x | (x >> 16)) & 0xFFu;
 }
+template <class TO>
+IGEMM_DEVICE uint32_t vec_gt0_bits(const uint2& o) {
+  const uint32_t x = (gt0_pair<TO>(o.x) & 0x00020001u) | (gt0_pair<TO>(o.y) & 0x00080004u);
+  return (x | (x >> 16)) & 0xFu;
+}
+template <class TO>
+IGEMM_DEVICE uint32_t vec_gt0_bits(uint32_t o) {
+  const uint32_t x = gt0_pair<TO>(o) & 0x00020001u;
+  return (x | (x >> 16)) & 0x3u;
+}
+template <class TO>
+IGEMM_DEVICE uint32_t vec_gt0_bits(uint16_t o) { return gt0_pair<TO>(uint32_t(o)) & 1u; }
+
 // (lo, hi) rounded to nearest-even into one packed 16-bit pair, lo in the low half: one cvt (F2FP), where
 // two scalar conversions gave the pack in the other order and a PRMT to swap it back (ptxas 13.0).
 template <class TO>
@@ -469,11 +482,6 @@ IGEMM_DEVICE void store_vec(void* p, const uint2& v) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
 }
 IGEMM_DEVICE void store_vec(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
-// The low byte of v at p where pred: a predicated store, not a branch around one.
-IGEMM_DEVICE void store_u8_if(void* p, uint32_t v, bool pred) {
-  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u8 [%0], %1;\n}\n"
-               ::"l"(p), "r"(v), "r"(int(pred)) : "memory");
-}
 IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = v; }
 
 // The NCHW register epilogue's 16-bit C tile: channel-major, BN rows. With vectors of 4 or 8 pixels: rows of
@@ -641,12 +649,20 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     static_assert(!kNchwSwizzled<Cfg> || RSTEP % 8 == 0, "the same swizzle every pass");
     const VecT o = *reinterpret_cast<const VecT*>(sbase + i * RSTEP * kNchwLd<Cfg>);
     if (ok) store_vec(yp, o);
-    if constexpr (Cfg::FuseMask && !Cfg::kMaskFixup) {
-      // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word.
-      const uint32_t word0 = vec_gt0_bits<TO>(o) << (8 * (lane & 3));       // (V = 8)
-      uint32_t word = word0 | __shfl_xor_sync(0xffffffffu, word0, 1);
-      word |= __shfl_xor_sync(0xffffffffu, word, 2);
-      if ((lane & 3) == 0) ms[nl * WPR + (ml >> 5)] = word;
+    if constexpr (Cfg::FuseMask) {
+      // bit e of the vector's V bits: pixel ml + e stored > 0; the 32 / V lanes of a word (consecutive
+      // vectors of one row: CPR >= 32 / V) in lane order make it: V = 1, a ballot; else shuffles
+      const uint32_t bits = vec_gt0_bits<TO>(o);
+      constexpr int LPW = 32 / V;
+      uint32_t word;
+      if constexpr (V == 1) {
+        word = __ballot_sync(0xffffffffu, bits != 0u);
+      } else {
+        word = bits << (V * (lane % LPW));
+#pragma unroll
+        for (int off = 1; off < LPW; off <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
+      }
+      if (lane % LPW == 0) ms[nl * WPR + (ml >> 5)] = word;
     }
   }
   if constexpr (Cfg::kMaskFixup) {
@@ -654,46 +670,31 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     // and ends anywhere in a byte. The tile stores the bytes that lie wholly inside one of its runs, each
     // byte written by one tile only (st.global.u8 leaves its neighbours alone); relu_mask_fixup, launched
     // after this grid, packs the bytes that a run's end splits (and the tensor's last, part-filled byte)
-    // from y: no atomics, no tickets, the same bits whatever the order. Thread tid: word k = tid % WPR of
-    // rows tid / WPR + i·(NT / WPR) -- its 32 pixels' bits from four 16-byte C-tile chunks (the C tile is
-    // whole since the barrier before the store loop), the next word's from the next lane -- and of each run,
-    // the (at most four) whole bytes that start in the word: predicated stores, no loop over bytes. (A loop
-    // per byte over bit words gathered in shared memory added ~1,500 instructions a warp: 3x3 512->512 @7,
-    // one CTA an SM, +4.5 us.)
-    constexpr int RW = NT / WPR, NP = BN / RW;
-    static_assert(NT % WPR == 0 && BN % RW == 0, "whole rows of words per pass");
-    const int k = tid % WPR, rows_m = min(BM, p.M - m0);
-    uint32_t w[NP], wn[NP];
-#pragma unroll
-    for (int i = 0; i < NP; ++i) {
-      const int nl = tid / WPR + i * RW;
-      w[i] = 0;
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        w[i] |= vec_gt0_bits<TO>(*reinterpret_cast<const uint4*>(ct + cti(nl, 32 * k + 8 * q))) << (8 * q);
-      wn[i] = __shfl_down_sync(0xffffffffu, w[i], 1);            // word k + 1 of the row (k < WPR - 1)
-    }
-    int img, pqs;                                                 // the run's image and first pixel
-    p.fd_PQ.divmod(img, pqs, m0);
+    // from y: no atomics, no tickets, the same bits whatever the order. Thread tid: the bytes t, t + TPR, ..
+    // of each run of rows tid / TPR + i·(NT / TPR); a byte's 8 bits from the row's words by one funnel shift.
+    sync();
+    constexpr int TPR = 8, RS = NT / TPR;
+    static_assert(NT % TPR == 0, "whole rows per pass");
+    const int rows_m = min(BM, p.M - m0), t = tid % TPR;
+    int img0, pq0;
+    p.fd_PQ.divmod(img0, pq0, m0);
     uint8_t* const mb = reinterpret_cast<uint8_t*>(mask);
-    for (int s0 = 0; s0 < rows_m;) {                              // the runs (the same for every row)
-      const int end = s0 + min(rows_m - s0, p.PQ - pqs);
-      const int64_t g0 = (int64_t(img) * p.K + n0) * p.PQ + pqs - s0;   // linear index - tile row, channel n0
-#pragma unroll
-      for (int i = 0; i < NP; ++i) {
-        const int nl = tid / WPR + i * RW;
-        const int64_t g = g0 + nl * p.PQ;
-        const int first = s0 + ((8 - int(g + s0)) & 7);          // the run's first whole byte (tile row)
-        const int sh = first & 7, st0 = 32 * k + sh;              // (g + st0: a multiple of 8)
-        uint8_t* const pb = mb + ((g + st0) >> 3);
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          store_u8_if(pb + u, __funnelshift_r(w[i], wn[i], sh + 8 * u),
-                      nl < ncols && st0 + 8 * u >= first && st0 + 8 * u + 8 <= end);
+    const int64_t istep = int64_t(p.K) * p.PQ;                // the next image's plane of the same channel
+    for (int nl = tid / TPR; nl < ncols; nl += RS) {
+      const uint32_t* wr = ms + nl * WPR;
+      int s0 = 0, pqs = pq0;                                  // the run's first tile row and pixel
+      int64_t i0 = (int64_t(img0) * p.K + n0 + nl) * p.PQ + pq0;   // its linear index
+      while (s0 < rows_m) {
+        const int len = min(rows_m - s0, p.PQ - pqs);
+        const int64_t b1 = (i0 + len) >> 3;
+        for (int64_t b = ((i0 + 7) >> 3) + t; b < b1; b += TPR) {
+          const int s = s0 + int(8 * b - i0), w = s >> 5, sh = s & 31;
+          mb[b] = uint8_t(__funnelshift_r(wr[w], sh > 24 ? wr[w + 1] : 0u, sh));
+        }
+        s0 += len;
+        i0 += istep - pqs;
+        pqs = 0;
       }
-      s0 = end;
-      pqs = 0;
-      ++img;
     }
   } else if constexpr (Cfg::FuseMask) {
     // each channel row's WPR words leave together: one 8- or 16-byte store where they are contiguous (the

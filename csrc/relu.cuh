@@ -100,58 +100,36 @@ __device__ void relu_mask(const Params& p) {
 // the bytes the runs' ends split: the row's first byte where r·P·Q % 8 != 0 (shared with the row before),
 // and each tile boundary inside the image (img·P·Q < t·BM < (img + 1)·P·Q) off a byte boundary; the last
 // row also the tensor's last, part-filled byte and zeros for the rest of its word. A byte's 8 elements are
-// contiguous in y: one 16-byte load where y is aligned, the first four bytes' loads issued together. A byte
-// split twice is packed twice, to the same value.
-template <class T>
-__device__ uint32_t gt0_byte(const T* __restrict__ y, int64_t e0, int64_t n, bool vec) {
-  uint32_t bits = 0;
-  if (vec && e0 + 8 <= n) {
-    const uint4 r = __ldg(reinterpret_cast<const uint4*>(y + e0));
-    const Pack<T, 8> in = *reinterpret_cast<const Pack<T, 8>*>(&r);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) bits |= uint32_t(to_float(in.v[j]) > 0.f) << j;
-  } else {
-    for (int j = 0; j < 8; ++j)
-      if (e0 + j < n) bits |= uint32_t(to_float(y[e0 + j]) > 0.f) << j;
-  }
-  return bits;
-}
-
+// contiguous in y (one 16-byte load where aligned). A byte split twice is packed twice, to the same value.
 template <class T, class Params>
 __device__ void relu_mask_fixup(const Params& p) {
   static_assert(sizeof(T) == 2, "the NCHW register epilogue's 16-bit outputs");
-  const T* __restrict__ y = static_cast<const T*>(p.y);
-  uint8_t* __restrict__ mb = static_cast<uint8_t*>(const_cast<void*>(p.mask));
-  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool vec = (reinterpret_cast<uintptr_t>(y) & 15) == 0;
+  const T* y = static_cast<const T*>(p.y);
+  uint8_t* mb = static_cast<uint8_t*>(const_cast<void*>(p.mask));
   pdl_wait();
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= p.rows) return;
+  const bool vec = (reinterpret_cast<uintptr_t>(y) & 15) == 0;
+  auto pack = [&](int64_t b) {
+    const int64_t e0 = 8 * b;
+    uint32_t bits = 0;
+    if (vec && e0 + 8 <= p.n) {
+      const Pack<T, 8> in = *reinterpret_cast<const Pack<T, 8>*>(y + e0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) bits |= uint32_t(to_float(in.v[j]) > 0.f) << j;
+    } else {
+      for (int j = 0; j < 8; ++j)
+        if (e0 + j < p.n) bits |= uint32_t(to_float(y[e0 + j]) > 0.f) << j;
+    }
+    mb[b] = uint8_t(bits);
+  };
   const int64_t i0 = r * p.PQ, m0 = (r / p.K) * p.PQ;     // the row's first element; its image's first GEMM row
-  // the cuts: the row's start, then the tile starts inside the image (the first three with it at once)
-  constexpr int U = 4;
-  int64_t cut[U];
-  bool on[U];
-  int64_t m = (m0 / p.BM + 1) * p.BM;
-  cut[0] = i0;
-  on[0] = (i0 & 7) != 0;
-#pragma unroll
-  for (int u = 1; u < U; ++u, m += p.BM) {
-    cut[u] = i0 + m - m0;
-    on[u] = m < m0 + p.PQ && (cut[u] & 7) != 0;
-  }
-  uint32_t bits[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) bits[u] = on[u] ? gt0_byte(y, cut[u] & ~int64_t(7), p.n, vec) : 0u;
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (on[u]) mb[cut[u] >> 3] = uint8_t(bits[u]);
-  for (; m < m0 + p.PQ; m += p.BM) {                      // (images of more than three tiles' rows)
-    const int64_t c = i0 + m - m0;
-    if (c & 7) mb[c >> 3] = uint8_t(gt0_byte(y, c & ~int64_t(7), p.n, vec));
-  }
+  if (i0 & 7) pack(i0 >> 3);
+  for (int64_t m = (m0 / p.BM + 1) * p.BM; m < m0 + p.PQ; m += p.BM)
+    if ((i0 + m - m0) & 7) pack((i0 + m - m0) >> 3);
   if (r == p.rows - 1) {
     const int64_t nb = (p.n + 7) >> 3;                    // the bytes that hold elements
-    if (p.n & 7) mb[nb - 1] = uint8_t(gt0_byte(y, (nb - 1) * 8, p.n, vec));
+    if (p.n & 7) pack(nb - 1);
     for (int64_t b = nb; b & 3; ++b) mb[b] = 0;
   }
 }

@@ -78,12 +78,8 @@ struct Config {
   static_assert(kNchwOut || kLayout == kNHWC, "row/linear (NHWC) stores need an NHWC input");
   static_assert(StoreMode != kStoreRegs || (kIsWgmma && VecO * sizeof(ElementOut) == 16 && sizeof(ElementOut) == 2),
                 "register epilogue: the wgmma kernels, 16-bit outputs in 16-byte vectors");
-  static_assert(StoreMode != kStoreRegsNCHW || (kIsWgmma && sizeof(ElementOut) == 2),
-                "NCHW register epilogue: the wgmma kernels, 16-bit outputs");
-  // the NCHW register epilogue's fused mask with vectors of fewer than 8 pixels (P·Q % 8 != 0): the tile
-  // stores the mask bytes that lie inside one of its runs; relu_mask_fixup, this grid's programmatic
-  // dependent, packs the bytes at the runs' ends from y
-  static constexpr bool kMaskFixup = FuseMask && StoreMode == kStoreRegsNCHW && VecO < 8;
+  static_assert(StoreMode != kStoreRegsNCHW || (kIsWgmma && sizeof(ElementOut) == 2 && (!FuseMask || VecO == 8)),
+                "NCHW register epilogue: the wgmma kernels, 16-bit outputs, masks from 8-pixel vectors");
   static constexpr bool kTma = LoadA_ == kLoadTma || LoadA_ == kLoadTmaC8 || LoadA_ == kLoadTmaMN;
   static_assert(LoadA_ != kLoadTmaMN || (Layout_ == kNCHW && BM_ == 64 && kIsWgmma && WM_ == 1 && kNchwOut),
                 "MN-major TMA A tiles: NCHW x, one 64-row warpgroup, the NCHW store");

@@ -54,10 +54,9 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
 
 template <class Cfg, class P>
 __device__ void fprop(const P& p) {
-  // a ReLU mask this kernel cannot fuse is packed by relu_mask (or, kMaskFixup, only its bytes at the tiles'
-  // run ends by relu_mask_fixup), launched as this grid's programmatic dependent: it may launch as soon as
-  // every CTA has started, and waits for this grid to finish
-  if constexpr (Cfg::Epi::kMask && (!Cfg::FuseMask || Cfg::kMaskFixup)) pdl_launch_dependents();
+  // a ReLU mask this kernel cannot fuse is packed by relu_mask, launched as this grid's programmatic
+  // dependent: it may launch as soon as every CTA has started, and waits for this grid to finish
+  if constexpr (Cfg::Epi::kMask && !Cfg::FuseMask) pdl_launch_dependents();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem = smem_raw;
   if constexpr (Cfg::kAlign > 128) {   // round up (the launch reserves kAlign extra bytes)

@@ -243,28 +243,6 @@ IGEMM_DEVICE uint32_t gt0_pair(uint32_t u) {
   return r;
 }
 
-// The NCHW store loop's V-pixel vector -> bit e set where pixel e is > 0 (NaN: 0). Pair k's set.gt halves
-// keep bits 2k (low) and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16 then has pixel e at bit e. (By
-// value, one overload a width: reading the vector's words through a pointer split its 16-byte store.)
-template <class TO>
-IGEMM_DEVICE uint32_t vec_gt0_bits(const uint4& o) {
-  uint32_t x = (gt0_pair<TO>(o.x) & 0x00020001u) | (gt0_pair<TO>(o.y) & 0x00080004u) |
-               (gt0_pair<TO>(o.z) & 0x00200010u) | (gt0_pair<TO>(o.w) & 0x00800040u);
-  return (x | (x >> 16)) & 0xFFu;
-}
-template <class TO>
-IGEMM_DEVICE uint32_t vec_gt0_bits(const uint2& o) {
-  const uint32_t x = (gt0_pair<TO>(o.x) & 0x00020001u) | (gt0_pair<TO>(o.y) & 0x00080004u);
-  return (x | (x >> 16)) & 0xFu;
-}
-template <class TO>
-IGEMM_DEVICE uint32_t vec_gt0_bits(uint32_t o) {
-  const uint32_t x = gt0_pair<TO>(o) & 0x00020001u;
-  return (x | (x >> 16)) & 0x3u;
-}
-template <class TO>
-IGEMM_DEVICE uint32_t vec_gt0_bits(uint16_t o) { return gt0_pair<TO>(uint32_t(o)) & 1u; }
-
 // (lo, hi) rounded to nearest-even into one packed 16-bit pair, lo in the low half: one cvt (F2FP), where
 // two scalar conversions gave the pack in the other order and a PRMT to swap it back (ptxas 13.0).
 template <class TO>
@@ -543,10 +521,9 @@ IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, 
 // accumulators as in epilogue_regs_by and each value is rounded once into a channel-major 16-bit C tile
 // (nchw_ct_index), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
 // stays inside one image's plane); a thread's pixels are the same in every pass, so its (image, pixel)
-// divmod is done once. FuseMask: the 32 / V lanes of 32 consecutive pixels of one channel make one mask
-// word (one set.gt per stored pair; shuffles, or a ballot for V = 1); the words gather in shared memory and
-// each channel row's BM / 32 of them leave in one store (P·Q % 32 == 0), else byte by byte (P·Q % 8 == 0),
-// else the bytes inside the tile's runs, the rest by relu_mask_fixup (kMaskFixup).
+// divmod is done once. FuseMask (P·Q % 8 == 0, V = 8): a quad of lanes holds 32 consecutive pixels of one
+// channel, one mask word: one set.gt per stored pair, two shuffles; the words gather in shared memory and
+// each channel row's BM / 32 of them leave in one store (P·Q % 32 == 0), else byte by byte.
 // A residual (16-bit) fills the C tile first, in the store loop's vectors, and each fragment element reads
 // its residual where it then writes its output: the same thread, the same address, in place. It is staged
 // ahead (res_s: the C tile, filled by stage_residual_nchw during the mainloop -- the per-tile kernel's
@@ -650,53 +627,20 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     const VecT o = *reinterpret_cast<const VecT*>(sbase + i * RSTEP * kNchwLd<Cfg>);
     if (ok) store_vec(yp, o);
     if constexpr (Cfg::FuseMask) {
-      // bit e of the vector's V bits: pixel ml + e stored > 0; the 32 / V lanes of a word (consecutive
-      // vectors of one row: CPR >= 32 / V) in lane order make it: V = 1, a ballot; else shuffles
-      const uint32_t bits = vec_gt0_bits<TO>(o);
-      constexpr int LPW = 32 / V;
-      uint32_t word;
-      if constexpr (V == 1) {
-        word = __ballot_sync(0xffffffffu, bits != 0u);
-      } else {
-        word = bits << (V * (lane % LPW));
+      // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word.
+      // Pair k's set.gt halves keep bits 2k (low) and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16
+      // then has pixel e at bit e.
+      const uint32_t pairs[4] = {o.x, o.y, o.z, o.w};      // (V = 8)
+      uint32_t x = 0;
 #pragma unroll
-        for (int off = 1; off < LPW; off <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
-      }
-      if (lane % LPW == 0) ms[nl * WPR + (ml >> 5)] = word;
+      for (int k = 0; k < 4; ++k) x |= gt0_pair<TO>(pairs[k]) & (0x00020001u << (2 * k));
+      uint32_t word = ((x | (x >> 16)) & 0xFFu) << (8 * (lane & 3));
+      word |= __shfl_xor_sync(0xffffffffu, word, 1);
+      word |= __shfl_xor_sync(0xffffffffu, word, 2);
+      if ((lane & 3) == 0) ms[nl * WPR + (ml >> 5)] = word;
     }
   }
-  if constexpr (Cfg::kMaskFixup) {
-    // P·Q % 8 != 0 (14x14: V = 4, 7x7: V = 1): a run (the tile's pixels of one channel in one image) starts
-    // and ends anywhere in a byte. The tile stores the bytes that lie wholly inside one of its runs, each
-    // byte written by one tile only (st.global.u8 leaves its neighbours alone); relu_mask_fixup, launched
-    // after this grid, packs the bytes that a run's end splits (and the tensor's last, part-filled byte)
-    // from y: no atomics, no tickets, the same bits whatever the order. Thread tid: the bytes t, t + TPR, ..
-    // of each run of rows tid / TPR + i·(NT / TPR); a byte's 8 bits from the row's words by one funnel shift.
-    sync();
-    constexpr int TPR = 8, RS = NT / TPR;
-    static_assert(NT % TPR == 0, "whole rows per pass");
-    const int rows_m = min(BM, p.M - m0), t = tid % TPR;
-    int img0, pq0;
-    p.fd_PQ.divmod(img0, pq0, m0);
-    uint8_t* const mb = reinterpret_cast<uint8_t*>(mask);
-    const int64_t istep = int64_t(p.K) * p.PQ;                // the next image's plane of the same channel
-    for (int nl = tid / TPR; nl < ncols; nl += RS) {
-      const uint32_t* wr = ms + nl * WPR;
-      int s0 = 0, pqs = pq0;                                  // the run's first tile row and pixel
-      int64_t i0 = (int64_t(img0) * p.K + n0 + nl) * p.PQ + pq0;   // its linear index
-      while (s0 < rows_m) {
-        const int len = min(rows_m - s0, p.PQ - pqs);
-        const int64_t b1 = (i0 + len) >> 3;
-        for (int64_t b = ((i0 + 7) >> 3) + t; b < b1; b += TPR) {
-          const int s = s0 + int(8 * b - i0), w = s >> 5, sh = s & 31;
-          mb[b] = uint8_t(__funnelshift_r(wr[w], sh > 24 ? wr[w + 1] : 0u, sh));
-        }
-        s0 += len;
-        i0 += istep - pqs;
-        pqs = 0;
-      }
-    }
-  } else if constexpr (Cfg::FuseMask) {
+  if constexpr (Cfg::FuseMask) {
     // each channel row's WPR words leave together: one 8- or 16-byte store where they are contiguous (the
     // tile inside one image) and aligned, else word by word
     sync();

@@ -2,7 +2,6 @@
 // element i, in memory order, is > 0).
 //   relu_backward: dx = bit ? dy : 0   (a select: inf/NaN in dy where the bit is 0 gives 0)
 //   relu_mask:     mask = pack(y > 0)  (used where a fused epilogue cannot own whole mask words)
-//   relu_mask_fixup: the bytes an NCHW conv epilogue's tiles split (see there)
 // Vec elements per thread (16 bytes when aligned, 1 otherwise); grid-stride loops.
 #pragma once
 #include "common.cuh"
@@ -91,46 +90,6 @@ __device__ void relu_mask(const Params& p) {
     for (int off = 1; off < kLanesPerWord; off <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
     const int64_t w = e0 >> 5;
     if (lane % kLanesPerWord == 0 && w < nwords) mask[w] = word;
-  }
-}
-
-// relu_mask_fixup: after a conv whose NCHW register epilogue stored only the mask bytes that lie inside
-// one of its tiles' runs (P·Q % 8 != 0, csrc/conv2d_sm90.cuh kMaskFixup; launched as its programmatic
-// dependent). Thread r, channel row r = img·K + k of the output (elements r·P·Q .. + P·Q - 1), packs from y
-// the bytes the runs' ends split: the row's first byte where r·P·Q % 8 != 0 (shared with the row before),
-// and each tile boundary inside the image (img·P·Q < t·BM < (img + 1)·P·Q) off a byte boundary; the last
-// row also the tensor's last, part-filled byte and zeros for the rest of its word. A byte's 8 elements are
-// contiguous in y (one 16-byte load where aligned). A byte split twice is packed twice, to the same value.
-template <class T, class Params>
-__device__ void relu_mask_fixup(const Params& p) {
-  static_assert(sizeof(T) == 2, "the NCHW register epilogue's 16-bit outputs");
-  const T* y = static_cast<const T*>(p.y);
-  uint8_t* mb = static_cast<uint8_t*>(const_cast<void*>(p.mask));
-  pdl_wait();
-  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r >= p.rows) return;
-  const bool vec = (reinterpret_cast<uintptr_t>(y) & 15) == 0;
-  auto pack = [&](int64_t b) {
-    const int64_t e0 = 8 * b;
-    uint32_t bits = 0;
-    if (vec && e0 + 8 <= p.n) {
-      const Pack<T, 8> in = *reinterpret_cast<const Pack<T, 8>*>(y + e0);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) bits |= uint32_t(to_float(in.v[j]) > 0.f) << j;
-    } else {
-      for (int j = 0; j < 8; ++j)
-        if (e0 + j < p.n) bits |= uint32_t(to_float(y[e0 + j]) > 0.f) << j;
-    }
-    mb[b] = uint8_t(bits);
-  };
-  const int64_t i0 = r * p.PQ, m0 = (r / p.K) * p.PQ;     // the row's first element; its image's first GEMM row
-  if (i0 & 7) pack(i0 >> 3);
-  for (int64_t m = (m0 / p.BM + 1) * p.BM; m < m0 + p.PQ; m += p.BM)
-    if ((i0 + m - m0) & 7) pack((i0 + m - m0) >> 3);
-  if (r == p.rows - 1) {
-    const int64_t nb = (p.n + 7) >> 3;                    // the bytes that hold elements
-    if (p.n & 7) pack(nb - 1);
-    for (int64_t b = nb; b & 3; ++b) mb[b] = 0;
   }
 }
 

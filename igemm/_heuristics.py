@@ -127,12 +127,6 @@ class KernelSpec:
         return max(main, cs) + (1024 if self.math == "wgmma" else 128)
 
     @property
-    def mask_fixup(self) -> bool:
-        """Whether the fused mask leaves the bytes its tiles' runs split to ``relu_mask_fixup`` (the NCHW
-        register epilogue with vectors of fewer than 8 pixels: P·Q % 8 != 0; ``Config::kMaskFixup``)."""
-        return self.fuse_mask and self.store == "regsnchw" and self.vec_o < 8
-
-    @property
     def residual(self) -> bool:
         """Whether the epilogue chain reads a residual."""
         return any(f.startswith("igemm::epi::AddResidual<") for f in self.epilogue)
@@ -316,15 +310,12 @@ def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
 
 def _regs_store(pb: ConvProblem) -> tuple[str, int, bool]:
     """A register epilogue's (store, output vector width, mask fusion): NHWC, whole 32-channel mask words;
-    NCHW, the widest vector inside one image's plane (as :func:`_store`) and the mask always fused: whole
-    words where P·Q % 32 == 0, else each tile's own bytes -- where P·Q % 8 != 0 the bytes inside its runs,
-    the rest packed from y by ``relu_mask_fixup`` (:attr:`KernelSpec.mask_fixup`; ``IGEMM_MASK_FIXUP=0``:
-    the whole mask by ``relu_mask`` there, as before)."""
+    NCHW, the widest vector inside one image's plane (as :func:`_store`) and the mask from 8-pixel vectors
+    (P·Q % 8 == 0: whole words where P·Q % 32 == 0, else each tile's own bytes)."""
     if pb.y_layout == "NHWC":
         return "regs", 8, pb.mask and pb.K % 32 == 0
-    import os
     _, v, _ = _store(pb, 0)
-    return "regsnchw", v, pb.mask and (v == 8 or os.environ.get("IGEMM_MASK_FIXUP", "1") != "0")
+    return "regsnchw", v, pb.mask and v == 8
 
 
 def store_for(pb: ConvProblem, math: str, bn: int, splits: int, regs: bool = True) -> tuple[str, int, bool]:

@@ -627,8 +627,8 @@ class Conv2dPlan:
         if rec is not None:
             return rec
         spec = next(v[1] for v in self._specs.values() if v[0] is launcher)
-        if self.chain.mask and (not spec.fuse_mask or spec.mask_fixup):
-            self._lean_recs[launcher] = False              # for good: the mask is (partly) a kernel of its own
+        if self.chain.mask and not spec.fuse_mask:
+            self._lean_recs[launcher] = False              # for good: the mask is a kernel of its own
             return None
         pre, cx, cw = None, -1, -1
         if self._xpose is not None:
@@ -726,11 +726,6 @@ class Conv2dPlan:
             from .relu import launch_mask
             launch_mask(self.device_id, _runtime.RawStream(stream), self.dtype, y, mask, self.numel_y,
                         after_kernel=True)
-        elif mask and spec.mask_fixup:
-            from .relu import launch_mask_fixup
-            N, K, P, Q = self.y_shape                     # (NCHW)
-            launch_mask_fixup(self.device_id, _runtime.RawStream(stream), self.dtype, y, mask, self.numel_y,
-                              N * K, K, P * Q, spec.bm)
 
     def _copy_plan(self) -> "Conv2dPlan":
         """This plan on the copy path (``unfold="copy"``): a patch plan's kernel reads x through a tensor map,

@@ -20,8 +20,6 @@ __all__ = ["relu_backward", "relu_mask", "mask_words", "mask_dtype_for"]
 
 _BWD_PARAMS = [ParamSpec("dy", "ptr"), ParamSpec("mask", "ptr"), ParamSpec("dx", "ptr"), ParamSpec("n", "int64")]
 _MASK_PARAMS = [ParamSpec("y", "ptr"), ParamSpec("mask", "ptr"), ParamSpec("n", "int64")]
-_FIXUP_PARAMS = _MASK_PARAMS + [ParamSpec("rows", "int64"), ParamSpec("K", "int32"), ParamSpec("PQ", "int32"),
-                                ParamSpec("BM", "int32")]
 _THREADS = 256
 
 
@@ -36,10 +34,9 @@ def mask_dtype_for(kind: str) -> str:
 
 @lru_cache(maxsize=None)
 def _stub(func: str, dtype: str, vec: int) -> str:
-    params = {"relu_backward": _BWD_PARAMS, "relu_mask_fixup": _FIXUP_PARAMS}.get(func, _MASK_PARAMS)
-    targs = DTYPE_CTYPE[dtype] if func == "relu_mask_fixup" else f"{DTYPE_CTYPE[dtype]}, {vec}"
+    params = _BWD_PARAMS if func == "relu_backward" else _MASK_PARAMS
     return _kernel.render_kernel(include="relu.cuh", entry=f"igemm_{func}", params=params, threads=_THREADS,
-                                 body=f"igemm::relu::{func}<{targs}>(p);")
+                                 body=f"igemm::relu::{func}<{DTYPE_CTYPE[dtype]}, {vec}>(p);")
 
 
 def _vec(dtype: str, *ptrs: int) -> int:
@@ -163,23 +160,6 @@ def launch_mask(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n
     pdl = after_kernel and _pdl_ok(device_id)
     launcher = _launcher("relu_mask", dtype, vec, device_id, grid, pdl)
     args = _kernel.bind_args(_MASK_PARAMS, {"y": y_ptr, "mask": mask_ptr, "n": n})
-    if pdl:
-        launcher.launch_after(stream, args)
-    else:
-        launcher(stream, args)
-
-
-def launch_mask_fixup(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n: int, rows: int, K: int,
-                      PQ: int, BM: int) -> None:
-    """Pack the mask bytes that an NCHW conv's tiles (``BM`` GEMM rows each) split, from ``y`` (``rows`` = N·K
-    channel rows of ``PQ`` pixels, ``n`` elements): the conv's epilogue stored all the others
-    (csrc/relu.cuh ``relu_mask_fixup``). Launched after that conv, as its programmatic dependent on sm_90+."""
-    if n == 0:
-        return
-    pdl = _pdl_ok(device_id)
-    launcher = _launcher("relu_mask_fixup", dtype, 1, device_id, (rows + _THREADS - 1) // _THREADS, pdl)
-    args = _kernel.bind_args(_FIXUP_PARAMS, {"y": y_ptr, "mask": mask_ptr, "n": n, "rows": rows, "K": K, "PQ": PQ,
-                                             "BM": BM})
     if pdl:
         launcher.launch_after(stream, args)
     else:

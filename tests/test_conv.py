@@ -230,14 +230,8 @@ def test_choose_config_rules(monkeypatch):
     assert (nchw.store, nchw.vec_o, nchw.fuse_mask) == ("regsnchw", 8, True)   # 784 % 8 == 0: each tile's bytes
     nchw56 = choose_config(_pb(layout="NCHW", epilogue=(("ReLU", True),)))
     assert nchw56.fuse_mask
-    for hw, v in ((14, 4), (7, 1)):       # 4- and 1-pixel vectors: fused, the split bytes by relu_mask_fixup
-        s = choose_config(_pb(layout="NCHW", H=hw, W=hw, epilogue=(("ReLU", True),)))
-        assert (s.store, s.vec_o, s.fuse_mask, s.mask_fixup) == ("regsnchw", v, True, True), s.name()
-        monkeypatch.setenv("IGEMM_MASK_FIXUP", "0")                     # the whole mask by relu_mask
-        s = choose_config(_pb(layout="NCHW", H=hw, W=hw, epilogue=(("ReLU", True),)))
-        assert (s.store, s.vec_o, s.fuse_mask, s.mask_fixup) == ("regsnchw", v, False, False), s.name()
-        monkeypatch.delenv("IGEMM_MASK_FIXUP")
-    assert not nchw.mask_fixup and not nchw56.mask_fixup                 # whole words or bytes: no fix-up
+    for hw in (14, 7):                                                    # 4- and 1-pixel vectors: not fused
+        assert not choose_config(_pb(layout="NCHW", H=hw, W=hw, epilogue=(("ReLU", True),))).fuse_mask
     nchw32 = choose_config(_pb(layout="NCHW", H=28, W=28, dtype="float32", precision="tf32",
                                epilogue=(("ReLU", True),)))
     assert (nchw32.store, nchw32.fuse_mask) == ("nchw", False)           # the fp32 C tile: whole words only
@@ -1385,9 +1379,8 @@ NCHW_BITWISE_CASES = [
     ((1, 64, 4, 2), (35, 64, 3, 3), 1, 1, None),
     ((2, 64, 12, 12), (72, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
     ((3, 64, 4, 6), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
-    # V = 1 (the split bytes from relu_mask_fixup, as for the V = 2 and 4 cases above): the tensor's last word
-    # part-filled (35 * 9 elements), several images a tile (P*Q = 9; P*Q = 1: no byte inside a run), 128-row
-    # tiles, the persistent kernel's residual in one batch of loads
+    # V = 1 (the mask from the separate kernel): the tensor's last word part-filled (35 * 9 elements), several
+    # images a tile (P*Q = 9; P*Q = 1), 128-row tiles, the persistent kernel's residual in one batch of loads
     ((1, 64, 3, 3), (35, 64, 3, 3), 1, 1, None),
     ((9, 64, 5, 5), (96, 64, 3, 3), 1, 0, None),
     ((40, 64, 3, 3), (72, 64, 3, 3), 1, 0, {"bm": 128, "wm": 2}),
@@ -1401,9 +1394,8 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
     tile, vectors along each channel's pixels, mask words from quads of 8-pixel vectors) against the fp32 C
     tile's NCHW store phase of the same tile: identical bits of y and mask on every NCHW kernel path (the
     transpose path's TMA and gather kernels, 64/128-row tiles, the persistent kernel; the MN-major 1x1 path;
-    the patch kernel), output vectors of 8, 4, 2 and 1 pixels, the mask always fused (each channel row's words
-    stored in 8- or 16-byte pieces or word by word where P*Q % 32 == 0, byte by byte where P*Q % 8 == 0, else
-    the bytes inside the tile's runs, and relu_mask_fixup the rest), M and K tails, 16-bit
+    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (8: mask fused, each channel row's words stored
+    in 8- or 16-byte pieces or word by word where P*Q % 32 == 0, else byte by byte), M and K tails, 16-bit
     residuals of either type (staged in the C tile: zeros past the tails); y and mask poisoned first; plain
     results against the float64 reference."""
     torch = pytest.importorskip("torch")
@@ -1550,20 +1542,16 @@ def test_gpu_plan_in_cuda_graph(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixup", [True, False], ids=["fixup", "relu_mask"])
 @pytest.mark.parametrize("hw,C", [(14, 256), (7, 512)])
-def test_gpu_unfused_mask_after_the_conv(hw, C, fixup, rng, monkeypatch):
-    """Where the NCHW epilogue's runs split mask bytes (P*Q % 8 != 0), a second kernel runs after the conv,
-    launched on sm_90+ as its programmatic dependent (PDL: it may start during the conv's last wave and waits
-    in the kernel): relu_mask_fixup packs the split bytes from y (the conv stored the others), or, with
-    IGEMM_MASK_FIXUP=0, relu_mask packs all of y > 0. Its mask must be the one of the conv's finished y: y and
-    mask poisoned before every call, back-to-back calls on a side stream with new inputs, a CUDA graph replay;
-    each mask equal to relu_mask(y) run on its own, and y to the float64 reference."""
+def test_gpu_unfused_mask_after_the_conv(hw, C, rng):
+    """Where the NCHW epilogue cannot own whole mask bytes (P*Q % 8 != 0), relu_mask packs y > 0 after the
+    conv, launched on sm_90+ as its programmatic dependent (PDL: it may start during the conv's last wave
+    and waits in the kernel). Its mask must be the one of the conv's finished y: y and mask poisoned before
+    every call, back-to-back calls on a side stream with new inputs, a CUDA graph replay; each mask equal
+    to relu_mask(y) run on its own, and y to the float64 reference."""
     torch = pytest.importorskip("torch")
     from igemm import epilogues as ep
     from igemm import relu as relu_mod
-    if not fixup:
-        monkeypatch.setenv("IGEMM_MASK_FIXUP", "0")
     N, K = 8, C                                               # (tools/precompile_tests.py's shapes)
     ws = (K, C, 3, 3)
     w = to_torch(rng.standard_normal(ws) / np.sqrt(C * 9), "float16")
@@ -1571,7 +1559,7 @@ def test_gpu_unfused_mask_after_the_conv(hw, C, fixup, rng, monkeypatch):
     V[1] = V[1] - 1.0                                         # (a shift that makes some outputs negative)
     plan = Conv2dPlan((N, C, hw, hw), ws, "float16", "NCHW", 1, 1,
                       epilogue=ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)))
-    assert (plan.spec().fuse_mask, plan.spec().mask_fixup) == (fixup, fixup), plan.spec().name()
+    assert not plan.spec().fuse_mask, plan.spec().name()
     if torch.cuda.get_device_capability()[0] >= 9:
         assert relu_mod._pdl_ok(plan.device_id)
     xs = [to_torch(rng.standard_normal((N, C, hw, hw)), "float16") for _ in range(4)]

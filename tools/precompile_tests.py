@@ -5,7 +5,6 @@ Dev machine; tools/precompile_all.sh runs it and tools/cache_subset.py carries i
 
     python tools/precompile_tests.py [arch=sm_90a]
 """
-import os
 import sys
 
 import numpy as np
@@ -54,14 +53,6 @@ def test_stubs() -> dict:
     for n, c, h in ((1, 256, 14), (8, 512, 7), (1, 512, 7), (1, 128, 28), (8, 256, 14), (8, 128, 28), (32, 512, 7)):
         cases.append(((n, c, h, h), (c, c, 3, 3), 1, 1, 1, None))
     specs = bitwise_stubs()
-    os.environ["IGEMM_MASK_FIXUP"] = "0"                # test_gpu_unfused_mask_after_the_conv's relu_mask rows
-    try:
-        for c, h in ((256, 14), (512, 7)):
-            for ch in chains(c):
-                _add(specs, ("nofixup", c, h, ch), (8, c, h, h), (c, c, 3, 3), "float16", "NCHW", 1, 1, 1,
-                     epilogue=ch)
-    finally:
-        del os.environ["IGEMM_MASK_FIXUP"]
     specs.update(epilogue_stubs())
     from test_conv import SEVERAL_CTAS_CASES, several_ctas_plans
     for xs, ws, st, pd, dl in SEVERAL_CTAS_CASES:       # test_gpu_persistent_several_ctas (NCHW: as the test runs it)

@@ -60,11 +60,9 @@ __device__ void relu_backward(const Params& p) {
   }
 }
 
-// relu_mask: one warp builds 32/Vec words per chunk: lane l owns elements [l*Vec, l*Vec+Vec) of a 32*Vec-element
-// chunk; the Vec-bit fragments of the 32/Vec lanes of a word are OR-ed with shuffles. U chunks per
-// iteration, their loads issued together (the grid is sized for one iteration: after a conv, y is in L2 and
-// each dependent round trip to it is on the critical path).
-template <class T, int Vec, int U, class Params>
+// One warp builds 32/Vec ... words per iteration: lane l owns elements [l*Vec, l*Vec+Vec) of a
+// 32*Vec-element chunk; the Vec-bit fragments of the 32/Vec lanes of a word are OR-ed with shuffles.
+template <class T, int Vec, class Params>
 __device__ void relu_mask(const Params& p) {
   const T* y = static_cast<const T*>(p.y);
   uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
@@ -75,33 +73,23 @@ __device__ void relu_mask(const Params& p) {
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   const int64_t nwords = (p.n + 31) >> 5;
   const int64_t chunks = (nwords * 32 + 32 * Vec - 1) / (32 * Vec);
-  for (int64_t c0 = warp; c0 < chunks; c0 += U * nwarps) {
-    Pack<T, Vec> in[U];
+  for (int64_t c = warp; c < chunks; c += nwarps) {
+    const int64_t e0 = c * 32 * Vec + int64_t(lane) * Vec;
+    uint32_t frag = 0;
+    if (e0 + Vec <= p.n) {
+      Pack<T, Vec> in = reinterpret_cast<const Pack<T, Vec>*>(y)[e0 / Vec];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t e0 = (c0 + u * nwarps) * 32 * Vec + int64_t(lane) * Vec;
-      if (e0 + Vec <= p.n) in[u] = reinterpret_cast<const Pack<T, Vec>*>(y)[e0 / Vec];
+      for (int j = 0; j < Vec; ++j) frag |= uint32_t(to_float(in.v[j]) > 0.f) << j;
+    } else {
+#pragma unroll
+      for (int j = 0; j < Vec; ++j)
+        if (e0 + j < p.n) frag |= uint32_t(to_float(y[e0 + j]) > 0.f) << j;
     }
+    uint32_t word = frag << ((lane % kLanesPerWord) * Vec);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + u * nwarps;
-      if (c >= chunks) break;                                 // (uniform across the warp)
-      const int64_t e0 = c * 32 * Vec + int64_t(lane) * Vec;
-      uint32_t frag = 0;
-      if (e0 + Vec <= p.n) {
-#pragma unroll
-        for (int j = 0; j < Vec; ++j) frag |= uint32_t(to_float(in[u].v[j]) > 0.f) << j;
-      } else {
-#pragma unroll
-        for (int j = 0; j < Vec; ++j)
-          if (e0 + j < p.n) frag |= uint32_t(to_float(y[e0 + j]) > 0.f) << j;
-      }
-      uint32_t word = frag << ((lane % kLanesPerWord) * Vec);
-#pragma unroll
-      for (int off = 1; off < kLanesPerWord; off <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
-      const int64_t w = e0 >> 5;
-      if (lane % kLanesPerWord == 0 && w < nwords) mask[w] = word;
-    }
+    for (int off = 1; off < kLanesPerWord; off <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
+    const int64_t w = e0 >> 5;
+    if (lane % kLanesPerWord == 0 && w < nwords) mask[w] = word;
   }
 }
 

@@ -110,13 +110,8 @@ def precompile(args) -> int:
                     if spec.load_b == "tma":       # bench_conv's fp16-NHWC-gather times the cp.async gather too
                         g = _override(spec, kernel_setup(pb, path, None, unfold, args.arch)[1], {"load_a": "vec", "load_b": "vec"})
                         specs[g] = _stub(g)
-    from igemm import relu
-    from igemm._runtime import DTYPE_SIZES
-    items = [(spec.name(), stub) for spec, stub in specs.items()]
-    for dtype in {c[0] for c in configs}:                  # relu_mask (the words an epilogue cannot own)
-        items += [("relu_mask", relu._stub("relu_mask", dtype, v)) for v in (1, 16 // DTYPE_SIZES[dtype])]
     t0 = time.time()
-    n = _build.compile_many(items, args.arch, args.jobs)
+    n = _build.compile_many(((spec.name(), stub) for spec, stub in specs.items()), args.arch, args.jobs)
     n += _transpose.precompile(args.arch, args.jobs)      # the NCHW transpose path's kernels
     n += _unfold.precompile(args.arch, args.jobs)         # the width unfold's (conv1)
     print(f"{n} kernels for {args.arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}")

@@ -35,16 +35,8 @@ def mask_dtype_for(kind: str) -> str:
 @lru_cache(maxsize=None)
 def _stub(func: str, dtype: str, vec: int) -> str:
     params = _BWD_PARAMS if func == "relu_backward" else _MASK_PARAMS
-    targs = f"{DTYPE_CTYPE[dtype]}, {vec}" + (f", {_mask_chunks()}" if func == "relu_mask" else "")
     return _kernel.render_kernel(include="relu.cuh", entry=f"igemm_{func}", params=params, threads=_THREADS,
-                                 body=f"igemm::relu::{func}<{targs}>(p);")
-
-
-def _mask_chunks() -> int:
-    """relu_mask's chunks of 32 words in flight per warp (its grid is sized for one pass); ``IGEMM_MASK_CHUNKS``
-    overrides (A/B runs)."""
-    import os
-    return int(os.environ.get("IGEMM_MASK_CHUNKS", "4"))
+                                 body=f"igemm::relu::{func}<{DTYPE_CTYPE[dtype]}, {vec}>(p);")
 
 
 def _vec(dtype: str, *ptrs: int) -> int:
@@ -164,8 +156,7 @@ def launch_mask(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n
         return
     vec = _vec(dtype, y_ptr)
     chunks = (mask_words(n) * 32 + 32 * vec - 1) // (32 * vec)
-    u = _mask_chunks()
-    grid = _grid(device_id, (chunks + u - 1) // u * 32)
+    grid = _grid(device_id, chunks * 32)
     pdl = after_kernel and _pdl_ok(device_id)
     launcher = _launcher("relu_mask", dtype, vec, device_id, grid, pdl)
     args = _kernel.bind_args(_MASK_PARAMS, {"y": y_ptr, "mask": mask_ptr, "n": n})

@@ -953,7 +953,7 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
   const uint32_t sA8 = smem_u32(sA) + (threadIdx.x / 128) * 64 * 16;   // kLoadTmaC8: rows of a region are 16 B
   // Iteration i: wait for stage i's bytes → issue its wgmma group → wait until only that group is in
   // flight → barrier (stage i-1 is free in every warpgroup) → thread 0 refills it with k-tile i+S-1.
-  for (int it = 0; it < KT; ++it) {
+  auto step = [&](int it) {
     const int buf = (it0 + it) % S;
     mbar_wait(&full[buf], ((it0 + it) / S) & 1);
     if constexpr (Cfg::LoadA == kLoadTmaC8)   // A: 8 regions of BM 16-byte rows; this warpgroup's rows
@@ -970,20 +970,35 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     __syncthreads();
     const int nk = it + S - 1;
     if (leader && nk < KT) issue(kt0 + nk, (it0 + nk) % S);
+  };
+  // The residual's two events run between iterations, and the k-loop is split at them so that no iteration
+  // tests for them (with the tests in every iteration, 3x3 256->256 @14's Add-ReLU chain spent ~16% of its
+  // warp-stall samples on them, ncu, H200; the (b) chain has none):
+  // - a deep reduction (the prologue prefetched nothing): the residual tile's lines into L2 half-way, after
+  //   iteration KT / 2, so that the epilogue's fragment loads hit L2 instead of waiting on DRAM (a single-wave
+  //   grid's CTAs all reach their epilogues together: S k-tiles before the end left them ~1 us for the whole
+  //   residual's DRAM reads, 3x3 128->128 @28, N=32: 6.4 MB);
+  // - the staged residual (kStage), after iteration KT - S + 1, into stage (KT - S) % S, free for good from
+  //   there (no k-tile left to refill it). (KT > 2·S: KT / 2 < KT - S + 1, the prefetch comes first.)
+  int it = 0;
+  auto run_to = [&](int end) {
+    for (; it < end; ++it) step(it);
+  };
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
-    if constexpr (Cfg::kRegsStore && Cfg::Epi::kResidual && std::is_same_v<Fin, FinishTile>) {
-      // a deep reduction (the prologue prefetched nothing): the residual tile's lines into L2 half-way,
-      // so that the epilogue's fragment loads hit L2 instead of waiting on DRAM. A single-wave grid's
-      // CTAs all reach their epilogues together: S k-tiles before the end left them ~1 us for the whole
-      // residual's DRAM reads (3x3 128->128 @28, N=32: 6.4 MB).
-      if (KT > 2 * S && it == KT / 2) prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
-    }
-#endif
-    if constexpr (kStage) {
-      // stage (it - 1) % S is free for good from here (no k-tile left to refill it)
-      if (KT >= S && it == KT - S + 1) stage_residual(smem + ((it - 1) % S) * STAGE);
+  if constexpr (Cfg::kRegsStore && Cfg::Epi::kResidual && std::is_same_v<Fin, FinishTile>) {
+    if (KT > 2 * S) {
+      run_to(KT / 2 + 1);
+      prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
     }
   }
+#endif
+  if constexpr (kStage) {
+    if (KT >= S) {
+      run_to(KT - S + 2);
+      stage_residual(smem + ((KT - S) % S) * STAGE);
+    }
+  }
+  run_to(KT);
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);

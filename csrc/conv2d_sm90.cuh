@@ -971,34 +971,39 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
     const int nk = it + S - 1;
     if (leader && nk < KT) issue(kt0 + nk, (it0 + nk) % S);
   };
-  // The residual's two events run between iterations, and the k-loop is split at them so that no iteration
-  // tests for them (with the tests in every iteration, 3x3 256->256 @14's Add-ReLU chain spent ~16% of its
-  // warp-stall samples on them, ncu, H200; the (b) chain has none):
+  // The residual's two events run between iterations:
   // - a deep reduction (the prologue prefetched nothing): the residual tile's lines into L2 half-way, after
   //   iteration KT / 2, so that the epilogue's fragment loads hit L2 instead of waiting on DRAM (a single-wave
   //   grid's CTAs all reach their epilogues together: S k-tiles before the end left them ~1 us for the whole
   //   residual's DRAM reads, 3x3 128->128 @28, N=32: 6.4 MB);
   // - the staged residual (kStage), after iteration KT - S + 1, into stage (KT - S) % S, free for good from
   //   there (no k-tile left to refill it). (KT > 2·S: KT / 2 < KT - S + 1, the prefetch comes first.)
-  int it = 0;
-  auto run_to = [&](int end) {
-    for (; it < end; ++it) step(it);
-  };
+  // An iteration tests one uniform index for the next event (with both conditions tested in every iteration,
+  // 3x3 256->256 @14's Add-ReLU chain spent ~16% of its warp-stall samples on them, ncu, H200). Chains
+  // without a residual keep the plain loop.
 #if !defined(IGEMM_NO_EPI_PROLOGUE)
-  if constexpr (Cfg::kRegsStore && Cfg::Epi::kResidual && std::is_same_v<Fin, FinishTile>) {
-    if (KT > 2 * S) {
-      run_to(KT / 2 + 1);
-      prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
-    }
-  }
+  constexpr bool kPrefetch = Cfg::kRegsStore && Cfg::Epi::kResidual && std::is_same_v<Fin, FinishTile>;
+#else
+  constexpr bool kPrefetch = false;
 #endif
-  if constexpr (kStage) {
-    if (KT >= S) {
-      run_to(KT - S + 2);
-      stage_residual(smem + ((KT - S) % S) * STAGE);
+  if constexpr (kPrefetch || kStage) {
+    const int ev_pf = kPrefetch && KT > 2 * S ? KT / 2 : -1, ev_st = kStage && KT >= S ? KT - S + 1 : -1;
+    int next = ev_pf >= 0 ? ev_pf : ev_st >= 0 ? ev_st : KT;
+    for (int it = 0; it < KT; ++it) {
+      step(it);
+      if (it == next) {
+        if (it == ev_pf) {
+          if constexpr (kPrefetch) prefetch_residual_l2<Cfg, Cfg::kThreads>(p, m0, n0, threadIdx.x);
+          next = ev_st >= 0 ? ev_st : KT;
+        } else {
+          if constexpr (kStage) stage_residual(smem + ((KT - S) % S) * STAGE);
+          next = KT;
+        }
+      }
     }
+  } else {
+    for (int it = 0; it < KT; ++it) step(it);
   }
-  run_to(KT);
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);

@@ -114,6 +114,10 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
     patch_issue(p, pt, patch, &bar);
 #endif
   }
+  // the tile's residual pairs into registers, while the patch loads (kPreloadResidual)
+  ResidualPairs<Cfg> res;
+  if constexpr (kPreloadResidual<Cfg>)
+    load_residual_pairs<Cfg, ResidualPairs<Cfg>::NB>(p, m0, n0, tid, 0, res.a, res.b);
   // B: the reduction's whole filter tile, SW128-swizzled like the gather loader's, one cp.async group
   const T* w = static_cast<const T*>(p.w);
   for (int kt = 0; kt < KT; ++kt) {
@@ -129,15 +133,23 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
   // this thread's A rows: 64·wg + tid%128/8 + 16·i, as (patch slot element offset, element of its pixel's
   // first lane in its line), or -1 past M
   const int slot_elems = p.R * kPatchBox;
-  int rbase[UA], rjb[UA];
+  // (with the residual preloaded, both in one register a row, rbase << 16 | rjb -- each < 2^15: the patch is
+  // at most 64 KB -- so that the 16 registers the residual holds fit the 3-CTA register cap without a spill,
+  // whose store waited for its load: conv1 (c), 80 registers, a 4-byte spill, 571 long-scoreboard samples)
+  constexpr bool kPack = kPreloadResidual<Cfg>;
+  int rbase[UA], rjb[kPack ? 1 : UA];
 #pragma unroll
   for (int i = 0; i < UA; ++i) {
     const int row = wg * 64 + (tid % 128) / 8 + 16 * i, m = m0 + row;
     int g, q;
     p.fd_Q.divmod(g, q, m);
     const int l = g - pt.g0;
-    rbase[i] = m < p.M ? pt.slot(l) * slot_elems : -1;
-    rjb[i] = (q - (l == 0 ? pt.q0 : 0)) * p.sw * p.C + (l == 0 ? pt.a0 : pt.af);
+    const int j = (q - (l == 0 ? pt.q0 : 0)) * p.sw * p.C + (l == 0 ? pt.a0 : pt.af);
+    if constexpr (kPack) rbase[i] = m < p.M ? (pt.slot(l) * slot_elems) << 16 | j : -1;
+    else {
+      rbase[i] = m < p.M ? pt.slot(l) * slot_elems : -1;
+      rjb[i] = j;
+    }
   }
   const int cu = p.Kred / p.R, sc = p.S * p.C;
   const uint32_t* pw32 = reinterpret_cast<const uint32_t*>(patch);
@@ -155,9 +167,9 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
       const int row = wg * 64 + (tid % 128) / 8 + 16 * i;
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
       if (rbase[i] >= 0 && keep > 0) {
-        const int e = rjb[i] + lane0;
+        const int e = (kPack ? rbase[i] & 0xFFFF : rjb[kPack ? 0 : i]) + lane0;
         const int bx = e / kPatchStep;
-        const int idx = rbase[i] + bx * slot_elems + r * kPatchBox + (e - bx * kPatchStep);
+        const int idx = (kPack ? rbase[i] >> 16 : rbase[i]) + bx * slot_elems + r * kPatchBox + (e - bx * kPatchStep);
         const uint32_t* s = pw32 + (idx >> 1);
         const uint32_t sh = (idx & 1) * 16;
         const uint32_t w0 = s[0], w1 = s[1], w2 = s[2], w3 = s[3], w4 = s[4];
@@ -200,7 +212,7 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   __syncthreads();                          // every buffer read: the C tile may overwrite them
-  finish_tile<Cfg>(p, acc, smem, m0, n0);
+  finish_tile<Cfg>(p, acc, smem, m0, n0, nullptr, kPreloadResidual<Cfg> ? &res : nullptr);
 }
 
 }  // namespace igemm::conv

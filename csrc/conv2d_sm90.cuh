@@ -179,6 +179,22 @@ constexpr bool kStageResidual =
 template <class Cfg>
 constexpr int kResidualStageBytes = Cfg::BM * Cfg::BN * 2;
 
+// The patch kernel (mainloop_wgmma_patch) loads the whole tile's residual pairs into registers at the
+// tile's start, beside its patch's TMA load, and hands them to the epilogue: its reduction is short (conv1:
+// 3 k-tiles) and its shared memory has no room for a staged tile at 3 CTAs an SM, so that the pairs' latency
+// hides behind the patch's wait instead of stalling the epilogue (loaded there, after an L2 prefetch at the
+// tile's start, they held 426 of conv1 (c)'s 2,033 epilogue stall samples: session 21, run 11). A 16-bit
+// residual, BN <= 128: 2 x BN/8 registers (KernelSpec.residual_preloaded; the plan caps the registers for
+// 3 CTAs an SM, and the patch kernel packs its row offsets so that nothing spills).
+template <class Cfg>
+constexpr bool kPreloadResidual =
+#if defined(IGEMM_NO_RES_PRELOAD)
+    false;
+#else
+    Cfg::LoadA == kLoadPatch && Cfg::StoreMode == kStoreRegs && ResidualBytes<typename Cfg::Epi>::value == 2 &&
+    Cfg::BN <= 128;
+#endif
+
 // (tid: the thread's index in its CTA, or in its consumer warpgroup of the persistent kernel)
 template <class Cfg, class P>
 IGEMM_DEVICE void stage_residual_smem(const P& p, uint8_t* dst, int m0, int n0, int tid) {
@@ -218,7 +234,7 @@ IGEMM_DEVICE void epilogue_regs_prologue_by(const P& p, int m0, int n0, int tid,
     }
     cp_async_commit();
   }
-  if constexpr (Epi::kResidual) {
+  if constexpr (Epi::kResidual && !kPreloadResidual<Cfg>) {
     if ((p.Kred + Cfg::BK - 1) / Cfg::BK > 2 * Cfg::Stages) return;   // (no split-K here)
     prefetch_residual_l2<Cfg, NT>(p, m0, n0, tid);
   }
@@ -318,6 +334,42 @@ IGEMM_DEVICE void ldmatrix_x4(const void* src, uint32_t& a, uint32_t& b, uint32_
                  : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(smem_u32(src)) : "memory");
 }
 
+// The residual's pairs at a thread's accumulator-fragment positions (rows r0 and r0 + 8, columns 2·(lane % 4)
+// + {0, 1} of each 8-column block), as raw bits (a 16-bit pair is one 32-bit load, converted by two HADD2.F32:
+// element-wise Vec loads cost four PRMTs a pair, ptxas 13.0), zero outside the problem. The NHWC register
+// epilogue loads G column blocks at a time: with BN <= 128 the whole tile's (2 x BN/8 registers).
+template <class Cfg>
+struct ResidualPairs {
+  using Epi = typename Cfg::Epi;
+  using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, typename Cfg::ElementOut>;
+  using Raw = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
+  static constexpr int NB = Cfg::BN / 8;
+  static constexpr int G = Epi::kResidual && NB <= 16 ? NB : 4;
+  Raw a[NB], b[NB];
+};
+
+// Column blocks j0 .. j0 + G - 1 of thread tid's pairs (tid: in the CTA, or in the persistent kernel's
+// consumer warpgroup).
+template <class Cfg, int G, class P>
+IGEMM_DEVICE void load_residual_pairs(const P& p, int m0, int n0, int tid, int j0,
+                                      typename ResidualPairs<Cfg>::Raw (&ra)[G],
+                                      typename ResidualPairs<Cfg>::Raw (&rb)[G]) {
+  using RT = typename ResidualPairs<Cfg>::RT;
+  using Raw = typename ResidualPairs<Cfg>::Raw;
+  const RT* resp = static_cast<const RT*>(p.residual);
+  const int lane = tid & 31, r0 = fragment_row0(tid);
+  const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
+  const int64_t row0 = int64_t(m0 + r0) * p.K + n0, row1 = row0 + int64_t(8) * p.K;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int c = (j0 + g) * 8 + 2 * (lane & 3);
+    const bool okc = n0 + c < p.K;
+    ra[g] = rb[g] = Raw{};
+    if (ok0 && okc) ra[g] = *reinterpret_cast<const Raw*>(resp + row0 + c);
+    if (ok1 && okc) rb[g] = *reinterpret_cast<const Raw*>(resp + row1 + c);
+  }
+}
+
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
@@ -330,30 +382,39 @@ IGEMM_DEVICE void ldmatrix_x4(const void* src, uint32_t& a, uint32_t& b, uint32_
 // warpgroup of the persistent kernel; ct: the tile's C buffer; s_vec: its channel vectors.
 template <class Cfg, int NT, class P, class Sync>
 IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float (*s_vec)[Cfg::BN], int tid,
-                                   int m0, int n0, Sync sync, const uint8_t* res_s = nullptr) {
+                                   int m0, int n0, Sync sync, const uint8_t* res_s = nullptr,
+                                   const ResidualPairs<Cfg>* pre = nullptr) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
   static_assert(NT % CPR == 0, "whole rows per store pass");
   const int lane = tid & 31, r0 = fragment_row0(tid);
-  using RT = std::conditional_t<Epi::kResidual, typename Epi::Res, TO>;
-  const RT* resp = static_cast<const RT*>(p.residual);
+  using RT = typename ResidualPairs<Cfg>::RT;
   const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
-  const int64_t row0 = int64_t(m0 + r0) * p.K + n0, row1 = row0 + int64_t(8) * p.K;
+  const int64_t row0 = int64_t(m0 + r0) * p.K + n0;
   // the rows' mask words (FuseMask: K % 32 == 0, n0 % 32 == 0), one per 32 columns
   uint32_t* mrow0 = Cfg::FuseMask ? static_cast<uint32_t*>(const_cast<void*>(p.mask)) + (row0 >> 5) : nullptr;
   uint32_t* mrow1 = Cfg::FuseMask ? mrow0 + (p.K >> 2) : nullptr;
-  // The residual pairs (zero outside the problem) are loaded G column blocks at a time, as raw bits: a
-  // 16-bit pair is one 32-bit load, converted by two HADD2.F32 (element-wise Vec loads cost four PRMTs a
-  // pair, ptxas 13.0). With BN <= 128 the whole tile's pairs (2 x BN/8 registers) are loaded at once, before
-  // the channel vectors' barrier: one round trip to L2 per tile. In groups of four, the mask stores between
-  // groups kept each group's loads behind the previous group's work: four round trips after the mainloop.
-  constexpr int NB = BN / 8;
-  constexpr int G = Epi::kResidual && NB <= 16 ? NB : 4;   // column blocks per group
+  // The residual pairs (load_residual_pairs) are loaded G column blocks at a time. With BN <= 128 the whole
+  // tile's pairs are loaded at once, before the channel vectors' barrier: one round trip to L2 per tile (or
+  // none: staged in shared memory, or preloaded by the patch kernel). In groups of four, the mask stores
+  // between groups kept each group's loads behind the previous group's work: four round trips after the
+  // mainloop.
+  constexpr int NB = BN / 8, G = ResidualPairs<Cfg>::G;   // column blocks: all, and per group
   static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4 (one mask word)");
-  using RawPair = std::conditional_t<sizeof(RT) == 2, uint32_t, epi::Vec<RT, 2>>;
+  using RawPair = typename ResidualPairs<Cfg>::Raw;
   RawPair ra[G], rb[G];
   auto load_residual = [&](int j0) {
+    if constexpr (Epi::kResidual && G == NB) {
+      if (pre != nullptr) {     // loaded by the mainloop (kPreloadResidual)
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          ra[g] = pre->a[g];
+          rb[g] = pre->b[g];
+        }
+        return;
+      }
+    }
     if constexpr (kStageResidual<Cfg>) {
       if (res_s != nullptr) {   // staged (stage_residual_smem): this warp's rows, copied by this warp
         static_assert(G == NB, "the whole tile's pairs before the first barrier");
@@ -368,16 +429,7 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
         return;
       }
     }
-    if constexpr (Epi::kResidual) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const int c = (j0 + g) * 8 + 2 * (lane & 3);
-        const bool okc = n0 + c < p.K;
-        ra[g] = rb[g] = RawPair{};
-        if (ok0 && okc) ra[g] = *reinterpret_cast<const RawPair*>(resp + row0 + c);
-        if (ok1 && okc) rb[g] = *reinterpret_cast<const RawPair*>(resp + row1 + c);
-      }
-    }
+    if constexpr (Epi::kResidual) load_residual_pairs<Cfg, G>(p, m0, n0, tid, j0, ra, rb);
   };
   load_residual(0);
   const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
@@ -701,7 +753,8 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
 
 // The per-tile kernel's: the whole CTA.
 template <class Cfg, class P>
-IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0, const uint8_t* res_s = nullptr) {
+IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, int n0, const uint8_t* res_s = nullptr,
+                                const ResidualPairs<Cfg>* pre = nullptr) {
   // A tile past the last row has nothing to store (uniform per CTA). The branch also ends the basic block
   // that holds the mainloop's last wgmma wait: with the accumulators' first reads in that block (the
   // identity chain has nothing else before them), ptxas 13.0 serialises every wgmma of the mainloop
@@ -712,12 +765,13 @@ IGEMM_DEVICE void epilogue_regs(const P& p, float* acc, uint8_t* smem, int m0, i
                                               CtaSync{}, const_cast<uint8_t*>(res_s));
   else
     epilogue_regs_by<Cfg, Cfg::kThreads>(p, acc, smem, regs_channel_vectors<Cfg::BN>(), threadIdx.x, m0, n0,
-                                         CtaSync{}, res_s);
+                                         CtaSync{}, res_s, pre);
 }
 
 template <class Cfg, class P>
-IGEMM_DEVICE void finish_tile(const P& p, float* acc, uint8_t* smem, int m0, int n0, const uint8_t* res_s = nullptr) {
-  if constexpr (Cfg::kRegsStore) epilogue_regs<Cfg>(p, acc, smem, m0, n0, res_s);
+IGEMM_DEVICE void finish_tile(const P& p, float* acc, uint8_t* smem, int m0, int n0, const uint8_t* res_s = nullptr,
+                              const ResidualPairs<Cfg>* pre = nullptr) {
+  if constexpr (Cfg::kRegsStore) epilogue_regs<Cfg>(p, acc, smem, m0, n0, res_s, pre);
   else acc_to_cs<Cfg>(acc, smem);
 }
 

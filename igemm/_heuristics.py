@@ -139,6 +139,13 @@ class KernelSpec:
         res16 = any(f.startswith("igemm::epi::AddResidual<cutlass::") for f in self.epilogue)
         return res16 and (self.store == "regs" and self.bn <= 128 or self.store == "regsnchw" and self.vec_o >= 4)
 
+    @property
+    def residual_preloaded(self) -> bool:
+        """Whether the patch kernel loads a 16-bit residual into registers at the tile's start
+        (csrc/conv2d_sm90.cuh: kPreloadResidual): the NHWC register epilogue, BN <= 128."""
+        res16 = any(f.startswith("igemm::epi::AddResidual<cutlass::") for f in self.epilogue)
+        return res16 and self.load_a == "patch" and self.store == "regs" and self.bn <= 128
+
     def launch_smem(self, kt: int) -> int:
         """Dynamic shared memory for a launch whose CTAs run ``kt`` k-tiles each: the TMA mainloop lays its
         stages out one after another and touches only the first ``min(kt, stages)``, so a short reduction
@@ -611,6 +618,9 @@ def patch_config(pb: ConvProblem, sms: int = 132, **kw) -> KernelSpec:
     store, vec_o, fuse = store_for(pb, "wgmma", spec.bn, 1, regs=kw.get("store", "regs") == "regs")
     spec = dataclasses.replace(spec, wm=spec.bm // 64, store=store, vec_o=vec_o, fuse_mask=fuse,
                                patch_bytes=patch_bytes(pb, spec.bm))
+    if "bm" not in kw and spec.residual_preloaded and spec.patch_bytes - 16 > PATCH_MAX_BYTES:
+        # (the preloaded residual's kernel packs patch offsets in 16 bits; 64-row patches fit: patch_unsupported)
+        spec = dataclasses.replace(spec, bm=64, wm=1, patch_bytes=patch_bytes(pb, 64))
     return dataclasses.replace(spec, min_blocks=kw.get("min_blocks", min_blocks_for(spec)))
 
 
@@ -621,6 +631,12 @@ def min_blocks_for(spec: KernelSpec) -> int:
     conv 33.0 -> 30.0 us, +BN+Add+ReLU+mask 83.4 -> 69.4 us; no change on the layers where smem caps it."""
     if spec.persistent:
         return spec.ctas
+    if spec.residual_preloaded:
+        # the patch kernel holds the tile's residual pairs in registers from the tile's start: capped so that
+        # as many CTAs as shared memory holds (at most 3) keep their registers. conv1 7x7/2 NHWC, 128x64 tiles,
+        # H200: 96 registers a thread uncapped, 2 CTAs an SM, conv+BN+Add+ReLU+mask 94.8 us; capped, 3 CTAs,
+        # 89.0 us (the residual loaded in the epilogue: 92.1)
+        return max(1, min(3, SMEM_PER_SM // (spec.smem + spec.static_smem + 1024)))
     if spec.math != "wgmma" or spec.bm != 64:
         return 1
     if spec.bn <= 128 and 4 * (spec.smem + spec.static_smem) <= SMEM_LIMIT:
@@ -759,6 +775,8 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     elif spec.load_a == "patch" and (spec.math != "wgmma" or spec.load_b != "vec" or spec.splits != 1
                                      or spec.stages < -(-pb.Kred // spec.bk) or spec.patch_bytes < patch_bytes(pb, spec.bm)):
         why = "the patch kernel: per-tile wgmma, gathered filter, no split-K, stages >= k-tiles, its patch's smem"
+    elif spec.residual_preloaded and spec.patch_bytes - 16 > PATCH_MAX_BYTES:
+        why = "the patch kernel with a preloaded residual packs patch offsets in 16 bits: a patch of at most 64 KB"
     elif spec.load_a == "vec" and not (pb.layout == "NHWC" and pb.C % ce == 0):
         why = f"16-byte activation loads need NHWC and C % {ce} == 0"
     elif spec.load_b == "vec" and pb.Kred % ce:
@@ -771,6 +789,9 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "store mode does not match the tile"
     elif spec.store not in REGS_STORES and spec.fuse_mask and not _store(pb, spec.bn)[2]:
         why = "the mask cannot be fused for this shape"
+    elif (spec.residual_staged and spec.math == "wgmma" and spec.load_b == "tma" and not spec.streamk
+          and spec.bm * spec.bn * 2 > (spec.bm + spec.bn) * spec.bk * eb):
+        why = "the TMA mainloop stages the 16-bit residual tile (BM x BN) in one of its stages: it must fit one"
     elif spec.smem + spec.static_smem > SMEM_LIMIT:
         why = f"{spec.smem} bytes of shared memory"
     elif spec.splits < 1 or spec.splits > -(-pb.Kred // spec.bk):

@@ -7,7 +7,7 @@ import pytest
 
 import igemm
 from igemm import _build, reference
-from igemm._heuristics import ConvProblem, choose_config, validate_spec
+from igemm._heuristics import ConvProblem, candidates, choose_config, validate_spec
 from igemm.conv2d import Conv2dPlan, _override, _stub
 
 from helpers import TOL, poison, rel_err, to_numpy, to_torch
@@ -264,6 +264,17 @@ def test_launch_smem_and_residual_staging(monkeypatch):
     assert (nchw14.store, nchw14.vec_o, nchw14.residual_staged) == ("regsnchw", 4, True)
     nchw30 = choose_config(_pb(layout="NCHW", H=6, W=5, epilogue=one, residual_dtype="float16"))
     assert (nchw30.store, nchw30.vec_o, nchw30.residual_staged) == ("regsnchw", 2, False)
+    # the staged tile must fit one stage (csrc: static_assert): 256x128 and 128x256 tiles are refused, and
+    # are not autotuning candidates (they failed to compile there)
+    pb = _pb(H=28, W=28, C=128, K=128, epilogue=one, residual_dtype="float16")
+    for layout in ("NHWC", "NCHW"):
+        pbl = dataclasses.replace(pb, layout=layout)
+        big = [s for s in candidates(pbl) if s.residual_staged and s.load_b == "tma" and s.bm * s.bn >= 256 * 128]
+        assert big == [], [s.name() for s in big]
+    tall = dataclasses.replace(choose_config(pb), bm=256, wm=4, bn=128, stages=3)
+    assert tall.residual_staged
+    with pytest.raises(NotImplementedError, match="residual tile"):
+        validate_spec(tall, pb)
 
 
 def test_tma_choice_and_limits(monkeypatch):
@@ -588,6 +599,38 @@ def _patch_a_tiles(x: np.ndarray, pb, bm: int) -> np.ndarray:
                     assert idx + 9 <= patch.size                  # the fifth 4-byte load stays inside
                     A[m, kk0:kk0 + keep] = patch[idx:idx + keep]
     return A
+
+
+def test_patch_residual_preload_rules():
+    """The patch kernel preloads a 16-bit residual into registers (KernelSpec.residual_preloaded: the NHWC
+    register epilogue, BN <= 128) with a register cap for 3 CTAs an SM where shared memory holds 3, and packs
+    its patch offsets in 16 bits: a bigger patch falls back to 64-row tiles, and a hand-made spec is refused."""
+    from igemm._heuristics import PATCH_MAX_BYTES, kernel_setup, patch_config
+    add = (("BatchNorm",), ("Add",), ("ReLU", True))
+
+    def spec(layout="NHWC", ep=add, rdt=None, N=32, H=224, W=224, R=7, **kw):
+        pb = _pb(N=N, C=3, H=H, W=W, K=64, R=R, S=R, stride=(2, 2), padding=(R // 2, R // 2), layout=layout,
+                 epilogue=ep, residual_dtype=rdt)
+        path, kp = kernel_setup(pb, arch="sm_90a")
+        assert path == "patch"
+        return patch_config(kp, **kw), kp
+
+    c, _ = spec()
+    assert (c.bm, c.bn, c.store, c.residual_preloaded, c.min_blocks) == (128, 64, "regs", True, 3)
+    assert 3 * (c.smem + c.static_smem + 1024) <= 228 * 1024
+    b, _ = spec(ep=(("BatchNorm",), ("ReLU", True)))
+    assert (b.residual_preloaded, b.min_blocks) == (False, 1)
+    assert not spec(layout="NCHW")[0].residual_preloaded               # the NCHW register epilogue stages it
+    assert not spec(rdt="float32")[0].residual_preloaded               # an fp32 residual: 2 registers a pair
+    # 11x11/2 over 4-pixel output lines: a 128-row tile's patch holds 33 lines (91 KB), a 64-row tile's 17
+    big, kp = spec(N=64, H=400, W=8, R=11)
+    assert big.residual_preloaded and big.bm == 64 and big.patch_bytes - 16 <= PATCH_MAX_BYTES
+    tall = patch_config(kp, bm=128)
+    assert tall.patch_bytes - 16 > PATCH_MAX_BYTES
+    with pytest.raises(NotImplementedError, match="16 bits"):
+        validate_spec(tall, kp)
+    relu = dataclasses.replace(kp, epilogue=(("ReLU", False),))      # no residual: the 128-row tile is fine
+    assert patch_config(relu).bm == 128 and validate_spec(patch_config(relu), relu)
 
 
 def test_patch_loader_index_math(rng):
@@ -1778,6 +1821,33 @@ def test_gpu_patch(dtype, rng):
         assert torch.equal(m, igemm.relu_mask(y))
         ym, mm = fused(xm, w, residual=res)
         assert torch.equal(ym, y) and torch.equal(mm, m), f"fused, misaligned x {xs}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_patch_residual_preloaded(dtype, rng):
+    """The patch kernel's residual loaded into registers at the tile's start (KernelSpec.residual_preloaded)
+    on 128-row tiles (two warpgroups: enough tiles for two waves), BN = 64 under the 3-CTA register cap and
+    BN = 128, a row tail and a K tail; BN+Add+ReLU(mask) against the float64 reference, y and mask poisoned."""
+    torch = pytest.importorskip("torch")
+    from igemm import epilogues as ep
+    for xs, ws in [((2, 200, 200, 3), (64, 7, 7, 3)), ((3, 150, 152, 3), (120, 7, 7, 3))]:
+        x = to_torch(rng.standard_normal(xs), dtype)
+        w = to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), dtype)
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), 2, 3, 1, "NHWC")
+        (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], "NHWC", dtype)
+        fused = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", 2, 3,
+                           epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+        s = fused.spec()
+        assert (s.load_a, s.bm, s.bn, s.residual_preloaded) == ("patch", 128, 64 if ws[0] <= 64 else 128, True), s
+        assert ref.shape[0] * ref.shape[1] * ref.shape[2] % 128 and (s.min_blocks == 3 or s.bn == 128)
+        mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
+        y, m = fused(x, w, residual=res, mask_out=mo, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
+        assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= TOL[dtype], f"{xs} {ws}"
+        assert torch.equal(m, igemm.relu_mask(y))
+        big = np.abs(pre) > 0.05                              # away from the rounding boundary: the exact bit
+        bits = np.unpackbits(to_numpy(m).view(np.uint8), bitorder="little")[:pre.size].reshape(pre.shape)
+        assert np.array_equal(bits[big], (pre > 0)[big])
 
 
 @pytest.mark.gpu

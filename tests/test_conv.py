@@ -720,6 +720,10 @@ COMPILE_CASES = [
     ("fp16 NHWC cluster k-split BN+Add+ReLU", _pb(N=8, C=512, K=512, H=7, W=7,
                                                   epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
                                                   residual_dtype="float16")),
+    # the per-tile TMA kernel that may stage its residual at the tile's start (3x3 256->256 @14, 128x128 s4)
+    ("fp16 NHWC 3x3 256 @14 BN+Add+ReLU", _pb(C=256, K=256, H=14, W=14,
+                                               epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
+                                               residual_dtype="float16")),
 ]
 
 

@@ -1,0 +1,67 @@
+"""Time one ResNet-50 layer's chains (a) conv, (b) +BN+ReLU(mask), (c) +BN+Add+ReLU(mask) under several
+kernel configs (dicts of KernelSpec fields, as Conv2dPlan's ``config``), timed like bench_epilogues (CUDA
+graphs, inputs rotated past L2, two alternating outputs):
+
+    python tools/probes/cfg_probe.py IDX LAYOUT '[null, {"stages": 2}, ...]' [reps]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+
+def main():
+    import torch
+    import _harness
+    import igemm
+    from igemm import epilogues as ep
+    from bench_conv import RESNET50, make_inputs
+    idx, layout, cfgs = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    passes = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    bench = _harness.Bench("cfg_probe", argparse.Namespace(quick=True, reps=20, warmup=3, out="/tmp/cfg_probe"))
+    name, C, K, H, R, st, pd = RESNET50[idx]
+    N = 32
+    P = (H + 2 * pd - R) // st + 1
+    xs, w = make_inputs(torch, N, C, K, H, R, "float16", layout, (N * C * H * H + 2 * N * K * P * P) * 2)
+    g, b, m, v = (torch.rand(K, device="cuda") + 0.5 for _ in range(4))
+    yshape = (N, K, P, P) if layout == "NCHW" else (N, P, P, K)
+    res = [torch.randn(yshape, device="cuda", dtype=torch.float16) for _ in range(len(xs))]
+    outs = [torch.empty(yshape, device="cuda", dtype=torch.float16) for _ in range(2)]
+    words = (N * K * P * P + 31) // 32
+    masks = [torch.empty(words, device="cuda", dtype=torch.int32) for _ in range(2)]
+    chains = {"a": None, "b": ep.chain(ep.BatchNorm(g, b, m, v), ep.ReLU(mask=True)),
+              "c": ep.chain(ep.BatchNorm(g, b, m, v), ep.Add(), ep.ReLU(mask=True))}
+    print(f"{name} {layout} N={N}", flush=True)
+    ref = {}
+    for p_ in range(passes):
+        for cfg in cfgs:
+            row = []
+            for ch, chain in chains.items():
+                try:
+                    plan = igemm.Conv2dPlan(xs[0].shape, w.shape, "float16", layout, st, pd, epilogue=chain, config=cfg)
+                    if ch == "a":
+                        f = lambda i: plan(xs[i], w, out=outs[i % 2])
+                    elif ch == "b":
+                        f = lambda i: plan(xs[i], w, out=outs[i % 2], mask_out=masks[i % 2])
+                    else:
+                        f = lambda i: plan(xs[i], w, residual=res[i], out=outs[i % 2], mask_out=masks[i % 2])
+                    t = bench.time(f, len(xs))
+                    f(0)
+                    y = outs[0].float()
+                    key = ch
+                    if key not in ref:
+                        ref[key] = y.clone()
+                    err = ((y - ref[key]).abs().max() / ref[key].abs().max()).item()
+                    row.append(f"{ch} {t * 1e6:6.1f}{'' if err < 1e-2 else ' ERR%.2g' % err}")
+                except Exception as e:
+                    row.append(f"{ch} {type(e).__name__}: {str(e)[:80]}")
+            spec = plan.spec().name().replace("conv_float16_", "") if "plan" in dir() else "?"
+            print(f"  {json.dumps(cfg):45s} {' | '.join(row)}   [{spec}]", flush=True)
+
+
+if __name__ == "__main__":
+    main()

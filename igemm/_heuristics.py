@@ -575,14 +575,24 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             persistent = tiles <= sms
     ctas = 1
     if (math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 128 and splits == 1 and kt == 1
-            and epilogue_functors(pb) and pb.residual_dtype is None and tiles >= 12 * sms):
-        # One k-tile a tile (a 1x1 conv over 64 channels), many waves, and a chain to run on each: the
-        # persistent kernel with one consumer, 2 stages and 3 CTAs an SM, so that each CTA's producer loads its
-        # next tile while its consumer runs the chain (the per-tile kernel's CTAs wait for their single load,
-        # then run the epilogue with no load in flight). tools/epi_probe.py ws, H100, N=32, fp16, us: 1x1
-        # 64->256 @56 conv+BN+ReLU+mask NHWC 27.4-27.5 vs the per-tile 64x128's 29.1-30.3, NCHW 31.1-32.3 vs
-        # 35.1-36.7. Not taken: the conv alone (25.3 vs 24.8-25.0), with a residual (NHWC 47.1-48.3 vs
-        # 44.5-44.8), 8 k-tiles (1x1/2 512->1024: 20.6 vs 19.0), 64x64 tiles with 4 CTAs (29.7 NHWC).
+            and pb.residual_dtype is None and tiles >= 5 * sms and (epilogue_functors(pb) or tiles < 12 * sms)):
+        # One k-tile a tile (a 1x1 conv over 64 channels) and several waves: the persistent kernel with one
+        # consumer, 2 stages and 3 CTAs an SM, so that each CTA's producer loads its next tile while its
+        # consumer stores the last (the per-tile kernel's CTAs wait for their single load, then run the
+        # epilogue with no load in flight). tools/epi_probe.py ws, H100, N=32, fp16, us: 1x1 64->256 @56
+        # conv+BN+ReLU+mask NHWC 27.4-27.5 vs the per-tile 64x128's 29.1-30.3, NCHW 31.1-32.3 vs 35.1-36.7.
+        # Down to 5 tiles an SM (session 23, tools/probes/cfg_probe.py, us, per-tile -> persistent,
+        # conv+BN+ReLU+mask NHWC / NCHW): H100 N=16 17.1 -> 13.7, 20.7 -> 15.7; N=12 13.1 -> 10.9, 15.6 -> 12.9;
+        # N=8 (784 tiles) 10.2 -> 8.6, 11.9 -> 9.7; H200 N=16 15.5 -> 13.0, 19.3 -> 14.7; N=8 9.4 -> 8.0,
+        # 11.1 -> 8.9. Not at N=4 (392 tiles, one a CTA; H200 conv alone 4.4-4.5 -> 4.6) or N=2.
+        # The conv alone too, below 12 tiles an SM: H100 N=16 13.4 -> 12.7-12.8, 13.9-14.0 -> 12.3-12.4; N=12
+        # 10.6 -> 9.4, 11.0 -> 9.6; N=8 7.8-7.9 -> 7.1, 8.0 -> 7.0; H200 N=16 12.3 -> 10.3, 12.6 -> 10.3; N=8
+        # 7.1 -> 6.4, 7.3 -> 6.1. From N=32 (3136 tiles) it splits by card: H200 22.3 -> 20.1-20.3 (NHWC),
+        # 23.0-23.1 -> 20.0-20.4 (NCHW); H100 24.6-24.7 -> 25.6-26.0, 25.5-25.7 -> 26.5-26.9: the per-tile kernel
+        # stays (no card loses).
+        # Not taken: with a residual (NHWC 47.1-48.3 vs 44.5-44.8 on the H100; H200, session 23, with the
+        # residual staged in the compact C tile at 3 CTAs: 38.5-38.8 vs 36.9-37.0), 8 k-tiles (1x1/2
+        # 512->1024: 20.6 vs 19.0), 64x64 tiles with 4 CTAs (29.7 NHWC).
         persistent, ctas = True, 3
     csplit = 1
     if persistent:

@@ -1138,10 +1138,11 @@ def test_gpu_cluster_ksplit(dtype, layout, sms, rng, monkeypatch):
 
 
 def test_persistent_several_ctas_an_sm():
-    """The one k-tile 1x1 layers with a chain (no residual) and many waves take the persistent kernel with one
-    consumer, 2 stages and 3 CTAs an SM (launch bounds and grid to match); the conv alone, a residual, fewer
-    tiles or a deeper reduction keep the per-tile kernel. Several CTAs fit the SM's shared memory, and the
-    spec refuses more than fit, or several CTAs on another kernel."""
+    """The one k-tile 1x1 layers without a residual and with several waves (at least 5 tiles an SM) take the
+    persistent kernel with one consumer, 2 stages and 3 CTAs an SM (launch bounds and grid to match) with a
+    chain, and without one below 12 tiles an SM; a residual, fewer tiles or a deeper reduction keep the per-tile
+    kernel. Several CTAs fit the SM's shared memory, and the spec refuses more than fit, or several CTAs on
+    another kernel."""
     from igemm._heuristics import SMEM_PER_SM, candidates, max_ctas
     bnrm = (("BatchNorm",), ("ReLU", True))
     for layout in LAYOUTS:
@@ -1155,11 +1156,14 @@ def test_persistent_several_ctas_an_sm():
         assert not validate_spec(dataclasses.replace(sp, ctas=4), pb, raise_=False)          # does not fit
         two = dataclasses.replace(sp, wm=2, ctas=1, min_blocks=1)      # two consumers: NHWC only (MN-major A: one)
         assert validate_spec(two, pb, raise_=False) == (layout == "NHWC"), two.name()
-        for kw in (dict(epilogue=()), dict(epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
-                                            residual_dtype="float16"),
-                   dict(N=8), dict(C=128)):
-            other = choose_config(_pb(**{**dict(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0),
-                                                 layout=layout, epilogue=bnrm), **kw}))
+        base = dict(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0), layout=layout, epilogue=bnrm)
+        for kw in (dict(N=8), dict(N=8, epilogue=()), dict(N=16, epilogue=())):      # 784 and 1568 tiles
+            same = choose_config(_pb(**{**base, **kw}))
+            assert (same.math, same.ctas, same.min_blocks) == ("wgmma_ws", 3, 3), (kw, same.name())
+        for kw in (dict(epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)), residual_dtype="float16"),
+                   dict(N=4), dict(N=4, epilogue=()), dict(C=128), dict(epilogue=())):   # (the conv alone
+            # at 3136 tiles: faster on an H200, slower on an H100)
+            other = choose_config(_pb(**{**base, **kw}))
             assert other.ctas == 1 and other.math == "wgmma", (kw, other.name())
         alts = [c for c in candidates(pb) if c.ctas > 1]
         assert alts and all(validate_spec(c, pb) and c.ctas == max_ctas(c) for c in alts)

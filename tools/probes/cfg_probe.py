@@ -2,7 +2,7 @@
 kernel configs (dicts of KernelSpec fields, as Conv2dPlan's ``config``), timed like bench_epilogues (CUDA
 graphs, inputs rotated past L2, two alternating outputs):
 
-    python tools/probes/cfg_probe.py IDX LAYOUT '[null, {"stages": 2}, ...]' [reps]
+    python tools/probes/cfg_probe.py IDX LAYOUT '[null, {"stages": 2}, ...]' [passes] [N]
 """
 import argparse
 import json
@@ -24,7 +24,7 @@ def main():
     passes = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     bench = _harness.Bench("cfg_probe", argparse.Namespace(quick=True, reps=20, warmup=3, out="/tmp/cfg_probe"))
     name, C, K, H, R, st, pd = RESNET50[idx]
-    N = 32
+    N = int(sys.argv[5]) if len(sys.argv) > 5 else 32
     P = (H + 2 * pd - R) // st + 1
     xs, w = make_inputs(torch, N, C, K, H, R, "float16", layout, (N * C * H * H + 2 * N * K * P * P) * 2)
     g, b, m, v = (torch.rand(K, device="cuda") + 0.5 for _ in range(4))

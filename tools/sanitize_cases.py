@@ -209,6 +209,15 @@ CONV = {
                                                   (256, 64, 1, 1), chain="bn_relu_mask",
                                                   config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
                                                           "bn": 128, "stages": 2, "ctas": 3}),
+    # the conv alone on it (the default for one k-tile 1x1 convs at 5-12 tiles an SM)
+    "persistent_ctas_nhwc_plain": lambda: _conv("persistent 3 CTAs conv alone", "bfloat16", "NHWC", (2, 16, 16, 64),
+                                                (600, 1, 1, 64), config={"math": "wgmma_ws", "bm": 64, "wm": 1,
+                                                                         "splits": 1, "bn": 128, "stages": 2,
+                                                                         "ctas": 3}),
+    "persistent_ctas_nchw_mn_plain": lambda: _conv("persistent 3 CTAs NCHW conv alone", "float16", "NCHW",
+                                                   (2, 64, 16, 16), (256, 64, 1, 1),
+                                                   config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
+                                                           "bn": 128, "stages": 2, "ctas": 3}),
     "tma_deep_residual_prefetch": lambda: _conv("TMA residual prefetch", "float16", "NHWC", (2, 9, 9, 128),
                                                 (64, 3, 3, 128), padding=1, chain="bn_add_relu"),
     # the width unfold (conv1's default for 16-bit): the unfold kernel, then the conv on its copies

@@ -2,7 +2,7 @@
 kernel configs (dicts of KernelSpec fields, as Conv2dPlan's ``config``), timed like bench_epilogues (CUDA
 graphs, inputs rotated past L2, two alternating outputs):
 
-    python tools/probes/cfg_probe.py IDX LAYOUT '[null, {"stages": 2}, ...]' [passes] [N]
+    python tools/probes/cfg_probe.py IDX|C,K,H,R,STRIDE,PAD LAYOUT '[null, {"stages": 2}, ...]' [passes] [N]
 """
 import argparse
 import json
@@ -20,10 +20,14 @@ def main():
     import igemm
     from igemm import epilogues as ep
     from bench_conv import RESNET50, make_inputs
-    idx, layout, cfgs = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    layout, cfgs = sys.argv[2], json.loads(sys.argv[3])
     passes = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     bench = _harness.Bench("cfg_probe", argparse.Namespace(quick=True, reps=20, warmup=3, out="/tmp/cfg_probe"))
-    name, C, K, H, R, st, pd = RESNET50[idx]
+    if "," in sys.argv[1]:                  # a layer of its own: C,K,H,R,stride,pad
+        C, K, H, R, st, pd = (int(v) for v in sys.argv[1].split(","))
+        name = f"{R}x{R}/{st} {C}->{K} @{H}"
+    else:
+        name, C, K, H, R, st, pd = RESNET50[int(sys.argv[1])]
     N = int(sys.argv[5]) if len(sys.argv) > 5 else 32
     P = (H + 2 * pd - R) // st + 1
     xs, w = make_inputs(torch, N, C, K, H, R, "float16", layout, (N * C * H * H + 2 * N * K * P * P) * 2)

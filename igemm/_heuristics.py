@@ -574,8 +574,9 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
                 bn, tiles = 128, t128
             persistent = tiles <= sms
     ctas = 1
-    if (math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 128 and splits == 1 and kt == 1
-            and pb.residual_dtype is None and tiles >= 5 * sms and (epilogue_functors(pb) or tiles < 12 * sms)):
+    short = math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 128 and splits == 1 \
+        and kt <= 2 and tiles >= 5 * sms
+    if short and pb.residual_dtype is None and (epilogue_functors(pb) or tiles < 12 * sms):
         # One k-tile a tile (a 1x1 conv over 64 channels) and several waves: the persistent kernel with one
         # consumer, 2 stages and 3 CTAs an SM, so that each CTA's producer loads its next tile while its
         # consumer stores the last (the per-tile kernel's CTAs wait for their single load, then run the
@@ -590,17 +591,29 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # 7.1 -> 6.4, 7.3 -> 6.1. From N=32 (3136 tiles) it splits by card: H200 22.3 -> 20.1-20.3 (NHWC),
         # 23.0-23.1 -> 20.0-20.4 (NCHW); H100 24.6-24.7 -> 25.6-26.0, 25.5-25.7 -> 26.5-26.9: the per-tile kernel
         # stays (no card loses).
+        # Two k-tiles too (1x1 128->512 @28, same probe, us, per-tile -> persistent, conv / +BN+ReLU(mask)): H100
+        # N=32 (1568 tiles) 16.2 -> 13.8 / 19.8 -> 15.3, NCHW 21.6 -> 19.4 / 27.7 -> 24.1; N=16 9.3 -> 7.8 / 11.5
+        # -> 9.5; H200 N=32 14.6-14.7 -> 12.0 / 18.0 -> 15.0, NCHW 19.0 -> 17.5 / 25.1 -> 22.6; N=16 8.6 -> 7.4 /
+        # 10.6 -> 9.2; not at N=8 (392 tiles: 5.0 -> 5.3 / 6.3 -> 6.2 on the H100).
         # Not taken: with a residual (NHWC 47.1-48.3 vs 44.5-44.8 on the H100; H200, session 23, with the
-        # residual staged in the compact C tile at 3 CTAs: 38.5-38.8 vs 36.9-37.0), 8 k-tiles (1x1/2
-        # 512->1024: 20.6 vs 19.0), 64x64 tiles with 4 CTAs (29.7 NHWC).
+        # residual staged in the compact C tile at 3 CTAs: 38.5-38.8 vs 36.9-37.0; two k-tiles: below), 8
+        # k-tiles (1x1/2 512->1024: 20.6 vs 19.0), 64x64 tiles with 4 CTAs (29.7 NHWC).
         persistent, ctas = True, 3
+    elif (short and kt == 2 and pb.residual_dtype in ("float16", "bfloat16") and pb.layout == "NHWC"
+          and pb.out_layout in (None, "NHWC")):
+        # Two k-tiles with a 16-bit residual, NHWC: the persistent kernel at 2 CTAs an SM with 3 stages (its fp32 C
+        # tile holds the staged residual). 1x1 128->512 @28 conv+BN+Add+ReLU(mask), us, per-tile -> persistent:
+        # H100 N=32 30.5 -> 27.7, N=16 18.1 -> 15.6; H200 N=32 27.2 -> 24.8, N=16 16.6 -> 14.0. Not NCHW (H100
+        # 36.7 -> 36.1, H200 31.5 -> 32.1), not one k-tile (session 20: 3-4 us slower on 1x1 64->256).
+        persistent, ctas = True, 2
     csplit = 1
     if persistent:
         # one consumer with a deep ring where the tiles are at most one per SM (N=8 3x3 512->512 @7: s8
         # 14.5 us vs two consumers, s4, 15.4; 64x128 tiles take 6 stages: 7 would not fit beside the C
         # tile), else two consumers taking turns over the tiles (or one with 2 stages, ctas CTAs an SM)
         math, splits = "wgmma_ws", 1
-        wm, stages = (1, 2) if ctas > 1 else (1, one_consumer_stages(bn)) if tiles <= sms else (2, 4)
+        wm, stages = (1, 2 if ctas == 3 else 3) if ctas > 1 else (1, one_consumer_stages(bn)) if tiles <= sms \
+            else (2, 4)
         if wm == 1 and bn == 64 and 2 * tiles <= sms and kt >= 32:
             # at most half a wave of tiles with a deep reduction: the cluster k-split (two CTAs a tile, the
             # partial sums handed over in distributed shared memory; tools/probes/stage_probe.py, H100,

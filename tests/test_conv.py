@@ -1138,12 +1138,12 @@ def test_gpu_cluster_ksplit(dtype, layout, sms, rng, monkeypatch):
 
 
 def test_persistent_several_ctas_an_sm():
-    """The one k-tile 1x1 layers without a residual and with several waves (at least 5 tiles an SM) take the
-    persistent kernel with one consumer, 2 stages and 3 CTAs an SM (launch bounds and grid to match) with a
-    chain, and without one below 12 tiles an SM; a residual, fewer tiles or a deeper reduction keep the per-tile
-    kernel. Several CTAs fit the SM's shared memory, and the spec refuses more than fit, or several CTAs on
-    another kernel."""
-    from igemm._heuristics import SMEM_PER_SM, candidates, max_ctas
+    """The 1x1 layers of one or two k-tiles without a residual and with several waves (at least 5 tiles an SM)
+    take the persistent kernel with one consumer, 2 stages and 3 CTAs an SM (launch bounds and grid to match)
+    with a chain, and without one below 12 tiles an SM; with two k-tiles and a 16-bit residual (NHWC), 2 CTAs and
+    3 stages; a residual on one k-tile, fewer tiles or a deeper reduction keep the per-tile kernel. Several CTAs
+    fit the SM's shared memory, and the spec refuses more than fit, or several CTAs on another kernel."""
+    from igemm._heuristics import SMEM_PER_SM, candidates, kernel_setup, max_ctas
     bnrm = (("BatchNorm",), ("ReLU", True))
     for layout in LAYOUTS:
         pb = _pb(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0), layout=layout, epilogue=bnrm)
@@ -1157,11 +1157,22 @@ def test_persistent_several_ctas_an_sm():
         two = dataclasses.replace(sp, wm=2, ctas=1, min_blocks=1)      # two consumers: NHWC only (MN-major A: one)
         assert validate_spec(two, pb, raise_=False) == (layout == "NHWC"), two.name()
         base = dict(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0), layout=layout, epilogue=bnrm)
-        for kw in (dict(N=8), dict(N=8, epilogue=()), dict(N=16, epilogue=())):      # 784 and 1568 tiles
-            same = choose_config(_pb(**{**base, **kw}))
-            assert (same.math, same.ctas, same.min_blocks) == ("wgmma_ws", 3, 3), (kw, same.name())
+        for kw in (dict(N=8), dict(N=8, epilogue=()), dict(N=16, epilogue=()),      # 784 and 1568 tiles
+                   dict(C=128, K=512, H=28, W=28), dict(C=128, K=512, H=28, W=28, epilogue=())):   # 2 k-tiles
+            same = choose_config(kernel_setup(_pb(**{**base, **kw}), arch="sm_90a")[1])   # (NCHW @28: the transpose path)
+            assert (same.math, same.ctas, same.min_blocks, same.stages) == ("wgmma_ws", 3, 3, 2), (kw, same.name())
+        # two k-tiles with a 16-bit residual, NHWC: 2 CTAs an SM, 3 stages (the fp32 C tile holds the residual)
+        two = choose_config(kernel_setup(_pb(**{**base, "C": 128, "K": 512, "H": 28, "W": 28,
+                                                "epilogue": (("BatchNorm",), ("Add",), ("ReLU", True)),
+                                                "residual_dtype": "bfloat16"}), arch="sm_90a")[1])
+        if layout == "NHWC":
+            assert (two.math, two.ctas, two.min_blocks, two.stages, two.residual_staged) == \
+                ("wgmma_ws", 2, 2, 3, True), two.name()
+            assert 2 * (two.smem + two.static_smem + 1024) <= SMEM_PER_SM
+        else:
+            assert two.math == "wgmma" and two.ctas == 1, two.name()
         for kw in (dict(epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)), residual_dtype="float16"),
-                   dict(N=4), dict(N=4, epilogue=()), dict(C=128), dict(epilogue=())):   # (the conv alone
+                   dict(N=4), dict(N=4, epilogue=()), dict(C=256), dict(epilogue=())):   # (the conv alone
             # at 3136 tiles: faster on an H200, slower on an H100)
             other = choose_config(_pb(**{**base, **kw}))
             assert other.ctas == 1 and other.math == "wgmma", (kw, other.name())

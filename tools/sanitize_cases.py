@@ -93,6 +93,7 @@ def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precisio
     res = dev(randn(*pre.shape), residual_dtype or dtype)
     ops = {"none": [], "bn_relu_mask": [ep.BatchNorm(*V), ep.ReLU(mask=True)],
            "bn_add_relu": [ep.BatchNorm(*V), ep.Add(res), ep.ReLU()],
+           "bn_add_relu_mask": [ep.BatchNorm(*V), ep.Add(res), ep.ReLU(mask=True)],
            "bias_relu": [ep.Bias(V[1]), ep.ReLU()], "prelu_channel": [ep.PReLU(V[0] - 1.0)],
            "add_relu_mask": [ep.Add(res), ep.ReLU(mask=True)]}[chain or "none"]
     c = ep.chain(*ops)
@@ -218,6 +219,11 @@ CONV = {
                                                    (2, 64, 16, 16), (256, 64, 1, 1),
                                                    config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
                                                            "bn": 128, "stages": 2, "ctas": 3}),
+    # two k-tiles with a residual: 2 CTAs an SM, 3 stages, the residual staged in the fp32 C tile's upper half
+    "persistent_ctas2_nhwc_residual": lambda: _conv("persistent 2 CTAs residual", "float16", "NHWC", (2, 16, 16, 128),
+                                                    (200, 1, 1, 128), chain="bn_add_relu_mask",
+                                                    config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
+                                                            "bn": 128, "stages": 3, "ctas": 2}),
     "tma_deep_residual_prefetch": lambda: _conv("TMA residual prefetch", "float16", "NHWC", (2, 9, 9, 128),
                                                 (64, 3, 3, 128), padding=1, chain="bn_add_relu"),
     # the width unfold (conv1's default for 16-bit): the unfold kernel, then the conv on its copies

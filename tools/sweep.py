@@ -1,6 +1,7 @@
 """Time every kernel candidate on the ResNet-50 benchmark layers (to tune ``choose_config``).
 
     python tools/sweep.py --out DIR [--configs fp16-NHWC,fp16-NCHW] [--compile-only] [--jobs 16]
+        [--layers 0,2 | --shapes 'C,K,H,R,stride,pad;...'] [--epilogue none|bn_relu_mask|bn_add_relu_mask]
 
 Compiles all candidates in parallel first (or only that, with --compile-only, to fill a cache that can
 travel), then times each with CUDA graphs (benchmarks/_harness.py) and prints, per layer, the default
@@ -29,6 +30,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--epilogue", default="none", choices=["none", "bn_relu_mask", "bn_add_relu_mask"])
     ap.add_argument("--layers", default="", help="comma-separated layer indices (default: all)")
+    ap.add_argument("--shapes", default="", help="layers of their own instead: 'C,K,H,R,stride,pad;...'")
     args = ap.parse_args(argv)
     from bench_conv import CONFIGS, RESNET50
 
@@ -47,6 +49,11 @@ def main(argv=None):
     for cfg in args.configs.split(","):
         dtype, layout, precision, _ = CONFIGS[cfg]
         layers = [RESNET50[int(i)] for i in args.layers.split(",")] if args.layers else RESNET50
+        if args.shapes:
+            layers = []
+            for sh in args.shapes.split(";"):
+                C, K, H, R, st, pd = (int(v) for v in sh.split(","))
+                layers.append((f"{R}x{R}/{st} {C}->{K} @{H}", C, K, H, R, st, pd))
         for name, C, K, H, R, st, pd in layers:
             pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
                              precision if dtype == "float32" else "tensorop", chain.signature(),

@@ -510,6 +510,16 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             if pb.R * pb.S > 1 and 2 * tiles >= sms:
                 bm, wm, bn = 128, 2, bn128
                 stages = 3 if tiles >= sms else 4
+            elif (pb.R * pb.S == 1 and K >= 2048 and 2 * tiles >= sms
+                  and not (pb.residual_dtype is not None and (pb.layout == "NCHW" or pb.out_layout == "NCHW"))):
+                # 1x1 with 2048 output channels (ResNet-50's 512->2048 @7 and 1024->2048 /2 @14): 64-row tiles
+                # read the 2-4 MB filter once per 64 output rows; 128-row tiles halve that (session 23,
+                # tools/sweep.py and tools/probes/cfg_probe.py, N=32, us, 64x128 s3 -> 128x128 s3, conv /
+                # +BN+ReLU(mask) / +BN+Add+ReLU(mask)): H100 NHWC 512->2048 11.0 -> 9.5 / 12.8 -> 10.5 / 15.4 ->
+                # 12.3, 1024->2048 /2 17.3 -> 15.8 / 19.1 -> 16.3 / 22.6 -> 18.2; NCHW 18.4 -> 15.9 / 21.7 -> 19.3
+                # (with a residual 26.3 -> 27.3: not taken), 30.3 -> 26.1 / 33.2 -> 29.4 (37.1 -> 37.6); H200
+                # NHWC +BN+ReLU(mask) 12.2 -> 10.1 and 18.1 -> 15.4. (1x1/2 512->1024 @28: 64x128 stays.)
+                bm, wm, bn, stages = 128, 2, 128, 3
             elif -(-M // bm) * -(-K // bn) < sms:
                 stages = 4
         elif pb.R * pb.S > 1 and K <= 64 and pb.layout == "NHWC" and pb.C % ce == 0:
@@ -575,8 +585,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             persistent = tiles <= sms
     ctas = 1
     short = math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 128 and splits == 1 \
-        and kt <= 2 and tiles >= 5 * sms
-    if short and pb.residual_dtype is None and (epilogue_functors(pb) or tiles < 12 * sms):
+        and kt <= 4 and tiles >= 5 * sms
+    if short and pb.residual_dtype is None and (epilogue_functors(pb) or kt <= 2 and tiles < 12 * sms):
         # One k-tile a tile (a 1x1 conv over 64 channels) and several waves: the persistent kernel with one
         # consumer, 2 stages and 3 CTAs an SM, so that each CTA's producer loads its next tile while its
         # consumer stores the last (the per-tile kernel's CTAs wait for their single load, then run the
@@ -594,7 +604,10 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # Two k-tiles too (1x1 128->512 @28, same probe, us, per-tile -> persistent, conv / +BN+ReLU(mask)): H100
         # N=32 (1568 tiles) 16.2 -> 13.8 / 19.8 -> 15.3, NCHW 21.6 -> 19.4 / 27.7 -> 24.1; N=16 9.3 -> 7.8 / 11.5
         # -> 9.5; H200 N=32 14.6-14.7 -> 12.0 / 18.0 -> 15.0, NCHW 19.0 -> 17.5 / 25.1 -> 22.6; N=16 8.6 -> 7.4 /
-        # 10.6 -> 9.2; not at N=8 (392 tiles: 5.0 -> 5.3 / 6.3 -> 6.2 on the H100).
+        # 10.6 -> 9.2; not at N=8 (392 tiles: 5.0 -> 5.3 / 6.3 -> 6.2 on the H100). Up to four k-tiles with a
+        # chain (+BN+ReLU(mask), N=32): 1x1 256->1024 @14 H100 14.0 -> 13.3 (NCHW 24.4 -> 23.1), H200 12.9 ->
+        # 12.0; 1x1/2 256->512 @56 H100 26.4 -> 24.3 (NCHW 50.1 -> 48.0), H200 23.3 -> 21.8; the conv alone
+        # there moves by -0.8 to +0.3 us: not taken.
         # Not taken: with a residual (NHWC 47.1-48.3 vs 44.5-44.8 on the H100; H200, session 23, with the
         # residual staged in the compact C tile at 3 CTAs: 38.5-38.8 vs 36.9-37.0; two k-tiles: below), 8
         # k-tiles (1x1/2 512->1024: 20.6 vs 19.0), 64x64 tiles with 4 CTAs (29.7 NHWC).

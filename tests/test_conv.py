@@ -240,6 +240,24 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(layout="NCHW", H=6, W=5)).vec_o == 2
 
 
+def test_wide_1x1_takes_128_row_tiles():
+    """1x1 convs with 2048 output channels and half a wave of 128-row tiles take 128x128 tiles (the filter
+    read once per 128 output rows, not 64), with or without a chain; an NCHW output with a residual keeps
+    64-row tiles, as do 1024 output channels."""
+    from igemm._heuristics import kernel_setup
+    add = (("BatchNorm",), ("Add",), ("ReLU", True))
+    for layout in LAYOUTS:
+        for kw in (dict(C=512, H=7, W=7), dict(C=1024, H=14, W=14, stride=(2, 2))):
+            for ep, rdt in (((), None), ((("BatchNorm",), ("ReLU", True)), None), (add, "float16")):
+                pb = _pb(K=2048, R=1, S=1, padding=(0, 0), layout=layout, epilogue=ep, residual_dtype=rdt, **kw)
+                s = choose_config(kernel_setup(pb, arch="sm_90a")[1])
+                want = (64, 128) if layout == "NCHW" and rdt else (128, 128)
+                assert (s.bm, s.bn) == want and s.math == "wgmma" and validate_spec(s, kernel_setup(pb, arch="sm_90a")[1]), \
+                    (layout, kw, ep, s.name())
+    narrow = choose_config(_pb(C=512, K=1024, H=28, W=28, R=1, S=1, padding=(0, 0), stride=(2, 2)))
+    assert narrow.bm == 64, narrow.name()
+
+
 def test_launch_smem_and_residual_staging(monkeypatch):
     """A TMA kernel whose reduction is shorter than its ring launches with the stages it touches, one more
     where it stages a 16-bit residual there (KernelSpec.residual_staged: NHWC register epilogue, or NCHW with
@@ -1138,11 +1156,12 @@ def test_gpu_cluster_ksplit(dtype, layout, sms, rng, monkeypatch):
 
 
 def test_persistent_several_ctas_an_sm():
-    """The 1x1 layers of one or two k-tiles without a residual and with several waves (at least 5 tiles an SM)
+    """The 1x1 layers of up to four k-tiles without a residual and with several waves (at least 5 tiles an SM)
     take the persistent kernel with one consumer, 2 stages and 3 CTAs an SM (launch bounds and grid to match)
-    with a chain, and without one below 12 tiles an SM; with two k-tiles and a 16-bit residual (NHWC), 2 CTAs and
-    3 stages; a residual on one k-tile, fewer tiles or a deeper reduction keep the per-tile kernel. Several CTAs
-    fit the SM's shared memory, and the spec refuses more than fit, or several CTAs on another kernel."""
+    with a chain, and without one at one or two k-tiles below 12 tiles an SM; with two k-tiles and a 16-bit
+    residual (NHWC), 2 CTAs and 3 stages; a residual on one k-tile, fewer tiles or a deeper reduction (8 k-tiles)
+    keep the per-tile kernel. Several CTAs fit the SM's shared memory, and the spec refuses more than fit, or
+    several CTAs on another kernel."""
     from igemm._heuristics import SMEM_PER_SM, candidates, kernel_setup, max_ctas
     bnrm = (("BatchNorm",), ("ReLU", True))
     for layout in LAYOUTS:
@@ -1161,6 +1180,12 @@ def test_persistent_several_ctas_an_sm():
                    dict(C=128, K=512, H=28, W=28), dict(C=128, K=512, H=28, W=28, epilogue=())):   # 2 k-tiles
             same = choose_config(kernel_setup(_pb(**{**base, **kw}), arch="sm_90a")[1])   # (NCHW @28: the transpose path)
             assert (same.math, same.ctas, same.min_blocks, same.stages) == ("wgmma_ws", 3, 3, 2), (kw, same.name())
+        # up to four k-tiles with a chain (1x1 256->1024 @14); the conv alone there keeps the per-tile kernel
+        four = choose_config(kernel_setup(_pb(**{**base, "C": 256, "K": 1024, "H": 14, "W": 14}), arch="sm_90a")[1])
+        assert (four.math, four.ctas) == ("wgmma_ws", 3), four.name()
+        four_a = choose_config(kernel_setup(_pb(**{**base, "C": 256, "K": 1024, "H": 14, "W": 14, "epilogue": ()}),
+                                            arch="sm_90a")[1])
+        assert (four_a.math, four_a.ctas) == ("wgmma", 1), four_a.name()
         # two k-tiles with a 16-bit residual, NHWC: 2 CTAs an SM, 3 stages (the fp32 C tile holds the residual)
         two = choose_config(kernel_setup(_pb(**{**base, "C": 128, "K": 512, "H": 28, "W": 28,
                                                 "epilogue": (("BatchNorm",), ("Add",), ("ReLU", True)),
@@ -1172,7 +1197,7 @@ def test_persistent_several_ctas_an_sm():
         else:
             assert two.math == "wgmma" and two.ctas == 1, two.name()
         for kw in (dict(epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)), residual_dtype="float16"),
-                   dict(N=4), dict(N=4, epilogue=()), dict(C=256), dict(epilogue=())):   # (the conv alone
+                   dict(N=4), dict(N=4, epilogue=()), dict(C=512), dict(epilogue=())):   # (the conv alone
             # at 3136 tiles: faster on an H200, slower on an H100)
             other = choose_config(_pb(**{**base, **kw}))
             assert other.ctas == 1 and other.math == "wgmma", (kw, other.name())

@@ -587,7 +587,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     short = math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 128 and splits == 1 \
         and kt <= 4 and tiles >= 5 * sms
     if short and pb.residual_dtype is None and (epilogue_functors(pb) or kt <= 2 and tiles < 12 * sms):
-        # One k-tile a tile (a 1x1 conv over 64 channels) and several waves: the persistent kernel with one
+        # A few k-tiles a tile (1x1 convs over 64-256 channels) and several waves: the persistent kernel with one
         # consumer, 2 stages and 3 CTAs an SM, so that each CTA's producer loads its next tile while its
         # consumer stores the last (the per-tile kernel's CTAs wait for their single load, then run the
         # epilogue with no load in flight). tools/epi_probe.py ws, H100, N=32, fp16, us: 1x1 64->256 @56

@@ -250,10 +250,10 @@ def test_wide_1x1_takes_128_row_tiles():
         for kw in (dict(C=512, H=7, W=7), dict(C=1024, H=14, W=14, stride=(2, 2))):
             for ep, rdt in (((), None), ((("BatchNorm",), ("ReLU", True)), None), (add, "float16")):
                 pb = _pb(K=2048, R=1, S=1, padding=(0, 0), layout=layout, epilogue=ep, residual_dtype=rdt, **kw)
-                s = choose_config(kernel_setup(pb, arch="sm_90a")[1])
+                kp = kernel_setup(pb, arch="sm_90a")[1]
+                s = choose_config(kp)
                 want = (64, 128) if layout == "NCHW" and rdt else (128, 128)
-                assert (s.bm, s.bn) == want and s.math == "wgmma" and validate_spec(s, kernel_setup(pb, arch="sm_90a")[1]), \
-                    (layout, kw, ep, s.name())
+                assert (s.bm, s.bn) == want and s.math == "wgmma" and validate_spec(s, kp), (layout, kw, ep, s.name())
     narrow = choose_config(_pb(C=512, K=1024, H=28, W=28, R=1, S=1, padding=(0, 0), stride=(2, 2)))
     assert narrow.bm == 64, narrow.name()
 
@@ -738,7 +738,7 @@ COMPILE_CASES = [
     ("fp16 NHWC cluster k-split BN+Add+ReLU", _pb(N=8, C=512, K=512, H=7, W=7,
                                                   epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
                                                   residual_dtype="float16")),
-    # the per-tile TMA kernel that may stage its residual at the tile's start (3x3 256->256 @14, 128x128 s4)
+    # the per-tile TMA kernel with 128x128 tiles, 4 stages and the residual staged in a freed stage (3x3 256 @14)
     ("fp16 NHWC 3x3 256 @14 BN+Add+ReLU", _pb(C=256, K=256, H=14, W=14,
                                                epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
                                                residual_dtype="float16")),
@@ -1178,7 +1178,7 @@ def test_persistent_several_ctas_an_sm():
         base = dict(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0), layout=layout, epilogue=bnrm)
         for kw in (dict(N=8), dict(N=8, epilogue=()), dict(N=16, epilogue=()),      # 784 and 1568 tiles
                    dict(C=128, K=512, H=28, W=28), dict(C=128, K=512, H=28, W=28, epilogue=())):   # 2 k-tiles
-            same = choose_config(kernel_setup(_pb(**{**base, **kw}), arch="sm_90a")[1])   # (NCHW @28: the transpose path)
+            same = choose_config(kernel_setup(_pb(**{**base, **kw}), arch="sm_90a")[1])   # (NCHW @28: transposed)
             assert (same.math, same.ctas, same.min_blocks, same.stages) == ("wgmma_ws", 3, 3, 2), (kw, same.name())
         # up to four k-tiles with a chain (1x1 256->1024 @14); the conv alone there keeps the per-tile kernel
         four = choose_config(kernel_setup(_pb(**{**base, "C": 256, "K": 1024, "H": 14, "W": 14}), arch="sm_90a")[1])

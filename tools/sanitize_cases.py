@@ -210,7 +210,7 @@ CONV = {
                                                   (256, 64, 1, 1), chain="bn_relu_mask",
                                                   config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
                                                           "bn": 128, "stages": 2, "ctas": 3}),
-    # the conv alone on it (the default for one k-tile 1x1 convs at 5-12 tiles an SM)
+    # the conv alone on it (the default for 1x1 convs of one or two k-tiles at 5-12 tiles an SM)
     "persistent_ctas_nhwc_plain": lambda: _conv("persistent 3 CTAs conv alone", "bfloat16", "NHWC", (2, 16, 16, 64),
                                                 (600, 1, 1, 64), config={"math": "wgmma_ws", "bm": 64, "wm": 1,
                                                                          "splits": 1, "bn": 128, "stages": 2,

@@ -132,19 +132,23 @@ class KernelSpec:
         return any(f.startswith("igemm::epi::AddResidual<") for f in self.epilogue)
 
     @property
+    def residual16(self) -> bool:
+        """Whether the epilogue chain reads a 16-bit (half or bfloat16: cutlass types) residual."""
+        return any(f.startswith("igemm::epi::AddResidual<cutlass::") for f in self.epilogue)
+
+    @property
     def residual_staged(self) -> bool:
         """Whether the kernel stages a 16-bit residual in shared memory during the mainloop
         (csrc/conv2d_sm90.cuh: kStageResidual, kStageResidualNchw): the register epilogues, NHWC with
         BN <= 128 or NCHW with vectors of 4 pixels or more; the per-tile TMA kernel and the persistent one."""
-        res16 = any(f.startswith("igemm::epi::AddResidual<cutlass::") for f in self.epilogue)
-        return res16 and (self.store == "regs" and self.bn <= 128 or self.store == "regsnchw" and self.vec_o >= 4)
+        return self.residual16 and (self.store == "regs" and self.bn <= 128
+                                    or self.store == "regsnchw" and self.vec_o >= 4)
 
     @property
     def residual_preloaded(self) -> bool:
         """Whether the patch kernel loads a 16-bit residual into registers at the tile's start
         (csrc/conv2d_sm90.cuh: kPreloadResidual): the NHWC register epilogue, BN <= 128."""
-        res16 = any(f.startswith("igemm::epi::AddResidual<cutlass::") for f in self.epilogue)
-        return res16 and self.load_a == "patch" and self.store == "regs" and self.bn <= 128
+        return self.residual16 and self.load_a == "patch" and self.store == "regs" and self.bn <= 128
 
     def launch_smem(self, kt: int) -> int:
         """Dynamic shared memory for a launch whose CTAs run ``kt`` k-tiles each: the TMA mainloop lays its

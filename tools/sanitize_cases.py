@@ -82,6 +82,10 @@ def bn_vecs(K):
 
 
 # ------------------------------------------------------------------------------------------ conv
+#: the persistent kernel with one consumer, 2 stages and 3 CTAs an SM (64x128 tiles)
+_WS_CTAS = {"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1, "bn": 128, "stages": 2, "ctas": 3}
+
+
 def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precision="strict", config=None,
           x_offset=0, residual_dtype=None, **plan_kw):
     x_np = randn(*xs)
@@ -204,26 +208,20 @@ CONV = {
     # column blocks: a CTA's block changes between its tiles), NHWC and NCHW read in place (MN-major A)
     "persistent_ctas_nhwc_mask": lambda: _conv("persistent 3 CTAs", "float16", "NHWC", (2, 16, 16, 64),
                                                (600, 1, 1, 64), chain="bn_relu_mask",
-                                               config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
-                                                       "bn": 128, "stages": 2, "ctas": 3}),
+                                               config=_WS_CTAS),
     "persistent_ctas_nchw_mn_mask": lambda: _conv("persistent 3 CTAs NCHW", "bfloat16", "NCHW", (2, 64, 16, 16),
                                                   (256, 64, 1, 1), chain="bn_relu_mask",
-                                                  config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
-                                                          "bn": 128, "stages": 2, "ctas": 3}),
+                                                  config=_WS_CTAS),
     # the conv alone on it (the default for 1x1 convs of one or two k-tiles at 5-12 tiles an SM)
     "persistent_ctas_nhwc_plain": lambda: _conv("persistent 3 CTAs conv alone", "bfloat16", "NHWC", (2, 16, 16, 64),
-                                                (600, 1, 1, 64), config={"math": "wgmma_ws", "bm": 64, "wm": 1,
-                                                                         "splits": 1, "bn": 128, "stages": 2,
-                                                                         "ctas": 3}),
+                                                (600, 1, 1, 64), config=_WS_CTAS),
     "persistent_ctas_nchw_mn_plain": lambda: _conv("persistent 3 CTAs NCHW conv alone", "float16", "NCHW",
                                                    (2, 64, 16, 16), (256, 64, 1, 1),
-                                                   config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
-                                                           "bn": 128, "stages": 2, "ctas": 3}),
+                                                   config=_WS_CTAS),
     # two k-tiles with a residual: 2 CTAs an SM, 3 stages, the residual staged in the fp32 C tile's upper half
     "persistent_ctas2_nhwc_residual": lambda: _conv("persistent 2 CTAs residual", "float16", "NHWC", (2, 16, 16, 128),
                                                     (200, 1, 1, 128), chain="bn_add_relu_mask",
-                                                    config={"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1,
-                                                            "bn": 128, "stages": 3, "ctas": 2}),
+                                                    config={**_WS_CTAS, "stages": 3, "ctas": 2}),
     "tma_deep_residual_prefetch": lambda: _conv("TMA residual prefetch", "float16", "NHWC", (2, 9, 9, 128),
                                                 (64, 3, 3, 128), padding=1, chain="bn_add_relu"),
     # the width unfold (conv1's default for 16-bit): the unfold kernel, then the conv on its copies

@@ -4,13 +4,13 @@ bytes in the same run.
 
     python tools/probes/relu_probe.py
 """
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import igemm  # noqa: E402
 from igemm import _kernel  # noqa: E402
 from igemm._kernel import ParamSpec  # noqa: E402
@@ -90,31 +90,17 @@ VARIANTS = [
 ]
 
 
-def timeit(fn, n_inputs, replays=25):
-    for i in range(max(10, n_inputs)):
-        fn(i % n_inputs)
-    torch.cuda.synchronize()
-    per = n_inputs * max(1, -(-8 // n_inputs))
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(per):
-            fn(i % n_inputs)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        for i in range(per):
-            fn(i % n_inputs)
-    g.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 / per for a, b in ev)
+_BENCH = None
+
+
+def timeit(fn, n_inputs):
+    """Microseconds of one ``fn(i)``: benchmarks/_harness.py's CUDA-graph timing (median over replays)."""
+    global _BENCH
+    if _BENCH is None:
+        import argparse
+        import _harness
+        _BENCH = _harness.Bench("relu_probe", argparse.Namespace(quick=False, reps=50, warmup=10, out="/tmp/relu_probe"))
+    return _BENCH.time(fn, n_inputs) * 1e6
 
 
 def main():

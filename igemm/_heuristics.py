@@ -576,13 +576,18 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             # 256->256 @14, 16 x 36: 8.8 vs 10.1; N=8 3x3 512->512 @7, 56 x 72: 15.4 vs 15.9; N=1 @7,
             # 8 x 72, keeps split-K: 9.3 us with 9 splits)
             persistent = True
-        elif splits == 1 and pb.R * pb.S > 1:
+        elif splits == 1 and (pb.R * pb.S > 1 or kt >= 16 and not (
+                pb.residual_dtype is not None and (pb.layout == "NCHW" or pb.out_layout == "NCHW"))):
             # A filter with taps whose 64-row tiles make at most one wave of single CTAs -- with 128 columns
             # if 64 would not (N=8 3x3 128->128 @28: 196 tiles of 64x64, 98 of 64x128): one CTA per SM is
             # all there is, so the persistent kernel with one consumer and a deep ring takes the whole shared
             # memory (tools/probes/stage_probe.py, H100, fp16 NHWC, us: N=8 3x3 256->256 @14 8.5 vs the
             # per-tile 64x64 s4's 10.9; N=8 128->128 @28 7.3 vs 7.9; N=32 512->512 @7 18.7 vs 20.1; N=1
-            # 64->64 @56 3.6 vs 4.0)
+            # 64->64 @56 3.6 vs 4.0).
+            # A 1x1 over 1024+ channels alike (session 24, tools/probes/cfg_probe.py, H100, us, conv /
+            # +BN+ReLU(mask) / +BN+Add+ReLU(mask), per-tile 64x64 s4 -> persistent 64x128 s6): 1x1 2048->512 @7
+            # N=32 NHWC 11.7 / 12.2 / 12.8 -> 10.0 / 10.8 / 11.2, NCHW 21.4 / 23.3 / - -> 20.1 / 22.0 / -; N=16
+            # 10.6 / 11.1 / 11.5 -> 9.8 / 10.4 / 10.8. Not an NCHW output with a residual (24.8 -> 24.6-24.8).
             t128 = -(-M // 64) * -(-K // 128)
             if tiles > sms and bn == 64 and K >= 128 and t128 <= sms:
                 bn, tiles = 128, t128
@@ -623,13 +628,22 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # H100 N=32 30.5 -> 27.7, N=16 18.1 -> 15.6; H200 N=32 27.2 -> 24.8, N=16 16.6 -> 14.0. Not NCHW (H100
         # 36.7 -> 36.1, H200 31.5 -> 32.1), not one k-tile (session 20: 3-4 us slower on 1x1 64->256).
         persistent, ctas = True, 2
+    elif (math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 64 and splits == 1
+          and pb.R * pb.S == 1 and 3 <= kt <= 4 and tiles >= 5 * sms and (epilogue_functors(pb) or tiles < 12 * sms)):
+        # 64-column tiles of a few k-tiles (1x1 256->64 @56, the reduce conv of conv2_x's blocks): 3 CTAs an SM
+        # with 3 stages each, the residual too (session 24, tools/probes/cfg_probe.py, H100, us, conv / +BN+ReLU(mask)
+        # / +BN+Add+ReLU(mask), per-tile 64x64 s4 -> persistent): N=32 NHWC 24.8 / 26.7 / 32.4 -> 24.6 / 25.1 /
+        # 29.9, NCHW 24.9 / 27.9 / 33.3 -> 24.6 / 25.3 / 29.9; N=16 14.2 / 15.5 / 18.3 -> 13.6 / 14.1 / 16.7; N=64
+        # 45.4 / 47.9 / 57.4 -> 46.3 / 47.3 / 56.4 (the conv alone: from 12 tiles an SM, per-tile, as above). Not
+        # at N=8 (392 tiles: 7.6 / 8.2 / 9.7 -> 7.8 / 8.1 / 9.8).
+        persistent, ctas = True, 3
     csplit = 1
     if persistent:
         # one consumer with a deep ring where the tiles are at most one per SM (N=8 3x3 512->512 @7: s8
         # 14.5 us vs two consumers, s4, 15.4; 64x128 tiles take 6 stages: 7 would not fit beside the C
         # tile), else two consumers taking turns over the tiles (or one with 2 stages, ctas CTAs an SM)
         math, splits = "wgmma_ws", 1
-        wm, stages = (1, 2 if ctas == 3 else 3) if ctas > 1 else (1, one_consumer_stages(bn)) if tiles <= sms \
+        wm, stages = (1, 2 if ctas == 3 and bn == 128 else 3) if ctas > 1 else (1, one_consumer_stages(bn)) if tiles <= sms \
             else (2, 4)
         if wm == 1 and bn == 64 and 2 * tiles <= sms and kt >= 32:
             # at most half a wave of tiles with a deep reduction: the cluster k-split (two CTAs a tile, the

@@ -258,6 +258,30 @@ def test_wide_1x1_takes_128_row_tiles():
     assert narrow.bm == 64, narrow.name()
 
 
+def test_deep_1x1_takes_the_persistent_kernel():
+    """1x1 convs of 16+ k-tiles (1024-2048 input channels) whose tiles make at most a wave take the persistent
+    kernel with one consumer and a deep ring, as filters with taps do: 64x128 tiles where 64x64 would be more
+    than a wave (1x1 2048->512 @7, N=32), 64x64 with 8 stages where they fit one (N=16); split-K's small batches
+    keep their cluster k-split; an NCHW output with a residual, shallower reductions and more tiles stay
+    per-tile."""
+    from igemm._heuristics import kernel_setup
+    add = (("BatchNorm",), ("Add",), ("ReLU", True))
+    kw = dict(C=2048, K=512, H=7, W=7, R=1, S=1, padding=(0, 0))
+    for layout in LAYOUTS:
+        for N, want in ((32, (64, 128, 6, 1)), (16, (64, 64, 8, 1)), (8, (64, 64, 6, 2))):
+            for ep, rdt in (((), None), ((("BatchNorm",), ("ReLU", True)), None), (add, "float16")):
+                kp = kernel_setup(_pb(N=N, layout=layout, epilogue=ep, residual_dtype=rdt, **kw), arch="sm_90a")[1]
+                s = choose_config(kp)
+                if rdt and layout == "NCHW" and N > 8:
+                    assert s.math == "wgmma" and (s.bm, s.bn) == (64, 64), (N, s.name())
+                    continue
+                assert s.math == "wgmma_ws" and (s.bm, s.bn, s.stages, s.csplit) == want, (layout, N, ep, s.name())
+                assert s.wm == 1 and s.ctas == 1 and validate_spec(s, kp), s.name()
+    for pkw in (dict(N=64, **kw), dict(N=8, C=512, K=256, H=28, W=28, R=1, S=1, padding=(0, 0))):   # 392 tiles; 8 k-tiles
+        s = choose_config(kernel_setup(_pb(**pkw), arch="sm_90a")[1])
+        assert s.math == "wgmma", (pkw, s.name())
+
+
 def test_launch_smem_and_residual_staging(monkeypatch):
     """A TMA kernel whose reduction is shorter than its ring launches with the stages it touches, one more
     where it stages a 16-bit residual there (KernelSpec.residual_staged: NHWC register epilogue, or NCHW with
@@ -1203,6 +1227,22 @@ def test_persistent_several_ctas_an_sm():
             assert other.ctas == 1 and other.math == "wgmma", (kw, other.name())
         alts = [c for c in candidates(pb) if c.ctas > 1]
         assert alts and all(validate_spec(c, pb) and c.ctas == max_ctas(c) for c in alts)
+        # 64-column tiles of 3-4 k-tiles (1x1 256->64 @56) from 5 tiles an SM: 3 CTAs, 3 stages, any chain and
+        # residual (fp32 too), the conv alone below 12 tiles an SM; not at N=8 (392 tiles), not at one k-tile
+        # (1x1 64->64)
+        for N in (16, 32, 64):
+            for ep, rdt in ((() if N < 64 else bnrm, None), (bnrm, None),
+                            ((("BatchNorm",), ("Add",), ("ReLU", True)), "float16"),
+                            ((("BatchNorm",), ("Add",), ("ReLU", True)), "float32")):
+                kp = kernel_setup(_pb(**{**base, "N": N, "C": 256, "K": 64, "epilogue": ep, "residual_dtype": rdt}),
+                                  arch="sm_90a")[1]
+                narrow = choose_config(kp)
+                assert (narrow.math, narrow.bn, narrow.ctas, narrow.min_blocks, narrow.stages) == \
+                    ("wgmma_ws", 64, 3, 3, 3), (N, ep, rdt, narrow.name())
+                assert validate_spec(narrow, kp) and 3 * (narrow.smem + narrow.static_smem + 1024) <= SMEM_PER_SM
+        for kw in (dict(N=8, C=256, K=64), dict(C=64, K=64), dict(N=64, C=256, K=64, epilogue=())):
+            other = choose_config(kernel_setup(_pb(**{**base, **kw}), arch="sm_90a")[1])
+            assert other.ctas == 1 and other.math == "wgmma", (kw, other.name())
     one = _pb(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0))
     assert not validate_spec(dataclasses.replace(choose_config(one), ctas=2), one, raise_=False)
     plan = Conv2dPlan((32, 56, 56, 64), (256, 1, 1, 64), "float16", "NHWC", 1, 0, device=None,
@@ -1218,14 +1258,16 @@ SEVERAL_CTAS_CASES = [((2, 64, 16, 16), (256, 64, 1, 1), 1, 0, 1),       # one k
                       ((3, 64, 16, 16), (600, 64, 1, 1), 1, 0, 1),       # 5 column blocks, a K tail
                       ((2, 128, 8, 16), (192, 128, 1, 1), 1, 0, 1),      # 2 k-tiles
                       ((2, 64, 15, 13), (136, 64, 1, 1), 2, 0, 1),       # stride 2, M and K tails
-                      ((1, 64, 9, 11), (130, 64, 3, 3), 1, 1, 1)]        # 9 k-tiles, NHWC's fp32 C tile
+                      ((1, 64, 9, 11), (130, 64, 3, 3), 1, 1, 1),        # 9 k-tiles, NHWC's fp32 C tile
+                      ((2, 256, 12, 12), (72, 256, 1, 1), 1, 0, 1, 64),  # 64-column tiles, 4 k-tiles, a K tail
+                      ((1, 192, 10, 9), (64, 192, 1, 1), 1, 0, 1, 64)]   # 64-column tiles, 3 k-tiles, an M tail
 
 
-def several_ctas_plans(*args, **kw) -> dict:
+def several_ctas_plans(*args, bn: int = 128, **kw) -> dict:
     """{"ws": ``Conv2dPlan(*args, **kw)`` on the persistent kernel with 3 CTAs an SM (2 where its C tile is
     the larger one: a staged residual, or the fp32 tile's store), "tile": on the per-tile kernel of the same
-    64x128 tile}"""
-    ws = {"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": 128, "stages": 2, "splits": 1}
+    64 x ``bn`` tile} (64 columns: 3 stages, as choose_config's 1x1 256->64 rule; 128: 2)"""
+    ws = {"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": bn, "stages": 2 if bn == 128 else 3, "splits": 1}
     try:
         plan = Conv2dPlan(*args, config={**ws, "ctas": 3}, **kw)
         plan.spec()
@@ -1245,30 +1287,34 @@ def test_gpu_persistent_several_ctas(dtype, layout, sms, rng, monkeypatch):
     poisoned. On 2 SMs (6 or 4 CTAs) every CTA runs many tiles: with 5 column blocks (K = 600, a tail) a
     CTA's column block changes from tile to tile, so its producer reloads B and its consumer the channel
     vectors; with 2 it stays, and both are skipped after the first. NCHW: the 1x1 stride-1 cases read x in
-    place (MN-major A), the others run on the NHWC copy."""
+    place (MN-major A), the others run on the NHWC copy. The 64-column cases add an fp32 residual."""
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
     from igemm import epilogues as ep
     from igemm import _runtime
     if sms is not None:     # the plan sizes the persistent grid from the SM count
         monkeypatch.setattr(_runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
-    for xs, ws, st, pd, dl in SEVERAL_CTAS_CASES:
-        K = ws[0]
+    for xs, ws, st, pd, dl, *bn in SEVERAL_CTAS_CASES:
+        K, bn = ws[0], (bn or [128])[0]
         g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
         chains = {"plain": None, "bn_relu_mask": ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.ReLU(mask=True)),
                   "bn_add_relu_mask": ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))}
+        if bn == 64:
+            chains["bn_add32_relu_mask"] = chains["bn_add_relu_mask"]
         xsl, wsl = to_layout_shape(xs, layout), to_layout_shape(ws, layout)
         x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
         x, w = to_torch(x64, dtype), to_torch(w64, dtype)
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), (st, st), (pd, pd), (dl, dl), layout)
         res = to_torch(rng.standard_normal(ref.shape), dtype)
+        res32 = to_torch(rng.standard_normal(ref.shape), "float32")
         shape = [1, 1, 1, 1]
         shape[1 if layout == "NCHW" else -1] = K
         sc = to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)
         sc, sh = sc.reshape(shape), (to_numpy(b_) - to_numpy(m_) * sc).reshape(shape)
         for cn, chain in chains.items():
             outs = {}
-            for kind, plan in several_ctas_plans(xsl, wsl, dtype, layout, st, pd, dl, epilogue=chain).items():
+            for kind, plan in several_ctas_plans(xsl, wsl, dtype, layout, st, pd, dl, epilogue=chain, bn=bn,
+                                                 residual_dtype="float32" if "add32" in cn else None).items():
                 sp = plan.spec()
                 assert sp.persistent == (kind == "ws") and (sp.ctas > 1) == (kind == "ws"), sp.name()
                 name = f"{kind} {cn} {layout} {xs} {ws} sms={sms}: {sp.name()}"
@@ -1278,11 +1324,11 @@ def test_gpu_persistent_several_ctas(dtype, layout, sms, rng, monkeypatch):
                     assert rel_err(to_numpy(y), ref) <= TOL[dtype], name
                     outs[kind] = (y,)
                     continue
-                args = {"residual": res} if cn == "bn_add_relu_mask" else {}
+                args = {"residual": res32 if "add32" in cn else res} if "add" in cn else {}
                 y, m = plan(x, w, out=out, **args,
                             mask_out=torch.full(((ref.size + 31) // 32,), -1, dtype=torch.int32, device="cuda"))
                 assert torch.equal(m, igemm.relu_mask(y)), f"{name}: mask differs from y > 0"
-                want = np.maximum(ref * sc + sh + (to_numpy(res) if args else 0), 0)
+                want = np.maximum(ref * sc + sh + (to_numpy(args["residual"]) if args else 0), 0)
                 assert rel_err(to_numpy(y), want) <= TOL[dtype], name
                 outs[kind] = (y, m)
             for a, b in zip(outs["ws"], outs["tile"]):

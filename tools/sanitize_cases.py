@@ -222,6 +222,15 @@ CONV = {
     "persistent_ctas2_nhwc_residual": lambda: _conv("persistent 2 CTAs residual", "float16", "NHWC", (2, 16, 16, 128),
                                                     (200, 1, 1, 128), chain="bn_add_relu_mask",
                                                     config={**_WS_CTAS, "stages": 3, "ctas": 2}),
+    # 64-column tiles of 3-4 k-tiles (1x1 256->64 @56's default from 5 tiles an SM): 3 CTAs, 3 stages, with a
+    # 16-bit residual (NHWC, staged) and an fp32 one read in place (NCHW, MN-major A, shared-memory store)
+    "persistent_ctas_64col_nhwc_residual": lambda: _conv("persistent 3 CTAs 64 columns residual", "float16", "NHWC",
+                                                         (2, 12, 12, 256), (72, 1, 1, 256), chain="bn_add_relu_mask",
+                                                         config={**_WS_CTAS, "bn": 64, "stages": 3}),
+    "persistent_ctas_64col_nchw_res32": lambda: _conv("persistent 3 CTAs 64 columns fp32 residual", "bfloat16", "NCHW",
+                                                      (2, 192, 16, 16), (64, 192, 1, 1), chain="bn_add_relu_mask",
+                                                      config={**_WS_CTAS, "bn": 64, "stages": 3},
+                                                      residual_dtype="float32"),
     "tma_deep_residual_prefetch": lambda: _conv("TMA residual prefetch", "float16", "NHWC", (2, 9, 9, 128),
                                                 (64, 3, 3, 128), padding=1, chain="bn_add_relu"),
     # the width unfold (conv1's default for 16-bit): the unfold kernel, then the conv on its copies

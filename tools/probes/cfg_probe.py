@@ -3,9 +3,12 @@ kernel configs (dicts of KernelSpec fields, as Conv2dPlan's ``config``), timed l
 graphs, inputs rotated past L2, two alternating outputs):
 
     python tools/probes/cfg_probe.py IDX|C,K,H,R,STRIDE,PAD LAYOUT '[null, {"stages": 2}, ...]' [passes] [N]
+    python tools/probes/cfg_probe.py --batch CASES.json   (a list of [layer, layout, cfgs, passes, N]: every
+        kernel compiled first, all CPUs at once, then each case timed)
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,21 +17,64 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 
+def layer(arg: str):
+    """(name, C, K, H, R, stride, pad) of a bench_conv layer index or 'C,K,H,R,stride,pad'."""
+    from bench_conv import RESNET50
+    if "," in arg:                          # a layer of its own: C,K,H,R,stride,pad
+        C, K, H, R, st, pd = (int(v) for v in arg.split(","))
+        return f"{R}x{R}/{st} {C}->{K} @{H}", C, K, H, R, st, pd
+    return RESNET50[int(arg)]
+
+
+def precompile(cases, arch: str = "sm_90a") -> int:
+    """Compile the kernels of ``cases`` ([layer, layout, cfgs, passes, N]) for the three chains, in parallel."""
+    from igemm import _build, epilogues as ep
+    from igemm._heuristics import ConvProblem, choose_config, kernel_setup
+    from igemm.conv2d import _override, _stub
+    chains = [ep.chain(), ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True)),
+              ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.Add(), ep.ReLU(mask=True))]
+    stubs = {}
+    for arg, layout, cfgs, _, N in cases:
+        _, C, K, H, R, st, pd = layer(str(arg))
+        for ch in chains:
+            pb = ConvProblem(N, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), "float16", layout, "tensorop",
+                             ch.signature(), "float16" if ch.residual_op else None)
+            kpb = kernel_setup(pb, "auto", None, None, arch)[1]
+            for cfg in cfgs:
+                spec = choose_config(kpb, arch)
+                if cfg:
+                    spec = _override(spec, kpb, cfg)
+                stubs[_stub(spec)] = spec.name()
+    def one(item):          # a config a kernel rejects (static_assert) fails again, with its error, when timed
+        try:
+            _build.compile_cubin(item[0], arch, name=item[1])
+            return 1
+        except _build.CompileError:
+            return 0
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        return sum(ex.map(one, stubs.items()))
+
+
 def main():
+    if sys.argv[1] == "--batch":
+        cases = json.loads(Path(sys.argv[2]).read_text())
+        print(f"{precompile(cases)} kernels compiled", flush=True)
+        for arg, layout, cfgs, passes, N in cases:
+            probe(str(arg), layout, cfgs, passes, N)
+        return
+    probe(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 2,
+          int(sys.argv[5]) if len(sys.argv) > 5 else 32)
+
+
+def probe(arg: str, layout: str, cfgs: list, passes: int, N: int) -> None:
     import torch
     import _harness
     import igemm
     from igemm import epilogues as ep
-    from bench_conv import RESNET50, make_inputs
-    layout, cfgs = sys.argv[2], json.loads(sys.argv[3])
-    passes = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    from bench_conv import make_inputs
     bench = _harness.Bench("cfg_probe", argparse.Namespace(quick=True, reps=20, warmup=3, out="/tmp/cfg_probe"))
-    if "," in sys.argv[1]:                  # a layer of its own: C,K,H,R,stride,pad
-        C, K, H, R, st, pd = (int(v) for v in sys.argv[1].split(","))
-        name = f"{R}x{R}/{st} {C}->{K} @{H}"
-    else:
-        name, C, K, H, R, st, pd = RESNET50[int(sys.argv[1])]
-    N = int(sys.argv[5]) if len(sys.argv) > 5 else 32
+    name, C, K, H, R, st, pd = layer(arg)
     P = (H + 2 * pd - R) // st + 1
     xs, w = make_inputs(torch, N, C, K, H, R, "float16", layout, (N * C * H * H + 2 * N * K * P * P) * 2)
     g, b, m, v = (torch.rand(K, device="cuda") + 0.5 for _ in range(4))

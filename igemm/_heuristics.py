@@ -481,6 +481,11 @@ def one_consumer_stages(bn: int) -> int:
     return {64: 8, 128: 6}.get(bn, 3)
 
 
+def _wave_fill(tiles: int, slots: int) -> float:
+    """How full the waves of ``tiles`` CTAs over ``slots`` (CTAs an SM x SMs) are: tiles / (waves x slots)."""
+    return tiles / (-(-tiles // slots) * slots)
+
+
 def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = True, w_aligned: bool = True,
                   sms: int = 132) -> KernelSpec:
     """Pick the kernel for a problem. ``x_aligned``/``w_aligned``: base pointers 16-byte aligned."""
@@ -514,7 +519,14 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             if pb.R * pb.S > 1 and 2 * tiles >= sms:
                 bm, wm, bn = 128, 2, bn128
                 stages = 3 if tiles >= sms else 4
-            elif (pb.R * pb.S == 1 and K >= 2048 and 2 * tiles >= sms
+                if bn == 128 and tiles >= sms and _wave_fill(tiles, sms) > 1.1 * _wave_fill(tiles, 2 * sms):
+                    # 128x128 tiles: 3 stages fit 2 CTAs an SM, 4 stages one; where one CTA an SM fills its
+                    # waves and two do not, 4 (session 24, tools/sweep.py, H100, N=128, conv+BN+ReLU(mask), us,
+                    # s3 -> s4: 3x3 256->256 @14, 392 tiles, 52.4 -> 48.5; 3x3/2 256->256 @28 57.5 -> 55.3; where
+                    # both fill them, 3: 3x3 128->128 @28, 784 tiles, 58.9 vs 63.9; 3x3 512->512 @7, 196 tiles,
+                    # 49.2 vs 52.1 with 5)
+                    stages = 4
+            elif (pb.R * pb.S == 1 and (K >= 2048 or K >= 512 and pb.Kred >= 512 and tiles >= 5 * sms) and 2 * tiles >= sms
                   and not (pb.residual_dtype is not None and (pb.layout == "NCHW" or pb.out_layout == "NCHW"))):
                 # 1x1 with 2048 output channels (ResNet-50's 512->2048 @7 and 1024->2048 /2 @14): 64-row tiles
                 # read the 2-4 MB filter once per 64 output rows; 128-row tiles halve that (session 23,
@@ -523,6 +535,9 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
                 # 12.3, 1024->2048 /2 17.3 -> 15.8 / 19.1 -> 16.3 / 22.6 -> 18.2; NCHW 18.4 -> 15.9 / 21.7 -> 19.3
                 # (with a residual 26.3 -> 27.3: not taken), 30.3 -> 26.1 / 33.2 -> 29.4 (37.1 -> 37.6); H200
                 # NHWC +BN+ReLU(mask) 12.2 -> 10.1 and 18.1 -> 15.4. (1x1/2 512->1024 @28: 64x128 stays.)
+                # And 512+ channels in and out with 5 tiles an SM (session 24, tools/sweep.py, H100, N=128,
+                # +BN+ReLU(mask), 64x128 s3 -> 128x128 s3: 1x1/2 512->1024 @28 70.0 -> 61.6, 1x1 1024->512 @14
+                # 57.8 -> 50.3; at N=32, 3 and 1.5 tiles an SM, 64x128 is the faster).
                 bm, wm, bn, stages = 128, 2, 128, 3
             elif -(-M // bm) * -(-K // bn) < sms:
                 stages = 4

@@ -282,6 +282,34 @@ def test_deep_1x1_takes_the_persistent_kernel():
         assert s.math == "wgmma", (pkw, s.name())
 
 
+def test_large_batch_tiles():
+    """Large batches (N=64-128): 128x128 tiles with taps take 4 stages (one CTA an SM) where that fills the
+    waves and 3 stages (two CTAs) would not; 1x1 convs of 512+ channels in and out take 128x128 tiles from 5
+    tiles an SM (not an NCHW output with a residual). The N=32 benchmark layers keep their kernels."""
+    from igemm._heuristics import _wave_fill, kernel_setup
+    assert _wave_fill(392, 132) == 392 / 396 and _wave_fill(392, 264) == 392 / 528 and _wave_fill(100, 132) == 100 / 132
+    add = (("BatchNorm",), ("Add",), ("ReLU", True))
+    for layout in LAYOUTS:
+        for kw, N, stages in ((dict(C=256, K=256, H=14, W=14), 128, 4), (dict(C=256, K=256, H=14, W=14), 64, 3),
+                              (dict(C=256, K=256, H=14, W=14), 32, 4), (dict(C=128, K=128, H=28, W=28), 64, 4),
+                              (dict(C=128, K=128, H=28, W=28), 128, 3), (dict(C=128, K=128, H=28, W=28), 32, 3),
+                              (dict(C=256, K=256, H=28, W=28, stride=(2, 2)), 128, 4),
+                              (dict(C=512, K=512, H=7, W=7), 128, 3)):
+            s = choose_config(kernel_setup(_pb(N=N, layout=layout, **kw), arch="sm_90a")[1])
+            assert (s.math, s.bm, s.bn, s.stages) == ("wgmma", 128, 128, stages), (kw, N, s.name())
+        for kw, N, bm in ((dict(C=512, K=1024, H=28, W=28, stride=(2, 2)), 64, 128),
+                          (dict(C=512, K=1024, H=28, W=28, stride=(2, 2)), 128, 128),
+                          (dict(C=512, K=1024, H=28, W=28, stride=(2, 2)), 32, 64),
+                          (dict(C=1024, K=512, H=14, W=14), 128, 128), (dict(C=1024, K=512, H=14, W=14), 64, 64),
+                          (dict(C=512, K=256, H=28, W=28), 128, 64)):          # (256 output channels: 3 tiles an SM)
+            for ep, rdt in (((), None), ((("BatchNorm",), ("ReLU", True)), None), (add, "float16")):
+                kp = kernel_setup(_pb(N=N, R=1, S=1, padding=(0, 0), layout=layout, epilogue=ep, residual_dtype=rdt,
+                                      **kw), arch="sm_90a")[1]
+                s = choose_config(kp)
+                want = 64 if layout == "NCHW" and rdt else bm
+                assert s.math == "wgmma" and (s.bm, s.bn) == (want, 128) and validate_spec(s, kp), (kw, N, ep, s.name())
+
+
 def test_launch_smem_and_residual_staging(monkeypatch):
     """A TMA kernel whose reduction is shorter than its ring launches with the stages it touches, one more
     where it stages a 16-bit residual there (KernelSpec.residual_staged: NHWC register epilogue, or NCHW with

@@ -310,6 +310,29 @@ def test_large_batch_tiles():
                 assert s.math == "wgmma" and (s.bm, s.bn) == (want, 128) and validate_spec(s, kp), (kw, N, ep, s.name())
 
 
+def test_small_batch_tiles():
+    """Small batches: 64x128 tiles stay where 64x64 tiles (3 CTAs an SM) would spill into a second wave that
+    they do not need (N=8, 1x1 to 1024 channels: 200 tiles of 64x128); with fewer 64x128 tiles 64 columns still
+    fill the GPU. Split-K gives way to the cluster k-split at a handful of tiles with at most 32 k-tiles (N=1,
+    1x1 2048->512 @7), not with more (3x3 512->512 @7, 72)."""
+    from igemm._heuristics import kernel_setup
+    add = (("BatchNorm",), ("Add",), ("ReLU", True))
+    for layout in LAYOUTS:
+        for kw, N, bn in ((dict(C=256, K=1024, H=14, W=14), 8, 128),
+                          (dict(C=512, K=1024, H=28, W=28, stride=(2, 2)), 8, 128),
+                          (dict(C=256, K=1024, H=14, W=14), 4, 64),                # 104 tiles of 64x128
+                          (dict(C=512, K=128, H=28, W=28), 8, 64)):                # 98
+            for ep, rdt in (((), None), ((("BatchNorm",), ("ReLU", True)), None), (add, "float16")):
+                s = choose_config(kernel_setup(_pb(N=N, R=1, S=1, padding=(0, 0), layout=layout, epilogue=ep,
+                                                   residual_dtype=rdt, **kw), arch="sm_90a")[1])
+                assert s.math == "wgmma" and (s.bm, s.bn, s.splits) == (64, bn, 1), (kw, N, s.name())
+        one = choose_config(kernel_setup(_pb(N=1, C=2048, K=512, H=7, W=7, R=1, S=1, padding=(0, 0), layout=layout),
+                                         arch="sm_90a")[1])
+        assert (one.math, one.csplit, one.splits) == ("wgmma_ws", 2, 1), one.name()
+        deep = choose_config(kernel_setup(_pb(N=1, C=512, K=512, H=7, W=7, layout=layout), arch="sm_90a")[1])
+        assert deep.math == "wgmma" and deep.splits > 1, deep.name()
+
+
 def test_launch_smem_and_residual_staging(monkeypatch):
     """A TMA kernel whose reduction is shorter than its ring launches with the stages it touches, one more
     where it stages a 16-bit residual there (KernelSpec.residual_staged: NHWC register epilogue, or NCHW with

@@ -587,13 +587,13 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     tiles, kt = -(-M // bm) * -(-K // bn), -(-pb.Kred // bk)
     persistent = False
     if math == "wgmma" and load_a == "tma" and bm == 64:
-        if splits > 1 and (10 * tiles >= sms or kt <= 32) and (kt <= 48 or 4 * tiles >= sms):
+        if splits > 1 and (10 * tiles >= sms or kt <= 32 and pb.R * pb.S == 1) and (kt <= 48 or 4 * tiles >= sms):
             # Few tiles and a deep reduction (batch 1-8 on the 3x3 layers): the persistent kernel's producer
             # warp keeps the TMA loads ahead of the MMA with no CTA barrier per k-tile, which beats split-K
             # unless the tiles are very few and each would run a long reduction alone (tools/sweep.py on an
             # H100, fp16 NHWC: N=1 3x3 128->128 @28, 26 tiles x 18 k-tiles, 5.7 us vs split-K 8.5; N=1 3x3
             # 256->256 @14, 16 x 36: 8.8 vs 10.1; N=8 3x3 512->512 @7, 56 x 72: 15.4 vs 15.9; N=1 @7,
-            # 8 x 72, keeps split-K: 9.3 us with 9 splits). Fewer tiles too where the reduction is at most 32
+            # 8 x 72, keeps split-K: 9.3 us with 9 splits). Fewer tiles too for a 1x1 of at most 32
             # k-tiles (session 24, tools/sweep.py, H100, N=1 1x1 2048->512 @7, 8 x 32, +BN+ReLU(mask): the cluster
             # k-split 7.5 us vs 4 splits' 10.7)
             persistent = True

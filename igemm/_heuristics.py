@@ -530,7 +530,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
                     # both fill them, 3: 3x3 128->128 @28, 784 tiles, 58.9 vs 63.9; 3x3 512->512 @7, 196 tiles,
                     # 49.2 vs 52.1 with 5)
                     stages = 4
-            elif (pb.R * pb.S == 1 and (K >= 2048 or K >= 512 and pb.Kred >= 512 and tiles >= 5 * sms) and 2 * tiles >= sms
+            elif (pb.R * pb.S == 1 and 2 * tiles >= sms
+                  and (K >= 2048 or K >= 512 and pb.Kred >= 512 and tiles >= 5 * sms)
                   and not (pb.residual_dtype is not None and (pb.layout == "NCHW" or pb.out_layout == "NCHW"))):
                 # 1x1 with 2048 output channels (ResNet-50's 512->2048 @7 and 1024->2048 /2 @14): 64-row tiles
                 # read the 2-4 MB filter once per 64 output rows; 128-row tiles halve that (session 23,
@@ -605,10 +606,12 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             # memory (tools/probes/stage_probe.py, H100, fp16 NHWC, us: N=8 3x3 256->256 @14 8.5 vs the
             # per-tile 64x64 s4's 10.9; N=8 128->128 @28 7.3 vs 7.9; N=32 512->512 @7 18.7 vs 20.1; N=1
             # 64->64 @56 3.6 vs 4.0).
-            # A 1x1 over 1024+ channels alike (session 24, tools/probes/cfg_probe.py, H100, us, conv /
-            # +BN+ReLU(mask) / +BN+Add+ReLU(mask), per-tile 64x64 s4 -> persistent 64x128 s6): 1x1 2048->512 @7
-            # N=32 NHWC 11.7 / 12.2 / 12.8 -> 10.0 / 10.8 / 11.2, NCHW 21.4 / 23.3 / - -> 20.1 / 22.0 / -; N=16
-            # 10.6 / 11.1 / 11.5 -> 9.8 / 10.4 / 10.8. Not an NCHW output with a residual (24.8 -> 24.6-24.8).
+            # A 1x1 of 16+ k-tiles (1024-2048 channels in) alike (session 24, tools/probes/cfg_probe.py, H100, us,
+            # conv / +BN+ReLU(mask) / +BN+Add+ReLU(mask), per-tile 64x64 s4 -> persistent): 1x1 2048->512 @7 N=32
+            # (64x128 s6) NHWC 11.7 / 12.3 / 12.9 -> 10.1 / 10.7 / 11.3, NCHW 21.2 / 22.9 / - -> 19.9 / 21.0-21.8 / -;
+            # N=16 (64x64 s8) 10.7 / 11.1 / 11.6 -> 8.4 / 8.6 / 9.3; 1x1 1024->256 @14 N=8 6.7 / 7.1 / 7.6 -> 5.6 /
+            # 5.9 / 6.4; 1x1 1024->512 @14 N=4 6.0 / 6.6 / 7.5 -> 5.2 / 5.5 / 6.3. Not an NCHW output with a
+            # residual (24.8 -> 24.6-24.8).
             t128 = -(-M // 64) * -(-K // 128)
             if tiles > sms and bn == 64 and K >= 128 and t128 <= sms:
                 bn, tiles = 128, t128
@@ -650,7 +653,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # 36.7 -> 36.1, H200 31.5 -> 32.1), not one k-tile (session 20: 3-4 us slower on 1x1 64->256).
         persistent, ctas = True, 2
     elif (math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 64 and splits == 1
-          and pb.R * pb.S == 1 and 3 <= kt <= 4 and tiles >= 5 * sms and (epilogue_functors(pb) or tiles < 12 * sms)):
+          and pb.R * pb.S == 1 and 3 <= kt <= 4 and tiles >= 5 * sms
+          and (epilogue_functors(pb) or tiles < 12 * sms)):
         # 64-column tiles of a few k-tiles (1x1 256->64 @56, the reduce conv of conv2_x's blocks): 3 CTAs an SM
         # with 3 stages each, the residual too (session 24, tools/probes/cfg_probe.py, H100, us, conv / +BN+ReLU(mask)
         # / +BN+Add+ReLU(mask), per-tile 64x64 s4 -> persistent): N=32 NHWC 24.8 / 26.7 / 32.4 -> 24.6 / 25.1 /
@@ -664,8 +668,8 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # 14.5 us vs two consumers, s4, 15.4; 64x128 tiles take 6 stages: 7 would not fit beside the C
         # tile), else two consumers taking turns over the tiles (or one with 2 stages, ctas CTAs an SM)
         math, splits = "wgmma_ws", 1
-        wm, stages = (1, 2 if ctas == 3 and bn == 128 else 3) if ctas > 1 else (1, one_consumer_stages(bn)) if tiles <= sms \
-            else (2, 4)
+        wm, stages = (1, 2 if ctas == 3 and bn == 128 else 3) if ctas > 1 \
+            else (1, one_consumer_stages(bn)) if tiles <= sms else (2, 4)
         if wm == 1 and bn == 64 and 2 * tiles <= sms and kt >= 32:
             # at most half a wave of tiles with a deep reduction: the cluster k-split (two CTAs a tile, the
             # partial sums handed over in distributed shared memory; tools/probes/stage_probe.py, H100,

@@ -89,10 +89,11 @@ def probe(arg: str, layout: str, cfgs: list, passes: int, N: int) -> None:
     ref = {}
     for p_ in range(passes):
         for cfg in cfgs:
-            row = []
+            row, specs = [], {}
             for ch, chain in chains.items():
                 try:
                     plan = igemm.Conv2dPlan(xs[0].shape, w.shape, "float16", layout, st, pd, epilogue=chain, config=cfg)
+                    specs[ch] = plan.spec().name().replace("conv_float16_", "")
                     if ch == "a":
                         f = lambda i: plan(xs[i], w, out=outs[i % 2])
                     elif ch == "b":
@@ -109,7 +110,8 @@ def probe(arg: str, layout: str, cfgs: list, passes: int, N: int) -> None:
                     row.append(f"{ch} {t * 1e6:6.1f}{'' if err < 1e-2 else ' ERR%.2g' % err}")
                 except Exception as e:
                     row.append(f"{ch} {type(e).__name__}: {str(e)[:80]}")
-            spec = plan.spec().name().replace("conv_float16_", "") if "plan" in dir() else "?"
+            names = sorted(set(specs.values()))     # (each chain's kernel where they differ)
+            spec = names[0] if len(names) == 1 else " | ".join(f"{c}: {n}" for c, n in specs.items())
             print(f"  {json.dumps(cfg):45s} {' | '.join(row)}   [{spec}]", flush=True)
 
 

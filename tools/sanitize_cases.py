@@ -223,7 +223,7 @@ CONV = {
                                                     (200, 1, 1, 128), chain="bn_add_relu_mask",
                                                     config={**_WS_CTAS, "stages": 3, "ctas": 2}),
     # 64-column tiles of 3-4 k-tiles (1x1 256->64 @56's default from 5 tiles an SM): 3 CTAs, 3 stages, with a
-    # 16-bit residual (NHWC, staged) and an fp32 one read in place (NCHW, MN-major A, shared-memory store)
+    # 16-bit residual (NHWC, staged) and an fp32 one (NCHW: x read in place as MN-major A; the shared-memory store)
     "persistent_ctas_64col_nhwc_residual": lambda: _conv("persistent 3 CTAs 64 columns residual", "float16", "NHWC",
                                                          (2, 12, 12, 256), (72, 1, 1, 256), chain="bn_add_relu_mask",
                                                          config={**_WS_CTAS, "bn": 64, "stages": 3}),

@@ -1,4 +1,4 @@
-"""The default kernel of every ResNet-50 conv shape (all twenty, not only bench_conv's seven), per batch,
+"""The default kernel of every ResNet-50 conv shape (all 23, not only bench_conv's seven), per batch,
 layout and chain, as chosen on the dev machine (no GPU): run it before and after a rule change in
 igemm/_heuristics.py and diff the two, so that the GPU run measures every plan the change moves.
 

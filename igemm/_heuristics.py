@@ -492,6 +492,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
     eb = DTYPE_SIZES[pb.dtype]
     ce = 16 // eb
     M, K = pb.M, pb.K
+    nchw_residual = pb.residual_dtype is not None and pb.y_layout == "NCHW"   # (rules that measured slower with it)
     if pb.patch:
         return patch_config(pb, sms)
     if pb.dtype == "float32" and pb.precision == "strict" and _strict_math() == "simt":
@@ -532,7 +533,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
                     stages = 4
             elif (pb.R * pb.S == 1 and 2 * tiles >= sms
                   and (K >= 2048 or K >= 512 and pb.Kred >= 512 and tiles >= 5 * sms)
-                  and not (pb.residual_dtype is not None and (pb.layout == "NCHW" or pb.out_layout == "NCHW"))):
+                  and not nchw_residual):
                 # 1x1 with 2048 output channels (ResNet-50's 512->2048 @7 and 1024->2048 /2 @14): 64-row tiles
                 # read the 2-4 MB filter once per 64 output rows; 128-row tiles halve that (session 23,
                 # tools/sweep.py and tools/probes/cfg_probe.py, N=32, us, 64x128 s3 -> 128x128 s3, conv /
@@ -598,8 +599,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             # k-tiles (session 24, tools/sweep.py, H100, N=1 1x1 2048->512 @7, 8 x 32, +BN+ReLU(mask): the cluster
             # k-split 7.5 us vs 4 splits' 10.7)
             persistent = True
-        elif splits == 1 and (pb.R * pb.S > 1 or kt >= 16 and not (
-                pb.residual_dtype is not None and (pb.layout == "NCHW" or pb.out_layout == "NCHW"))):
+        elif splits == 1 and (pb.R * pb.S > 1 or kt >= 16 and not nchw_residual):
             # A filter with taps whose 64-row tiles make at most one wave of single CTAs -- with 128 columns
             # if 64 would not (N=8 3x3 128->128 @28: 196 tiles of 64x64, 98 of 64x128): one CTA per SM is
             # all there is, so the persistent kernel with one consumer and a deep ring takes the whole shared
@@ -617,9 +617,10 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
                 bn, tiles = 128, t128
             persistent = tiles <= sms
     ctas = 1
-    short = math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 128 and splits == 1 \
-        and kt <= 4 and tiles >= 5 * sms
-    if short and pb.residual_dtype is None and (epilogue_functors(pb) or kt <= 2 and tiles < 12 * sms):
+    # (a few k-tiles a 64-row tile and at least 5 tiles an SM: the rules for several CTAs an SM below)
+    short = math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and splits == 1 and kt <= 4 \
+        and tiles >= 5 * sms
+    if short and bn == 128 and pb.residual_dtype is None and (epilogue_functors(pb) or kt <= 2 and tiles < 12 * sms):
         # A few k-tiles a tile (1x1 convs over 64-256 channels) and several waves: the persistent kernel with one
         # consumer, 2 stages and 3 CTAs an SM, so that each CTA's producer loads its next tile while its
         # consumer stores the last (the per-tile kernel's CTAs wait for their single load, then run the
@@ -645,16 +646,14 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # residual staged in the compact C tile at 3 CTAs: 38.5-38.8 vs 36.9-37.0; two k-tiles: below), 8
         # k-tiles (1x1/2 512->1024: 20.6 vs 19.0), 64x64 tiles with 4 CTAs (29.7 NHWC).
         persistent, ctas = True, 3
-    elif (short and kt == 2 and pb.residual_dtype in ("float16", "bfloat16") and pb.layout == "NHWC"
+    elif (short and bn == 128 and kt == 2 and pb.residual_dtype in ("float16", "bfloat16") and pb.layout == "NHWC"
           and pb.out_layout in (None, "NHWC")):
         # Two k-tiles with a 16-bit residual, NHWC: the persistent kernel at 2 CTAs an SM with 3 stages (its fp32 C
         # tile holds the staged residual). 1x1 128->512 @28 conv+BN+Add+ReLU(mask), us, per-tile -> persistent:
         # H100 N=32 30.5 -> 27.7, N=16 18.1 -> 15.6; H200 N=32 27.2 -> 24.8, N=16 16.6 -> 14.0. Not NCHW (H100
         # 36.7 -> 36.1, H200 31.5 -> 32.1), not one k-tile (session 20: 3-4 us slower on 1x1 64->256).
         persistent, ctas = True, 2
-    elif (math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and bn == 64 and splits == 1
-          and pb.R * pb.S == 1 and 3 <= kt <= 4 and tiles >= 5 * sms
-          and (epilogue_functors(pb) or tiles < 12 * sms)):
+    elif short and bn == 64 and pb.R * pb.S == 1 and kt >= 3 and (epilogue_functors(pb) or tiles < 12 * sms):
         # 64-column tiles of a few k-tiles (1x1 256->64 @56, the reduce conv of conv2_x's blocks): 3 CTAs an SM
         # with 3 stages each, the residual too (session 24, tools/probes/cfg_probe.py, H100, us, conv / +BN+ReLU(mask)
         # / +BN+Add+ReLU(mask), per-tile 64x64 s4 -> persistent): N=32 NHWC 24.8 / 26.7 / 32.4 -> 24.6 / 25.1 /

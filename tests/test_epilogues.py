@@ -161,6 +161,56 @@ def test_gpu_chains(name, layout, dtype, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_relu_stores_positive_zero(layout, dtype, rng):
+    """A ReLU chain stores +0 (never -0) wherever the value before it is <= 0, also where a negative value
+    would round to -0 in the output's type, and exactly +0 where a positive one rounds to 0: the register
+    epilogue rounds with the conversion's .relu (cvt.rn.relu), the fp32 C tile's store phase after max(v, 0).
+    A 1x1 conv with identity weights (acc = x exactly) and BN scales of 1 and of 2^-30 (fp16) / 2^-140 (bf16:
+    below its smallest subnormal)."""
+    torch = pytest.importorskip("torch")
+    C = 64
+    tiny = 2.0 ** (-30 if dtype == "float16" else -140)
+    gamma = np.where(np.arange(C) % 2 == 0, 1.0, tiny)
+    # acc * scale + shift with scale = gamma / sqrt(var + eps) = gamma (var + eps = 1 in fp32), shift = 0
+    V = [torch.from_numpy(a.astype(np.float32)).cuda()
+         for a in (gamma, np.zeros(C), np.zeros(C), np.full(C, 1.0 - 2.0 ** -20))]
+    eps = 2.0 ** -20
+    x64, w64 = to_layout(rng.standard_normal((2, C, 8, 8)), np.eye(C).reshape(C, C, 1, 1), layout)
+    x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+    xs = to_numpy(x)
+    g = gamma[:, None, None] if layout == "NCHW" else gamma
+    # a residual on the scale-1 channels only (0 on the tiny ones): acc * scale + r is exact in fp32
+    res = to_torch(np.where(g == 1.0, rng.standard_normal(xs.shape), 0.0), dtype)
+    for chain in (ep.chain(ep.BatchNorm(*V, eps=eps), ep.ReLU(mask=True)),
+                  ep.chain(ep.BatchNorm(*V, eps=eps), ep.ReLU()),
+                  ep.chain(ep.BatchNorm(*V, eps=eps), ep.Add(), ep.ReLU(mask=True))):
+        pre = xs * g + (to_numpy(res) if chain.residual_op is not None else 0.0)    # exact in float64
+        for store in (None, "rows" if layout == "NHWC" else "nchw"):
+            plan = igemm.Conv2dPlan(x.shape, w.shape, dtype, layout, epilogue=chain,
+                                    config={"store": store} if store else None)
+            label = f"{dtype} {layout} {chain!r} {plan.spec().name()}"
+            assert plan.spec().store.startswith("regs") == (store is None), label   # the register epilogue first
+            y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
+            kw = {"out": y}
+            if chain.mask:
+                kw["mask_out"] = poison(torch.empty(plan.mask_words, dtype=torch.int32, device="cuda"))
+            if chain.residual_op is not None:
+                kw["residual"] = res
+            r = plan(x, w, **kw)
+            yh = to_numpy(y)
+            want = to_numpy(to_torch(np.maximum(pre, 0.0), dtype))       # rounded once, +0 where pre <= 0
+            assert rel_err(yh, want) <= TOL[dtype], label
+            np.testing.assert_array_equal(yh == 0, want == 0, err_msg=label)
+            assert not np.signbit(yh).any(), f"{label}: -0 stored"
+            assert (yh[pre < 0] == 0).all() and (yh == 0).any() and (pre[yh == 0] != 0).any(), label
+            if chain.mask:
+                bits = reference.unpack_mask(r[1].cpu().numpy(), yh.size).reshape(yh.shape)
+                np.testing.assert_array_equal(bits, yh > 0, err_msg=label)
+
+
+@pytest.mark.gpu
 def test_gpu_conv2d_bn_relu_and_plan(rng):
     torch = pytest.importorskip("torch")
     x = torch.randn(4, 16, 16, 32, device="cuda", dtype=torch.float16)

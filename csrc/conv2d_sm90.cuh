@@ -435,6 +435,15 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
   TO* ct = reinterpret_cast<TO*>(smem);
   uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
+  // Without a residual the packed pairs go to the C tile after the whole tile's chain (kDeferStores): a
+  // C-tile store between column blocks kept the next block's channel-vector loads behind it (shared memory
+  // both: ptxas cannot tell them apart), a shared-memory round trip exposed per block. H100, N=32, fp16
+  // (session 25, run 3): conv+BN+ReLU(mask) 1x1/2 512->1024 19.0 -> 18.7 us, 3x3 512 @7 19.15 -> 18.7,
+  // conv1 74.7 -> 73.75; the registers stayed (90 on 1x1/2). With a residual it took more registers (3x3
+  // 128 @28, 128x128 tile: 127 -> 140, one CTA an SM) and (c) 19.0 -> 23.4 us; the NCHW epilogue's stmatrix
+  // deferred the same way took 20-40% more registers and lost up to 16 us (conv1), so neither does.
+  constexpr bool kDeferStores = !Epi::kResidual;
+  uint32_t po[kDeferStores ? NB : 1][2];
   uint32_t keep0 = 0, keep1 = 0;        // lane q of a quad keeps word 4i + q of its rows until i's 4 are done
   constexpr int WORDS = BN / 32;        // mask words a tile row
 #pragma unroll
@@ -455,8 +464,13 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
       // (4-byte stores: with a fused mask, stmatrix's register quads cost more moves than it saves stores --
       // the set.gt overwrites its operand -- and 1x1 64->256's conv+BN+ReLU+mask measured 1.2 us slower)
       const uint32_t o0 = pack_pair<TO>(v[0], v[1]), o1 = pack_pair<TO>(v[2], v[3]);
-      *reinterpret_cast<uint32_t*>(ct + r0 * LDH + c) = o0;
-      *reinterpret_cast<uint32_t*>(ct + (r0 + 8) * LDH + c) = o1;
+      if constexpr (kDeferStores) {
+        po[j][0] = o0;
+        po[j][1] = o1;
+      } else {
+        *reinterpret_cast<uint32_t*>(ct + r0 * LDH + c) = o0;
+        *reinterpret_cast<uint32_t*>(ct + (r0 + 8) * LDH + c) = o1;
+      }
       if constexpr (Cfg::FuseMask) {
         // (stored value > 0) of the pair, as bits jj and 16 + jj (jj = j % 4) ...
         const uint32_t sel = 0x00010001u << (j & 3);
@@ -488,6 +502,14 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
           bits0 = bits1 = 0;
         }
       }
+    }
+  }
+  if constexpr (kDeferStores) {
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      const int c = j * 8 + 2 * (lane & 3);
+      *reinterpret_cast<uint32_t*>(ct + r0 * LDH + c) = po[j][0];
+      *reinterpret_cast<uint32_t*>(ct + (r0 + 8) * LDH + c) = po[j][1];
     }
   }
   sync();

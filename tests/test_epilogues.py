@@ -166,7 +166,8 @@ def test_gpu_chains(name, layout, dtype, rng):
 def test_gpu_relu_stores_positive_zero(layout, dtype, rng):
     """A ReLU chain stores +0 (never -0) wherever the value before it is <= 0, also where a negative value
     would round to -0 in the output's type, and exactly +0 where a positive one rounds to 0: the register
-    epilogue rounds with the conversion's .relu (cvt.rn.relu), the fp32 C tile's store phase after max(v, 0).
+    epilogue's max.NaN(v, 0) and 16-bit conversion (one F2FP.RELU in ptxas's SASS), and the fp32 C tile's
+    store phase.
     A 1x1 conv with identity weights (acc = x exactly) and BN scales of 1 and of 2^-30 (fp16) / 2^-140 (bf16:
     below its smallest subnormal)."""
     torch = pytest.importorskip("torch")

@@ -288,15 +288,6 @@ IGEMM_DEVICE void unpack_pair(const Raw& u, float& lo, float& hi) {
   }
 }
 
-// Bits jj and 16 + jj (jj < 4: the pair of 8-column block jj) → bits 8·jj + 2q and 8·jj + 2q + 1 of the
-// row's mask word (q = lane % 4: the pair's first column in the block is 2q). v · 0x204081 puts bit jj of a
-// 4-bit v at jj + 7·k for k < 4, all 16 positions distinct (no carries); k = jj is the wanted 8·jj.
-IGEMM_DEVICE uint32_t pair_bits_to_word(uint32_t b, int q) {
-  const uint32_t lo = ((b & 0xFu) * 0x204081u) & 0x01010101u;
-  const uint32_t hi = (((b >> 16) & 0xFu) * 0x204081u) & 0x01010101u;
-  return (lo | (hi << 1)) << (2 * q);
-}
-
 // The register epilogues' common start: the tile's channel vectors in shared memory (the prologue's
 // cp.async group, or staged now), then `sync` (every stage read: the C tile may overwrite them).
 template <class Cfg, int NT, class P, class Sync>
@@ -370,14 +361,28 @@ IGEMM_DEVICE void load_residual_pairs(const P& p, int m0, int n0, int tid, int j
   }
 }
 
+// One 16-, 8-, 4- or 2-byte global store of v at p. (As a plain assignment, the uint4 store of
+// epilogue_regs_nchw_by's fused-mask variant left nvcc 13.0's front end as four st.global.u32.)
+IGEMM_DEVICE void store_vec(void* p, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+IGEMM_DEVICE void store_vec(void* p, const uint2& v) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+IGEMM_DEVICE void store_vec(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
+IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = v; }
+
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
 // each value is rounded once into a 16-bit C tile in shared memory (BN + 8 elements a row: the fragment
-// writes are conflict-free), the ReLU mask words are assembled in registers (one set.gt per stored pair;
-// a quad of lanes holds 32 consecutive channels of a row: two shuffles; FuseMask needs K % 32 == 0) and
-// stored four at a time by the quad's four lanes, and the tile leaves in 16-byte vectors. Against the fp32
-// C tile: half the shared-memory bytes, and no index math, chain or mask work per vector in the store loop.
+// writes are conflict-free), and the tile leaves in 16-byte vectors, each with its byte of the ReLU mask
+// (four set.gt on the stored pairs: bit = stored y > 0; one byte store, K % 8 == 0). Against the fp32 C
+// tile: half the shared-memory bytes, and no index math or chain work per vector in the store loop.
+// (The mask bytes come from the store loop's vectors: assembled as words from the fragments -- a quad's
+// four lanes hold a row's 32 channels, so two shuffles and the bit moves per word and row -- they cost
+// about 180 instructions a thread on a 64x128 tile against about 100 here, in an epilogue that runs with
+// three or four warps a scheduler and pays for each instruction in latency.)
 // NT threads (tid = 0..NT-1, 64 rows a warpgroup) synchronised by `sync`: the CTA, or one consumer
 // warpgroup of the persistent kernel; ct: the tile's C buffer; s_vec: its channel vectors.
 template <class Cfg, int NT, class P, class Sync>
@@ -390,11 +395,6 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   static_assert(NT % CPR == 0, "whole rows per store pass");
   const int lane = tid & 31, r0 = fragment_row0(tid);
   using RT = typename ResidualPairs<Cfg>::RT;
-  const bool ok0 = m0 + r0 < p.M, ok1 = m0 + r0 + 8 < p.M;
-  const int64_t row0 = int64_t(m0 + r0) * p.K + n0;
-  // the rows' mask words (FuseMask: K % 32 == 0, n0 % 32 == 0), one per 32 columns
-  uint32_t* mrow0 = Cfg::FuseMask ? static_cast<uint32_t*>(const_cast<void*>(p.mask)) + (row0 >> 5) : nullptr;
-  uint32_t* mrow1 = Cfg::FuseMask ? mrow0 + (p.K >> 2) : nullptr;
   // The residual pairs (load_residual_pairs) are loaded G column blocks at a time. With BN <= 128 the whole
   // tile's pairs are loaded at once, before the channel vectors' barrier: one round trip to L2 per tile (or
   // none: staged in shared memory, or preloaded by the patch kernel). In groups of four, the mask stores
@@ -434,7 +434,6 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   load_residual(0);
   const epi::Ctx ctx = regs_epilogue_start<Cfg, NT>(p, s_vec, tid, n0, sync);
   TO* ct = reinterpret_cast<TO*>(smem);
-  uint32_t bits0 = 0, bits1 = 0;        // the 32-column mask word being assembled, rows r0 and r0 + 8
   // Without a residual the packed pairs go to the C tile after the whole tile's chain (kDeferStores): a
   // C-tile store between column blocks kept the next block's channel-vector loads behind it (shared memory
   // both: ptxas cannot tell them apart), a shared-memory round trip exposed per block. H100, N=32, fp16
@@ -444,8 +443,6 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   // deferred the same way took 20-40% more registers and lost up to 16 us (conv1), so neither does.
   constexpr bool kDeferStores = !Epi::kResidual;
   uint32_t po[kDeferStores ? NB : 1][2];
-  uint32_t keep0 = 0, keep1 = 0;        // lane q of a quad keeps word 4i + q of its rows until i's 4 are done
-  constexpr int WORDS = BN / 32;        // mask words a tile row
 #pragma unroll
   for (int j0 = 0; j0 < NB; j0 += G) {
     if (j0 > 0) load_residual(j0);
@@ -471,37 +468,6 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
         *reinterpret_cast<uint32_t*>(ct + r0 * LDH + c) = o0;
         *reinterpret_cast<uint32_t*>(ct + (r0 + 8) * LDH + c) = o1;
       }
-      if constexpr (Cfg::FuseMask) {
-        // (stored value > 0) of the pair, as bits jj and 16 + jj (jj = j % 4) ...
-        const uint32_t sel = 0x00010001u << (j & 3);
-        bits0 |= gt0_pair<TO>(o0) & sel;
-        bits1 |= gt0_pair<TO>(o1) & sel;
-        if ((j & 3) == 3) {                 // columns (j - 3) * 8 .. j * 8 + 7: one word per row
-          // ... moved to bits 8·jj + 2·(lane % 4) + {0, 1} of the word, then OR-ed over the quad
-          bits0 = pair_bits_to_word(bits0, lane & 3);
-          bits1 = pair_bits_to_word(bits1, lane & 3);
-          bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 1);
-          bits0 |= __shfl_xor_sync(0xffffffffu, bits0, 2);
-          bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 1);
-          bits1 |= __shfl_xor_sync(0xffffffffu, bits1, 2);
-          // every lane of the quad has the words; lane q keeps word g of the row when g % 4 == q, and after
-          // each four the quad stores them together: 16 contiguous bytes a row, one L2 sector (one word per
-          // store, 4 bytes each, cost the 1x1/2 512->1024 layer 200k L2 write requests besides y's 400k)
-          const int g = j >> 2;
-          if ((g & 3) == (lane & 3)) {
-            keep0 = bits0;
-            keep1 = bits1;
-          }
-          if ((g & 3) == 3 || g == WORDS - 1) {
-            const int wq = (g & ~3) + (lane & 3);
-            if (wq < WORDS && n0 + wq * 32 < p.K) {
-              if (ok0) mrow0[wq] = keep0;
-              if (ok1) mrow1[wq] = keep1;
-            }
-          }
-          bits0 = bits1 = 0;
-        }
-      }
     }
   }
   if constexpr (kDeferStores) {
@@ -517,24 +483,28 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   constexpr int RSTEP = NT / CPR;
   const int col = (tid % CPR) * V, rows = min(BM, p.M - m0);
   if (n0 + col < p.K) {
-    TO* y = static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(m0 + tid / CPR) * p.K + n0 + col;
+    const int64_t off = int64_t(m0 + tid / CPR) * p.K + n0 + col;
+    TO* y = static_cast<TO*>(const_cast<void*>(p.y)) + off;
     const int64_t ystep = int64_t(RSTEP) * p.K;
+    if constexpr (Cfg::FuseMask) {
+      // the vector's 8 mask bits (stored value > 0: one set.gt a pair), one byte at bit offset off (K % 8 == 0)
+      uint8_t* mb = static_cast<uint8_t*>(const_cast<void*>(p.mask)) + (off >> 3);
+      const int64_t mstep = ystep >> 3;
 #pragma unroll 4
-    for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep)
-      *reinterpret_cast<uint4*>(y) = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
+      for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep, mb += mstep) {
+        const uint4 v = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
+        store_vec(y, v);
+        const uint32_t t = (gt0_pair<TO>(v.x) & 0x00020001u) | (gt0_pair<TO>(v.y) & 0x00080004u) |
+                           (gt0_pair<TO>(v.z) & 0x00200010u) | (gt0_pair<TO>(v.w) & 0x00800040u);
+        *mb = uint8_t(t | (t >> 16));
+      }
+    } else {
+#pragma unroll 4
+      for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep)
+        *reinterpret_cast<uint4*>(y) = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
+    }
   }
 }
-
-// One 16-, 8-, 4- or 2-byte global store of v at p. (As a plain assignment, the uint4 store of
-// epilogue_regs_nchw_by's fused-mask variant left nvcc 13.0's front end as four st.global.u32.)
-IGEMM_DEVICE void store_vec(void* p, const uint4& v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
-IGEMM_DEVICE void store_vec(void* p, const uint2& v) {
-  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
-}
-IGEMM_DEVICE void store_vec(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
-IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = v; }
 
 // The NCHW register epilogue's 16-bit C tile: channel-major, BN rows. With vectors of 4 or 8 pixels: rows of
 // BM pixels, the 16-byte chunk k of row nl at chunk k ^ (nl & 7) -- the fragment's 16-bit accesses (8

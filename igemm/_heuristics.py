@@ -307,8 +307,8 @@ def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
 
 
 def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
-    """Whether a register epilogue (the chain on the accumulators, a 16-bit C tile, mask words from
-    registers; ``csrc/conv2d_sm90.cuh`` epilogue_regs_by / epilogue_regs_nchw_by) can store this problem: the
+    """Whether a register epilogue (the chain on the accumulators, a 16-bit C tile, the mask from its
+    stored vectors; ``csrc/conv2d_sm90.cuh`` epilogue_regs_by / epilogue_regs_nchw_by) can store this problem: the
     per-tile wgmma kernel or the persistent one, 16-bit output, no split-K; NHWC with K % 8 == 0 (16-byte
     vectors, store ``"regs"``), or NCHW with a 16-bit residual if any (staged in the 16-bit C tile; store
     ``"regsnchw"``)."""

@@ -1516,8 +1516,8 @@ REGS_BITWISE_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_register_epilogue_bitwise(dtype, rng):
-    """The register epilogue (store "regs": chain on the accumulators, 16-bit C tile, mask words from
-    registers) against the fp32 C tile's store phase of the same tile: identical bits of y and mask, over
+    """The register epilogue (store "regs": chain on the accumulators, 16-bit C tile, mask bytes from the
+    store loop's vectors) against the fp32 C tile's store phase of the same tile: identical bits of y and mask, over
     M and K tails, 64/128-row tiles (TMA and gather loads) and the persistent kernel, mask fused
     (K % 32 == 0) or not, the chains
     with a 16-bit residual (staged in shared memory where the kernel can: a freed stage, the persistent

@@ -377,7 +377,7 @@ IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = 
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
 // each value is rounded once into a 16-bit C tile in shared memory (BN + 8 elements a row: the fragment
 // writes are conflict-free), and the tile leaves in 16-byte vectors, each with its byte of the ReLU mask
-// (four set.gt on the stored pairs: bit = stored y > 0; one byte store, K % 8 == 0). Against the fp32 C
+// (four set.gt on the stored pairs: bit = stored y > 0; one byte store: K % 8 == 0 is all it needs). Against the fp32 C
 // tile: half the shared-memory bytes, and no index math or chain work per vector in the store loop.
 // (The mask bytes come from the store loop's vectors: assembled as words from the fragments -- a quad's
 // four lanes hold a row's 32 channels, so two shuffles and the bit moves per word and row -- they cost
@@ -497,6 +497,14 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
         const uint32_t t = (gt0_pair<TO>(v.x) & 0x00020001u) | (gt0_pair<TO>(v.y) & 0x00080004u) |
                            (gt0_pair<TO>(v.z) & 0x00200010u) | (gt0_pair<TO>(v.w) & 0x00800040u);
         *mb = uint8_t(t | (t >> 16));
+      }
+      // the tensor's last byte (K % 32 != 0 can leave its word part-filled): the rest of the word, past the
+      // last element, is zero, as relu_mask leaves it -- by the thread that stored that byte
+      const int64_t nbytes = (int64_t(p.M) * p.K) >> 3;
+      const int last = rows - 1 - tid / CPR;             // (this thread's rows: tid / CPR + i·RSTEP)
+      if ((nbytes & 3) != 0 && m0 + rows == p.M && n0 + col + V == p.K && last >= 0 && last % RSTEP == 0) {
+        uint8_t* const m = static_cast<uint8_t*>(const_cast<void*>(p.mask));
+        for (int64_t e = nbytes; (e & 3) != 0; ++e) m[e] = 0;
       }
     } else {
 #pragma unroll 4

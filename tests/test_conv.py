@@ -170,7 +170,10 @@ def test_choose_config_rules(monkeypatch):
     assert (tf.math, tf.bk) == ("tensorop", 16)
     big = choose_config(_pb(K=256, epilogue=(("ReLU", True),)))
     assert (big.store, big.fuse_mask) == ("regs", True)                   # the register epilogue
-    assert choose_config(_pb(K=264, epilogue=(("ReLU", True),))).fuse_mask is False   # words straddle tiles
+    relu_m = (("ReLU", True),)
+    assert choose_config(_pb(K=264, epilogue=relu_m)).fuse_mask is True     # registers: a byte per 8-channel vector
+    assert choose_config(_pb(K=262, epilogue=relu_m)).fuse_mask is False    # the fp32 C tile: words would straddle
+    assert choose_config(_pb(K=264, epilogue=relu_m), "sm_80").fuse_mask is False   # tiles (K % 32 != 0)
     res = choose_config(_pb(K=256, epilogue=(("Add",), ("ReLU", True)), residual_dtype="float32"))
     assert (res.store, res.fuse_mask) == ("regs", True)
     assert choose_config(_pb(K=256, layout="NCHW", H=28, W=28)).store == "regsnchw"  # NCHW output, registers
@@ -1518,8 +1521,8 @@ REGS_BITWISE_CASES = [
 def test_gpu_register_epilogue_bitwise(dtype, rng):
     """The register epilogue (store "regs": chain on the accumulators, 16-bit C tile, mask bytes from the
     store loop's vectors) against the fp32 C tile's store phase of the same tile: identical bits of y and mask, over
-    M and K tails, 64/128-row tiles (TMA and gather loads) and the persistent kernel, mask fused
-    (K % 32 == 0) or not, the chains
+    M and K tails, 64/128-row tiles (TMA and gather loads) and the persistent kernel, K % 32 == 0 or not
+    (the fp32 C tile then leaves the mask to relu_mask, whose last word ends in zero bits), the chains
     with a 16-bit residual (staged in shared memory where the kernel can: a freed stage, the persistent
     kernel's C tile) or an fp32 one among them; y and mask poisoned first."""
     torch = pytest.importorskip("torch")

@@ -169,7 +169,8 @@ MAINLOOP = {
 #: NHWC store classes by K (every K > 128 is "rows" for every tile width in use: 64, 128; on the 16-bit
 #: wgmma paths every K % 8 == 0 takes the register epilogue, "regs", unless split):
 #: lin: K <= 64 (the CTA owns whole output rows; K % 8 != 0 wraps rows inside a vector),
-#: rows: K % 32 == 0 (mask fused), rows_nofuse: K % 8 == 0 but K % 32 != 0 (mask by the relu_mask kernel),
+#: rows: K % 32 == 0 (mask fused), rows_nofuse: K % 8 == 0 but K % 32 != 0 (the fp32 C tile's "rows" store
+#: leaves the mask to the relu_mask kernel; the 16-bit register epilogue fuses it, a byte per vector),
 #: rows_scalar: K % 4 != 0 (scalar stores).
 NHWC_K = {"lin": [5, 8, 13, 24, 30, 64], "rows": [160, 192, 256], "rows_nofuse": [136, 200],
           "rows_scalar": [130, 150]}
@@ -1253,7 +1254,8 @@ def test_conv_cells_pin_the_spec():
                 specs.add((s.load_a, s.load_b, s.stages, s.store, s.vec_o, s.fuse_mask, s.math))
             # the register epilogues (NHWC "regs", NCHW "regsnchw") run without split-K: a cell's split draws
             # add the fp32 C tile's kernel;
-            # it fuses the mask only for K % 32 == 0, so a mask chain's "lin" cell (K = 5..64) may take both
+            # it fuses the mask for K % 8 == 0 (the fp32 C tile for K % 32 == 0), so a mask chain's "lin" cell
+            # (K = 5..64) may take both
             # (a draw-dependent third kernel: seen once the patch cells shifted the draws)
             regs = [k for k in specs if k[3] in ("regs", "regsnchw")]
             assert len(specs) == 1 or (len(specs) - len(regs) <= 1 and len({k[4] for k in regs}) <= 1

@@ -573,9 +573,9 @@ IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, 
 // accumulators as in epilogue_regs_by and each value is rounded once into a channel-major 16-bit C tile
 // (nchw_ct_index), which leaves shared memory in V-pixel vectors along one channel (P·Q % V == 0: a vector
 // stays inside one image's plane); a thread's pixels are the same in every pass, so its (image, pixel)
-// divmod is done once. FuseMask (P·Q % 8 == 0, V = 8): a quad of lanes holds 32 consecutive pixels of one
-// channel, one mask word: one set.gt per stored pair, two shuffles; the words gather in shared memory and
-// each channel row's BM / 32 of them leave in one store (P·Q % 32 == 0), else byte by byte.
+// divmod is done once. FuseMask (P·Q % 8 == 0, V = 8): each vector's mask byte from four set.gt on its
+// stored pairs, stored beside it (session 26: the words had gathered in shared memory from quad shuffles,
+// then left after a barrier -- Config::kCsBytes still counts their BN · BM / 32 words).
 // A residual (16-bit) fills the C tile first, in the store loop's vectors, and each fragment element reads
 // its residual where it then writes its output: the same thread, the same address, in place. It is staged
 // ahead (res_s: the C tile, filled by stage_residual_nchw during the mainloop -- the per-tile kernel's
@@ -662,16 +662,16 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
   }
   sync();
   TO* y = static_cast<TO*>(const_cast<void*>(p.y));
-  uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
-  // FuseMask: the tile's mask words, BN rows of WPR = BM / 32, in shared memory first, after the C tile, or
-  // at smem's start where the C tile is a later stage buffer (ncu, 1x1 64->256 NCHW: a warp's 4-byte word
-  // stores, 8 bytes of each of four channel rows, cost 1.04M L2 write sectors for a 100k-sector mask)
-  constexpr int WPR = BM / 32;
-  uint32_t* ms = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(ct) == smem ? smem + BN * kNchwLd<Cfg> * 2 : smem);
   TO* yp = y + off0;                                         // (a pointer stepped per pass: no 64-bit IMADs)
+  // FuseMask (P·Q % 8 == 0, V = 8): each vector's 8 pixels are one byte of the mask (the vector starts on a
+  // byte: pq % 8 == 0), stored by the thread that stores the vector. A word at a channel row's run end also
+  // holds bits of a neighbouring tile (P·Q % 32 != 0) or row: byte stores leave them alone, so every byte
+  // has one writer -- no atomics, no fix-up, the same bits whatever the order.
+  uint8_t* mb = Cfg::FuseMask ? static_cast<uint8_t*>(const_cast<void*>(p.mask)) + (off0 >> 3) : nullptr;
+  const int64_t mstep = ostep >> 3;
   const uint16_t* const sbase = ct + cti(nl0, ml);
 #pragma unroll 4
-  for (int i = 0; i < BN / RSTEP; ++i, yp += ostep) {
+  for (int i = 0; i < BN / RSTEP; ++i, yp += ostep, mb += mstep) {
     const int nl = nl0 + i * RSTEP;
     const bool ok = okm && nl < ncols;
     // (one base and a constant step: unswizzled, or 8 rows a pass)
@@ -679,74 +679,21 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     const VecT o = *reinterpret_cast<const VecT*>(sbase + i * RSTEP * kNchwLd<Cfg>);
     if (ok) store_vec(yp, o);
     if constexpr (Cfg::FuseMask) {
-      // bit e of the vector's byte: pixel ml + e stored > 0; the quad's bytes in lane order make the word.
-      // Pair k's set.gt halves keep bits 2k (low) and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16
-      // then has pixel e at bit e.
-      const uint32_t pairs[4] = {o.x, o.y, o.z, o.w};      // (V = 8)
-      uint32_t x = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) x |= gt0_pair<TO>(pairs[k]) & (0x00020001u << (2 * k));
-      uint32_t word = ((x | (x >> 16)) & 0xFFu) << (8 * (lane & 3));
-      word |= __shfl_xor_sync(0xffffffffu, word, 1);
-      word |= __shfl_xor_sync(0xffffffffu, word, 2);
-      if ((lane & 3) == 0) ms[nl * WPR + (ml >> 5)] = word;
+      // bit e of the vector's byte: pixel ml + e stored > 0. Pair k's set.gt halves keep bits 2k (low) and
+      // 16 + 2k + 1 (high): one LOP3 each; x | x >> 16 then has pixel e at bit e.
+      const uint32_t x = (gt0_pair<TO>(o.x) & 0x00020001u) | (gt0_pair<TO>(o.y) & 0x00080004u) |
+                         (gt0_pair<TO>(o.z) & 0x00200010u) | (gt0_pair<TO>(o.w) & 0x00800040u);   // (V = 8)
+      if (ok) *mb = uint8_t(x | (x >> 16));
     }
   }
   if constexpr (Cfg::FuseMask) {
-    // each channel row's WPR words leave together: one 8- or 16-byte store where they are contiguous (the
-    // tile inside one image) and aligned, else word by word
-    sync();
-    if (p.PQ % 32 != 0) {
-      // P·Q % 8 == 0 only (28x28: V = 8 still): a run of a channel row starts on a byte, not a word, and the
-      // words at its ends also hold bits of a neighbouring tile. Each tile stores its own 8-pixel bytes
-      // (st.global.u8 leaves the word's other bytes alone), so no word is written whole by two tiles: no
-      // atomics, no fix-up, the same bits whatever the order. Thread tid: byte tid % BPR of rows tid / BPR
-      // + i·RS (one image per byte: P·Q % 8 == 0).
-      constexpr int BPR = BM / 8, RS = NT / BPR;
-      static_assert(NT % BPR == 0, "whole rows of mask bytes per pass");
-      const int b = tid % BPR;
-      if (m0 + 8 * b < p.M) {
-        int im, pq;
-        p.fd_PQ.divmod(im, pq, m0 + 8 * b);
-        const int r0 = tid / BPR;
-        uint8_t* dst = reinterpret_cast<uint8_t*>(mask) + (((int64_t(im) * p.K + n0 + r0) * p.PQ + pq) >> 3);
-        const int64_t step = (int64_t(RS) * p.PQ) >> 3;
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(ms) + b;   // byte b of row r: src[r · BPR]
-        uint8_t* last = nullptr;
-        for (int r = r0; r < ncols; r += RS, dst += step) {
-          *dst = src[r * BPR];
-          last = dst;
-        }
-        // the tensor's last byte: the rest of its word (past the last element) is zero, as relu_mask leaves it
-        uint8_t* const mb = reinterpret_cast<uint8_t*>(mask);
-        const int64_t nbytes = (int64_t(p.M) * p.K) >> 3;
-        if ((nbytes & 3) != 0 && last == mb + nbytes - 1)
-          for (int64_t e = nbytes; (e & 3) != 0; ++e) mb[e] = 0;
-      }
-      return;
-    }
-    int img0, pq0;
-    p.fd_PQ.divmod(img0, pq0, m0);
-    const int nw = min(WPR, (p.M - m0) / 32);               // (M = N·P·Q, a multiple of 32 here)
-    const bool whole = nw == WPR && pq0 + BM <= p.PQ;
-    for (int r = tid; r < ncols; r += NT) {
-      const uint32_t* src = ms + r * WPR;
-      const int64_t w0 = ((int64_t(img0) * p.K + n0 + r) * p.PQ + pq0) >> 5;
-      if (whole && WPR % 4 == 0 && w0 % 4 == 0) {
-#pragma unroll
-        for (int j = 0; j < WPR; j += 4)
-          *reinterpret_cast<uint4*>(mask + w0 + j) = *reinterpret_cast<const uint4*>(src + j);
-      } else if (whole && WPR % 2 == 0 && w0 % 2 == 0) {
-#pragma unroll
-        for (int j = 0; j < WPR; j += 2)
-          *reinterpret_cast<uint2*>(mask + w0 + j) = *reinterpret_cast<const uint2*>(src + j);
-      } else {
-        for (int j = 0; j < nw; ++j) {
-          int im, pq;
-          p.fd_PQ.divmod(im, pq, m0 + 32 * j);
-          mask[((int64_t(im) * p.K + n0 + r) * p.PQ + pq) >> 5] = src[j];
-        }
-      }
+    // the tensor's last byte (its last vector: image N - 1, pixels P·Q - 8.., channel K - 1): the rest of its
+    // word, past the last element, is zero, as relu_mask leaves it -- by the thread that stored that byte
+    const int64_t nbytes = (int64_t(p.M) * p.K) >> 3;
+    const int last = p.K - 1 - n0 - nl0;                     // (this thread's rows: nl0 + i·RSTEP)
+    if ((nbytes & 3) != 0 && okm && m0 + ml + V == p.M && last >= 0 && last < BN && last % RSTEP == 0) {
+      uint8_t* const m = static_cast<uint8_t*>(const_cast<void*>(p.mask));
+      for (int64_t e = nbytes; (e & 3) != 0; ++e) m[e] = 0;
     }
   }
 }

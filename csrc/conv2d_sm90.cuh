@@ -377,12 +377,12 @@ IGEMM_DEVICE void store_vec(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = 
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
 // each value is rounded once into a 16-bit C tile in shared memory (BN + 8 elements a row: the fragment
 // writes are conflict-free), and the tile leaves in 16-byte vectors, each with its byte of the ReLU mask
-// (four set.gt on the stored pairs: bit = stored y > 0; one byte store: K % 8 == 0 is all it needs). Against the fp32 C
-// tile: half the shared-memory bytes, and no index math or chain work per vector in the store loop.
-// (The mask bytes come from the store loop's vectors: assembled as words from the fragments -- a quad's
-// four lanes hold a row's 32 channels, so two shuffles and the bit moves per word and row -- they cost
-// about 180 instructions a thread on a 64x128 tile against about 100 here, in an epilogue that runs with
-// three or four warps a scheduler and pays for each instruction in latency.)
+// (four set.gt on the stored pairs: bit = stored y > 0; one byte store, so K % 8 == 0 is all it needs).
+// Against the fp32 C tile: half the shared-memory bytes, and no index math or chain work per vector in the
+// store loop. (Until session 26 the mask words were assembled from the fragments -- a quad's four lanes
+// hold a row's 32 channels: bit moves and two shuffles per word and row -- about 180 instructions a thread
+// on a 64x128 tile against about 100 from the vectors, in an epilogue that runs with three or four warps a
+// scheduler and pays for each instruction in latency.)
 // NT threads (tid = 0..NT-1, 64 rows a warpgroup) synchronised by `sync`: the CTA, or one consumer
 // warpgroup of the persistent kernel; ct: the tile's C buffer; s_vec: its channel vectors.
 template <class Cfg, int NT, class P, class Sync>
@@ -397,9 +397,9 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   using RT = typename ResidualPairs<Cfg>::RT;
   // The residual pairs (load_residual_pairs) are loaded G column blocks at a time. With BN <= 128 the whole
   // tile's pairs are loaded at once, before the channel vectors' barrier: one round trip to L2 per tile (or
-  // none: staged in shared memory, or preloaded by the patch kernel). In groups of four, the mask stores
-  // between groups kept each group's loads behind the previous group's work: four round trips after the
-  // mainloop.
+  // none: staged in shared memory, or preloaded by the patch kernel). In groups of four (as they once were),
+  // the mask stores between groups kept each group's loads behind the previous group's work: four round
+  // trips after the mainloop.
   constexpr int NB = BN / 8, G = ResidualPairs<Cfg>::G;   // column blocks: all, and per group
   static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4 (one mask word)");
   using RawPair = typename ResidualPairs<Cfg>::Raw;

@@ -322,8 +322,7 @@ def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
 def _regs_store(pb: ConvProblem) -> tuple[str, int, bool]:
     """A register epilogue's (store, output vector width, mask fusion): NHWC, a mask byte from each 8-channel
     vector (K % 8 == 0, as the register epilogue needs); NCHW, the widest vector inside one image's plane (as
-    :func:`_store`) and the mask from 8-pixel vectors (P·Q % 8 == 0: whole words where P·Q % 32 == 0, else
-    each tile's own bytes)."""
+    :func:`_store`) and a mask byte from each 8-pixel vector (P·Q % 8 == 0)."""
     if pb.y_layout == "NHWC":
         return "regs", 8, pb.mask
     _, v, _ = _store(pb, 0)

@@ -1520,9 +1520,9 @@ REGS_BITWISE_CASES = [
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_register_epilogue_bitwise(dtype, rng):
     """The register epilogue (store "regs": chain on the accumulators, 16-bit C tile, mask bytes from the
-    store loop's vectors) against the fp32 C tile's store phase of the same tile: identical bits of y and mask, over
-    M and K tails, 64/128-row tiles (TMA and gather loads) and the persistent kernel, K % 32 == 0 or not
-    (the fp32 C tile then leaves the mask to relu_mask, whose last word ends in zero bits), the chains
+    store loop's vectors) against the fp32 C tile's store phase of the same tile: identical bits of y and
+    mask, over M and K tails, 64/128-row tiles (TMA and gather loads) and the persistent kernel, K % 32 == 0
+    or not (the fp32 C tile then leaves the mask to relu_mask, whose last word ends in zero bits), the chains
     with a 16-bit residual (staged in shared memory where the kernel can: a freed stage, the persistent
     kernel's C tile) or an fp32 one among them; y and mask poisoned first."""
     torch = pytest.importorskip("torch")
@@ -1554,8 +1554,9 @@ NCHW_BITWISE_CASES = [
     ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, None),                        # V = 2
     ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
     ((3, 64, 16, 16), (72, 64, 1, 1), 1, 0, None),                      # MN-major TMA (1x1 in place)
-    # the fused mask's row stores: 16-byte (128-row tiles), tiles across images with odd word
-    # offsets and an M tail (P*Q = 96: word by word), the persistent kernel with a K tail
+    # the fused mask across tiles and images (written for the word stores before session 26's byte stores):
+    # 128-row tiles, tiles across images with odd word offsets and an M tail (P*Q = 96), the persistent
+    # kernel with a K tail
     ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
     ((3, 64, 8, 12), (72, 64, 3, 3), 1, 1, None),
     ((2, 64, 8, 8), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
@@ -1578,11 +1579,11 @@ NCHW_BITWISE_CASES = [
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
     """The NCHW register epilogue (store "regsnchw": chain on the accumulators, a channel-major 16-bit C
-    tile, vectors along each channel's pixels, mask words from quads of 8-pixel vectors) against the fp32 C
+    tile, vectors along each channel's pixels, mask bytes from the 8-pixel vectors) against the fp32 C
     tile's NCHW store phase of the same tile: identical bits of y and mask on every NCHW kernel path (the
     transpose path's TMA and gather kernels, 64/128-row tiles, the persistent kernel; the MN-major 1x1 path;
-    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (8: mask fused, each channel row's words stored
-    in 8- or 16-byte pieces or word by word where P*Q % 32 == 0, else byte by byte), M and K tails, 16-bit
+    the patch kernel), output vectors of 8, 4, 2 and 1 pixels (8: mask fused, a byte beside each vector,
+    P*Q % 32 == 0 or not; the tensor's last word part-filled), M and K tails, 16-bit
     residuals of either type (staged in the C tile: zeros past the tails); y and mask poisoned first; plain
     results against the float64 reference."""
     torch = pytest.importorskip("torch")

@@ -101,7 +101,8 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
   uint8_t* sA = smem;
   uint8_t* sB = smem + 2 * A_STAGE;
   uint16_t* patch = reinterpret_cast<uint16_t*>(sB + S * B_STAGE);
-  const int tid = threadIdx.x, wg = tid / 128, ch = tid % 8;
+  // (wg broadcast from lane 0: ptxas then knows it is warp-uniform, as the warpgroup's barrier needs)
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), ch = tid % 8;
   const int KT = kt1 - kt0;
   const PatchTile pt = patch_tile<Cfg>(p, m0);
   if (tid == 0) {

@@ -1210,7 +1210,8 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   }
   if constexpr (kCsplit == 2) cluster_sync_all();   // the peer's barriers are initialised before any arrival
   else __syncthreads();
-  const int wg = threadIdx.x / 128;
+  // (broadcast from lane 0: ptxas then knows the role, and so the consumer's whole tile loop, is warp-uniform)
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (wg == NC) {                                   // the producer warp
     if ((threadIdx.x & 31) != 0) return;
     tma_prefetch_maps(p.tmA, p.tmB);

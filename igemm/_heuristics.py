@@ -616,7 +616,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
             if tiles > sms and bn == 64 and K >= 128 and t128 <= sms:
                 bn, tiles = 128, t128
             persistent = tiles <= sms
-    ctas = 1
+    ctas, ws_stages = 1, 0
     # (a few k-tiles a 64-row tile and at least 5 tiles an SM: the rules for several CTAs an SM below)
     short = math == "wgmma" and load_a in ("tma", "tmamn") and bm == 64 and splits == 1 and kt <= 4 \
         and tiles >= 5 * sms
@@ -661,6 +661,17 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # 45.4 / 47.9 / 57.4 -> 46.3 / 47.3 / 56.4 (the conv alone: from 12 tiles an SM, per-tile, as above). Not
         # at N=8 (392 tiles: 7.6 / 8.2 / 9.7 -> 7.8 / 8.1 / 9.8).
         persistent, ctas = True, 3
+    elif (math == "wgmma" and load_a == "tma" and splits == 1 and not persistent and pb.R * pb.S > 1 and K <= 64
+          and pb.layout == "NHWC" and pb.y_layout == "NHWC" and pb.residual_dtype is None and epilogue_functors(pb)
+          and -(-M // 64) >= 10 * sms):
+        # A 3x3 conv into 64 channels (3x3 64->64 @56) with a chain and no residual, 10+ tiles of 64x64 an SM: the
+        # persistent kernel with 64x64 tiles at 3 CTAs an SM, 4 stages each, where the 128x64 per-tile kernel waits
+        # out its chain (session 27, tools/probes/cfg_probe.py, conv+BN+ReLU(mask), us, per-tile -> persistent):
+        # H100 N=32 27.3-27.5 -> 26.2-26.5, N=64 50.2-50.3 -> 48.4-48.5; H200 N=32 24.1 -> 22.9-23.3. Not at N=16
+        # (H100 14.6 -> 14.7-14.9), not the conv alone (N=32 25.9 -> 26.4-26.8), not with a residual or an NCHW
+        # output (the 3-CTA kernel has neither).
+        bm, wm, bn, tiles = 64, 1, 64, -(-M // 64)
+        persistent, ctas, ws_stages = True, 3, 4
     csplit = 1
     if persistent:
         # one consumer with a deep ring where the tiles are at most one per SM (N=8 3x3 512->512 @7: s8
@@ -669,6 +680,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         math, splits = "wgmma_ws", 1
         wm, stages = (1, 2 if ctas == 3 and bn == 128 else 3) if ctas > 1 \
             else (1, one_consumer_stages(bn)) if tiles <= sms else (2, 4)
+        stages = ws_stages or stages
         if wm == 1 and bn == 64 and 2 * tiles <= sms and kt >= 32:
             # at most half a wave of tiles with a deep reduction: the cluster k-split (two CTAs a tile, the
             # partial sums handed over in distributed shared memory; tools/probes/stage_probe.py, H100,

@@ -1238,8 +1238,8 @@ def test_persistent_several_ctas_an_sm():
     take the persistent kernel with one consumer, 2 stages and 3 CTAs an SM (launch bounds and grid to match)
     with a chain, and without one at one or two k-tiles below 12 tiles an SM; with two k-tiles and a 16-bit
     residual (NHWC), 2 CTAs and 3 stages; a residual on one k-tile, fewer tiles or a deeper reduction (8 k-tiles)
-    keep the per-tile kernel. Several CTAs fit the SM's shared memory, and the spec refuses more than fit, or
-    several CTAs on another kernel."""
+    keep the per-tile kernel; 3x3 64->64 @56 with a chain (NHWC, N >= 32): 64x64 tiles, 3 CTAs, 4 stages. Several
+    CTAs fit the SM's shared memory, and the spec refuses more than fit, or several CTAs on another kernel."""
     from igemm._heuristics import SMEM_PER_SM, candidates, kernel_setup, max_ctas
     bnrm = (("BatchNorm",), ("ReLU", True))
     for layout in LAYOUTS:
@@ -1297,6 +1297,19 @@ def test_persistent_several_ctas_an_sm():
         for kw in (dict(N=8, C=256, K=64), dict(C=64, K=64), dict(N=64, C=256, K=64, epilogue=())):
             other = choose_config(kernel_setup(_pb(**{**base, **kw}), arch="sm_90a")[1])
             assert other.ctas == 1 and other.math == "wgmma", (kw, other.name())
+    # a 3x3 conv into 64 channels with a chain, NHWC, from 10 tiles of 64x64 an SM (3x3 64->64 @56 at N >= 32):
+    # 64x64 tiles, 3 CTAs an SM, 4 stages; not at N=16, not the conv alone, a residual or an NCHW output
+    three = dict(N=32, H=56, W=56, C=64, K=64, R=3, S=3, padding=(1, 1), layout="NHWC", epilogue=bnrm)
+    for N in (32, 64):
+        kp = kernel_setup(_pb(**{**three, "N": N}), arch="sm_90a")[1]
+        sp = choose_config(kp)
+        assert (sp.math, sp.bm, sp.bn, sp.wm, sp.stages, sp.ctas, sp.min_blocks) == \
+            ("wgmma_ws", 64, 64, 1, 4, 3, 3), sp.name()
+        assert validate_spec(sp, kp) and 3 * (sp.smem + sp.static_smem + 1024) <= SMEM_PER_SM
+    for kw in (dict(N=16), dict(epilogue=()), dict(epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)),
+                                                   residual_dtype="float16"), dict(layout="NCHW")):
+        other = choose_config(kernel_setup(_pb(**{**three, **kw}), arch="sm_90a")[1])
+        assert other.ctas == 1 and other.math == "wgmma" and other.bm == 128, (kw, other.name())
     one = _pb(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0))
     assert not validate_spec(dataclasses.replace(choose_config(one), ctas=2), one, raise_=False)
     plan = Conv2dPlan((32, 56, 56, 64), (256, 1, 1, 64), "float16", "NHWC", 1, 0, device=None,
@@ -1314,14 +1327,15 @@ SEVERAL_CTAS_CASES = [((2, 64, 16, 16), (256, 64, 1, 1), 1, 0, 1),       # one k
                       ((2, 64, 15, 13), (136, 64, 1, 1), 2, 0, 1),       # stride 2, M and K tails
                       ((1, 64, 9, 11), (130, 64, 3, 3), 1, 1, 1),        # 9 k-tiles, NHWC's fp32 C tile
                       ((2, 256, 12, 12), (72, 256, 1, 1), 1, 0, 1, 64),  # 64-column tiles, 4 k-tiles, a K tail
-                      ((1, 192, 10, 9), (64, 192, 1, 1), 1, 0, 1, 64)]   # 64-column tiles, 3 k-tiles, an M tail
+                      ((1, 192, 10, 9), (64, 192, 1, 1), 1, 0, 1, 64),  # 64-column tiles, 3 k-tiles, an M tail
+                      ((2, 64, 12, 10), (64, 64, 3, 3), 1, 1, 1, 64, 4)]  # 3x3 into 64 channels, 4 stages
 
 
-def several_ctas_plans(*args, bn: int = 128, **kw) -> dict:
+def several_ctas_plans(*args, bn: int = 128, stages: int = 0, **kw) -> dict:
     """{"ws": ``Conv2dPlan(*args, **kw)`` on the persistent kernel with 3 CTAs an SM (2 where its C tile is
     the larger one: a staged residual, or the fp32 tile's store), "tile": on the per-tile kernel of the same
-    64 x ``bn`` tile} (64 columns: 3 stages, as choose_config's 1x1 256->64 rule; 128: 2)"""
-    ws = {"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": bn, "stages": 2 if bn == 128 else 3, "splits": 1}
+    64 x ``bn`` tile} (64 columns: 3 stages, as choose_config's 1x1 256->64 rule; 128: 2; or ``stages``)"""
+    ws = {"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": bn, "stages": stages or (2 if bn == 128 else 3), "splits": 1}
     try:
         plan = Conv2dPlan(*args, config={**ws, "ctas": 3}, **kw)
         plan.spec()
@@ -1348,8 +1362,8 @@ def test_gpu_persistent_several_ctas(dtype, layout, sms, rng, monkeypatch):
     from igemm import _runtime
     if sms is not None:     # the plan sizes the persistent grid from the SM count
         monkeypatch.setattr(_runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
-    for xs, ws, st, pd, dl, *bn in SEVERAL_CTAS_CASES:
-        K, bn = ws[0], (bn or [128])[0]
+    for xs, ws, st, pd, dl, *rest in SEVERAL_CTAS_CASES:
+        K, bn, stages = ws[0], (rest or [128])[0], (rest[1:] or [0])[0]
         g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
         chains = {"plain": None, "bn_relu_mask": ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.ReLU(mask=True)),
                   "bn_add_relu_mask": ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))}
@@ -1368,6 +1382,7 @@ def test_gpu_persistent_several_ctas(dtype, layout, sms, rng, monkeypatch):
         for cn, chain in chains.items():
             outs = {}
             for kind, plan in several_ctas_plans(xsl, wsl, dtype, layout, st, pd, dl, epilogue=chain, bn=bn,
+                                                 stages=stages,
                                                  residual_dtype="float32" if "add32" in cn else None).items():
                 sp = plan.spec()
                 assert sp.persistent == (kind == "ws") and (sp.ctas > 1) == (kind == "ws"), sp.name()

@@ -55,14 +55,15 @@ def test_stubs() -> dict:
     specs = bitwise_stubs()
     specs.update(epilogue_stubs())
     from test_conv import SEVERAL_CTAS_CASES, several_ctas_plans
-    for xs, ws, st, pd, dl, *bn in SEVERAL_CTAS_CASES:  # test_gpu_persistent_several_ctas (NCHW: as the test runs it)
-        bn = (bn or [128])[0]
+    for xs, ws, st, pd, dl, *rest in SEVERAL_CTAS_CASES:  # test_gpu_persistent_several_ctas (NCHW: as the test runs it)
+        bn, stages = (rest or [128])[0], (rest[1:] or [0])[0]
         for dtype in ("float16", "bfloat16"):
             for layout in ("NCHW", "NHWC"):
                 runs = [(ch, None) for ch in chains(ws[0])] + ([(chains(ws[0])[2], "float32")] if bn == 64 else [])
                 for ch, rdt in runs:                    # (64-column cases: an fp32 residual too)
                     for p in several_ctas_plans(shape(xs, layout), shape(ws, layout), dtype, layout, st, pd, dl,
-                                                epilogue=ch, device=None, bn=bn, residual_dtype=rdt).values():
+                                                epilogue=ch, device=None, bn=bn, stages=stages,
+                                                residual_dtype=rdt).values():
                         s = p.spec()
                         specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
     for xs, ws, st, pd, dl, cfg in cases:

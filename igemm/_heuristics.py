@@ -669,7 +669,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         # out its chain (session 27, tools/probes/cfg_probe.py, conv+BN+ReLU(mask), us, per-tile -> persistent):
         # H100 N=32 27.3-27.5 -> 26.2-26.5, N=64 50.2-50.3 -> 48.4-48.5; H200 N=32 24.1 -> 22.9-23.3. Not at N=16
         # (H100 14.6 -> 14.7-14.9), not the conv alone (N=32 25.9 -> 26.4-26.8), not with a residual or an NCHW
-        # output (the 3-CTA kernel has neither).
+        # output (their larger C tiles do not fit three such CTAs in an SM's shared memory).
         bm, wm, bn, tiles = 64, 1, 64, -(-M // 64)
         persistent, ctas, ws_stages = True, 3, 4
     csplit = 1

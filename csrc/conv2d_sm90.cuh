@@ -259,6 +259,16 @@ IGEMM_DEVICE uint32_t gt0_pair(uint32_t u) {
   return r;
 }
 
+// The ReLU mask byte of a 16-byte vector of eight stored 16-bit values (bit e: value e > 0; false for ±0 and
+// NaN). Pair k's set.gt halves keep bits 2k (low) and 16 + 2k + 1 (high): one LOP3 each; x | x >> 16 then has
+// value e at bit e. The register epilogues' store loops, NHWC (8 channels) and NCHW (8 pixels of a channel).
+template <class TO>
+IGEMM_DEVICE uint8_t mask_byte8(const uint4& v) {
+  const uint32_t x = (gt0_pair<TO>(v.x) & 0x00020001u) | (gt0_pair<TO>(v.y) & 0x00080004u) |
+                     (gt0_pair<TO>(v.z) & 0x00200010u) | (gt0_pair<TO>(v.w) & 0x00800040u);
+  return uint8_t(x | (x >> 16));
+}
+
 // (lo, hi) rounded to nearest-even into one packed 16-bit pair, lo in the low half: one cvt (F2FP), where
 // two scalar conversions gave the pack in the other order and a PRMT to swap it back (ptxas 13.0).
 template <class TO>
@@ -401,7 +411,7 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   // the mask stores between groups kept each group's loads behind the previous group's work: four round
   // trips after the mainloop.
   constexpr int NB = BN / 8, G = ResidualPairs<Cfg>::G;   // column blocks: all, and per group
-  static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4 (one mask word)");
+  static_assert(NB % G == 0 && G % 4 == 0, "BN / 8 blocks in groups of 4");
   using RawPair = typename ResidualPairs<Cfg>::Raw;
   RawPair ra[G], rb[G];
   auto load_residual = [&](int j0) {
@@ -494,9 +504,7 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
       for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep, mb += mstep) {
         const uint4 v = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
         store_vec(y, v);
-        const uint32_t t = (gt0_pair<TO>(v.x) & 0x00020001u) | (gt0_pair<TO>(v.y) & 0x00080004u) |
-                           (gt0_pair<TO>(v.z) & 0x00200010u) | (gt0_pair<TO>(v.w) & 0x00800040u);
-        *mb = uint8_t(t | (t >> 16));
+        *mb = mask_byte8<TO>(v);
       }
       // the tensor's last byte (K % 32 != 0 can leave its word part-filled): the rest of the word, past the
       // last element, is zero, as relu_mask leaves it -- by the thread that stored that byte
@@ -679,11 +687,8 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
     const VecT o = *reinterpret_cast<const VecT*>(sbase + i * RSTEP * kNchwLd<Cfg>);
     if (ok) store_vec(yp, o);
     if constexpr (Cfg::FuseMask) {
-      // bit e of the vector's byte: pixel ml + e stored > 0. Pair k's set.gt halves keep bits 2k (low) and
-      // 16 + 2k + 1 (high): one LOP3 each; x | x >> 16 then has pixel e at bit e.
-      const uint32_t x = (gt0_pair<TO>(o.x) & 0x00020001u) | (gt0_pair<TO>(o.y) & 0x00080004u) |
-                         (gt0_pair<TO>(o.z) & 0x00200010u) | (gt0_pair<TO>(o.w) & 0x00800040u);   // (V = 8)
-      if (ok) *mb = uint8_t(x | (x >> 16));
+      const uint8_t byte = mask_byte8<TO>(o);                // (V = 8: bit e, pixel ml + e)
+      if (ok) *mb = byte;
     }
   }
   if constexpr (Cfg::FuseMask) {

@@ -552,13 +552,25 @@ constexpr bool kStageResidualNchw =
     Cfg::StoreMode == kStoreRegsNCHW && ResidualBytes<typename Cfg::Epi>::value == 2 && kNchwSwizzled<Cfg>;
 #endif
 
-// The residual tile into the NCHW C tile (V ≥ 4: cp.async of V-pixel vectors, the store loop's assignment:
-// pixel vector tid % CPR of channel rows tid / CPR + i·RSTEP; zeros outside the problem), one group.
+// The persistent kernel (fprop_ws) stages the residual at the tile's start whatever V: its C tile is its own,
+// free during the mainloop, so the residual's DRAM reads overlap the mainloop rather than follow it. With
+// V = 1 (P·Q odd: 3x3 512->512 @7) these are 2-byte loads, which had gone out after the mainloop.
+template <class Cfg>
+constexpr bool kStageResidualNchwWs =
+#if defined(IGEMM_NO_RES_STAGE)
+    false;
+#else
+    Cfg::StoreMode == kStoreRegsNCHW && ResidualBytes<typename Cfg::Epi>::value == 2;
+#endif
+
+// The residual tile into the NCHW C tile (the store loop's assignment: pixel vector tid % CPR of channel rows
+// tid / CPR + i·RSTEP; zeros outside the problem). V >= 2: cp.async of V-pixel vectors, one group. V = 1
+// (cp.async moves 4 bytes at least; the persistent kernel only): every 2-byte load issued before its store.
 template <class Cfg, int NT, class P>
 IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, int tid) {
   using RT = typename Cfg::Epi::Res;
   constexpr int BN = Cfg::BN, BM = Cfg::BM, V = Cfg::VecO, CPR = BM / V, RSTEP = NT / CPR;
-  static_assert(V >= 2 && sizeof(RT) == 2, "cp.async of 4- to 16-byte vectors of a 16-bit residual");
+  static_assert(sizeof(RT) == 2, "a 16-bit residual (the 16-bit C tile)");
   const int ml = (tid % CPR) * V, nl0 = tid / CPR;
   const bool okm = m0 + ml < p.M;
   int img, pq;
@@ -567,14 +579,25 @@ IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, 
   const RT* resp = static_cast<const RT*>(p.residual);
   const RT* src = resp + (int64_t(img) * p.K + n0 + nl0) * p.PQ + pq;
   const int64_t ostep = int64_t(RSTEP) * p.PQ;
-  // (not unrolled: in the mainloop, beside the accumulators, an unrolled loop's addresses cost registers --
-  // 3x3 128->128 @28's 128x128 tile went from 111 to 135, past two CTAs an SM)
+  if constexpr (V == 1) {
+    static_assert(Cfg::kMath == kWgmmaWs, "at the persistent kernel's tile start (registers to spare)");
+    constexpr int NI = BN / RSTEP;
+    const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+    uint16_t r[NI];
+#pragma unroll
+    for (int i = 0; i < NI; ++i) r[i] = okm && nl0 + i * RSTEP < ncols ? __ldg(s16 + i * ostep) : uint16_t(0);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) ct[nchw_ct_index<Cfg>(nl0 + i * RSTEP, ml)] = r[i];
+  } else {
+    // (not unrolled: in the mainloop, beside the accumulators, an unrolled loop's addresses cost registers --
+    // 3x3 128->128 @28's 128x128 tile went from 111 to 135, past two CTAs an SM)
 #pragma unroll 1
-  for (int nl = nl0; nl < BN; nl += RSTEP, src += ostep) {
-    const bool ok = okm && nl < ncols;
-    cp_async_zfill<V * 2>(ct + nchw_ct_index<Cfg>(nl, ml), ok ? src : resp, ok);
+    for (int nl = nl0; nl < BN; nl += RSTEP, src += ostep) {
+      const bool ok = okm && nl < ncols;
+      cp_async_zfill<V * 2>(ct + nchw_ct_index<Cfg>(nl, ml), ok ? src : resp, ok);
+    }
+    cp_async_commit();
   }
-  cp_async_commit();
 }
 
 // The register epilogue for NCHW outputs (kStoreRegsNCHW: no split-K): the chain runs on the
@@ -587,8 +610,9 @@ IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, 
 // A residual (16-bit) fills the C tile first, in the store loop's vectors, and each fragment element reads
 // its residual where it then writes its output: the same thread, the same address, in place. It is staged
 // ahead (res_s: the C tile, filled by stage_residual_nchw during the mainloop -- the per-tile kernel's
-// first stage freed for good, the persistent kernel's C tile before the tile's mainloop -- and waited for
-// with the channel vectors), or else here, after the mainloop (cp.async, or 2-byte loads for V = 1).
+// first stage freed for good (V >= 4), the persistent kernel's C tile before the tile's mainloop (any V) --
+// and waited for with the channel vectors), or else here, after the mainloop (cp.async, or 2-byte loads for
+// V = 1: the per-tile kernel, and the persistent one's cluster k-split).
 // Against the fp32 C tile's store (kStoreNCHW, where the chain ran per vector in the store loop): half the
 // shared-memory bytes, the channel vectors fetched before the mainloop, and no index math or chain work per
 // vector in the store loop.
@@ -619,8 +643,8 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
       } else {
         // V = 1: one 2-byte load an element, in batches of B loads in flight before their stores (the
         // loop unrolled by 8 ran its 8 batches' round trips to L2 one after another: 3x3 512->512 @7, N=32,
-        // (c) cost 5.5 us more than (b)). The persistent kernel (one CTA an SM, registers to spare) issues
-        // them all at once.
+        // (c) cost 5.5 us more than (b)). The persistent kernel's cluster k-split (one CTA an SM, registers to
+        // spare) issues them all at once; without it that kernel stages them at the tile's start.
         const uint16_t* resp = static_cast<const uint16_t*>(p.residual);
         constexpr int NI = BN / RSTEP, B = Cfg::kMath == kWgmmaWs ? NI : (NI < 16 ? NI : 16);
         static_assert(NI % B == 0, "whole batches");
@@ -1279,11 +1303,11 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     // the residual tile into the C tile's upper half (the 16-bit C tile takes the lower; both free since the
     // previous tile's epilogue ended with `sync`)
     // (not with the cluster k-split: rank 1's partial sums arrive in the whole C tile)
-    // NCHW (V >= 4): into the C tile itself, which the epilogue then builds in place
-    constexpr bool kStage = (kStageResidual<Cfg> || kStageResidualNchw<Cfg>) && kCsplit == 1;
-    uint8_t* res_s = reinterpret_cast<uint8_t*>(Cs) + (kStageResidualNchw<Cfg> ? 0 : BM * (BN + 8) * 2);
+    // NCHW (any V: kStageResidualNchwWs): into the C tile itself, which the epilogue then builds in place
+    constexpr bool kStage = (kStageResidual<Cfg> || kStageResidualNchwWs<Cfg>) && kCsplit == 1;
+    uint8_t* res_s = reinterpret_cast<uint8_t*>(Cs) + (kStageResidualNchwWs<Cfg> ? 0 : BM * (BN + 8) * 2);
     if constexpr (kStage) {
-      if constexpr (kStageResidualNchw<Cfg>)
+      if constexpr (kStageResidualNchwWs<Cfg>)
         stage_residual_nchw<Cfg, 128>(p, reinterpret_cast<uint16_t*>(res_s), m0, n0, tid);
       else
         stage_residual_smem<Cfg>(p, res_s, m0, n0, tid);

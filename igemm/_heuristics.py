@@ -139,10 +139,12 @@ class KernelSpec:
     @property
     def residual_staged(self) -> bool:
         """Whether the kernel stages a 16-bit residual in shared memory during the mainloop
-        (csrc/conv2d_sm90.cuh: kStageResidual, kStageResidualNchw): the register epilogues, NHWC with
-        BN <= 128 or NCHW with vectors of 4 pixels or more; the per-tile TMA kernel and the persistent one."""
+        (csrc/conv2d_sm90.cuh: kStageResidual, kStageResidualNchw, kStageResidualNchwWs): the register
+        epilogues, NHWC with BN <= 128 or NCHW with vectors of 4 pixels or more; the per-tile TMA kernel and the
+        persistent one, which stages NCHW with any vector (at the tile's start, but not with the cluster k-split)."""
         return self.residual16 and (self.store == "regs" and self.bn <= 128
-                                    or self.store == "regsnchw" and self.vec_o >= 4)
+                                    or self.store == "regsnchw" and (self.vec_o >= 4
+                                                                     or self.persistent and self.csplit == 1))
 
     @property
     def residual_preloaded(self) -> bool:

@@ -360,6 +360,12 @@ def test_launch_smem_and_residual_staging(monkeypatch):
     assert (nchw14.store, nchw14.vec_o, nchw14.residual_staged) == ("regsnchw", 4, True)
     nchw30 = choose_config(_pb(layout="NCHW", H=6, W=5, epilogue=one, residual_dtype="float16"))
     assert (nchw30.store, nchw30.vec_o, nchw30.residual_staged) == ("regsnchw", 2, False)
+    # the persistent kernel stages any V at its tile's start (kStageResidualNchwWs), but not with the cluster
+    # k-split, whose C tile takes rank 1's partial sums
+    ws7 = dataclasses.replace(nchw, math="wgmma_ws", bm=64, wm=1, csplit=1)
+    assert ws7.persistent and ws7.residual_staged
+    assert not dataclasses.replace(ws7, bn=64, csplit=2).residual_staged
+    assert not dataclasses.replace(ws7, epilogue=ws7.epilogue[:1]).residual_staged
     # the staged tile must fit one stage (csrc: static_assert): 256x128 and 128x256 tiles are refused, and
     # are not autotuning candidates (they failed to compile there)
     pb = _pb(H=28, W=28, C=128, K=128, epilogue=one, residual_dtype="float16")
@@ -1134,8 +1140,8 @@ def test_gpu_persistent_kernel(dtype, layout, sms, wm, rng, monkeypatch):
     one consumer with a deep ring) against the float64 reference and bitwise against the per-tile TMA
     kernel, plain and with BN+Add+ReLU(mask). With 5 CTAs every CTA loops over many tiles: the stage
     rings wrap many times and the two consumers get unequal tile counts; the one consumer's producer
-    runs on into its next tile's k-tiles during each epilogue. The 3x3 256-channel case has a deep
-    reduction (36 k-tiles): the residual tile is prefetched into L2 half-way through it."""
+    runs on into its next tile's k-tiles during each epilogue. The 16-bit residual is staged in shared
+    memory at each tile's start (NHWC, and NCHW whatever its vector: V = 1 for 9x11 and 7x7 outputs)."""
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
     from igemm import epilogues as ep
@@ -1179,6 +1185,53 @@ def test_gpu_persistent_kernel(dtype, layout, sms, wm, rng, monkeypatch):
                 outs[kind] = (y, yf, mf)
             for a, b in zip(outs["ws"], outs["tile"]):
                 assert torch.equal(a, b), f"persistent and per-tile kernels differ: {layout} {xs} {ws} {cfg} sms={sms}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sms", [None, 3], ids=["all-SMs", "3-CTAs"])
+def test_gpu_persistent_nchw_residual_staged(dtype, sms, rng, monkeypatch):
+    """The persistent kernel stages a 16-bit NCHW residual into its C tile at each tile's start whatever the
+    store vector (kStageResidualNchwWs): V = 1 (P·Q odd: 2-byte loads), V = 2 (P·Q % 4 == 2: 4-byte cp.async)
+    and V = 4. conv+BN+Add+ReLU(mask) against the float64 reference, bitwise against the per-tile kernel (which
+    loads the residual after its mainloop), mask equal to y > 0, outputs poisoned; K tails, several images a
+    tile. With 3 CTAs every CTA stages for many tiles, its C tile refilled after each epilogue."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from igemm import epilogues as ep
+    from igemm import _runtime
+    if sms is not None:
+        monkeypatch.setattr(_runtime, "device_props", lambda d: SimpleNamespace(multiprocessor_count=sms))
+    for xs, ws, v in (((3, 64, 7, 7), (96, 64, 3, 3), 1), ((3, 64, 6, 5), (72, 64, 3, 3), 2),
+                      ((2, 64, 10, 10), (136, 64, 3, 3), 4)):
+        K = ws[0]
+        g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
+        chain = ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))
+        cfg = {"bm": 64, "wm": 1, "bn": 64, "stages": 4, "splits": 1}
+        plans = {kind: Conv2dPlan(xs, ws, dtype, "NCHW", 1, 1, 1, config={**cfg, "math": m}, epilogue=chain,
+                                  nchw_path="transpose")
+                 for kind, m in (("ws", "wgmma_ws"), ("tile", "wgmma"))}
+        sp = plans["ws"].spec()
+        assert (sp.persistent, sp.store, sp.vec_o, sp.residual_staged) == (True, "regsnchw", v, True), sp.name()
+        assert not plans["tile"].spec().persistent
+        x64, w64 = rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))
+        x, w = to_torch(x64, dtype), to_torch(w64, dtype)
+        ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), (1, 1), (1, 1), (1, 1), "NCHW")
+        res = to_torch(rng.standard_normal(ref.shape), dtype)
+        sc = to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)
+        pre = (ref - to_numpy(m_).reshape(1, K, 1, 1)) * sc.reshape(1, K, 1, 1) + to_numpy(b_).reshape(1, K, 1, 1) \
+            + to_numpy(res)
+        outs = {}
+        for kind, plan in plans.items():
+            name = f"{kind} {xs} {ws} V={v} sms={sms}: {plan.spec().name()}"
+            y, m = plan(x, w, residual=res, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")),
+                        mask_out=torch.full(((ref.size + 31) // 32,), -1, dtype=torch.int32, device="cuda"))
+            err = rel_err(to_numpy(y), np.maximum(pre, 0))
+            assert err <= TOL[dtype], f"{name}: {err}"
+            assert torch.equal(m, igemm.relu_mask(y)), f"{name}: mask differs from y > 0"
+            outs[kind] = (y, m)
+        for a, b in zip(outs["ws"], outs["tile"]):
+            assert torch.equal(a, b), f"persistent and per-tile kernels differ: {xs} {ws} V={v} sms={sms}"
 
 
 @pytest.mark.gpu

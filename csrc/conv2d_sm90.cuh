@@ -128,8 +128,9 @@ constexpr bool kEarlyVectors =
 #endif
 
 // The residual tile's 128-byte lines into L2, by NT threads: NHWC, the tile's rows (BN channels each);
-// NCHW (kStoreRegsNCHW), its channel rows (64-pixel runs, each located by one divmod: a run may cross into
-// the next image, whose part is left to the epilogue's loads).
+// NCHW (kStoreRegsNCHW), its channel rows, each a run of pixels in every image plane the tile touches (one
+// run a row had been prefetched, from the tile's first pixel: with P·Q = 49 most of a 128-pixel row's
+// lines, in the next images, were left to the epilogue's loads).
 template <class Cfg, int NT, class P>
 IGEMM_DEVICE void prefetch_residual_l2(const P& p, int m0, int n0, int tid) {
   using RT = typename Cfg::Epi::Res;
@@ -137,13 +138,21 @@ IGEMM_DEVICE void prefetch_residual_l2(const P& p, int m0, int n0, int tid) {
   const RT* res = static_cast<const RT*>(p.residual);
   const int cols = min(BN, p.K - n0), rows = min(BM, p.M - m0);
   if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
-    constexpr int RUN = 128 / int(sizeof(RT)), LPR = (BM + RUN - 1) / RUN;   // 128-byte runs per channel row
-    for (int i = tid; i < cols * LPR; i += NT) {
-      const int r = i / LPR, m = (i % LPR) * RUN;
-      if (m >= rows) continue;
-      int img, pq;
-      p.fd_PQ.divmod(img, pq, m0 + m);
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + (int64_t(img) * p.K + n0 + r) * p.PQ + pq));
+    // channel row r of the tile: pixels [m0, m0 + rows), one contiguous run in each image plane they touch
+    // (P·Q = 49, a 128-pixel tile: three or four runs of up to 98 bytes), each run's lines in turn
+    int img0, pq0;
+    p.fd_PQ.divmod(img0, pq0, m0);
+    const int64_t istep = int64_t(p.K) * p.PQ;                          // the next image, same channel
+    for (int r = tid; r < cols; r += NT) {
+      int64_t plane = (int64_t(img0) * p.K + n0 + r) * p.PQ;              // channel n0 + r of image img0
+      for (int left = rows, pq = pq0; left > 0; plane += istep, pq = 0) {
+        const int n = min(left, p.PQ - pq);
+        const uintptr_t end = reinterpret_cast<uintptr_t>(res + plane + pq + n);
+        // (from the run's first element, then each next line's start: only addresses inside the run)
+        for (uintptr_t l = reinterpret_cast<uintptr_t>(res + plane + pq); l < end; l = (l | 127) + 1)
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(l));
+        left -= n;
+      }
     }
   } else {
     constexpr int LPR = (BN * int(sizeof(RT)) + 127) / 128;     // 128-byte lines per tile row
@@ -646,7 +655,7 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
         // (c) cost 5.5 us more than (b)). The persistent kernel's cluster k-split (one CTA an SM, registers to
         // spare) issues them all at once; without it that kernel stages them at the tile's start.
         const uint16_t* resp = static_cast<const uint16_t*>(p.residual);
-        constexpr int NI = BN / RSTEP, B = Cfg::kMath == kWgmmaWs ? NI : (NI < 16 ? NI : 16);
+        constexpr int NI = BN / RSTEP, B = Cfg::kMath == kWgmmaWs || BM >= 128 ? NI : (NI < 16 ? NI : 16);
         static_assert(NI % B == 0, "whole batches");
 #pragma unroll 1
         for (int i0 = 0; i0 < NI; i0 += B) {

@@ -655,7 +655,7 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
         // (c) cost 5.5 us more than (b)). The persistent kernel's cluster k-split (one CTA an SM, registers to
         // spare) issues them all at once; without it that kernel stages them at the tile's start.
         const uint16_t* resp = static_cast<const uint16_t*>(p.residual);
-        constexpr int NI = BN / RSTEP, B = Cfg::kMath == kWgmmaWs || BM >= 128 ? NI : (NI < 16 ? NI : 16);
+        constexpr int NI = BN / RSTEP, B = Cfg::kMath == kWgmmaWs ? NI : (NI < 16 ? NI : 16);
         static_assert(NI % B == 0, "whole batches");
 #pragma unroll 1
         for (int i0 = 0; i0 < NI; i0 += B) {

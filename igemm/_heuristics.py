@@ -729,6 +729,14 @@ def min_blocks_for(spec: KernelSpec) -> int:
         # H200: 96 registers a thread uncapped, 2 CTAs an SM, conv+BN+Add+ReLU+mask 94.8 us; capped, 3 CTAs,
         # 89.0 us (the residual loaded in the epilogue: 92.1)
         return max(1, min(3, SMEM_PER_SM // (spec.smem + spec.static_smem + 1024)))
+    if spec.math == "wgmma" and spec.bm == 128 and spec.store == "regsnchw" and spec.vec_o == 1 and spec.residual:
+        # NCHW with P·Q odd and a residual: the epilogue's 2-byte residual loads sit beside the accumulators, and
+        # uncapped ptxas gave 3x3 512->512 @7's conv+BN+Add+ReLU(mask) 160-168 registers: one CTA an SM where the
+        # other chains run two (H100, N=128, ncu: 78.0 against 63.6 us for conv+BN+ReLU(mask)). Capped at 128
+        # where shared memory holds two CTAs: 124 registers, no spills, 77.4-79.2 -> 68.7-69.4 us. (Capping
+        # every such 128-row tile changed the code of tiles already under 128 registers, e.g. 3x3 64->64 @56's
+        # (c) +0.2 us, so only this one.)
+        return 2 if 2 * (spec.smem + spec.static_smem + 1024) <= SMEM_PER_SM else 1
     if spec.math != "wgmma" or spec.bm != 64:
         return 1
     if spec.bn <= 128 and 4 * (spec.smem + spec.static_smem) <= SMEM_LIMIT:

@@ -366,6 +366,17 @@ def test_launch_smem_and_residual_staging(monkeypatch):
     assert ws7.persistent and ws7.residual_staged
     assert not dataclasses.replace(ws7, bn=64, csplit=2).residual_staged
     assert not dataclasses.replace(ws7, epilogue=ws7.epilogue[:1]).residual_staged
+    # the per-tile 128-row NCHW tile with P·Q odd and a residual is capped at 128 registers where shared memory
+    # holds two CTAs (min_blocks_for): its chain without the residual, or with 4 stages, is not
+    from igemm._heuristics import min_blocks_for
+    t7 = dataclasses.replace(nchw, math="wgmma", bm=128, wm=2, bn=128, stages=3, load_a="tma", csplit=1, ctas=1)
+    assert (t7.store, t7.vec_o, t7.residual, min_blocks_for(t7)) == ("regsnchw", 1, True, 2)
+    assert min_blocks_for(dataclasses.replace(t7, epilogue=t7.epilogue[:1])) == 1
+    assert min_blocks_for(dataclasses.replace(t7, stages=4)) == 1
+    from igemm._heuristics import kernel_setup     # 3x3 512->512 @7, N=128: the transpose path's choice
+    pb7 = _pb(N=128, layout="NCHW", H=7, W=7, C=512, K=512, epilogue=one, residual_dtype="float16")
+    big = choose_config(kernel_setup(pb7, "auto", None, None, "sm_90a")[1], "sm_90a")
+    assert (big.bm, big.stages, big.store, big.vec_o, big.min_blocks) == (128, 3, "regsnchw", 1, 2), big.name()
     # the staged tile must fit one stage (csrc: static_assert): 256x128 and 128x256 tiles are refused, and
     # are not autotuning candidates (they failed to compile there)
     pb = _pb(H=28, W=28, C=128, K=128, epilogue=one, residual_dtype="float16")

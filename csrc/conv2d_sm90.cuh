@@ -591,12 +591,16 @@ IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, 
   if constexpr (V == 1) {
     static_assert(Cfg::kMath == kWgmmaWs, "at the persistent kernel's tile start (registers to spare)");
     constexpr int NI = BN / RSTEP;
+    static_assert(!kNchwSwizzled<Cfg>, "rows of BM + 8 pixels: one base, constant offsets");
+    // (a pointer stepped per load and one bound: a few instructions a load, not an address computed for each)
     const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+    uint16_t* const d = ct + nchw_ct_index<Cfg>(nl0, ml);
+    const int nrows = okm ? (ncols - nl0 + RSTEP - 1) / RSTEP : 0;   // rows i < nrows are inside the problem
     uint16_t r[NI];
 #pragma unroll
-    for (int i = 0; i < NI; ++i) r[i] = okm && nl0 + i * RSTEP < ncols ? __ldg(s16 + i * ostep) : uint16_t(0);
+    for (int i = 0; i < NI; ++i, s16 += ostep) r[i] = i < nrows ? __ldg(s16) : uint16_t(0);
 #pragma unroll
-    for (int i = 0; i < NI; ++i) ct[nchw_ct_index<Cfg>(nl0 + i * RSTEP, ml)] = r[i];
+    for (int i = 0; i < NI; ++i) d[i * RSTEP * kNchwLd<Cfg>] = r[i];
   } else {
     // (not unrolled: in the mainloop, beside the accumulators, an unrolled loop's addresses cost registers --
     // 3x3 128->128 @28's 128x128 tile went from 111 to 135, past two CTAs an SM)
@@ -656,17 +660,18 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
         // spare) issues them all at once; without it that kernel stages them at the tile's start.
         const uint16_t* resp = static_cast<const uint16_t*>(p.residual);
         constexpr int NI = BN / RSTEP, B = Cfg::kMath == kWgmmaWs ? NI : (NI < 16 ? NI : 16);
-        static_assert(NI % B == 0, "whole batches");
+        static_assert(NI % B == 0 && !kNchwSwizzled<Cfg>, "whole batches; rows of BM + 8 pixels");
+        // (as stage_residual_nchw's: a stepped pointer and one bound, not an address and a test per load)
+        const uint16_t* src = resp + off0;
+        uint16_t* dst = ct + cti(nl0, ml);
+        const int nrows = okm ? (ncols - nl0 + RSTEP - 1) / RSTEP : 0;   // rows i < nrows are inside
 #pragma unroll 1
-        for (int i0 = 0; i0 < NI; i0 += B) {
+        for (int i0 = 0; i0 < NI; i0 += B, dst += B * RSTEP * kNchwLd<Cfg>) {
           uint16_t r[B];
 #pragma unroll
-          for (int k = 0; k < B; ++k) {
-            const int nl = nl0 + (i0 + k) * RSTEP;
-            r[k] = okm && nl < ncols ? __ldg(resp + off0 + (i0 + k) * ostep) : uint16_t(0);
-          }
+          for (int k = 0; k < B; ++k, src += ostep) r[k] = i0 + k < nrows ? __ldg(src) : uint16_t(0);
 #pragma unroll
-          for (int k = 0; k < B; ++k) ct[cti(nl0 + (i0 + k) * RSTEP, ml)] = r[k];
+          for (int k = 0; k < B; ++k) dst[k * RSTEP * kNchwLd<Cfg>] = r[k];
         }
       }
       cp_async_wait<0>();

@@ -553,14 +553,6 @@ IGEMM_DEVICE int nchw_ct_index(int nl, int ml) {
     return nl * (Cfg::BM + 8) + ml;
 }
 
-template <class Cfg>
-constexpr bool kStageResidualNchw =
-#if defined(IGEMM_NO_RES_STAGE)
-    false;
-#else
-    Cfg::StoreMode == kStoreRegsNCHW && ResidualBytes<typename Cfg::Epi>::value == 2 && kNchwSwizzled<Cfg>;
-#endif
-
 // The persistent kernel (fprop_ws) stages the residual at the tile's start whatever V: its C tile is its own,
 // free during the mainloop, so the residual's DRAM reads overlap the mainloop rather than follow it. With
 // V = 1 (P·Q odd: 3x3 512->512 @7) these are 2-byte loads, which had gone out after the mainloop.
@@ -571,6 +563,27 @@ constexpr bool kStageResidualNchwWs =
 #else
     Cfg::StoreMode == kStoreRegsNCHW && ResidualBytes<typename Cfg::Epi>::value == 2;
 #endif
+
+// The per-tile kernel stages it during the mainloop only with V >= 4 (cp.async into the swizzled tile).
+template <class Cfg>
+constexpr bool kStageResidualNchw = kStageResidualNchwWs<Cfg> && kNchwSwizzled<Cfg>;
+
+// V = 1: a thread's residual pixel of channel rows i = 0..NI-1 (src: row 0's element, ostep on to the next;
+// dst: its place in the unswizzled C tile, RSTEP rows on each) in batches of B 2-byte loads issued before their
+// stores, zeros from row nrows on (outside the problem). A pointer stepped per load and one bound: a few
+// instructions a load, not an address and a test computed for each.
+template <class Cfg, int NI, int B, int RSTEP>
+IGEMM_DEVICE void residual_rows_v1(const uint16_t* src, int64_t ostep, uint16_t* dst, int nrows) {
+  static_assert(NI % B == 0 && !kNchwSwizzled<Cfg>, "whole batches; rows of BM + 8 pixels");
+#pragma unroll 1
+  for (int i0 = 0; i0 < NI; i0 += B, dst += B * RSTEP * kNchwLd<Cfg>) {
+    uint16_t r[B];
+#pragma unroll
+    for (int k = 0; k < B; ++k, src += ostep) r[k] = i0 + k < nrows ? __ldg(src) : uint16_t(0);
+#pragma unroll
+    for (int k = 0; k < B; ++k) dst[k * RSTEP * kNchwLd<Cfg>] = r[k];
+  }
+}
 
 // The residual tile into the NCHW C tile (the store loop's assignment: pixel vector tid % CPR of channel rows
 // tid / CPR + i·RSTEP; zeros outside the problem). V >= 2: cp.async of V-pixel vectors, one group. V = 1
@@ -590,17 +603,9 @@ IGEMM_DEVICE void stage_residual_nchw(const P& p, uint16_t* ct, int m0, int n0, 
   const int64_t ostep = int64_t(RSTEP) * p.PQ;
   if constexpr (V == 1) {
     static_assert(Cfg::kMath == kWgmmaWs, "at the persistent kernel's tile start (registers to spare)");
-    constexpr int NI = BN / RSTEP;
-    static_assert(!kNchwSwizzled<Cfg>, "rows of BM + 8 pixels: one base, constant offsets");
-    // (a pointer stepped per load and one bound: a few instructions a load, not an address computed for each)
-    const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
-    uint16_t* const d = ct + nchw_ct_index<Cfg>(nl0, ml);
-    const int nrows = okm ? (ncols - nl0 + RSTEP - 1) / RSTEP : 0;   // rows i < nrows are inside the problem
-    uint16_t r[NI];
-#pragma unroll
-    for (int i = 0; i < NI; ++i, s16 += ostep) r[i] = i < nrows ? __ldg(s16) : uint16_t(0);
-#pragma unroll
-    for (int i = 0; i < NI; ++i) d[i * RSTEP * kNchwLd<Cfg>] = r[i];
+    constexpr int NI = BN / RSTEP;                           // (all of them at once)
+    residual_rows_v1<Cfg, NI, NI, RSTEP>(reinterpret_cast<const uint16_t*>(src), ostep,
+                                        ct + nchw_ct_index<Cfg>(nl0, ml), okm ? (ncols - nl0 + RSTEP - 1) / RSTEP : 0);
   } else {
     // (not unrolled: in the mainloop, beside the accumulators, an unrolled loop's addresses cost registers --
     // 3x3 128->128 @28's 128x128 tile went from 111 to 135, past two CTAs an SM)
@@ -660,19 +665,8 @@ IGEMM_DEVICE void epilogue_regs_nchw_by(const P& p, float* acc, uint8_t* smem, f
         // spare) issues them all at once; without it that kernel stages them at the tile's start.
         const uint16_t* resp = static_cast<const uint16_t*>(p.residual);
         constexpr int NI = BN / RSTEP, B = Cfg::kMath == kWgmmaWs ? NI : (NI < 16 ? NI : 16);
-        static_assert(NI % B == 0 && !kNchwSwizzled<Cfg>, "whole batches; rows of BM + 8 pixels");
-        // (as stage_residual_nchw's: a stepped pointer and one bound, not an address and a test per load)
-        const uint16_t* src = resp + off0;
-        uint16_t* dst = ct + cti(nl0, ml);
-        const int nrows = okm ? (ncols - nl0 + RSTEP - 1) / RSTEP : 0;   // rows i < nrows are inside
-#pragma unroll 1
-        for (int i0 = 0; i0 < NI; i0 += B, dst += B * RSTEP * kNchwLd<Cfg>) {
-          uint16_t r[B];
-#pragma unroll
-          for (int k = 0; k < B; ++k, src += ostep) r[k] = i0 + k < nrows ? __ldg(src) : uint16_t(0);
-#pragma unroll
-          for (int k = 0; k < B; ++k) dst[k * RSTEP * kNchwLd<Cfg>] = r[k];
-        }
+        residual_rows_v1<Cfg, NI, B, RSTEP>(resp + off0, ostep, ct + cti(nl0, ml),
+                                           okm ? (ncols - nl0 + RSTEP - 1) / RSTEP : 0);
       }
       cp_async_wait<0>();
       sync();

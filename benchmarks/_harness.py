@@ -8,10 +8,10 @@ Usage in a bench script::
     bench.row(layer="...", igemm_us=..., torch_us=..., ratio=...)
     bench.finish()                                    # prints markdown, writes JSON + .md under --out
 
-Timing: ``warmup`` calls, then the calls are captured into a CUDA graph (a whole input rotation per
-graph) and the graph is replayed with CUDA events around each replay: the median per-call time over the
-replays is reported (GPU time only, no host launch overhead). Calls that cannot be captured are timed
-with events around each call instead. ``rotating(make, nbytes)`` builds
+Timing (igemm._timing.GpuTimer, the one timer of the project): ``warmup`` calls, then the calls are captured
+into a CUDA graph (a whole input rotation per graph) and the graph is replayed with CUDA events around each
+replay: the median per-call time over the replays is reported (GPU time only, no host launch overhead). Calls
+that cannot be captured are timed with events around each call instead. ``rotating(make, nbytes)`` builds
 enough independent input sets that cycling through them touches more than ``L2_BYTES`` x 2, so each
 timed call reads device memory, not L2.
 """
@@ -21,10 +21,9 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 
-L2_BYTES = 60 * 1024 * 1024
+from igemm._timing import L2_BYTES
 
 
 def parser(desc: str) -> argparse.ArgumentParser:
@@ -74,69 +73,28 @@ class Bench:
         self.notes: list[str] = []
         self.env = environment()
         self.last = {}
+        self._timer = None
         if args.quick:
             args.reps = min(args.reps, 20)
             args.warmup = min(args.warmup, 3)
 
     def time(self, fn, n_inputs: int = 1, reps: int | None = None, warmup: int | None = None,
              graph: bool = True) -> float:
-        """Median seconds of one ``fn(i)`` (``i`` cycles over ``n_inputs`` input sets).
+        """Median seconds of one ``fn(i)`` (``i`` cycles over ``n_inputs`` input sets), timed by
+        :class:`igemm._timing.GpuTimer`.
 
         With ``graph=True`` (default) the calls are captured into a CUDA graph (one graph holds a whole
         rotation of at least 8 calls) and the graph is replayed, so the time is the GPU's alone, with no
         host launch overhead in it; the median over replays of the per-call time is reported. If capture
         fails (a call synchronises), CUDA events around each call are used instead (``last['method']``).
         """
-        import torch
-        reps = reps or self.args.reps
-        warmup = self.args.warmup if warmup is None else warmup
-        for i in range(max(warmup, n_inputs)):
-            fn(i % n_inputs)
-        torch.cuda.synchronize()
-        if graph:
-            per = n_inputs * max(1, -(-8 // n_inputs))
-            try:
-                g = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for i in range(per):       # warm the capture stream too
-                        fn(i % n_inputs)
-                torch.cuda.current_stream().wait_stream(s)
-                torch.cuda.synchronize()
-                with torch.cuda.graph(g):
-                    for i in range(per):
-                        fn(i % n_inputs)
-                torch.cuda.synchronize()
-                replays = max(7, min(25, reps // 2))
-                g.replay()
-                torch.cuda.synchronize()
-                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(replays)]
-                for a, b in ev:
-                    a.record()
-                    g.replay()
-                    b.record()
-                torch.cuda.synchronize()
-                ts = sorted(a.elapsed_time(b) * 1e-3 / per for a, b in ev)
-                del g
-                med = statistics.median(ts)
-                self.last = {"median": med, "p10": ts[0], "p90": ts[-1], "method": "graph"}
-                return med
-            except Exception as e:  # capture not possible: fall back to events
-                torch.cuda.synchronize()
-                self.last_error = repr(e)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            starts[i].record()
-            fn(i % n_inputs)
-            ends[i].record()
-        torch.cuda.synchronize()
-        ts = sorted(s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends))
-        med = statistics.median(ts)
-        self.last = {"median": med, "p10": ts[len(ts) // 10], "p90": ts[(9 * len(ts)) // 10], "method": "events"}
-        return med
+        from igemm._timing import GpuTimer
+        if self._timer is None:
+            self._timer = GpuTimer()
+        r = self._timer.time(fn, n_inputs=n_inputs, reps=reps or self.args.reps,
+                             warmup=self.args.warmup if warmup is None else warmup, graph=graph)
+        self.last = r
+        return r["median"]
 
     def row(self, **kw) -> None:
         self.rows.append(kw)

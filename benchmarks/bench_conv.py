@@ -39,7 +39,7 @@ CONFIGS = {  # name: (dtype, layout, igemm precision, cuDNN allow_tf32)
 }
 
 
-from igemm._heuristics import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
+from igemm.conv._rules import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
 
 
 def make_inputs(torch, N, C, K, H, R, dtype, layout, n_sets_bytes):
@@ -91,16 +91,11 @@ def main(argv=None):
             eb = 2 if dtype != "float32" else 4
             io_bytes = (N * C * H * H + N * K * P * P + K * C * R * R) * eb
             xs, w = make_inputs(torch, N, C, K, H, R, dtype, layout, io_bytes)
-            plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
-                                    nchw_path=("native" if cfg.endswith("-native") else
-                                               "transpose" if cfg.endswith("-transpose") else "auto"),
-                                    config=FFMA if cfg.endswith("-ffma") else None,
-                                    pad_channels=True if cfg.endswith("-pad") and C < 8 else None,
-                                    unfold=False if cfg.endswith(("-elem", "-pad")) else None)
-            if cfg.endswith("-gather") and plan._primary.load_b == "tma":
-                plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision,
-                                        config={"load_a": "vec", "load_b": "vec"})
-            spec = plan._primary
+            plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision, options=igemm.Conv2dOptions(nchw_path=("native" if cfg.endswith("-native") else
+                                               "transpose" if cfg.endswith("-transpose") else "auto"), config=FFMA if cfg.endswith("-ffma") else None, pad_channels=True if cfg.endswith("-pad") and C < 8 else None, unfold=False if cfg.endswith(("-elem", "-pad")) else None))
+            if cfg.endswith("-gather") and plan.spec().load_b == "tma":
+                plan = igemm.Conv2dPlan(xs[0].shape, w.shape, dtype, layout, st, pd, precision=precision, options=igemm.Conv2dOptions(config={"load_a": "vec", "load_b": "vec"}))
+            spec = plan.spec()
             outs = [torch.empty(plan.y_shape, device="cuda", dtype=xs[0].dtype) for _ in range(2)]
             t_ig = bench.time(lambda i: plan(xs[i], w, out=outs[i % 2]), len(xs))
             tv = [torch_views(x, w, layout) for x in xs]
@@ -127,8 +122,8 @@ def main(argv=None):
                       igemm_tflops=flops / t_ig / 1e12, cudnn_tflops=flops / t_dnn / 1e12,
                       pct_peak=100 * flops / t_ig / peak, mem_floor_us=io_bytes / bw * 1e6,
                       max_rel_err=err, cudnn_rel_err=err_dnn, host_us=host * 1e6, cudnn_host_us=host_dnn * 1e6,
-                      kernel=("transpose+" if plan.nchw_path == "transpose" else "")
-                      + ("unfold+" if plan.nchw_path == "unfold" else
+                      kernel=("transpose+" if plan.path == "transpose" else "")
+                      + ("unfold+" if plan.path == "unfold" else
                          f"pad{plan.kproblem.C}+" if plan.kproblem.C != plan.problem.C else "") + spec.name())
             del xs, outs
             torch.cuda.empty_cache()

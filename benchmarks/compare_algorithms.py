@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # a source checkout without install
 
-from igemm.compare import main  # noqa: E402
+from igemm.baselines.compare import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -103,8 +103,6 @@ def main(argv=None) -> int:
             profiles[name] = s.getvalue()
         rows.append(dict(call=name, igemm_host_us=round(res["igemm"], 2), torch_host_us=round(res["torch"], 2),
                          ratio=round(res["igemm"] / res["torch"], 2)))
-    from igemm import _fastlaunch
-    print(f"igemm's C fast launch: {_fastlaunch.status()}")
     print("| call | igemm host us | torch host us | ratio |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['call']} | {r['igemm_host_us']} | {r['torch_host_us']} | {r['ratio']} |")

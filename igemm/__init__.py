@@ -10,7 +10,7 @@ if _ilu.find_spec("igemm.epilogues") is None and _os.path.isfile(_os.path.join(_
 
 from . import epilogues  # noqa: E402
 from ._runtime import get_backend, gpu_available, set_backend  # noqa: E402
-from .conv2d import Conv2dPlan, conv2d, conv2d_bn_relu  # noqa: E402
+from .conv import Conv2dOptions, Conv2dPlan, conv2d, conv2d_bn_relu  # noqa: E402
 from .relu import relu_backward, relu_mask  # noqa: E402
 from .index_add import index_add  # noqa: E402
 from .prelu import prelu, prelu_backward  # noqa: E402
@@ -20,7 +20,7 @@ from .syncbn import sync_batch_norm_backward_reduce, sync_batch_norm_stats  # no
 
 __version__ = "0.1.0"
 
-__all__ = ["epilogues", "get_backend", "gpu_available", "set_backend", "Conv2dPlan", "conv2d", "conv2d_bn_relu",
+__all__ = ["epilogues", "get_backend", "gpu_available", "set_backend", "Conv2dPlan", "Conv2dOptions", "conv2d", "conv2d_bn_relu",
            "relu_backward", "relu_mask", "index_add", "prelu", "prelu_backward",
            "welford", "batch_norm_stats", "batch_norm_gather_stats", "batch_norm_elemt", "batch_norm_relu",
            "batch_norm_backward_reduce", "batch_norm_backward_elemt", "batch_norm_relu_backward",

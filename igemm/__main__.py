@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -84,42 +83,41 @@ def demo(args) -> int:
 
 def precompile(args) -> int:
     """Compile the kernels of the ResNet-50 benchmark set (and their fused epilogues) in parallel."""
+    import igemm
     from igemm import _build
     from igemm import epilogues as ep
-    from igemm import _transpose, _unfold
-    from igemm._heuristics import ConvProblem, choose_config, kernel_setup
-    from igemm.conv2d import _override, _stub
-    chains = {"none": ep.chain(), "bn_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True)),
-              "bn_add_relu_mask": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.Add(), ep.ReLU(mask=True))}
+    from igemm.conv import _transpose, _unfold
+
+    def chains(K):
+        v = [np.ones(K, np.float32)] * 4
+        return {"none": ep.chain(), "bn_relu_mask": ep.chain(ep.BatchNorm(*v), ep.ReLU(mask=True)),
+                "bn_add_relu_mask": ep.chain(ep.BatchNorm(*v), ep.Add(), ep.ReLU(mask=True))}
     configs = [c.split(":") for c in args.configs.split(",")]
-    specs = {}
+    kernels = {}
     for dtype, layout, precision in configs:
         for _, C, K, H, R, st, pd in RESNET50:
-            for cname, ch in chains.items():
+            xs, ws = _shapes(layout, args.batch, C, K, H, R)
+            for cname, ch in chains(K).items():
                 if cname != "none" and not args.epilogues:
                     continue
-                pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
-                                 precision if dtype == "float32" else "tensorop", ch.signature(),
-                                 dtype if ch.residual_op else None)
                 paths = [("auto", None), ("native", None)] if layout == "NCHW" else [("auto", None)]
                 if C * (4 if dtype == "float32" else 2) < 16:      # bench_conv's -elem configs: no unfold
                     paths.append(("auto", False))
                 for path, unfold in paths:                          # bench_conv times each
-                    spec = choose_config(kernel_setup(pb, path, None, unfold, args.arch)[1], args.arch)
-                    specs[spec] = _stub(spec)
-                    if spec.load_b == "tma":       # bench_conv's fp16-NHWC-gather times the cp.async gather too
-                        g = _override(spec, kernel_setup(pb, path, None, unfold, args.arch)[1], {"load_a": "vec", "load_b": "vec"})
-                        specs[g] = _stub(g)
+                    plan = igemm.Conv2dPlan(xs, ws, dtype, layout, st, pd, epilogue=ch, precision=precision,
+                                            device="numpy", arch=args.arch,
+                                            options=igemm.Conv2dOptions(nchw_path=path, unfold=unfold))
+                    name, src = plan.kernel()
+                    kernels[src] = name
+                    if plan.spec().load_b == "tma":   # bench_conv's fp16-NHWC-gather times the cp.async gather too
+                        name, src = plan.with_options(igemm.Conv2dOptions(
+                            nchw_path=path, unfold=unfold, config={"load_a": "vec", "load_b": "vec"})).kernel()
+                        kernels[src] = name
     t0 = time.time()
-    n = _build.compile_many(((spec.name(), stub) for spec, stub in specs.items()), args.arch, args.jobs)
+    n = _build.compile_many(((name, src) for src, name in kernels.items()), args.arch, args.jobs)
     n += _transpose.precompile(args.arch, args.jobs)      # the NCHW transpose path's kernels
     n += _unfold.precompile(args.arch, args.jobs)         # the width unfold's (conv1)
     print(f"{n} kernels for {args.arch} in {time.time() - t0:.0f} s into {_build.cache_dir()}")
-    from igemm import _fastlaunch
-    try:                                                   # the host fast launch, for this Python
-        print("host fast launch:", _fastlaunch.build())
-    except (RuntimeError, OSError) as e:
-        print("host fast launch not built (launches go through cuda.bindings):", e)
     return 0
 
 
@@ -133,8 +131,6 @@ def info(args) -> int:
         print("compiler: none -", e)
     print("CUTLASS headers:", _build.cutlass_include_dir())
     print("kernel cache:", _build.cache_dir())
-    from igemm import _fastlaunch
-    print("host fast launch (csrc/fastlaunch.c):", _fastlaunch.status())
     return 0
 
 
@@ -155,11 +151,12 @@ def main(argv=None) -> int:
     p.set_defaults(fn=precompile)
     i = sub.add_parser("info", help="toolchain, backend and cache")
     i.set_defaults(fn=info)
-    try:
-        from .compare import add_cli
-        add_cli(sub)
-    except ImportError:
-        pass
+    sub.add_parser("compare", help="implicit GEMM vs im2col+GEMM vs FFT vs direct vs cuDNN (igemm.baselines; "
+                   "`python -m igemm compare --help`)", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:          # the baselines package, imported only when asked for
+        from .baselines.compare import main as compare
+        return compare(argv[1:])
     args = ap.parse_args(argv)
     return args.fn(args)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _fastlaunch, _runtime
+from . import _runtime
 from .fastdiv import magic
 
 __all__ = ["ParamSpec", "PackedArgs", "render_kernel", "pack_args", "Launcher", "load"]
@@ -181,14 +181,14 @@ def _cu_stream(handle: int):
 class Launcher:
     """A compiled kernel and its launch configuration: ``launcher(stream, packed_args)`` launches.
 
-    Every family launches the same way: ``cuLaunchKernel`` with a pointer array into a
+    Every family launches the same way: ``cuLaunchKernel`` (cuda.bindings) with a pointer array into a
     :class:`PackedArgs` buffer (cuda.core's ``launch`` converts every argument on every call; with the
     conv family's 46 scalars that is most of a call's host time). ``stream`` is a raw ``CUstream`` int
     or anything with a ``handle`` (a cuda.core Stream).
     """
 
     __slots__ = ("kernel", "func", "grid", "block", "smem", "_launch", "_ctx", "_ctx_id", "_get_ctx", "_set_ctx",
-                 "_raw", "_fn", "_pdl", "_pdl_cfg")
+                 "_fn", "_pdl", "_pdl_cfg")
 
     def __init__(self, kernel, grid, block, smem: int = 0, pdl: bool = False):
         from cuda.bindings import driver
@@ -212,23 +212,22 @@ class Launcher:
         self._get_ctx, self._set_ctx = api if api else (None, None)
         self._ctx = self._get_ctx()[1] if api else None
         self._ctx_id = _runtime._ctx_int(self._ctx) if api else 0
-        fl = _fastlaunch.get() if api else None      # the C launch (igemm/_fastlaunch.py), when it could be built
-        self._raw = fl.raw if fl is not None else None
         self._fn = int(h)
         self._pdl = bool(pdl) and hasattr(driver, "cuLaunchKernelEx")   # launch_after: the device is sm_90+
         self._pdl_cfg = {}                            # stream handle -> CUlaunchConfig (launch_after)
 
     def __call__(self, stream, args: PackedArgs) -> None:
         handle = stream if isinstance(stream, int) else int(stream.handle)
-        g, b = self.grid, self.block
-        if self._get_ctx is not None and _runtime._ctx_int(self._get_ctx()[1]) != self._ctx_id:   # the public call's wrapper
-            # restores the caller's context afterwards
+        if self._get_ctx is not None and _runtime._ctx_int(self._get_ctx()[1]) != self._ctx_id:
+            # the public call's keeps_current_context wrapper restores the caller's context afterwards
             self._set_ctx(self._ctx)
-        if self._raw is not None:
-            err = self._raw(self._fn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, handle, args.address)
-        else:
-            (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
-                                  args.address, 0)
+        self.launch_current(handle, args)
+
+    def launch_current(self, handle: int, args: PackedArgs) -> None:
+        """Launch on the raw stream ``handle``; the caller has made sure this launcher's context is current."""
+        g, b = self.grid, self.block
+        (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
+                              args.address, 0)
         if err:
             raise launch_error(err)
 
@@ -265,12 +264,6 @@ class Launcher:
         if err:
             raise launch_error(err)
 
-    def desc(self, args: PackedArgs, s0: int, s1: int, sel0: int = 1, sel1: int = 2) -> tuple:
-        """This launch as a preparation entry of a fast-launch record (:func:`igemm._fastlaunch.pack`): slots
-        ``s0``, ``s1`` of ``args`` receive what ``sel0``, ``sel1`` select (0: zero, 1: x, 2: w)."""
-        return (self._fn, args.address, int(args.data.ctypes.data), self.grid, self.block, self.smem, s0, s1,
-                sel0, sel1)
-
 
 def launch_error(err) -> RuntimeError:
     """The error for a failed cuLaunchKernel (``err``: its CUresult, an enum or an int)."""
@@ -281,24 +274,6 @@ def launch_error(err) -> RuntimeError:
         except (ImportError, ValueError):
             pass
     return RuntimeError(f"kernel launch failed: {err}")
-
-
-def raw_launch_fn(launcher: Launcher, args: PackedArgs, s0: int, s1: int):
-    """``f(cu_stream, a, b)``: ``args`` with slots ``s0``, ``s1`` set to ``a``, ``b``, launched by the driver
-    directly -- no context check (the caller has made sure the launcher's context is current: a conv plan's
-    lean launch runs its input preparation this way)."""
-    launch, fn, smem, addr = launcher._launch, launcher.func, launcher.smem, args.address
-    (g0, g1, g2), (b0, b1, b2) = launcher.grid, launcher.block
-    u = memoryview(args.data)
-
-    def f(cs, a: int, b: int) -> None:
-        u[s0] = a
-        u[s1] = b
-        (err,) = launch(fn, g0, g1, g2, b0, b1, b2, smem, cs, addr, 0)
-        if err:
-            raise launch_error(err)
-    f.preps = [launcher.desc(args, s0, s1)]      # the same launch for a fast-launch record, called as f(cs, x, w)
-    return f
 
 
 def load(stub: str, name: str, entry: str, device_id: int, smem: int = 0):

@@ -204,6 +204,12 @@ def _ctx_int(c) -> int:
     return int(c) if c is not None else 0
 
 
+def current_context() -> int:
+    """The calling thread's current CUDA context as an int (0: none)."""
+    api = _CTX_API if _CTX_API is not False else _ctx_api()
+    return _ctx_int(api[0]()[1]) if api else 0
+
+
 def _ctx_or_null(c):
     if c is not None:
         return c

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from igemm import _algorithms as A
+from igemm.baselines import _algorithms as A
 from igemm import _build, reference
-from igemm.compare import main as compare_main
-from igemm.compare import numpy_size, select_layers
+from igemm.baselines.compare import main as compare_main
+from igemm.baselines.compare import numpy_size, select_layers
 from igemm.fastdiv import divmod_like_device
 
 from helpers import TOL, rel_err, to_numpy, to_torch
@@ -417,7 +417,7 @@ def test_gpu_memory_accounting(rng):
     """Measured extra memory: im2col holds at least its matrix; implicit GEMM reports its split-K workspace."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("nvmath")
-    from igemm.compare import measure_gpu
+    from igemm.baselines.compare import measure_gpu
     pb = A.Problem(4, 64, 14, 14, 64, 3, 3, 1, 1, 1, "float16", "NHWC")
     x64, w64 = inputs(rng, pb)
     x, w = to_torch(x64, "float16"), to_torch(w64, "float16")

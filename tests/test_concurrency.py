@@ -17,7 +17,7 @@ import pytest
 import igemm
 from igemm import epilogues as ep
 from igemm import reference
-from igemm.conv2d import Conv2dPlan
+from igemm.conv import Conv2dPlan
 
 from helpers import poison, rel_err, to_numpy
 
@@ -317,7 +317,7 @@ def test_gpu_split_k_plan_on_two_streams_in_sequence(rng):
     torch = _torch()
     x = torch.from_numpy(rng.standard_normal((2, 7, 7, 256))).to("cuda", torch.float16)
     w = torch.from_numpy(rng.standard_normal((256, 3, 3, 256)) / 48).to("cuda", torch.float16)
-    plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, config={"splits": 4})
+    plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, options=igemm.Conv2dOptions(config={"splits": 4}))
     ref = plan(x, w)
     torch.cuda.synchronize()
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()

@@ -7,8 +7,13 @@ import pytest
 
 import igemm
 from igemm import _build, reference
-from igemm._heuristics import ConvProblem, candidates, choose_config, validate_spec
-from igemm.conv2d import Conv2dPlan, _override, _stub
+from igemm import epilogues as ep
+from igemm.conv._problem import ConvProblem
+from igemm.conv._rules import candidates, choose_config
+from igemm.conv._spec import store_for, validate_spec
+from igemm.conv import Conv2dPlan
+from igemm.conv._plan import override as _override
+from igemm.conv._spec import stub as _stub
 
 from helpers import TOL, poison, rel_err, to_numpy, to_torch
 
@@ -87,7 +92,7 @@ def test_numpy_backend(layout, rng, numpy_backend):
     y = igemm.conv2d(x, w, st, pd, dl, layout=layout)
     assert y.dtype == np.float32
     np.testing.assert_allclose(y, reference.conv2d_direct(x, w, st, pd, dl, layout), rtol=1e-5, atol=1e-5)
-    plan = Conv2dPlan(x.shape, w.shape, "float32", layout, st, pd, dl, device=None)
+    plan = Conv2dPlan(x.shape, w.shape, "float32", layout, st, pd, dl, device="numpy")
     np.testing.assert_array_equal(plan(x, w), y)
 
 
@@ -132,15 +137,31 @@ def test_out_is_written_in_place(rng, numpy_backend):
 
 
 # ------------------------------------------------------------------------------------ kernel selection
+def _chain_of(signature) -> "ep.Chain":
+    """A chain of the given structure (``Chain.signature()``), with placeholder vectors."""
+    make = {"BatchNorm": lambda: ep.BatchNorm(0, 0, 0, 0), "Bias": lambda: ep.Bias(0), "Add": ep.Add}
+    ops = []
+    for sig in signature:
+        if sig[0] == "ReLU":
+            ops.append(ep.ReLU(mask=sig[1]))
+        elif sig[0] == "PReLU":
+            ops.append(ep.PReLU(np.zeros(1) if sig[1] else 0.25))
+        else:
+            ops.append(make[sig[0]]())
+    return ep.chain(*ops)
+
+
 def _pb(**kw):
+    """A ConvProblem; ``epilogue`` given as a chain's signature (``(("BatchNorm",), ("ReLU", True))``)."""
     base = dict(N=32, C=64, H=56, W=56, K=64, R=3, S=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1),
                 dtype="float16", layout="NHWC", precision="tensorop")
     base.update(kw)
-    return ConvProblem(**base)
+    chain = _chain_of(base.pop("epilogue", ()))
+    return ConvProblem(**base, epilogue=chain.functors(base["dtype"], base.get("residual_dtype")), mask=chain.mask)
 
 
 def test_choose_config_rules(monkeypatch):
-    from igemm._heuristics import validate_spec
+    from igemm.conv._spec import validate_spec
     s = choose_config(_pb())
     assert (s.math, s.load_a, s.load_b, s.store, s.vec_o) == ("wgmma", "tma", "tma", "regs", 8)
     assert choose_config(_pb(C=32)).load_a == "vec"                       # TMA k-tiles are 64 channels
@@ -153,12 +174,9 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(layout="NCHW")).load_a == "elem"
     assert choose_config(_pb(), x_aligned=False).load_a == "elem"
     assert choose_config(_pb(dtype="float32", precision="strict")).math == "tf32x3"   # 3xTF32
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("IGEMM_FP32_STRICT", "simt")
-        assert choose_config(_pb(dtype="float32", precision="strict")).math == "simt"
-        mp.setenv("IGEMM_FP32_STRICT", "tf32")
-        with pytest.raises(ValueError, match="IGEMM_FP32_STRICT"):
-            choose_config(_pb(dtype="float32", precision="strict"))
+    ffma = Conv2dPlan((2, 64, 9, 9), (32, 64, 3, 3), "float32", padding=1, device="numpy",
+                      options=igemm.Conv2dOptions(config={"math": "simt"})).spec()
+    assert (ffma.math, ffma.bm, ffma.bn, ffma.bk) == ("simt", 128, 128, 8)      # the FFMA kernel's own tile
     # strict fp32 never runs on single TF32, whatever the config asks
     pb32 = _pb(dtype="float32", precision="strict")
     assert not validate_spec(dataclasses.replace(choose_config(pb32), math="tensorop"), pb32, raise_=False)
@@ -213,20 +231,18 @@ def test_choose_config_rules(monkeypatch):
     xs, wsh = (8, 7, 7, 512), (512, 3, 3, 512)
     for cfg, want in (({"splits": 4}, ("wgmma", 4)), ({"load_a": "vec", "load_b": "vec"}, ("wgmma", 3)),
                       ({"stages": 3}, ("wgmma_ws", 1))):
-        sp = Conv2dPlan(xs, wsh, "float16", "NHWC", 1, 1, config=cfg, device=None).spec()
+        sp = Conv2dPlan(xs, wsh, "float16", "NHWC", 1, 1, device="numpy", options=igemm.Conv2dOptions(config=cfg)).spec()
         assert (sp.math, sp.splits) == want, (cfg, sp.name())
     # stream-K: asked for by config (never a default), no split-K; a misaligned x gathers on the per-tile kernel
-    plan = Conv2dPlan((32, 7, 7, 512), wsh, "float16", "NHWC", 1, 1, config={"streamk": 1}, device=None)
+    plan = Conv2dPlan((32, 7, 7, 512), wsh, "float16", "NHWC", 1, 1, device="numpy", options=igemm.Conv2dOptions(config={"streamk": 1}))
     sp = plan.spec()
     assert (sp.streamk, sp.splits, sp.store, sp.load_a) == (1, 1, "regs", "tma") and sp.name().endswith("_sk")
     gather = plan.spec(x_aligned=False)
     assert (gather.streamk, gather.math, gather.load_a) == (0, "wgmma", "elem") and validate_spec(gather, plan.kproblem)
     assert not any(choose_config(_pb(**kw)).streamk for kw in (dict(), dict(N=32, H=7, W=7, C=512, K=512)))
-    sp = Conv2dPlan(xs, wsh, "float16", "NHWC", 1, 1, config={"streamk": 1}, device=None).spec()   # default: persistent
+    sp = Conv2dPlan(xs, wsh, "float16", "NHWC", 1, 1, device="numpy", options=igemm.Conv2dOptions(config={"streamk": 1})).spec()   # default: persistent
     assert (sp.math, sp.streamk, sp.splits) == ("wgmma", 1, 1), sp.name()
-    monkeypatch.setenv("IGEMM_REG_EPI", "0")
-    assert choose_config(_pb(K=256, epilogue=(("ReLU", True),))).store == "rows"
-    monkeypatch.delenv("IGEMM_REG_EPI")
+    assert store_for(_pb(K=256, epilogue=(("ReLU", True),)), "wgmma", 128, 1, regs=False)[0] == "rows"
     odd = choose_config(_pb(K=300, epilogue=(("ReLU", True),)))
     assert (odd.store, odd.vec_o, odd.fuse_mask) == ("rows", 1, False)    # words would straddle CTAs
     nchw = choose_config(_pb(layout="NCHW", H=28, W=28, epilogue=(("ReLU", True),)))
@@ -247,7 +263,7 @@ def test_wide_1x1_takes_128_row_tiles():
     """1x1 convs with 2048 output channels and half a wave of 128-row tiles take 128x128 tiles (the filter
     read once per 128 output rows, not 64), with or without a chain; an NCHW output with a residual keeps
     64-row tiles, as do 1024 output channels."""
-    from igemm._heuristics import kernel_setup
+    from igemm.conv._paths import kernel_setup
     add = (("BatchNorm",), ("Add",), ("ReLU", True))
     for layout in LAYOUTS:
         for kw in (dict(C=512, H=7, W=7), dict(C=1024, H=14, W=14, stride=(2, 2))):
@@ -267,7 +283,7 @@ def test_deep_1x1_takes_the_persistent_kernel():
     than a wave (1x1 2048->512 @7, N=32), 64x64 with 8 stages where they fit one (N=16); split-K's small batches
     keep their cluster k-split; an NCHW output with a residual, shallower reductions and more tiles stay
     per-tile."""
-    from igemm._heuristics import kernel_setup
+    from igemm.conv._paths import kernel_setup
     add = (("BatchNorm",), ("Add",), ("ReLU", True))
     kw = dict(C=2048, K=512, H=7, W=7, R=1, S=1, padding=(0, 0))
     for layout in LAYOUTS:
@@ -289,7 +305,8 @@ def test_large_batch_tiles():
     """Large batches (N=64-128): 128x128 tiles with taps take 4 stages (one CTA an SM) where that fills the
     waves and 3 stages (two CTAs) would not; 1x1 convs of 512+ channels in and out take 128x128 tiles from 5
     tiles an SM (not an NCHW output with a residual). The N=32 benchmark layers keep their kernels."""
-    from igemm._heuristics import _wave_fill, kernel_setup
+    from igemm.conv._rules import _wave_fill
+    from igemm.conv._paths import kernel_setup
     assert _wave_fill(392, 132) == 392 / 396 and _wave_fill(392, 264) == 392 / 528 and _wave_fill(100, 132) == 100 / 132
     add = (("BatchNorm",), ("Add",), ("ReLU", True))
     for layout in LAYOUTS:
@@ -318,7 +335,7 @@ def test_small_batch_tiles():
     they do not need (N=8, 1x1 to 1024 channels: 200 tiles of 64x128); with fewer 64x128 tiles 64 columns still
     fill the GPU. Split-K gives way to the cluster k-split at a handful of tiles with at most 32 k-tiles (N=1,
     1x1 2048->512 @7), not with more (3x3 512->512 @7, 72)."""
-    from igemm._heuristics import kernel_setup
+    from igemm.conv._paths import kernel_setup
     add = (("BatchNorm",), ("Add",), ("ReLU", True))
     for layout in LAYOUTS:
         for kw, N, bn in ((dict(C=256, K=1024, H=14, W=14), 8, 128),
@@ -351,9 +368,6 @@ def test_launch_smem_and_residual_staging(monkeypatch):
     assert plain.launch_smem(1) == max(stage, plain.bm * (plain.bn + 8) * 4) + 1024
     assert res16.launch_smem(1) == res16.smem                    # both stages: k-tile 0 and the residual
     assert res16.launch_smem(1) > plain.launch_smem(1)
-    monkeypatch.setenv("IGEMM_SMEM_TRIM", "0")
-    assert plain.launch_smem(1) == plain.smem
-    monkeypatch.delenv("IGEMM_SMEM_TRIM")
     nchw = choose_config(_pb(layout="NCHW", H=7, W=7, epilogue=one, residual_dtype="float16"))
     assert (nchw.store, nchw.vec_o, nchw.residual_staged) == ("regsnchw", 1, False)
     nchw14 = choose_config(_pb(layout="NCHW", H=14, W=14, epilogue=one, residual_dtype="bfloat16"))
@@ -368,12 +382,12 @@ def test_launch_smem_and_residual_staging(monkeypatch):
     assert not dataclasses.replace(ws7, epilogue=ws7.epilogue[:1]).residual_staged
     # the per-tile 128-row NCHW tile with P·Q odd and a residual is capped at 128 registers where shared memory
     # holds two CTAs (min_blocks_for): its chain without the residual, or with 4 stages, is not
-    from igemm._heuristics import min_blocks_for
+    from igemm.conv._spec import min_blocks_for
     t7 = dataclasses.replace(nchw, math="wgmma", bm=128, wm=2, bn=128, stages=3, load_a="tma", csplit=1, ctas=1)
     assert (t7.store, t7.vec_o, t7.residual, min_blocks_for(t7)) == ("regsnchw", 1, True, 2)
     assert min_blocks_for(dataclasses.replace(t7, epilogue=t7.epilogue[:1])) == 1
     assert min_blocks_for(dataclasses.replace(t7, stages=4)) == 1
-    from igemm._heuristics import kernel_setup     # 3x3 512->512 @7, N=128: the transpose path's choice
+    from igemm.conv._paths import kernel_setup     # 3x3 512->512 @7, N=128: the transpose path's choice
     pb7 = _pb(N=128, layout="NCHW", H=7, W=7, C=512, K=512, epilogue=one, residual_dtype="float16")
     big = choose_config(kernel_setup(pb7, "auto", None, None, "sm_90a")[1], "sm_90a")
     assert (big.bm, big.stages, big.store, big.vec_o, big.min_blocks) == (128, 3, "regsnchw", 1, 2), big.name()
@@ -393,8 +407,9 @@ def test_launch_smem_and_residual_staging(monkeypatch):
 def test_tma_choice_and_limits(monkeypatch):
     """The TMA loader: sm_90 16-bit NHWC with C % 64 == 0 inside the 4-D im2col box limits; the NCHW
     transpose path's kernel problem qualifies; IGEMM_TMA=0 and misaligned pointers fall back."""
-    from igemm._heuristics import validate_spec, kernel_setup
-    from igemm._tma import tma_unsupported
+    from igemm.conv._spec import validate_spec
+    from igemm.conv._paths import kernel_setup
+    from igemm.conv._tma import tma_unsupported
     assert tma_unsupported(_pb(), 64) is None
     assert "C % 64" in tma_unsupported(_pb(C=96), 64) and "C % 64" in tma_unsupported(_pb(C=16), 64)
     assert "1x1 stride-1" in tma_unsupported(_pb(layout="NCHW"), 64)
@@ -415,7 +430,7 @@ def test_tma_choice_and_limits(monkeypatch):
     assert choose_config(_pb(dtype="float32", precision="tf32")).load_a != "tma"
     c8pb = _pb(C=8, R=7, S=7, stride=(2, 2), padding=(3, 3))                     # conv1 padded to 8 channels
     assert choose_config(c8pb).load_a == "vec"                                   # 8-tap TMA measured slower
-    from igemm._heuristics import candidates
+    from igemm.conv._rules import candidates
     assert any(c.load_a == "tma8" and validate_spec(c, c8pb) for c in candidates(c8pb))
     assert "0x4000" in tma_unsupported(_pb(C=8, W=20000), 64)
     assert choose_config(_pb(), x_aligned=False).load_a == "elem"
@@ -428,14 +443,11 @@ def test_tma_choice_and_limits(monkeypatch):
         validate_spec(dataclasses.replace(tma, load_b="vec"), _pb())
     with pytest.raises(NotImplementedError, match="C % 64"):
         validate_spec(dataclasses.replace(tma, dtype="float16"), _pb(C=32))
-    over = Conv2dPlan((2, 8, 8, 64), (32, 3, 3, 64), "float16", "NHWC", padding=1, device=None,
-                      config={"math": "tensorop"}).spec()
+    over = Conv2dPlan((2, 8, 8, 64), (32, 3, 3, 64), "float16", "NHWC", padding=1, device="numpy", options=igemm.Conv2dOptions(config={"math": "tensorop"})).spec()
     assert (over.math, over.load_a, over.load_b) == ("tensorop", "vec", "vec")
-    monkeypatch.setenv("IGEMM_TMA", "0")
-    assert choose_config(_pb()).load_a == "vec"
+    assert choose_config(_pb(), "sm_80").load_a == "vec"                # TMA is sm_90's
     # a plan's unaligned fallback drops TMA for both operands
-    plan = Conv2dPlan((2, 8, 8, 64), (32, 3, 3, 64), "float16", "NHWC", padding=1, device=None,
-                      config=tma)
+    plan = Conv2dPlan((2, 8, 8, 64), (32, 3, 3, 64), "float16", "NHWC", padding=1, device="numpy", options=igemm.Conv2dOptions(config=tma))
     assert (plan.spec().load_a, plan.spec(w_aligned=False).load_b, plan.spec(w_aligned=False).load_a) == \
         ("tma", "elem", "vec")
 
@@ -443,7 +455,7 @@ def test_tma_choice_and_limits(monkeypatch):
 def test_tma_map_template():
     """The per-call address patch: learned from two encodes when one word holds the address; otherwise
     every address is encoded (cached)."""
-    from igemm._tma import MapTemplate
+    from igemm.conv._tma import MapTemplate
     enc_calls = []
 
     def plain(addr):                       # address in word 2, everything else fixed
@@ -496,7 +508,8 @@ def test_split_k_choice():
 
 
 def test_candidates_are_valid():
-    from igemm._heuristics import candidates, validate_spec
+    from igemm.conv._rules import candidates
+    from igemm.conv._spec import validate_spec
     for pb in (_pb(), _pb(H=7, W=7, C=512, K=512, epilogue=(("ReLU", True),)), _pb(layout="NCHW", K=256),
                _pb(dtype="float32", precision="tf32")):
         cands = candidates(pb)
@@ -510,20 +523,19 @@ def test_candidates_are_valid():
 
 
 def test_config_override_and_rejection():
-    plan = Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC", padding=1, device=None,
-                      config={"bn": 128, "splits": 2})
+    plan = Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC", padding=1, device="numpy", options=igemm.Conv2dOptions(config={"bn": 128, "splits": 2}))
     s = plan.spec()
     assert (s.bn, s.splits, s.store) == (128, 2, "linear")
     with pytest.raises(NotImplementedError, match="wgmma"):
-        Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float32", "NHWC", padding=1, device=None,
-                   precision="tf32", config={"math": "wgmma", "bk": 16}).spec()
+        Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float32", "NHWC", padding=1, device="numpy",
+                   precision="tf32", options=igemm.Conv2dOptions(config={"math": "wgmma", "bk": 16})).spec()
     with pytest.raises(ValueError, match="unknown"):
-        Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC", device=None, config={"tile": 3}).spec()
+        Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC", device="numpy", options=igemm.Conv2dOptions(config={"tile": 3})).spec()
 
 
 def test_nchw_path_choice():
     """16-bit NCHW with C % 8 == 0 runs the transpose path: an NHWC-gather kernel that stores NCHW."""
-    from igemm._heuristics import kernel_problem, nchw_path
+    from igemm.conv._paths import kernel_problem, nchw_path
     assert nchw_path(_pb(layout="NCHW")) == "transpose"
     assert nchw_path(_pb(layout="NCHW", C=3)) == "native"                     # conv1 (unless padded)
     assert nchw_path(_pb(layout="NCHW", C=3), pad=True) == "transpose"
@@ -539,7 +551,7 @@ def test_nchw_path_choice():
     assert (kb.H, kb.W, kb.stride, kb.P, kb.Q, kb.M, kb.layout, kb.y_layout) == (14, 14, (1, 1), 14, 14, b.M, "NHWC", "NCHW")
     for keep in (dataclasses.replace(b, padding=(1, 1)), dataclasses.replace(b, R=3, S=3), dataclasses.replace(b, stride=(1, 1))):
         assert kernel_problem(keep, "transpose").H == 28
-    from igemm import _transpose as T
+    from igemm.conv import _transpose as T
     assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0) == T.WIDEVEC             # conv1's x: 4 x 1024 tiles
     assert T.TransposeJob(2, 3, 5000, 2).mode(2, 0) == T.WIDE                # (misaligned: element accesses)
     assert T.TransposeJob(2, 3, 5001, 2).mode(0, 0) == T.WIDE
@@ -565,22 +577,22 @@ def test_nchw_path_choice():
     s = choose_config(kp)
     assert (kp.layout, kp.y_layout, s.layout, s.load_a, s.store, s.fuse_mask) == (
         "NHWC", "NCHW", "NHWC", "tma", "regsnchw", True)
-    plan = Conv2dPlan((2, 64, 14, 14), (32, 64, 3, 3), "float16", "NCHW", padding=1, device=None)
-    assert plan.nchw_path == "transpose" and plan.spec(x_aligned=False).load_a == "tma"   # reads its own copy
+    plan = Conv2dPlan((2, 64, 14, 14), (32, 64, 3, 3), "float16", "NCHW", padding=1, device="numpy")
+    assert plan.path == "transpose" and plan.spec(x_aligned=False).load_a == "tma"   # reads its own copy
     assert plan.y_shape == (2, 32, 14, 14) and "transpose" in repr(plan)
-    one = Conv2dPlan((2, 64, 14, 14), (32, 64, 1, 1), "float16", "NCHW", device=None)
+    one = Conv2dPlan((2, 64, 14, 14), (32, 64, 1, 1), "float16", "NCHW", device="numpy")
     assert one.spec(w_aligned=False).load_b == "elem"                          # 1x1: w is read in place
-    nat = Conv2dPlan((2, 64, 14, 14), (32, 64, 3, 3), "float16", "NCHW", padding=1, device=None, nchw_path="native")
-    assert (nat.nchw_path, nat.spec().layout, nat.spec().load_a) == ("native", "NCHW", "elem")
+    nat = Conv2dPlan((2, 64, 14, 14), (32, 64, 3, 3), "float16", "NCHW", padding=1, device="numpy", options=igemm.Conv2dOptions(nchw_path="native"))
+    assert (nat.path, nat.spec().layout, nat.spec().load_a) == ("native", "NCHW", "elem")
     x = np.random.default_rng(0).standard_normal((1, 8, 5, 5)).astype(np.float16)
     w = np.random.default_rng(1).standard_normal((4, 8, 3, 3)).astype(np.float16)
-    yt = Conv2dPlan(x.shape, w.shape, "float16", "NCHW", padding=1, device=None)(x, w)   # numpy backend
+    yt = Conv2dPlan(x.shape, w.shape, "float16", "NCHW", padding=1, device="numpy")(x, w)   # numpy backend
     assert rel_err(yt, reference.conv2d_direct(x, w, 1, 1, 1)) < 1e-2
 
 
 def test_channel_pad_choice():
     """pad_channels=True: 16-bit problems with C < 8 run on copies padded to 8 channels (16-byte gathers)."""
-    from igemm._heuristics import kernel_channels, kernel_setup
+    from igemm.conv._paths import kernel_channels, kernel_setup
     assert kernel_setup(_pb(C=3, R=7, S=7), unfold=False)[1].C == 3          # opt-in (measured slower)
     assert kernel_setup(_pb(C=3, R=7, S=7), pad=True)[1].C == 8
     path, kp = kernel_setup(_pb(layout="NCHW", C=5), pad=True)
@@ -592,13 +604,13 @@ def test_channel_pad_choice():
         kernel_channels(_pb(C=3, dtype="float32", precision="tf32"), "native", True)
     with pytest.raises(ValueError, match="pad_channels"):
         kernel_channels(_pb(C=12), "native", True)
-    plan = Conv2dPlan((2, 17, 17, 3), (32, 7, 7, 3), "float16", "NHWC", 2, 3, device=None, pad_channels=True)
+    plan = Conv2dPlan((2, 17, 17, 3), (32, 7, 7, 3), "float16", "NHWC", 2, 3, device="numpy", options=igemm.Conv2dOptions(pad_channels=True))
     s = plan.spec(x_aligned=False, w_aligned=False)
     assert (plan.kproblem.C, s.load_a, s.load_b) == (8, "vec", "vec") and "padded to 8" in repr(plan)   # own copies
     assert plan.y_shape == (2, 9, 9, 32)
     x = np.random.default_rng(0).standard_normal((1, 6, 6, 3)).astype(np.float16)
     w = np.random.default_rng(1).standard_normal((4, 3, 3, 3)).astype(np.float16)
-    y = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, device=None, pad_channels=True)(x, w)  # numpy
+    y = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, device="numpy", options=igemm.Conv2dOptions(pad_channels=True))(x, w)  # numpy
     assert rel_err(y, reference.conv2d_direct(x, w, 1, 1, 1, "NHWC")) < 1e-2
 
 
@@ -621,8 +633,8 @@ def _unfold_numpy(src: np.ndarray, job) -> np.ndarray:
 def test_unfold_choice_and_geometry(layout, rng):
     """The width unfold: when it is chosen, and that a conv of the unfolded copies (the jobs' index math,
     emulated in numpy) with the unfolded problem equals the conv, over strides, paddings and dilations."""
-    from igemm._heuristics import kernel_setup, use_unfold
-    from igemm._unfold import UnfoldJob, unfold_channels
+    from igemm.conv._paths import kernel_setup, use_unfold
+    from igemm.conv._unfold import UnfoldJob, unfold_channels
     assert use_unfold(_pb(C=3, R=7, S=7, layout=layout))                               # conv1, fp16
     assert not use_unfold(_pb(C=3, R=7, S=7, layout=layout, dtype="float32", precision="strict"))  # measured slower
     assert not use_unfold(_pb(C=4, R=3, S=3, dtype="float32", precision="strict"))    # 16-byte pixels already
@@ -640,9 +652,8 @@ def test_unfold_choice_and_geometry(layout, rng):
     big = kernel_setup(_pb(N=32, C=3, R=7, S=7, H=224, W=224, K=64, stride=(2, 2), padding=(3, 3)))[1]
     assert (choose_config(big).bm, choose_config(big).wm) == (128, 2)                  # conv1, N=32
     plan = Conv2dPlan((2, 3, 30, 30) if layout == "NCHW" else (2, 30, 30, 3),
-                      (64, 3, 7, 7) if layout == "NCHW" else (64, 7, 7, 3), "float16", layout, 2, 3, device=None,
-                      unfold="copy")
-    assert plan.nchw_path == "unfold" and "unfolded to 24" in repr(plan)
+                      (64, 3, 7, 7) if layout == "NCHW" else (64, 7, 7, 3), "float16", layout, 2, 3, device="numpy", options=igemm.Conv2dOptions(unfold="copy"))
+    assert plan.path == "unfold" and "unfolded to 24" in repr(plan)
     assert plan.spec(x_aligned=False, w_aligned=False).load_a == "vec"                # reads its own copies
     for _ in range(12):
         C, R, S = int(rng.integers(1, 6)), int(rng.integers(1, 5)), int(rng.integers(1, 6))
@@ -667,7 +678,7 @@ def _patch_a_tiles(x: np.ndarray, pb, bm: int) -> np.ndarray:
     """csrc/conv2d_patch.cuh in numpy, from its own index math: every tile's patch (boxes of x viewed as
     [N][H][W*C], zero outside) in a NaN-poisoned region of the plan's size, then the A k-tiles built from it
     (an 8-lane chunk: the kept lanes read at the chunk's element offset). Returns A, M x KT*64."""
-    from igemm._heuristics import PATCH_ALIGN as AL, PATCH_BOX as BOX, PATCH_STEP as STEP, patch_slots
+    from igemm.conv._problem import PATCH_ALIGN as AL, PATCH_BOX as BOX, PATCH_STEP as STEP, patch_slots
     N, H, W, C = x.shape
     R, S, sw, pw, sh, ph = pb.R, pb.S, pb.stride[1], pb.padding[1], pb.stride[0], pb.padding[0]
     P, Q, M, cu, sc = pb.P, pb.Q, pb.M, pb.Kred // pb.R, pb.S * pb.C
@@ -718,7 +729,9 @@ def test_patch_residual_preload_rules():
     """The patch kernel preloads a 16-bit residual into registers (KernelSpec.residual_preloaded: the NHWC
     register epilogue, BN <= 128) with a register cap for 3 CTAs an SM where shared memory holds 3, and packs
     its patch offsets in 16 bits: a bigger patch falls back to 64-row tiles, and a hand-made spec is refused."""
-    from igemm._heuristics import PATCH_MAX_BYTES, kernel_setup, patch_config
+    from igemm.conv._problem import PATCH_MAX_BYTES
+    from igemm.conv._paths import kernel_setup
+    from igemm.conv._rules import patch_config
     add = (("BatchNorm",), ("Add",), ("ReLU", True))
 
     def spec(layout="NHWC", ep=add, rdt=None, N=32, H=224, W=224, R=7, **kw):
@@ -742,7 +755,7 @@ def test_patch_residual_preload_rules():
     assert tall.patch_bytes - 16 > PATCH_MAX_BYTES
     with pytest.raises(NotImplementedError, match="16 bits"):
         validate_spec(tall, kp)
-    relu = dataclasses.replace(kp, epilogue=(("ReLU", False),))      # no residual: the 128-row tile is fine
+    relu = dataclasses.replace(kp, epilogue=_chain_of((("ReLU", False),)).functors("float16"), mask=False)  # no residual
     assert patch_config(relu).bm == 128 and validate_spec(patch_config(relu), relu)
 
 
@@ -750,8 +763,10 @@ def test_patch_loader_index_math(rng):
     """The patch kernel's tiles, lines, box slots and chunk offsets (emulated in numpy, NaN-poisoned patch)
     build exactly the im2col matrix of the width-unfolded problem, for random few-channel problems and both
     tile heights; the slot count the plan reserves is never exceeded; the path choice."""
-    from igemm._heuristics import kernel_setup, patch_config, patch_unsupported, validate_spec
-    from igemm._unfold import UnfoldJob, unfolded_problem
+    from igemm.conv._paths import kernel_setup, patch_unsupported
+    from igemm.conv._rules import patch_config
+    from igemm.conv._spec import validate_spec
+    from igemm.conv._unfold import UnfoldJob, unfolded_problem
     conv1 = _pb(N=32, C=3, H=224, W=224, K=64, R=7, S=7, stride=(2, 2), padding=(3, 3))
     path, kp = kernel_setup(conv1, arch="sm_90a")
     assert (path, kp.patch, kp.Kred, kp.C, kp.W) == ("patch", True, 168, 3, 224)
@@ -805,7 +820,7 @@ def test_patch_loader_index_math(rng):
 
 def test_plan_limits():
     with pytest.raises(NotImplementedError, match="2\\*\\*31"):
-        Conv2dPlan((1 << 12, 1, 1 << 10, 1 << 10), (1, 1, 1, 1), "float16", device=None)
+        Conv2dPlan((1 << 12, 1, 1 << 10, 1 << 10), (1, 1, 1, 1), "float16", device="numpy")
 
 
 # ------------------------------------------------------------------------------------ compilation (CI)
@@ -858,7 +873,8 @@ def test_kernel_compiles(label, pb, arch, tmp_path, monkeypatch):
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_persistent_and_tma8_kernels_compile(tmp_path, monkeypatch):
-    from igemm._heuristics import candidates, validate_spec
+    from igemm.conv._rules import candidates
+    from igemm.conv._spec import validate_spec
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     pb = _pb(K=256, epilogue=(("BatchNorm",), ("Add",), ("ReLU", True)), residual_dtype="float16")
     ws = [c for c in candidates(pb) if c.persistent]
@@ -866,7 +882,7 @@ def test_persistent_and_tma8_kernels_compile(tmp_path, monkeypatch):
     assert {(c.wm, c.csplit) for c in ws} == {(2, 1), (1, 1), (1, 2)}    # two consumers, one, the cluster k-split
     c8pb = _pb(C=8, R=7, S=7, stride=(2, 2), padding=(3, 3), epilogue=(("ReLU", True),))
     t8 = [c for c in candidates(c8pb) if c.load_a == "tma8"]          # and the 8-tap TMA candidate
-    from igemm._heuristics import kernel_setup                          # and the patch kernel (conv1 + BN+ReLU+mask)
+    from igemm.conv._paths import kernel_setup                          # and the patch kernel (conv1 + BN+ReLU+mask)
     patch = choose_config(kernel_setup(_pb(C=3, R=7, S=7, stride=(2, 2), padding=(3, 3), K=64,
                                            epilogue=(("BatchNorm",), ("ReLU", True))), arch="sm_90a")[1])
     assert patch.load_a == "patch"
@@ -884,7 +900,7 @@ def test_persistent_and_tma8_kernels_compile(tmp_path, monkeypatch):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
-    from igemm import _transpose
+    from igemm.conv import _transpose
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     T = _transpose
     for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD), (2, T.VEC, T.ROWSVEC)):
@@ -897,8 +913,8 @@ def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_unfold_kernels_compile(arch, tmp_path, monkeypatch):
     """The width unfold (2- and 4-byte elements) and the conv kernel of an unfolded conv1."""
-    from igemm import _unfold
-    from igemm._heuristics import kernel_setup
+    from igemm.conv import _unfold
+    from igemm.conv._paths import kernel_setup
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     for name, stub in _unfold.all_variants():
         cubin, _ = _build.compile_cubin(stub, arch, name=name)
@@ -1006,7 +1022,7 @@ def _check_plan(torch, plan, x, w, layout, st, pd, dl, tol):
     return y
 
 
-from igemm._heuristics import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
+from igemm.conv._rules import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
 
 
 @pytest.mark.gpu
@@ -1026,7 +1042,7 @@ def test_gpu_strict_fp32_paths(layout, rng):
         x, w = to_torch(x64, "float32"), to_torch(w64, "float32")
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
         for math_, cfg in (("tf32x3", None), ("simt", FFMA)):
-            plan = Conv2dPlan(x.shape, w.shape, "float32", layout, st, pd, dl, precision="strict", config=cfg)
+            plan = Conv2dPlan(x.shape, w.shape, "float32", layout, st, pd, dl, precision="strict", options=igemm.Conv2dOptions(config=cfg))
             assert plan.spec().math == math_
             out = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
             err = rel_err(to_numpy(plan(x, w, out=out)), ref)
@@ -1051,7 +1067,7 @@ def test_gpu_mma_sync_path(dtype, layout, rng):
         xs, ws, st, pd, dl = rand_problem(rng)
         x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
         x, w = to_torch(x64, dtype), to_torch(w64, dtype)
-        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, config={"math": "tensorop"})
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, options=igemm.Conv2dOptions(config={"math": "tensorop"}))
         assert plan.spec().math == "tensorop"
         _check_plan(torch, plan, x, w, layout, st, pd, dl, TOL[dtype])
 
@@ -1067,8 +1083,7 @@ def test_gpu_split_k(dtype, precision, layout, rng):
                                        ((3, 24, 9, 9), (17, 24, 5, 5), 2, 2, 1, 2)]:
         x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
         x, w = to_torch(x64, dtype), to_torch(w64, dtype)
-        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision,
-                          config={"splits": splits})
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, options=igemm.Conv2dOptions(config={"splits": splits}))
         assert plan.spec().splits == splits
         y1 = _check_plan(torch, plan, x, w, layout, st, pd, dl, TOL["tf32" if precision == "tf32" else dtype])
         for _ in range(3):
@@ -1109,9 +1124,9 @@ def test_gpu_tma_loader(dtype, layout, rng):
             # (NCHW: the transpose path by name -- 1x1 stride-1 cases would otherwise read x in place, "tmamn")
             nchw = "transpose" if layout == "NCHW" else "auto"
             plans[kind] = (Conv2dPlan(to_layout_shape(xs, layout), to_layout_shape(ws, layout), dtype, layout,
-                                      st, pd, dl, config=c or None, nchw_path=nchw),
+                                      st, pd, dl, options=igemm.Conv2dOptions(config=c or None, nchw_path=nchw)),
                            Conv2dPlan(to_layout_shape(xs, layout), to_layout_shape(ws, layout), dtype, layout,
-                                      st, pd, dl, config=c or None, epilogue=chain, nchw_path=nchw))
+                                      st, pd, dl, epilogue=chain, options=igemm.Conv2dOptions(config=c or None, nchw_path=nchw)))
         assert plans["tma"][0].spec().load_a == "tma" and plans["tma"][1].spec().load_a == "tma"
         assert plans["vec"][0].spec().load_a == "vec"
         for _ in range(3):                          # fresh buffers: new addresses in the tensor maps
@@ -1174,7 +1189,7 @@ def test_gpu_persistent_kernel(dtype, layout, sms, wm, rng, monkeypatch):
         xsl, wsl = to_layout_shape(xs, layout), to_layout_shape(ws, layout)
         pers = {"math": "wgmma_ws", "bm": 64, "wm": wm, "splits": 1, **cfg}
         nchw = "transpose" if layout == "NCHW" else "auto"      # (the persistent kernel reads NHWC TMA tiles)
-        plans = {kind: [Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, config=c, epilogue=e, nchw_path=nchw)
+        plans = {kind: [Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, epilogue=e, options=igemm.Conv2dOptions(config=c, nchw_path=nchw))
                         for e in (None, chain)]
                  for kind, c in (("ws", pers), ("tile", {"math": "wgmma", "bm": 64, "wm": 1, "bn": cfg["bn"],
                                                          "splits": 1}))}
@@ -1219,8 +1234,7 @@ def test_gpu_persistent_nchw_residual_staged(dtype, sms, rng, monkeypatch):
         g_, b_, m_, v_ = (torch.rand(K, device="cuda", dtype=torch.float32) + 0.5 for _ in range(4))
         chain = ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True))
         cfg = {"bm": 64, "wm": 1, "bn": 64, "stages": 4, "splits": 1}
-        plans = {kind: Conv2dPlan(xs, ws, dtype, "NCHW", 1, 1, 1, config={**cfg, "math": m}, epilogue=chain,
-                                  nchw_path="transpose")
+        plans = {kind: Conv2dPlan(xs, ws, dtype, "NCHW", 1, 1, 1, epilogue=chain, options=igemm.Conv2dOptions(config={**cfg, "math": m}, nchw_path="transpose"))
                  for kind, m in (("ws", "wgmma_ws"), ("tile", "wgmma"))}
         sp = plans["ws"].spec()
         assert (sp.persistent, sp.store, sp.vec_o, sp.residual_staged) == (True, "regsnchw", v, True), sp.name()
@@ -1273,7 +1287,7 @@ def test_gpu_cluster_ksplit(dtype, layout, sms, rng, monkeypatch):
         c = {"math": "wgmma_ws", "bm": 64, "wm": 1, "splits": 1, "csplit": 2, **cfg}
         nchw = "transpose" if layout == "NCHW" else "auto"
         xsl, wsl = to_layout_shape(xs, layout), to_layout_shape(ws, layout)
-        plain, fused = (Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, config=c, epilogue=e, nchw_path=nchw)
+        plain, fused = (Conv2dPlan(xsl, wsl, dtype, layout, st, pd, dl, epilogue=e, options=igemm.Conv2dOptions(config=c, nchw_path=nchw))
                         for e in (None, chain))
         assert plain.spec().csplit == 2 and fused.spec().csplit == 2, plain.spec().name()
         sc = to_numpy(g_) / np.sqrt(to_numpy(v_) + 1e-5)
@@ -1304,7 +1318,9 @@ def test_persistent_several_ctas_an_sm():
     residual (NHWC), 2 CTAs and 3 stages; a residual on one k-tile, fewer tiles or a deeper reduction (8 k-tiles)
     keep the per-tile kernel; 3x3 64->64 @56 with a chain (NHWC, N >= 32): 64x64 tiles, 3 CTAs, 4 stages. Several
     CTAs fit the SM's shared memory, and the spec refuses more than fit, or several CTAs on another kernel."""
-    from igemm._heuristics import SMEM_PER_SM, candidates, kernel_setup, max_ctas
+    from igemm.conv._spec import SMEM_PER_SM, max_ctas
+    from igemm.conv._rules import candidates
+    from igemm.conv._paths import kernel_setup
     bnrm = (("BatchNorm",), ("ReLU", True))
     for layout in LAYOUTS:
         pb = _pb(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0), layout=layout, epilogue=bnrm)
@@ -1376,8 +1392,7 @@ def test_persistent_several_ctas_an_sm():
         assert other.ctas == 1 and other.math == "wgmma" and other.bm == 128, (kw, other.name())
     one = _pb(N=32, H=56, W=56, C=64, K=256, R=1, S=1, padding=(0, 0))
     assert not validate_spec(dataclasses.replace(choose_config(one), ctas=2), one, raise_=False)
-    plan = Conv2dPlan((32, 56, 56, 64), (256, 1, 1, 64), "float16", "NHWC", 1, 0, device=None,
-                      config={"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": 128, "stages": 2, "ctas": 3, "splits": 1})
+    plan = Conv2dPlan((32, 56, 56, 64), (256, 1, 1, 64), "float16", "NHWC", 1, 0, device="numpy", options=igemm.Conv2dOptions(config={"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": 128, "stages": 2, "ctas": 3, "splits": 1}))
     assert plan.spec().ctas == 3
     gather = plan.spec(x_aligned=False)         # (misaligned x: the per-tile kernel gathers, one CTA each)
     assert (gather.math, gather.ctas, gather.min_blocks) == ("wgmma", 1, 1)
@@ -1401,11 +1416,11 @@ def several_ctas_plans(*args, bn: int = 128, stages: int = 0, **kw) -> dict:
     64 x ``bn`` tile} (64 columns: 3 stages, as choose_config's 1x1 256->64 rule; 128: 2; or ``stages``)"""
     ws = {"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": bn, "stages": stages or (2 if bn == 128 else 3), "splits": 1}
     try:
-        plan = Conv2dPlan(*args, config={**ws, "ctas": 3}, **kw)
+        plan = Conv2dPlan(*args, **kw, options=igemm.Conv2dOptions(config={**ws, "ctas": 3}))
         plan.spec()
     except NotImplementedError:
-        plan = Conv2dPlan(*args, config={**ws, "ctas": 2}, **kw)
-    return {"ws": plan, "tile": Conv2dPlan(*args, config={**ws, "math": "wgmma"}, **kw)}
+        plan = Conv2dPlan(*args, **kw, options=igemm.Conv2dOptions(config={**ws, "ctas": 2}))
+    return {"ws": plan, "tile": Conv2dPlan(*args, **kw, options=igemm.Conv2dOptions(config={**ws, "math": "wgmma"}))}
 
 
 @pytest.mark.gpu
@@ -1491,8 +1506,7 @@ def test_gpu_streamk(dtype, sms, rng, monkeypatch):
         V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
         chain = ep.chain(ep.BatchNorm(*V), ep.Add(), ep.ReLU(mask=True))
         for epi in (None, chain):
-            plan = Conv2dPlan(xs, (K, R, R, C), dtype, "NHWC", st, R // 2, epilogue=epi,
-                              config={**cfg, "stages": 4})
+            plan = Conv2dPlan(xs, (K, R, R, C), dtype, "NHWC", st, R // 2, epilogue=epi, options=igemm.Conv2dOptions(config={**cfg, "stages": 4}))
             spec = plan.spec()
             assert spec.streamk and spec.store == "regs" and spec.splits == 1, spec.name()
             for _ in range(2):
@@ -1559,7 +1573,7 @@ def _both_store_phases(torch, x, w, dtype, layout, st, pd, chain, cfg, stores, r
         c = dict(cfg or {})
         if store == stores[1]:
             c["store"] = store
-        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, epilogue=chain, config=c or None)
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, epilogue=chain, options=igemm.Conv2dOptions(config=c or None))
         spec = plan.spec()
         assert (spec.store == stores[0]) == (store == stores[0]), spec.name()   # (the fp32 tile: rows or linear)
         if "math" in c:                     # (without one the default may be either kernel)
@@ -1633,7 +1647,7 @@ NCHW_BITWISE_CASES = [
     ((2, 32, 6, 5), (48, 32, 3, 3), 1, 1, None),                        # V = 2
     ((3, 64, 9, 11), (136, 64, 3, 3), 1, 1, {**_PERSISTENT, "bn": 128, "stages": 3}),
     ((3, 64, 16, 16), (72, 64, 1, 1), 1, 0, None),                      # MN-major TMA (1x1 in place)
-    # the fused mask across tiles and images (written for the word stores before session 26's byte stores):
+    # the fused mask across tiles and images (word stores and byte stores alike):
     # 128-row tiles, tiles across images with odd word offsets and an M tail (P*Q = 96), the persistent
     # kernel with a K tail
     ((2, 64, 16, 16), (64, 64, 3, 3), 1, 1, {"bm": 128, "wm": 2}),
@@ -1684,25 +1698,18 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fast", [True, False], ids=["c_launch", "python_launch"])
-def test_gpu_lean_launch(rng, fast, monkeypatch):
-    """The lean launch (torch tensors, the plan's context current): every call's new x, w, y, mask pointers
-    reach the argument buffer and the TMA maps' address words, and plans that prepare copies first (the NCHW
+def test_gpu_torch_fast_path(rng):
+    """The torch fast path (torch tensors, the plan's context current: checks against precomputed values, then
+    the one bind step) and the general path give the same bits: every call's new x, w, y, mask pointers reach
+    the argument buffer and the TMA maps' address words, and plans that prepare copies first (the NCHW
     transpose, the subsampled copy, the width unfold of w, the NCHW patch path's transpose + unfold) launch
-    the preparation the same way; calls in between on another launcher (a misaligned x: the gather kernel,
-    the copy plan or the preparation's element variant), with per-call vectors (conv2d's folded BN) or from
-    a thread with no current context take the general path and leave the buffers right for the next lean
-    call. Each result equals the general path's bit for bit (y and mask poisoned first) and the float64
-    reference. Both launchers: the C fast launch (igemm/_fastlaunch.py; it must build on the GPU machine)
-    and the Python one it replaces."""
+    the preparation the same way; calls in between on another variant (a misaligned x: the gather kernel, the
+    copy plan or the preparation's element variant), with per-call vectors (conv2d's folded BN) or from a
+    thread with no current context take the general path and leave the buffers right for the next fast call.
+    Each result equals the general path's bit for bit (y and mask poisoned first) and the float64 reference."""
     torch = pytest.importorskip("torch")
     import threading
-    from igemm import _fastlaunch
     from igemm import epilogues as ep
-    if fast:
-        assert _fastlaunch.get() is not None, _fastlaunch.status()
-    else:
-        monkeypatch.setattr(_fastlaunch, "_state", {"mod": None, "why": "off for this test"})
     for layout, xs, ws, st, pd, cfg in [
             ("NHWC", (2, 9, 11, 64), (128, 3, 3, 64), 1, 1, None),                # TMA maps
             ("NHWC", (1, 7, 7, 256), (256, 3, 3, 256), 1, 1, {"splits": 4}),     # split-K slots
@@ -1712,18 +1719,18 @@ def test_gpu_lean_launch(rng, fast, monkeypatch):
             ("NCHW", (2, 3, 32, 64), (64, 3, 7, 7), 2, 3, None)]:                 # transpose + unfold
         K = ws[0]
         V = [torch.rand(K, device="cuda") + 0.5 for _ in range(4)]
-        plan = Conv2dPlan(xs, ws, "float16", layout, st, pd, config=cfg,
-                          epilogue=ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)))
+        plan = Conv2dPlan(xs, ws, "float16", layout, st, pd,
+                          epilogue=ep.chain(ep.BatchNorm(*V), ep.ReLU(mask=True)), options=igemm.Conv2dOptions(config=cfg))
         assert plan.spec().fuse_mask, plan.spec().name()
         general = []
-        plan_launch = plan._launch
-        plan._launch = lambda *a: (general.append(1), plan_launch(*a))[1]
+        general_call = plan._call
+        plan._call = lambda *a: (general.append(1), general_call(*a))[1]
         n = int(np.prod(xs))
         xb = to_torch(rng.standard_normal(n + 8), "float16")
         xs_ = [to_torch(rng.standard_normal(xs), "float16") for _ in range(3)] + [xb[1:1 + n].view(xs)]
         wts = [to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), "float16") for _ in range(2)]
         seq = [(0, 0), (1, 0), (2, 1), (3, 1), (0, 0), (1, 1), (2, 0)]       # (x, w): x 3 is misaligned
-        label = f"{layout} {xs} {ws}: {plan.nchw_path} {plan.spec().name()}"
+        label = f"{layout} {xs} {ws}: {plan.path} {plan.spec().name()}"
         for i, (xi, wi) in enumerate(seq):
             x, w = xs_[xi], wts[wi]
             y = poison(torch.empty(plan.y_shape, dtype=torch.float16, device="cuda"))
@@ -1735,47 +1742,28 @@ def test_gpu_lean_launch(rng, fast, monkeypatch):
                 th.join()
             else:
                 plan(x, w, out=y, mask_out=m)
-            lean = len(general) == before
-            y2, m2 = plan._call(x, w)                    # the general path (keeps_current_context)
+            fast = len(general) == before
+            y2, m2 = general_call(x, w, None, None, None, None, None, None)
             assert torch.equal(y.view(torch.int16), y2.view(torch.int16)) and torch.equal(m, m2), (label, i)
-            if i in (1, 6):
-                assert lean, f"{label}: call {i} took the general path"
-            # 3: misaligned x (the gather kernel; the NHWC patch plan hands it to its copy plan), 4: the buffer
-            # holds the gather kernel's values, so the general path rewrites them; 5: no current context
-            if i == 5 or (i == 3 and not (layout == "NHWC" and plan.nchw_path == "patch")):
-                assert not lean, f"{label}: call {i} should take the general path"
-        recs = [r for r in plan._lean_recs.values() if r]
-        assert recs and all((r[21] is not None) == fast for r in recs), label
-        if fast:
-            # the whole call in C (igemm_fastlaunch.conv): armed by the lean launch of call 6; _call disarmed it,
-            # so one lean call re-arms it, then calls skip _call_torch entirely (allocating y and the mask too)
-            assert plan._cfast is not None, label
-            plan(xs_[1], wts[1])
-            assert plan._armed[0] == 1, label
-            py_calls = []
-            ct = plan._call_torch
-            plan._call_torch = lambda *a, **k: (py_calls.append(1), ct(*a, **k))[1]
-            y3 = poison(torch.empty(plan.y_shape, dtype=torch.float16, device="cuda"))
-            m3 = torch.full((plan.mask_words,), -1, dtype=torch.int32, device="cuda")
-            r3 = plan(xs_[2], wts[0], out=y3, mask_out=m3)
-            y4, m4 = plan(xs_[2], wts[0])
-            y6, m6 = plan(xs_[2], torch.nn.Parameter(wts[0], requires_grad=False))     # w as a module's weight
-            assert not py_calls and r3[0] is y3 and r3[1] is m3, label
-            y5, m5 = plan._call(xs_[2], wts[0])
-            for yy, mm in ((y3, m3), (y4, m4), (y6, m6)):
-                assert torch.equal(yy.view(torch.int16), y5.view(torch.int16)) and torch.equal(mm, m5), label
-            assert plan._armed[0] == 0, label          # the general call disarmed it
-            del plan._call_torch
+            if i in (0, 1, 4, 6):
+                assert fast, f"{label}: call {i} took the general path"
+            if i == 3:      # a misaligned x: the gather variant, fast; the NHWC patch plan hands it to its copy plan
+                assert fast != (layout == "NHWC" and plan.path == "patch"), f"{label}: call {i}"
+            if i == 5:
+                assert not fast, f"{label}: a thread with no current context should take the general path"
+        yp, mp = plan(xs_[2], torch.nn.Parameter(wts[0], requires_grad=False))     # w as a module's weight
+        ya, ma = plan(xs_[2], wts[0])                                                 # allocating y and the mask
+        assert torch.equal(yp, ya) and torch.equal(mp, ma), label
         ref = reference.conv2d_direct(to_numpy(xs_[2]), to_numpy(wts[0]), st, pd, 1, layout)
         cs = (1, K, 1, 1) if layout == "NCHW" else (1, 1, 1, K)
         sc = (to_numpy(V[0]) / np.sqrt(to_numpy(V[3]) + 1e-5)).reshape(cs)
         want = np.maximum((ref - to_numpy(V[2]).reshape(cs)) * sc + to_numpy(V[1]).reshape(cs), 0)
         assert rel_err(to_numpy(y), want) <= TOL["float16"], label
-        # conv2d's per-call folded vectors go through the general launch and restore the plan's own
+        # conv2d's per-call folded vectors: the plan's own are used again afterwards
         yf = igemm.conv2d(xs_[0], wts[0], st, pd, layout=layout,
                           epilogue=ep.chain(ep.BatchNorm(*(v * 2 for v in V)), ep.ReLU(mask=True)))[0]
         y0, _ = plan(xs_[0], wts[0])
-        y1, _ = plan._call(xs_[0], wts[0])
+        y1, _ = general_call(xs_[0], wts[0], None, None, None, None, None, None)
         assert torch.equal(y0, y1) and not torch.equal(yf, y0), label
 
 
@@ -1787,8 +1775,8 @@ def test_gpu_plan_in_cuda_graph(rng):
     x = torch.randn(4, 7, 7, 256, device="cuda", dtype=torch.float16)
     w = torch.randn(256, 3, 3, 256, device="cuda", dtype=torch.float16) / 48
     g_, b_, m_, v_ = (torch.rand(256, device="cuda") + 0.5 for _ in range(4))
-    plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1, config={"splits": 4},
-                      epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.ReLU(mask=True)))
+    plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", padding=1,
+                      epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.ReLU(mask=True)), options=igemm.Conv2dOptions(config={"splits": 4}))
     y = torch.empty(4, 7, 7, 256, device="cuda", dtype=torch.float16)
     mask = torch.empty((y.numel() + 31) // 32, device="cuda", dtype=torch.int32)
     s = torch.cuda.Stream()
@@ -1895,19 +1883,19 @@ def test_gpu_nchw_paths(dtype, rng):
         pre = (ref - to_numpy(m_)[None, :, None, None]) * scale[None, :, None, None] \
             + to_numpy(b_)[None, :, None, None] + to_numpy(res)
         for path in ("native", "transpose"):
-            plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd, nchw_path=path)
-            assert plan.nchw_path == path
+            plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd, options=igemm.Conv2dOptions(nchw_path=path))
+            assert plan.path == path
             if path == "transpose" and ws[2:] == (1, 1) and pd == 0 and st != 1:
                 assert plan.kproblem.H == ref.shape[2] and plan.kproblem.stride == (1, 1), plan.kproblem
             if path == "native" and ws[2:] == (1, 1) and pd == 0 and st == 1 and xs[1] % 64 == 0 and xoff == 0:
                 assert plan.spec().load_a == "tmamn", plan.spec().name()
-                assert Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd).nchw_path == "native"   # (auto)
+                assert Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd).path == "native"   # (auto)
             for _ in range(2):                      # the second call reuses the plan's scratch
                 y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
                 err = rel_err(to_numpy(y), ref)
                 assert err <= TOL[dtype], f"{path} {xs} {ws}: {plan.spec().name()} {err}"
-            fused = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd, nchw_path=path,
-                               epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+            fused = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd,
+                               epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)), options=igemm.Conv2dOptions(nchw_path=path))
             mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
             y, m = fused(x, w, residual=res, mask_out=mo,
                          out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
@@ -1944,23 +1932,22 @@ def test_gpu_channel_pad(dtype, layout, rng):
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, layout)
         (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], layout, dtype)
         for pad, unf in ((True, None), (None, False)):
-            plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad, unfold=unf)
+            plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, options=igemm.Conv2dOptions(pad_channels=pad, unfold=unf))
             assert (plan.kproblem.C == 8) == bool(pad), plan
             for _ in range(2):
                 y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
                 err = rel_err(to_numpy(y), ref)
                 assert err <= TOL[dtype], f"pad={pad} {layout} {xs}: {plan.spec().name()} {err}"
-            fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=pad, unfold=unf,
-                               epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+            fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd,
+                               epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)), options=igemm.Conv2dOptions(pad_channels=pad, unfold=unf))
             mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
             y, m = fused(x, w, residual=res, mask_out=mo,
                          out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
             assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= TOL[dtype], f"pad={pad} fused {layout} {xs}"
             assert torch.equal(m, igemm.relu_mask(y))
         # 8-tap TMA k-tiles on the padded copies (an autotune candidate): bitwise equal to their 16-byte gather
-        tma = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=True,
-                         config={"load_a": "tma8", "load_b": "tma"})
-        gat = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, pad_channels=True)
+        tma = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, options=igemm.Conv2dOptions(pad_channels=True, config={"load_a": "tma8", "load_b": "tma"}))
+        gat = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, options=igemm.Conv2dOptions(pad_channels=True))
         assert (tma.spec().load_a, gat.spec().load_a) == ("tma8", "vec")
         assert torch.equal(tma(x, w), gat(x, w)), f"tma8 vs gather {layout} {xs}"
 
@@ -1984,17 +1971,17 @@ def test_gpu_unfold(dtype, precision, layout, rng):
         x = xb[8 - xoff:8 - xoff + x64.size].view(x64.shape)
         w = to_torch(w64, dtype)
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
-        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold="copy")
-        assert plan.nchw_path == "unfold" and plan.spec().load_a == "vec", plan
+        plan = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, options=igemm.Conv2dOptions(unfold="copy"))
+        assert plan.path == "unfold" and plan.spec().load_a == "vec", plan
         for _ in range(2):
             y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
             err = rel_err(to_numpy(y), ref)
             assert err <= tol, f"{layout} {xs} {ws}: {plan.spec().name()} {err}"
-        y0 = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold=False)(x, w)
+        y0 = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, options=igemm.Conv2dOptions(unfold=False))(x, w)
         assert rel_err(to_numpy(y0), to_numpy(y)) <= 2 * tol
         (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], layout, dtype)
-        fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision, unfold="copy",
-                           epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
+        fused = Conv2dPlan(x.shape, w.shape, dtype, layout, st, pd, dl, precision=precision,
+                           epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)), options=igemm.Conv2dOptions(unfold="copy"))
         mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
         y, m = fused(x, w, residual=res, mask_out=mo, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
         assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= tol, f"fused {layout} {xs}"
@@ -2021,8 +2008,8 @@ def test_gpu_patch(dtype, rng):
         x, w = to_torch(x64, dtype), to_torch(w64, dtype)
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NHWC")
         plan = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, pd)
-        assert plan.nchw_path == "patch" and plan.spec().load_a == "patch", plan
-        copy = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, pd, unfold="copy")
+        assert plan.path == "patch" and plan.spec().load_a == "patch", plan
+        copy = Conv2dPlan(x.shape, w.shape, dtype, "NHWC", st, pd, options=igemm.Conv2dOptions(unfold="copy"))
         for _ in range(2):
             y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
             err = rel_err(to_numpy(y), ref)
@@ -2088,7 +2075,7 @@ def test_gpu_patch_nchw(dtype, rng):
         x, w = to_torch(x64, dtype), to_torch(rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), dtype)
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, 1, "NCHW")
         plan = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd)
-        assert plan.nchw_path == "patch" and plan.spec().load_a == "patch" and plan.spec().store == "regsnchw", plan
+        assert plan.path == "patch" and plan.spec().load_a == "patch" and plan.spec().store == "regsnchw", plan
         for _ in range(2):
             y = plan(x, w, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
             assert rel_err(to_numpy(y), ref) <= TOL[dtype], f"{xs} {ws}: {plan.spec().name()}"
@@ -2098,7 +2085,7 @@ def test_gpu_patch_nchw(dtype, rng):
         (g_, b_, m_, v_), res, pre = _bn_add_case(torch, rng, ref, ws[0], "NCHW", dtype)
         fused = Conv2dPlan(x.shape, w.shape, dtype, "NCHW", st, pd,
                            epilogue=ep.chain(ep.BatchNorm(g_, b_, m_, v_), ep.Add(), ep.ReLU(mask=True)))
-        assert fused.nchw_path == "patch"
+        assert fused.path == "patch"
         mo = torch.full(((int(np.prod(ref.shape)) + 31) // 32,), -1, dtype=torch.int32, device="cuda")
         y, m = fused(x, w, residual=res, mask_out=mo, out=poison(torch.empty(ref.shape, dtype=x.dtype, device="cuda")))
         assert rel_err(to_numpy(y), np.maximum(pre, 0)) <= TOL[dtype], f"fused {xs} {ws}"
@@ -2131,7 +2118,7 @@ def test_gpu_unfold_in_graph_and_function(rng):
     x = torch.randn(2, 64, 64, 3, device="cuda", dtype=torch.float16)
     w = torch.randn(64, 7, 7, 3, device="cuda", dtype=torch.float16) / 12
     plan = Conv2dPlan(x.shape, w.shape, "float16", "NHWC", 2, 3)
-    assert plan.nchw_path == "patch"                   # (sm_90; two launches: w's unfold, the conv)
+    assert plan.path == "patch"                   # (sm_90; two launches: w's unfold, the conv)
     y = torch.empty(2, 32, 32, 64, device="cuda", dtype=torch.float16)
     _replay_in_graph(torch, plan, x, w, y, 12, lambda: reference.conv2d_direct(to_numpy(x), to_numpy(w), 2, 3, 1, "NHWC"))
     yf = igemm.conv2d(x, w, 2, 3, layout="NHWC")
@@ -2145,7 +2132,7 @@ def test_gpu_nchw_transpose_path_in_graph(rng):
     x = torch.randn(4, 64, 14, 14, device="cuda", dtype=torch.float16)
     w = torch.randn(96, 64, 3, 3, device="cuda", dtype=torch.float16) / 24
     plan = Conv2dPlan(x.shape, w.shape, "float16", "NCHW", padding=1)
-    assert plan.nchw_path == "transpose"
+    assert plan.path == "transpose"
     y = torch.empty(4, 96, 14, 14, device="cuda", dtype=torch.float16)
     _replay_in_graph(torch, plan, x, w, y, 24,
                      lambda: to_numpy(torch.nn.functional.conv2d(x.double(), w.double(), padding=1)))
@@ -2175,7 +2162,7 @@ def _replay_in_graph(torch, plan, x, w, y, w_scale, ref_fn):
 def test_gpu_transpose_kernel(rng):
     """The batched transpose on its own: every tile variant, exact bits."""
     torch = pytest.importorskip("torch")
-    from igemm import _transpose
+    from igemm.conv import _transpose
     for dt, (B, R, C) in [(torch.float16, (3, 64, 3136)), (torch.bfloat16, (2, 72, 196)),
                           (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8)),
                           (torch.float16, (3, 300, 16)), (torch.float32, (2, 513, 1)), (torch.float16, (2, 9, 17)),
@@ -2238,7 +2225,7 @@ def test_gpu_transpose_kernel(rng):
 @pytest.mark.gpu
 def test_gpu_autotune(rng, tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
-    import igemm._autotune as at
+    import igemm.conv._autotune as at
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("IGEMM_AUTOTUNE", "1")
     monkeypatch.setattr(at, "_mem", None)

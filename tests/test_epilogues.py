@@ -189,8 +189,7 @@ def test_gpu_relu_stores_positive_zero(layout, dtype, rng):
                   ep.chain(ep.BatchNorm(*V, eps=eps), ep.Add(), ep.ReLU(mask=True))):
         pre = xs * g + (to_numpy(res) if chain.residual_op is not None else 0.0)    # exact in float64
         for store in (None, "rows" if layout == "NHWC" else "nchw"):
-            plan = igemm.Conv2dPlan(x.shape, w.shape, dtype, layout, epilogue=chain,
-                                    config={"store": store} if store else None)
+            plan = igemm.Conv2dPlan(x.shape, w.shape, dtype, layout, epilogue=chain, options=igemm.Conv2dOptions(config={"store": store} if store else None))
             label = f"{dtype} {layout} {chain!r} {plan.spec().name()}"
             assert plan.spec().store.startswith("regs") == (store is None), label   # the register epilogue first
             y = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))

@@ -345,11 +345,10 @@ conv_cases = _composite(gen_conv_case)
 
 def conv_case_spec(case: ConvCase):
     """The kernel a case runs (pure: the plan's choice for sm_90a with 132 SMs, as on H100/H200)."""
-    from igemm.conv2d import Conv2dPlan, _skeleton
-    chain = ep.chain(*[_skeleton(o) for o in (_chain_ops(case))])
+    from igemm.conv import Conv2dPlan
+    chain = ep.chain(*_chain_ops(case)).skeleton()
     plan = Conv2dPlan(case.x_shape, case.w_shape, case.dtype, case.layout, case.stride, case.padding, case.dilation,
-                      chain, case.precision, case.res_dtype if chain.residual_op else None, device=None,
-                      config=case.config(), pad_channels=case.pad_channels, unfold=case.unfold, _skeleton=True)
+                      chain, case.precision, case.res_dtype if chain.residual_op else None, device="numpy", _skeleton=True, options=igemm.Conv2dOptions(config=case.config(), pad_channels=case.pad_channels, unfold=case.unfold))
     return plan.spec(x_aligned=case.x_offset == 0)
 
 
@@ -362,7 +361,7 @@ def _chain_ops(case: ConvCase):
 
 def conv_stubs(pid_filter=None, n: int = 300, seed: int = 0) -> dict:
     """{(stub, name)} the conv fuzz can compile (sampled: ``n`` draws per item), for precompiling / bounds."""
-    from igemm.conv2d import _stub
+    from igemm.conv._spec import stub as _stub
     out = {}
     rng = np.random.default_rng(seed)
     for item in conv_items():
@@ -399,7 +398,7 @@ def _magnitude(abs_pre, chain, layout, res_abs):
 
 
 def run_conv_case(torch, case: ConvCase) -> None:
-    from igemm.conv2d import Conv2dPlan
+    from igemm.conv import Conv2dPlan
     rng = _np_rng(case.seed)
     Kred = case.C * case.R * case.S
     x = _tdev(torch, rng.standard_normal(case.x_shape), case.dtype, case.x_offset)
@@ -431,8 +430,7 @@ def run_conv_case(torch, case: ConvCase) -> None:
     else:
         plan = Conv2dPlan(x.shape, w.shape, case.dtype, case.layout, case.stride, case.padding, case.dilation,
                           chain if chain.ops else None, case.precision,
-                          case.res_dtype if has_res else None, config=case.config(), pad_channels=case.pad_channels,
-                          unfold=case.unfold)
+                          case.res_dtype if has_res else None, options=igemm.Conv2dOptions(config=case.config(), pad_channels=case.pad_channels, unfold=case.unfold))
         if case.splits > 1:
             assert plan.spec().splits == case.splits, label
         if case.math:
@@ -971,7 +969,7 @@ def _np_conv(draw):
 @CPU_SETTINGS
 @given(p=_np_conv())
 def test_numpy_fuzz_conv(p, numpy_backend):
-    from igemm.conv2d import Conv2dPlan
+    from igemm.conv import Conv2dPlan
     rng = _np_rng(p["seed"])
     dt = np.dtype(p["dtype"])
     x = _to_layout(rng.standard_normal((p["N"], p["C"], p["H"], p["W"])), p["layout"]).astype(dt)
@@ -1008,7 +1006,7 @@ def test_numpy_fuzz_conv(p, numpy_backend):
     args = (p["stride"], p["padding"], p["dilation"])
     if p["plan"]:
         plan = Conv2dPlan(x.shape, w.shape, p["dtype"], p["layout"], *args, chain if chain.ops else None,
-                          residual_dtype=rdt if chain.residual_op else None, device=None)
+                          residual_dtype=rdt if chain.residual_op else None, device="numpy")
         r = plan(x, w, **kw)
     else:
         r = igemm.conv2d(x, w, *args, layout=p["layout"], epilogue=chain if chain.ops else None, **kw)
@@ -1289,7 +1287,7 @@ def fuzz_stubs(n: int = 300) -> dict:
         for vec in (1, 16 // DTYPE_SIZES[dt]):
             for func in ("relu_mask", "relu_backward"):
                 out[relu._stub(func, dt, vec)] = func
-    from igemm import _transpose
+    from igemm.conv import _transpose
     for name, stub in _transpose.all_variants():
         out[stub] = name
     try:        # index_add and prelu mirror their dispatch here; they may change: best effort

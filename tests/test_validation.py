@@ -22,7 +22,7 @@ import pytest
 import igemm
 from igemm import epilogues as ep
 from igemm import reference
-from igemm.conv2d import Conv2dPlan
+from igemm.conv import Conv2dPlan
 from igemm.reference.epilogue import apply_chain
 
 from helpers import TOL, rel_err, to_numpy
@@ -685,7 +685,7 @@ def _specials_like(rng, shape):
     return v
 
 
-from igemm._heuristics import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
+from igemm.conv._rules import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
 
 
 def ok_conv_ieee(A, dtype="float32", layout="NCHW", precision="strict", ffma=False):

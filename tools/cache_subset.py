@@ -53,11 +53,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "tools"))
     import precompile_tests            # the GPU tests' non-default conv kernels
     seen.extend(precompile_tests.test_stubs().values())
-    import epi_probe                   # tools/epi_probe.py's sets (A/B variants of the kernels' macros)
-    for set_name in epi_probe.SETS:
-        epi_probe._use_set(set_name)
-        epi_probe.precompile_variants(epi_probe.specs(arch), epi_probe.VARIANTS, arch)
-    from igemm import compare
+    from igemm.baselines import compare
     try:
         compare.main(["--precompile", "--arch", arch])
     except SystemExit:

@@ -10,8 +10,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / 'benchmarks'))
 import igemm._build as b
 from igemm import epilogues as ep
-from igemm._heuristics import ConvProblem, choose_config, kernel_setup
-from igemm.conv2d import _stub
+from igemm.conv._problem import ConvProblem
+from igemm.conv._rules import choose_config
+from igemm.conv._paths import kernel_setup
+from igemm.conv._spec import stub as _stub
 from bench_conv import RESNET50
 from concurrent.futures import ThreadPoolExecutor
 arch = 'sm_90a'

@@ -1,6 +1,6 @@
 """Compile the kernels of the GPU tests whose configs are not a default (so not in the precompile sets):
 the persistent kernel, cluster k-split and small-batch cases of tests/test_conv.py (262 kernels that
-otherwise compile on the GPU machine: session 13's first run of the conv tier ran out of its 600 s).
+otherwise compile on the GPU machine, where a command has 600 s).
 Dev machine; tools/precompile_all.sh runs it and tools/cache_subset.py carries its kernels.
 
     python tools/precompile_tests.py [arch=sm_90a]
@@ -12,7 +12,8 @@ import numpy as np
 sys.path.insert(0, ".")
 sys.path.insert(0, "tests")
 from igemm import _build, epilogues as ep  # noqa: E402
-from igemm.conv2d import Conv2dPlan, _stub  # noqa: E402
+from igemm.conv import Conv2dOptions, Conv2dPlan  # noqa: E402
+from igemm.conv._spec import stub as _stub  # noqa: E402
 
 PERS = {"math": "wgmma_ws", "bm": 64, "splits": 1}
 V = [np.random.rand(256 * 4) + 0.5 for _ in range(4)]
@@ -62,7 +63,7 @@ def test_stubs() -> dict:
                 runs = [(ch, None) for ch in chains(ws[0])] + ([(chains(ws[0])[2], "float32")] if bn == 64 else [])
                 for ch, rdt in runs:                    # (64-column cases: an fp32 residual too)
                     for p in several_ctas_plans(shape(xs, layout), shape(ws, layout), dtype, layout, st, pd, dl,
-                                                epilogue=ch, device=None, bn=bn, stages=stages,
+                                                epilogue=ch, device="numpy", bn=bn, stages=stages,
                                                 residual_dtype=rdt).values():
                         s = p.spec()
                         specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
@@ -78,7 +79,8 @@ def test_stubs() -> dict:
 def _add(specs: dict, label: tuple, *args, **kw) -> None:
     """``Conv2dPlan(*args, **kw)``'s kernel (no device) into ``specs``, or a line where the plan refuses it."""
     try:
-        s = Conv2dPlan(*args, device=None, **kw).spec()
+        opts = {k: kw.pop(k) for k in ("config", "nchw_path", "pad_channels", "unfold") if k in kw}
+        s = Conv2dPlan(*args, device="numpy", options=Conv2dOptions(**opts), **kw).spec()
     except Exception as e:  # noqa: BLE001
         print("skip", *label, e)
         return

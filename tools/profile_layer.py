@@ -36,7 +36,7 @@ g, b, m, v = (torch.rand(K, device="cuda") + 0.5 for _ in range(4))
 ops = {"none": (), "bn_relu_mask": (ep.BatchNorm(g, b, m, v), ep.ReLU(mask=True)),
        "bn_add_relu_mask": (ep.BatchNorm(g, b, m, v), ep.Add(), ep.ReLU(mask=True))}[chain]
 epi = ep.chain(*ops) if ops else None
-plan = igemm.Conv2dPlan(xs, ws, "float16", layout, st, pd, epilogue=epi, config=cfg)
+plan = igemm.Conv2dPlan(xs, ws, "float16", layout, st, pd, epilogue=epi, options=igemm.Conv2dOptions(config=cfg))
 res = torch.randn(plan.y_shape, device="cuda", dtype=torch.float16) if chain == "bn_add_relu_mask" else None
 print(name, plan.spec().name(), "splits", plan.spec().splits, "N", N, flush=True)
 for _ in range(4):

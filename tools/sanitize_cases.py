@@ -102,8 +102,7 @@ def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precisio
            "add_relu_mask": [ep.Add(res), ep.ReLU(mask=True)]}[chain or "none"]
     c = ep.chain(*ops)
     plan = igemm.Conv2dPlan(x.shape, w.shape, dtype, layout, stride, padding, epilogue=c if ops else None,
-                            precision=precision, residual_dtype=residual_dtype if c.residual_op else None,
-                            config=config, **plan_kw)
+                            precision=precision, residual_dtype=residual_dtype if c.residual_op else None, options=igemm.Conv2dOptions(config=config, **plan_kw))
     spec = plan.spec(x_aligned=x_offset == 0)
     r = plan(x, w)
     y, mask = r if c.mask else (r, None)
@@ -115,7 +114,7 @@ def _conv(name, dtype, layout, xs, ws, stride=1, padding=0, chain=None, precisio
     return f"{spec.name()} splits={spec.splits} fuse_mask={spec.fuse_mask}"
 
 
-from igemm._heuristics import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
+from igemm.conv._rules import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp32 FFMA kernel)
 
 CONV = {
     "wgmma_fp16_nhwc_bn_relu_fused_mask": lambda: _conv("wgmma fp16", "float16", "NHWC", (2, 9, 9, 64), (128, 3, 3, 64),
@@ -443,7 +442,7 @@ PRELU = {
 
 # ------------------------------------------------------------------------------------------ compare (direct, im2col)
 def _direct(layout, dtype):
-    from igemm import _algorithms as al
+    from igemm.baselines import _algorithms as al
     pb = al.Problem(2, 8, 9, 9, 12, 3, 3, 1, 1, 1, dtype, layout)
     alg = al.make_gpu("direct", pb)
     x, w = dev(randn(*pb.x_shape), dtype), dev(randn(*pb.w_shape) / 5, dtype)
@@ -453,7 +452,7 @@ def _direct(layout, dtype):
 
 
 def _im2col(layout, dtype):
-    from igemm import _algorithms as al
+    from igemm.baselines import _algorithms as al
     from igemm import _kernel
     pb = al.Problem(2, 8, 9, 9, 12, 3, 3, 2, 1, 1, dtype, layout)
     x = dev(randn(*pb.x_shape), dtype)

@@ -1,6 +1,6 @@
 """The default kernel of every ResNet-50 conv shape (all 23, not only bench_conv's seven), per batch,
 layout and chain, as chosen on the dev machine (no GPU): run it before and after a rule change in
-igemm/_heuristics.py and diff the two, so that the GPU run measures every plan the change moves.
+igemm/conv/_rules.py and diff the two, so that the GPU run measures every plan the change moves.
 
     python tools/spec_table.py [--batches 1,2,4,8,16,32,64] [--arch sm_90a] [--sms 132] > table.txt
 """
@@ -30,15 +30,17 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132)
     args = ap.parse_args()
     from igemm import epilogues as ep
-    from igemm._heuristics import ConvProblem, choose_config, kernel_setup
+    from igemm.conv._problem import ConvProblem
+    from igemm.conv._rules import choose_config
+    from igemm.conv._paths import kernel_setup
     chains = {"a": ep.chain(), "b": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.ReLU(mask=True)),
               "c": ep.chain(ep.BatchNorm(0, 0, 0, 0), ep.Add(), ep.ReLU(mask=True))}
     for C, K, H, R, st, pd in RESNET50_ALL:
         for N in (int(b) for b in args.batches.split(",")):
             for layout in ("NHWC", "NCHW"):
                 for cname, ch in chains.items():
-                    pb = ConvProblem(N, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), "float16", layout, "tensorop",
-                                     ch.signature(), "float16" if ch.residual_op else None)
+                    pb = ConvProblem.of(N, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), "float16", layout, "strict",
+                                        ch, "float16")
                     path, kpb = kernel_setup(pb, "auto", None, None, args.arch)
                     spec = choose_config(kpb, args.arch, sms=args.sms)
                     print(f"{R}x{R}/{st} {C}->{K} @{H} N={N} {layout} {cname}: {path} {spec.name()} splits={spec.splits}")

@@ -36,8 +36,10 @@ def main(argv=None):
 
     from igemm import _build
     from igemm import epilogues as ep
-    from igemm._heuristics import ConvProblem, candidates, kernel_setup
-    from igemm.conv2d import _stub
+    from igemm.conv._problem import ConvProblem
+    from igemm.conv._rules import candidates
+    from igemm.conv._paths import kernel_setup
+    from igemm.conv._spec import stub as _stub
     add = args.epilogue == "bn_add_relu_mask"
 
     def make_chain(*bn):
@@ -55,9 +57,8 @@ def main(argv=None):
                 C, K, H, R, st, pd = (int(v) for v in sh.split(","))
                 layers.append((f"{R}x{R}/{st} {C}->{K} @{H}", C, K, H, R, st, pd))
         for name, C, K, H, R, st, pd in layers:
-            pb = ConvProblem(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout,
-                             precision if dtype == "float32" else "tensorop", chain.signature(),
-                             residual_dtype=dtype if add else None)
+            pb = ConvProblem.of(args.batch, C, H, H, K, R, R, (st, st), (pd, pd), (1, 1), dtype, layout, precision,
+                                chain, dtype)
             # the kernel's own problem (NCHW: the transpose path's NHWC-in/NCHW-out kernel where it applies)
             work.append((cfg, name, pb, candidates(kernel_setup(pb, arch=args.arch)[1], args.arch)))
     specs = {s: _stub(s) for _, _, _, cs in work for s in cs}
@@ -102,8 +103,7 @@ def main(argv=None):
         ref = None
         for spec in cands:
             try:
-                plan = igemm.Conv2dPlan(xs, wsh, pb.dtype, pb.layout, pb.stride, pb.padding, epilogue=real_chain,
-                                        config=spec)
+                plan = igemm.Conv2dPlan(xs, wsh, pb.dtype, pb.layout, pb.stride, pb.padding, epilogue=real_chain, options=igemm.Conv2dOptions(config=spec))
                 t = bench.time(lambda i: plan(x[i], w, **kws[i]), len(x))
                 out = plan(x[0], w, **kws[0])
                 out = out[0] if isinstance(out, tuple) else out

@@ -1,6 +1,6 @@
 """TMA tensor maps for the conv kernel's TMA loader (``KernelSpec.load_b == "tma"``, sm_90a).
 
-The kernel loads each stage with two TMA copies (``csrc/conv2d_sm90.cuh``): A through an *im2col-mode*
+The kernel loads each stage with two TMA copies (``csrc/conv/``): A through an *im2col-mode*
 map of x (NHWC as a 4-D tensor, the bounding box given by the padding and the filter extent, traversal
 strides = the conv stride, so one copy gathers BM consecutive output pixels' taps, zero-filled outside
 the image), B through a tiled map of w as the K x Kred matrix. Both use the 128-byte swizzle the wgmma
@@ -14,6 +14,9 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
+
+from .._runtime import DTYPE_SIZES
+from ._problem import PATCH_BOX
 
 __all__ = ["tma_kind", "tma_unsupported", "MapTemplate", "ConvMaps", "PatchMap"]
 
@@ -31,7 +34,6 @@ def tma_kind(pb) -> str:
 
 def tma_unsupported(pb, bm: int) -> str | None:
     """Why the TMA loader cannot run the kernel problem ``pb`` with BM-row tiles (None: it can)."""
-    from ._runtime import DTYPE_SIZES
     if DTYPE_SIZES[pb.dtype] != 2:
         return "TMA loads need a 16-bit kernel problem"
     if pb.layout == "NCHW":
@@ -155,10 +157,9 @@ class MapTemplate:
 
 
 def _encode_patch(pb, addr: int) -> bytes:
-    """The patch loader's map (csrc/conv2d_patch.cuh): x NHWC as [N][H][W*C], boxes of {128 elements, R rows,
+    """The patch loader's map (csrc/conv/patch.cuh): x NHWC as [N][H][W*C], boxes of {128 elements, R rows,
     1 image}, no swizzle; zero fill outside x is the conv's padding."""
     from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
-    from ._heuristics import PATCH_BOX
     wc = pb.W * pb.C
     return _encode(pb, "Tiled", (3, addr, [u64(wc), u64(pb.H), u64(pb.N)], [u64(wc * 2), u64(pb.H * wc * 2)],
                                  [u32(PATCH_BOX), u32(pb.R), u32(1)], [u32(1), u32(1), u32(1)]),

@@ -1,6 +1,6 @@
-"""Optional autotuning of the conv kernel choice (``IGEMM_AUTOTUNE=1``).
+"""Optional autotuning of the conv kernel choice (``Conv2dOptions(autotune=True)`` or ``IGEMM_AUTOTUNE=1``).
 
-On the first plan for a problem, every candidate of ``_heuristics.candidates`` is compiled and timed
+On the first plan for a problem, every candidate of ``_rules.candidates`` is compiled and timed
 (CUDA events, median of several launches on random inputs) and the fastest is remembered per
 (GPU, problem) in ``$IGEMM_CACHE_DIR/autotune.json`` (written atomically). Later plans for the same
 problem on the same kind of GPU use the remembered choice whether or not autotuning is on.
@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import tempfile
 import threading
 
 import numpy as np
 
-from . import _build, _runtime
-from ._heuristics import KernelSpec, candidates, validate_spec
+from .. import _build, _runtime
+from .._timing import GpuTimer
+from ._rules import candidates
+from ._spec import KernelSpec, validate_spec
 
 __all__ = ["tuned_config", "autotune"]
 
@@ -65,7 +66,7 @@ def tuned_config(plan) -> KernelSpec | None:
                 return spec
         except TypeError:
             pass
-    if os.environ.get("IGEMM_AUTOTUNE", "") in ("", "0"):
+    if not plan.options.tune:
         return None
     best = autotune(plan)
     with _lock:
@@ -75,12 +76,9 @@ def tuned_config(plan) -> KernelSpec | None:
     return best
 
 
-def autotune(plan, reps: int = 10, verbose: bool = None) -> KernelSpec:
+def autotune(plan, reps: int = 10, verbose: bool = False) -> KernelSpec:
     """Time every candidate for ``plan``'s problem and return the fastest spec."""
-    from cuda.bindings import driver
-
-    from .conv2d import Conv2dPlan
-    verbose = os.environ.get("IGEMM_AUTOTUNE_VERBOSE", "") not in ("", "0") if verbose is None else verbose
+    verbose = bool(verbose)
     pb, kpb = plan.problem, plan.kproblem
     dev = plan.device_id
     rng = np.random.default_rng(0)
@@ -96,39 +94,23 @@ def autotune(plan, reps: int = 10, verbose: bool = None) -> KernelSpec:
     out = _runtime.DeviceArray(plan.y_shape, pb.dtype, dev)
     res = rand(plan.y_shape) if plan.chain.residual_op is not None else None
     mask = _runtime.DeviceArray((plan.mask_words,), "uint32", dev) if plan.chain.mask else None
-    stream = _runtime.RawStream(0)
-    e0 = driver.cuEventCreate(0)[1]
-    e1 = driver.cuEventCreate(0)[1]
+    timer = GpuTimer(stream=0)
     results = []
     for spec in candidates(kpb, plan.arch, plan.sms):
         try:
-            p = Conv2dPlan(plan.x_shape, plan.w_shape, pb.dtype, pb.layout, pb.stride, pb.padding, pb.dilation,
-                           plan.chain, "tf32" if pb.precision == "tf32" else "strict", pb.residual_dtype, dev,
-                           config=spec, **plan._path_options, _skeleton=True)
+            p = plan.with_options(dataclasses.replace(plan.options, config=spec, autotune=False))
             kw = dict(out=out, stream=0)
             if res is not None:
                 kw["residual"] = res
             if mask is not None:
                 kw["mask_out"] = mask
-            for _ in range(2):
-                p(x, w, **kw)
-            ts = []
-            for _ in range(reps):
-                driver.cuEventRecord(e0, driver.CUstream(0))
-                p(x, w, **kw)
-                driver.cuEventRecord(e1, driver.CUstream(0))
-                driver.cuEventSynchronize(e1)
-                ts.append(driver.cuEventElapsedTime(e0, e1)[1])
-            t = statistics.median(ts)
+            t = timer.time(lambda i: p(x, w, **kw), reps=reps, warmup=2)["median"]
             results.append((t, spec))
             if verbose:
-                print(f"autotune {spec.name()} splits={spec.splits}: {t * 1e3:.1f} us")
-        except Exception as e:  # a candidate that fails to compile or launch is skipped
+                print(f"autotune {spec.name()} splits={spec.splits}: {t * 1e6:.1f} us")
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to compile or launch is skipped
             if verbose:
                 print(f"autotune {spec.name()}: skipped ({type(e).__name__}: {str(e)[:200]})")
-    driver.cuEventDestroy(e0)
-    driver.cuEventDestroy(e1)
-    del stream
     if not results:
-        return plan.spec() if plan._config is not None else candidates(kpb, plan.arch, plan.sms)[0]
+        return candidates(kpb, plan.arch, plan.sms)[0]
     return min(results, key=lambda r: r[0])[1]

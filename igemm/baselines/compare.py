@@ -36,94 +36,17 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 
 import numpy as np
 
 from ._algorithms import ALGORITHMS, LABELS, NUMPY, NUMPY_LABELS, Problem, Unavailable
+from ._layers import RESNET50, Layer, numpy_size, resnet50, select_layers, sweep  # noqa: F401
+from ._report import markdown, plot, summary
 
 __all__ = ["Layer", "RESNET50", "resnet50", "sweep", "select_layers", "run", "main", "add_cli"]
 
-L2_BYTES = 60 * 1024 * 1024          # H100/H200 L2 is 50/60 MB: flush twice that
 
 
-@dataclass(frozen=True)
-class Layer:
-    """A square convolution: ``N x C x H x H`` input, ``K`` filters of ``R x R``, stride, padding."""
-    name: str
-    group: str
-    N: int
-    C: int
-    K: int
-    H: int
-    R: int
-    stride: int = 1
-    pad: int = 0
-
-    def problem(self, dtype: str, layout: str, precision: str = "strict") -> Problem:
-        return Problem(self.N, self.C, self.H, self.H, self.K, self.R, self.R, self.stride, self.pad, 1, dtype,
-                       layout, precision)
-
-
-from .layers import RESNET50  # noqa: E402
-
-GROUPS = ("resnet50", "filter", "batch", "channels")
-
-
-def layer_name(group: str, N: int, C: int, K: int, H: int, R: int, stride: int) -> str:
-    tag = "r50" if group == "resnet50" else group
-    return f"{tag} {R}x{R}{'/' + str(stride) if stride > 1 else ''} {C}->{K} @{H} N={N}"
-
-
-def _layer(group, N, C, K, H, R, stride, pad) -> Layer:
-    return Layer(layer_name(group, N, C, K, H, R, stride), group, N, C, K, H, R, stride, pad)
-
-
-def resnet50(batch: int = 32) -> list[Layer]:
-    return [_layer("resnet50", batch, C, K, H, R, st, pd) for _, C, K, H, R, st, pd in RESNET50]
-
-
-def sweep(quick: bool = False) -> list[Layer]:
-    """One factor at a time around a base layer: filter size x stride (N=8, 64->64 @56, 'same' padding),
-    batch (3x3 128->128 @28) and channels (3x3 C->C @28, N=8)."""
-    filters, strides = ((1, 5, 11), (1, 2)) if quick else ((1, 3, 5, 7, 11), (1, 2))
-    batches = (1, 32) if quick else (1, 8, 32)
-    chans = (16, 512) if quick else (16, 32, 64, 128, 256, 512)
-    out = [_layer("filter", 8, 64, 64, 56, r, s, r // 2) for r in filters for s in strides]
-    out += [_layer("batch", n, 128, 128, 28, 3, 1, 1) for n in batches]
-    out += [_layer("channels", 8, c, c, 28, 3, 1, 1) for c in chans]
-    return out
-
-
-def select_layers(groups: str = "resnet50,sweep", match: str = "", batch: int = 32, quick: bool = False) -> list[Layer]:
-    """Layers of the comma-separated ``groups`` (resnet50, sweep, filter, batch, channels, all), kept when
-    their name contains one of the comma-separated ``match`` substrings (if given)."""
-    want = []
-    for g in (s.strip() for s in groups.split(",") if s.strip()):
-        if g == "all":
-            want += list(GROUPS)
-        elif g == "sweep":
-            want += ["filter", "batch", "channels"]
-        elif g in GROUPS:
-            want.append(g)
-        else:
-            raise ValueError(f"--layers: unknown group {g!r} (expected resnet50, sweep, filter, batch, channels, all)")
-    layers = [l for l in resnet50(batch) + sweep(quick) if l.group in want]
-    if match:
-        subs = [m.strip() for m in match.split(",") if m.strip()]
-        layers = [l for l in layers if any(m in l.name for m in subs)]
-    return layers
-
-
-def numpy_size(layer: Layer) -> Layer:
-    """The small version the numpy backend runs: N 1/2/4 (for 1, <=8, more), H/8 (at least R), <=128 channels."""
-    N = 1 if layer.N <= 1 else (2 if layer.N <= 8 else 4)
-    H = max(layer.H // 8, layer.R)
-    C, K = min(layer.C, 128), min(layer.K, 128)
-    return _layer(layer.group, N, C, K, H, layer.R, layer.stride, layer.pad)
-
-
-# ===================================================================================== progress
 class _Progress:
     def __init__(self, total: int, enabled: bool = True):
         self.total, self.i, self.bar = total, 0, None
@@ -151,53 +74,11 @@ class _Progress:
 
 
 # ===================================================================================== GPU runner
-class _GpuTimer:
-    """Median GPU time of a call: CUDA events around each call, L2 flushed before each (outside the
-    events), the host's enqueueing hidden behind a ``torch.cuda._sleep`` so launch overhead is not timed."""
-
-    def __init__(self, torch):
-        self.torch = torch
-        self.flush = torch.empty(2 * L2_BYTES, dtype=torch.uint8, device="cuda")
-        self.cycles_per_s = None
-        if hasattr(torch.cuda, "_sleep"):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1000)
-            a.record()
-            torch.cuda._sleep(2_000_000)
-            b.record()
-            torch.cuda.synchronize()
-            ms = a.elapsed_time(b)
-            if ms > 0:
-                self.cycles_per_s = 2_000_000 / (ms * 1e-3)
-
-    def time(self, fn, reps: int, warmup: int) -> dict:
-        torch = self.torch
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        h0 = time.perf_counter()
-        a.record()
-        fn()
-        b.record()
-        host = time.perf_counter() - h0
-        torch.cuda.synchronize()
-        one = a.elapsed_time(b) * 1e-3
-        reps = int(max(3, min(reps, 1.0 / max(one, 1e-9))))       # about a second per case at most
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        if self.cycles_per_s:
-            cover = min(2.0, reps * (host + 3e-5) * 1.5)
-            torch.cuda._sleep(int(cover * self.cycles_per_s))
-        for i in range(reps):
-            self.flush.zero_()
-            starts[i].record()
-            fn()
-            ends[i].record()
-        torch.cuda.synchronize()
-        ts = sorted(s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends, strict=True))
-        return {"median": statistics.median(ts), "p10": ts[len(ts) // 10], "p90": ts[(9 * len(ts)) // 10],
-                "reps": reps, "host_s": host}
+def _time(timer, alg, reps: int, warmup: int) -> dict:
+    """``alg()`` timed with the L2 flushed before each call and the host's enqueueing hidden; about a second
+    per case at most."""
+    one = timer.time(lambda i: alg(), reps=1, warmup=warmup)["median"]
+    return timer.time(lambda i: alg(), reps=int(max(3, min(reps, 1.0 / max(one, 1e-9)))), warmup=0)
 
 
 def _alloc_stats(torch) -> tuple[int, int, int]:
@@ -225,7 +106,7 @@ def gpu_environment() -> dict:
     except Exception:
         pass
     try:
-        from . import __version__, _build
+        from .. import __version__, _build
         env["igemm"] = __version__
         env["compiler"] = _build.find_toolchain().describe()
     except Exception:
@@ -271,17 +152,15 @@ def precompile(layers, dtype: str, layout: str, precision: str, algorithms, arch
                sms: int = 132, verbose: bool = True) -> int:
     """Compile the igemm kernels (implicit GEMM, im2col, direct) the comparison of ``layers`` needs."""
     from . import _algorithms as A
-    from . import _build
+    from .. import _build
     stubs = {}
     for layer in layers:
         pb = layer.problem(dtype, layout, precision)
         if "implicit" in algorithms:
-            from ._heuristics import ConvProblem, choose_config, kernel_setup
-            from .conv2d import _stub
-            cp = ConvProblem(pb.N, pb.C, pb.H, pb.W, pb.K, pb.R, pb.S, pb.stride, pb.padding, pb.dilation, dtype,
-                             layout, precision if dtype == "float32" else "tensorop", (), None)
-            spec = choose_config(kernel_setup(cp)[1], arch, sms=sms)
-            stubs[spec.name()] = _stub(spec)
+            from ..conv import Conv2dPlan
+            name, src = Conv2dPlan(pb.x_shape, pb.w_shape, dtype, layout, pb.stride, pb.padding,
+                                   pb.dilation, precision=precision, device="numpy", arch=arch, sms=sms).kernel()
+            stubs[name] = src
         if "im2col" in algorithms:
             vec = A.im2col_vec(pb)
             stubs[A.im2col_name(dtype, layout, vec)] = A.im2col_stub(dtype, layout, vec)
@@ -307,7 +186,7 @@ def _run_gpu(layers, args, progress) -> tuple[list, list]:
     import torch
 
     from . import _algorithms as A
-    from . import _runtime
+    from .. import _runtime
     dev = torch.cuda.current_device()
     flags = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
     torch.backends.cudnn.benchmark = True
@@ -326,7 +205,8 @@ def _run_gpu(layers, args, progress) -> tuple[list, list]:
             except Exception as e:   # plans compile on demand anyway
                 print(f"warning: parallel precompile failed ({type(e).__name__}: {e}); compiling on demand",
                       file=sys.stderr)
-        timer = _GpuTimer(torch)
+        from .._timing import GpuTimer
+        timer = GpuTimer(flush_l2=True, hide_host=True)
         gen = torch.Generator(device="cuda")
         gen.manual_seed(0)
         for layer in layers:
@@ -348,7 +228,7 @@ def _run_gpu(layers, args, progress) -> tuple[list, list]:
                     y, extra = measure_gpu(torch, alg, x, w)
                     row["max_rel_err"] = _gpu_error(torch, y, ref, pb, nb)
                     y = None
-                    t = timer.time(alg, args.reps, args.warmup)
+                    t = _time(timer, alg, args.reps, args.warmup)
                     row.update(time_us=t["median"] * 1e6, p10_us=t["p10"] * 1e6, p90_us=t["p90"] * 1e6,
                                reps=t["reps"], tflops=pb.flops / t["median"] / 1e12, extra_bytes=int(extra),
                                extra_mib=extra / 2 ** 20, note=alg.note)
@@ -388,7 +268,7 @@ def _run_gpu(layers, args, progress) -> tuple[list, list]:
         "torch's allocator for torch operands (its default allocator), and torch gives cuDNN its workspace "
         "there. igemm's implicit GEMM allocates nothing through torch: its extra memory is the split-K "
         "workspace (fp32 partial tiles + tickets) that Conv2dPlan allocates outside torch, read from the plan "
-        "(plan._specs); 0 when the plan does not split K.",
+        "(its launch records); 0 when the plan does not split K.",
         "im2col + GEMM: igemm's im2col kernel materialises the GEMM operand, then one cuBLAS(Lt) GEMM through "
         "nvmath-python. NHWC: cols[N·P·Q, R·S·C] @ w[K, R·S·C]^T = y[N·P·Q, K], already NHWC. NCHW: one batched "
         "GEMM y[n][K, P·Q] = w[K, C·R·S] @ cols[n][C·R·S, P·Q] (w broadcast over the batch), already NCHW. No "
@@ -414,8 +294,8 @@ def _run_gpu(layers, args, progress) -> tuple[list, list]:
 def _run_numpy(layers, args, progress) -> tuple[list, list]:
     import tracemalloc
 
-    from . import reference
-    from ._runtime import set_backend
+    from .. import reference
+    from .._runtime import set_backend
     dtype = args.dtype if args.dtype != "bfloat16" else "float32"
     notes = ["numpy backend (no CUDA GPU, or --backend numpy): the numpy implementations on small sizes "
              "(N 1/2/4, spatial size / 8, at most 128 channels); times are host times (perf_counter), not GPU."]
@@ -488,150 +368,6 @@ def _run_numpy(layers, args, progress) -> tuple[list, list]:
 
 
 # ===================================================================================== outputs
-def _fmt(v, digits=3) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        if v != v or v in (float("inf"), float("-inf")):
-            return str(v)
-        if v == 0:
-            return "0"
-        if abs(v) >= 100:
-            return f"{v:.1f}" if abs(v) < 1e5 else f"{v:.3g}"
-        return f"{v:.{digits}g}"
-    return str(v)
-
-
-def summary(result: dict) -> list[dict]:
-    """Per algorithm: cases run/skipped/failed, geometric-mean time relative to the baseline (implicit GEMM
-    when it ran, else the first algorithm) over the layers both ran, on how many layers it was the fastest,
-    and its median / max extra memory."""
-    import math
-    rows, algos = result["rows"], result["algorithms"]
-    if not rows:
-        return []
-    base = "implicit" if "implicit" in algos else algos[0]
-    by = {(r["layer"], r["algorithm"]): r for r in rows}
-    layers = list(dict.fromkeys(r["layer"] for r in rows))
-    fastest = {a: 0 for a in algos}
-    for l in layers:
-        ok = [(by[(l, a)]["time_us"], a) for a in algos if (l, a) in by and by[(l, a)]["status"] == "ok"]
-        if ok:
-            fastest[min(ok)[1]] += 1
-    out = []
-    for a in algos:
-        mine = [r for r in rows if r["algorithm"] == a]
-        ok = [r for r in mine if r["status"] == "ok"]
-        ratios = [r["time_us"] / by[(r["layer"], base)]["time_us"] for r in ok
-                  if by.get((r["layer"], base), {}).get("status") == "ok" and by[(r["layer"], base)]["time_us"]]
-        mem = sorted(r["extra_mib"] for r in ok)
-        out.append({"algorithm": a, "baseline": base, "ok": len(ok),
-                    "skipped": sum(r["status"] == "skipped" for r in mine),
-                    "errors": sum(r["status"] == "error" for r in mine),
-                    "geomean_vs_baseline": math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-                    if ratios and all(x > 0 for x in ratios) else None,
-                    "fastest": fastest[a], "median_extra_mib": statistics.median(mem) if mem else None,
-                    "max_extra_mib": mem[-1] if mem else None})
-    return out
-
-
-def markdown(result: dict) -> str:
-    rows, algos = result["rows"], result["algorithms"]
-    labels = result["labels"]
-    unit = "µs" if result["backend"] == "cuda" else "µs, host"
-    mem = "extra device memory (MiB)" if result["backend"] == "cuda" else "extra host memory (MiB)"
-    lines = [f"## igemm compare: convolution algorithms ({result['backend']} backend)", "",
-             f"Command: `{result['command']}`", "",
-             "Environment: " + ", ".join(f"{k} {v}" for k, v in result["env"].items()), ""]
-    if result["backend"] != "cuda":
-        lines += ["**Ran on the numpy backend (no CUDA GPU visible): numpy implementations on small sizes.**", ""]
-    layers = list(dict.fromkeys(r["layer"] for r in rows))
-    by = {(r["layer"], r["algorithm"]): r for r in rows}
-
-    def pivot(title, key, fmt):
-        out = [f"### {title}", "", "| layer | " + " | ".join(labels[a] for a in algos) + " |",
-               "|---|" + "---:|" * len(algos)]
-        for l in layers:
-            cells = []
-            for a in algos:
-                r = by.get((l, a))
-                if r is None:
-                    cells.append("")
-                elif r["status"] != "ok":
-                    cells.append(r["status"])
-                else:
-                    cells.append(fmt(r[key]))
-            out.append(f"| {l} | " + " | ".join(cells) + " |")
-        return out + [""]
-
-    summ = summary(result)
-    if summ:
-        base = summ[0]["baseline"]
-        lines += ["### Summary", "",
-                  f"| algorithm | cases run | skipped | errors | geomean time / {labels.get(base, base)} | "
-                  f"fastest on | median extra MiB | max extra MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for sm in summ:
-            lines.append(f"| {labels[sm['algorithm']]} | {sm['ok']} | {sm['skipped']} | {sm['errors']} | "
-                         f"{_fmt(sm['geomean_vs_baseline'])} | {sm['fastest']} | {_fmt(sm['median_extra_mib'])} | "
-                         f"{_fmt(sm['max_extra_mib'])} |")
-        lines.append("")
-    lines += pivot(f"Time ({unit}, median)", "time_us", lambda v: _fmt(v))
-    lines += pivot(mem, "extra_mib", lambda v: _fmt(v, 3))
-    lines += pivot("TFLOP/s", "tflops", lambda v: _fmt(v))
-    lines += pivot("max relative error", "max_rel_err", lambda v: f"{v:.2e}")
-    lines += ["### All rows", "",
-              f"| layer | algorithm | time ({unit}) | p10 | p90 | TFLOP/s | {mem} | max rel err | status |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        status = r["status"] + (f": {r['note']}" if r["note"] else "")
-        err = f"{r['max_rel_err']:.2e}" if r["max_rel_err"] is not None else "–"
-        lines.append(f"| {r['layer']} | {r['label']} | {_fmt(r['time_us'])} | {_fmt(r['p10_us'])} | "
-                     f"{_fmt(r['p90_us'])} | {_fmt(r['tflops'])} | {_fmt(r['extra_mib'])} | {err} | {status} |")
-    lines += ["", "### Notes", ""] + [f"- {n}" for n in result["notes"]]
-    if result.get("plot"):
-        lines += ["", f"Plot: `{result['plot']}`"]
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: dict, path: str) -> str | None:
-    """Time and extra memory per layer and algorithm (two log-scale bar charts); None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows, algos = result["rows"], result["algorithms"]
-    layers = list(dict.fromkeys(r["layer"] for r in rows))
-    by = {(r["layer"], r["algorithm"]): r for r in rows}
-    xs = np.arange(len(layers))
-    width = 0.8 / max(1, len(algos))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(10.0, 0.55 * len(layers) + 4), 10), sharex=True)
-    for i, a in enumerate(algos):
-        t = [by[(l, a)]["time_us"] if (l, a) in by and by[(l, a)]["status"] == "ok" else np.nan for l in layers]
-        m = [by[(l, a)]["extra_mib"] if (l, a) in by and by[(l, a)]["status"] == "ok" else np.nan for l in layers]
-        off = xs - 0.4 + width * (i + 0.5)
-        ax1.bar(off, t, width, label=result["labels"][a])
-        ax2.bar(off, m, width, label=result["labels"][a])
-    ax1.set_yscale("log")
-    ax1.set_ylabel("time per call (µs" + (", host" if result["backend"] != "cuda" else "") + ")")
-    ax2.set_yscale("symlog", linthresh=1.0)
-    ax2.set_ylabel("extra " + ("device" if result["backend"] == "cuda" else "host") + " memory (MiB)")
-    ax1.grid(True, axis="y", alpha=0.3)
-    ax2.grid(True, axis="y", alpha=0.3)
-    ax1.legend(fontsize=8, ncol=min(5, len(algos)))
-    ax2.set_xticks(xs)
-    ax2.set_xticklabels(layers, rotation=60, ha="right", fontsize=7)
-    cfg = result["config"]
-    ax1.set_title(f"igemm compare: {cfg['dtype']} {cfg['layout']}"
-                  + (f" on {result['env'].get('device')}" if result["backend"] == "cuda"
-                     else " (numpy backend, small sizes)"))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def _command(argv) -> str:
     a0 = sys.argv[0] if sys.argv else "python"
     if a0.endswith(os.path.join("igemm", "__main__.py")) or a0 in ("-m", ""):
@@ -649,7 +385,7 @@ def _command(argv) -> str:
 
 def run(args) -> int:
     """Run the comparison described by parsed ``args``; writes ``compare_<backend>_<dtype>_<layout>.{md,json,png}``."""
-    from ._runtime import get_backend
+    from .._runtime import get_backend
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()] \
         if isinstance(args.algorithms, str) else list(args.algorithms)
     bad = [a for a in args.algorithms if a not in ALGORITHMS]
@@ -791,3 +527,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The convolution algorithms that :mod:`igemm.compare` measures, on the GPU and in numpy.
+"""The convolution algorithms that :mod:`igemm.baselines.compare` measures, on the GPU and in numpy.
 
 GPU (torch CUDA tensors; each algorithm a class: the constructor validates and plans, ``setup(x, w)``
 binds the inputs and allocates what the algorithm keeps, ``alg()`` runs one convolution on torch's
@@ -28,11 +28,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _kernel, _runtime, reference
-from ._kernel import ParamSpec
-from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
-from .fastdiv import MAX_DIVIDEND
-from .reference.conv import conv_flops, out_size, pair
+from .. import _kernel, _runtime, reference
+from .._kernel import ParamSpec
+from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
+from ..fastdiv import MAX_DIVIDEND
+from ..reference.conv import conv_flops, out_size, pair
 
 __all__ = ["ALGORITHMS", "LABELS", "NUMPY_LABELS", "Problem", "Unavailable", "make_gpu", "NUMPY", "good_fft_size",
            "fft_geometry", "im2col_launch_values", "direct_launch_values", "IM2COL_PARAMS", "DIRECT_PARAMS"]
@@ -305,7 +305,7 @@ class ImplicitGemm(_GpuAlgorithm):
 
     def __init__(self, pb, device_id=0):
         super().__init__(pb, device_id)
-        from .conv2d import Conv2dPlan
+        from ..conv import Conv2dPlan
         self.plan = Conv2dPlan(pb.x_shape, pb.w_shape, pb.dtype, pb.layout, pb.stride, pb.padding, pb.dilation,
                                precision=pb.precision, device=device_id)
 
@@ -313,10 +313,9 @@ class ImplicitGemm(_GpuAlgorithm):
     def outside_bytes(self) -> int:
         """The split-K workspace (fp32 partial tiles + per-tile tickets) Conv2dPlan allocates outside torch."""
         n = 0
-        for value in self.plan._specs.values():    # (launcher, spec, (ws, counters, kt_per_split) or None)
-            ws = value[2] if isinstance(value, tuple) and len(value) > 2 else None
-            if ws is not None:
-                n += int(getattr(ws[0], "nbytes", 0)) + int(getattr(ws[1], "nbytes", 0))
+        for rec in {id(r): r for r in self.plan._records.values()}.values():   # (ws, counters, kt_per_split)
+            if rec.workspace is not None:
+                n += int(rec.workspace[0].nbytes) + int(rec.workspace[1].nbytes)
         return n
 
     def setup(self, x, w):
@@ -576,7 +575,7 @@ def fft_conv_numpy(x, w, pb: Problem) -> np.ndarray:
 
 
 def _numpy_implicit(x, w, pb):
-    from .conv2d import conv2d
+    from ..conv import conv2d
     return conv2d(x, w, pb.stride, pb.padding, pb.dilation, layout=pb.layout)
 
 

@@ -9,15 +9,16 @@ R x 1 filter (``V = 16 / element size``) on copies of x and w unfolded along the
 so the conv kernel gathers 16 bytes a load (C' % V == 0) where C % V != 0 left it one element a load,
 with a reduction of ``R*C'`` (conv1, 7x7, C = 3 -> C' = 24: 168; the channel pad to 8: 392). One kernel
 makes both copies, reading NCHW or NHWC sources through element strides; the conv then runs NHWC in,
-``layout`` out (:func:`unfolded_problem`). ``igemm/_heuristics.kernel_setup`` decides when.
+``layout`` out (:func:`unfolded_problem`). ``_paths.kernel_setup`` decides when.
 """
 from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
 
-from . import _kernel
-from ._kernel import ParamSpec
+from .. import _kernel
+from .._kernel import ParamSpec
+from ._problem import unfold_channels
 
 __all__ = ["unfold_channels", "fits", "unfolded_problem", "UnfoldJob", "Unfolded", "precompile", "all_variants"]
 
@@ -28,12 +29,6 @@ PARAMS = ([ParamSpec(n + "0", t) for n, t in _FIELDS] + [ParamSpec("blocks0", "i
           + [ParamSpec(n + "1", t) for n, t in _FIELDS])
 _THREADS = 256
 _MAX_THREADS = 2 ** 31 - 2 * _THREADS          # a job's chunks (one thread each) as FastDiv dividends
-
-
-def unfold_channels(C: int, S: int, esize: int) -> int:
-    """C' = S*C rounded up to a 16-byte multiple of elements."""
-    v = 16 // esize
-    return -(-S * C // v) * v
 
 
 def fits(pb, esize: int) -> bool:
@@ -144,5 +139,5 @@ def all_variants() -> list[tuple[str, str]]:
 
 
 def precompile(arch: str, jobs: int | None = None) -> int:
-    from . import _build
+    from .. import _build
     return _build.compile_many(all_variants(), arch, jobs)

@@ -8,14 +8,14 @@
 * a 1x1 strided unpadded conv's NCHW x: only ``x[:, :, ::sh, ::sw]`` is copied (``sub``);
 * the NCHW patch path's x (C <= 4): NCHW -> NHWC in 4 x 1024 tiles (then ``_unfold.Unfolded`` copies w).
 
-``igemm/_heuristics.input_prep`` decides when.
+``_paths.kernel_setup`` decides when.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
-from . import _kernel
-from ._kernel import ParamSpec
+from .. import _kernel
+from .._kernel import ParamSpec
 
 __all__ = ["TransposeJob", "Prepared", "launch_pair", "precompile"]
 
@@ -166,7 +166,7 @@ class Prepared:
 
 def precompile(arch: str, jobs: int | None = None) -> int:
     """Compile every variant (2- and 4-byte elements x the tile kind of each job)."""
-    from . import _build
+    from .. import _build
     return _build.compile_many(all_variants(), arch, jobs)
 
 

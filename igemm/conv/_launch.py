@@ -1,0 +1,255 @@
+"""The conv plan's launch path: one :class:`LaunchRecord` per kernel variant of a plan, built once, and one bind
+step (:meth:`LaunchRecord.launch`) that every call takes, whichever way its tensors came in.
+
+A record owns its argument buffer (every scalar, the split-K workspace, the TMA tensor maps written once), so a
+call only writes the slots that change: x, w, y, residual, mask, the epilogue's vectors, and the tensor maps'
+address words. :class:`TorchCall` holds what a call on torch tensors checks, precomputed, so that such calls
+need no :class:`~igemm._dispatch.CallContext`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _kernel, _runtime
+from .._kernel import PackedArgs
+from .._runtime import DTYPE_SIZES
+from ._spec import KernelSpec
+
+__all__ = ["LaunchRecord", "FoldedVectors", "TorchCall", "TwoPreps"]
+
+
+class FoldedVectors:
+    """An epilogue's per-channel fp32 vectors on the device: ``scale``, ``shift`` (the affine group), ``alpha``
+    (a per-channel PReLU) as pointers (0 where absent), and a scalar PReLU's slope.
+
+    torch CUDA vectors are folded with torch ops on their device, on the launch stream (no host
+    synchronisation); anything else is folded on the host in float64 and uploaded (stream-ordered).
+    ``device_id=None``: host (float64) only, for the numpy backend (:attr:`host`).
+    """
+
+    __slots__ = ("scale", "shift", "alpha", "alpha_scalar", "host", "_keep")
+
+    def __init__(self, chain, K: int, device_id: int | None, stream: int = 0):
+        self.scale = self.shift = self.alpha = 0
+        self._keep: list = []
+        pr = chain.prelu_op
+        self.alpha_scalar = np.float32(pr.alpha if pr is not None and not pr.per_channel else 0.0)
+        self.host = None
+        if device_id is not None and chain.torch_foldable():
+            self._fold_torch(chain, pr, K, device_id, stream)
+            return
+        host = {}
+        folded = chain.fold(K)
+        if folded is not None:
+            host["scale"], host["shift"] = folded
+        if pr is not None and pr.per_channel:
+            host["alpha"] = pr.alpha_vector()
+        self.host = host
+        if device_id is not None:
+            rs = _runtime.RawStream(stream)
+            for name, arr in host.items():
+                d = _runtime.DeviceArray((K,), "float32", device_id, rs)   # stream-ordered on the launch stream
+                a32 = np.ascontiguousarray(arr, dtype=np.float32)
+                _runtime.memcpy_htod(d.ptr, a32.ctypes.data, a32.nbytes, rs)
+                self._keep.append(d)
+                setattr(self, name, d.ptr)
+
+    def _fold_torch(self, chain, pr, K: int, device_id: int, stream: int) -> None:
+        import torch
+        dev = torch.device("cuda", device_id)
+
+        def fold():
+            folded = chain.fold_torch(K, dev)
+            if folded is not None:
+                self._set("scale", folded[0])
+                self._set("shift", folded[1])
+            if pr is not None and pr.per_channel:
+                self._set("alpha", pr.alpha.float().contiguous().reshape(-1))
+        if stream and stream != torch._C._cuda_getCurrentRawStream(device_id):
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
+                fold()
+        else:
+            fold()
+
+    def _set(self, name: str, t) -> None:
+        self._keep.append(t)
+        setattr(self, name, t.data_ptr())
+
+
+class TwoPreps:
+    """Two input preparations in a row, called as one (``prep(stream, x, w)``): the NCHW patch path's
+    transpose of x and unfold of w."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, stream: int, x: int, w: int) -> None:
+        self.first(stream, x, 0)
+        self.second(stream, 0, w)
+
+
+class LaunchRecord:
+    """One kernel variant of a plan, ready to launch (see the module doc).
+
+    ``prep``: the preparation that copies x (and w) first (NCHW transpose, channel pad, width unfold), with the
+    copies' addresses ``copy_x``/``copy_w`` the kernel reads instead (0: the caller's tensor). ``mask_after``:
+    the chain writes a mask the epilogue cannot (it does not own whole words): a pack kernel runs after.
+    """
+
+    __slots__ = ("spec", "launcher", "args", "u64", "f32", "slots", "maps", "map_words", "workspace", "prep",
+                 "copy_x", "copy_w", "mask_after", "numel_y", "dtype", "device_id")
+
+    def __init__(self, spec: KernelSpec, launcher: _kernel.Launcher, args: PackedArgs, maps, workspace, prep,
+                 copy_x: int, copy_w: int, mask_after: bool, numel_y: int, dtype: str, device_id: int):
+        self.spec, self.launcher, self.args, self.maps, self.workspace = spec, launcher, args, maps, workspace
+        self.prep, self.copy_x, self.copy_w, self.mask_after = prep, copy_x, copy_w, mask_after
+        self.numel_y, self.dtype, self.device_id = numel_y, dtype, device_id
+        self.u64 = memoryview(args.data)           # slot writes: faster than numpy item assignment
+        self.f32 = args.f32
+        s = args.slots
+        self.slots = (s["x"], s["w"], s["y"], s["residual"], s["mask"], s["scale"], s["shift"], s["alpha"],
+                      2 * s["alpha_scalar"])
+        self.map_words = None                      # (a word, its offset, b word, its offset) once the maps are known
+
+    def launch(self, stream: int, x: int, w: int, y: int, res: int, mask: int, folded: FoldedVectors,
+               checked: bool = True) -> None:
+        """The bind step and the launch (under the plan's lock). ``checked=False``: the caller has made sure
+        the launcher's context is current."""
+        if self.prep is not None:
+            self.prep(stream, x, w)
+            if self.copy_x:
+                x = self.copy_x
+            if self.copy_w:
+                w = self.copy_w
+        u = self.u64
+        sx, sw, sy, sr, sm, ss, st, sa, saf = self.slots
+        u[sx], u[sw], u[sy], u[sr], u[sm] = x, w, y, res, mask
+        u[ss], u[st], u[sa] = folded.scale, folded.shift, folded.alpha
+        self.f32[saf] = folded.alpha_scalar
+        if self.maps is not None:
+            mw = self.map_words
+            if mw is None:
+                self.maps.write(self.args.u64, x, w, True)
+                self.map_words = self.maps.patch         # None if the maps hold no single address word
+            else:
+                ia, oa, ib, ob = mw
+                u[ia] = oa + x
+                if ib is not None:
+                    u[ib] = ob + w
+        if checked:
+            self.launcher(stream, self.args)
+        else:
+            self.launcher.launch_current(stream, self.args)
+        if self.mask_after and mask:
+            from ..relu import launch_mask
+            launch_mask(self.device_id, _runtime.RawStream(stream), self.dtype, y, mask, self.numel_y,
+                        after_kernel=True)
+
+
+class TorchCall:
+    """What a plan call on torch tensors checks, precomputed (every shape, byte extent and dtype is fixed by the
+    plan). :meth:`pointers` returns the call's outputs and pointers, or None when anything is unusual: the
+    general path then raises the precise error."""
+
+    __slots__ = ("Tensor", "Parameter", "dtype", "res_dtype", "device", "device_index", "x_shape", "w_shape",
+                 "y_shape", "y_nbytes", "x_nbytes", "w_nbytes", "res_nbytes", "mask_words", "int32", "stream_of",
+                 "empty_like", "y_template", "mask_template", "want_mask", "residual_op", "patch_nhwc")
+
+    def __init__(self, plan):
+        import torch
+        self.Tensor, self.Parameter = torch.Tensor, torch.nn.Parameter    # (a module's weight is a Parameter)
+        self.dtype = getattr(torch, plan.dtype)
+        rdt = plan.problem.residual_dtype
+        self.res_dtype = getattr(torch, rdt) if rdt else None
+        self.device = torch.device("cuda", plan.device_id)
+        self.device_index = plan.device_id
+        self.x_shape, self.w_shape = torch.Size(plan.x_shape), torch.Size(plan.w_shape)
+        self.y_shape = torch.Size(plan.y_shape)
+        es = DTYPE_SIZES[plan.dtype]
+        self.y_nbytes = plan.numel_y * es
+        self.res_nbytes = plan.numel_y * DTYPE_SIZES[rdt] if rdt else 0
+        self.x_nbytes, self.w_nbytes = math.prod(plan.x_shape) * es, math.prod(plan.w_shape) * es
+        self.mask_words = plan.mask_words
+        self.int32 = torch.int32
+        self.stream_of = torch._C._cuda_getCurrentRawStream
+        self.empty_like = torch.empty_like
+
+        def template(shape, dt):        # empty_like of an expanded one-element tensor: the cheapest allocation
+            return torch.empty((1,) * len(shape), dtype=dt, device=self.device).expand(shape)
+        self.y_template = template(self.y_shape, self.dtype)
+        self.want_mask = plan.chain.mask
+        self.mask_template = template((self.mask_words,), torch.int32) if self.want_mask else None
+        self.residual_op = plan.chain.residual_op
+        self.patch_nhwc = plan.path == "patch" and plan.problem.layout == "NHWC"
+
+    def _ok(self, t, dtype, shape) -> bool:
+        return (type(t) is self.Tensor and t.dtype is dtype and t.get_device() == self.device_index
+                and t.shape == shape and t.is_contiguous())
+
+    def pointers(self, x, w, out, residual, mask_out):
+        """``(y, mask, x, w, y, residual, mask pointers)`` or None."""
+        T, P, dt = self.Tensor, self.Parameter, self.dtype
+        if ((type(w) is not T and type(w) is not P) or x.dtype is not dt or w.dtype is not dt
+                or x.get_device() != self.device_index or w.get_device() != self.device_index
+                or x.shape != self.x_shape or w.shape != self.w_shape or not x.is_contiguous()
+                or not w.is_contiguous()):
+            return None
+        if residual is None and self.residual_op is not None:
+            residual = self.residual_op.residual
+        if (residual is None) != (self.residual_op is None):
+            return None
+        xp, wp, rp = x.data_ptr(), w.data_ptr(), 0
+        if xp % 16 and self.patch_nhwc:
+            return None                            # (the general path hands it to the copy plan)
+        extents = [(xp, self.x_nbytes), (wp, self.w_nbytes)]
+        if residual is not None:
+            if not self._ok(residual, self.res_dtype, self.y_shape):
+                return None
+            rp = residual.data_ptr()
+            if rp % 16:
+                return None
+            extents.append((rp, self.res_nbytes))
+        if out is None:
+            out = self.empty_like(self.y_template)
+            yp = out.data_ptr()
+        else:
+            if not self._ok(out, dt, self.y_shape):
+                return None
+            yp = out.data_ptr()
+            if yp % 16 or not _apart(yp, self.y_nbytes, extents):
+                return None
+        mp = 0
+        if self.want_mask:
+            if mask_out is None:
+                mask_out = self.empty_like(self.mask_template)
+            elif (type(mask_out) is not T or mask_out.dtype is not self.int32
+                  or mask_out.get_device() != self.device_index or mask_out.dim() != 1
+                  or mask_out.shape[0] < self.mask_words or not mask_out.is_contiguous()):
+                return None
+            mp = mask_out.data_ptr()
+            if not _apart(mp, self.mask_words * 4, extents + [(yp, self.y_nbytes)]):
+                return None
+        elif mask_out is not None:
+            return None
+        return out, mask_out, xp, wp, yp, rp, mp
+
+
+def _apart(p: int, n: int, extents) -> bool:
+    """Whether bytes [p, p+n) overlap none of the (pointer, nbytes) extents."""
+    for q, m in extents:
+        if q < p + n and p < q + m:
+            return False
+    return True
+
+
+def workspace(spec: KernelSpec, device_id: int, slots: int, partials: int, kt_per_split: int) -> tuple:
+    """Partial fp32 tiles and ``slots`` int32 tickets/flags (zeroed once; the kernel leaves them zero).
+    Split-K: a ticket per tile, a partial per tile and split; stream-K: a flag and a partial per CTA."""
+    ws = _runtime.DeviceArray((partials * spec.bm * spec.bn,), "float32", device_id)
+    cnt = _runtime.DeviceArray((slots,), "int32", device_id)
+    _runtime.memset_d32_sync(cnt.ptr, 0, slots)
+    return ws, cnt, kt_per_split

@@ -130,7 +130,11 @@ def info(args) -> int:
     except Exception as e:
         print("compiler: none -", e)
     print("CUTLASS headers:", _build.cutlass_include_dir())
-    print("kernel cache:", _build.cache_dir())
+    try:
+        print("kernel cache:", _build.cache_status())
+    except ValueError as e:
+        print("kernel cache: error:", e)
+        return 1
     return 0
 
 

@@ -6,28 +6,39 @@ through ``cuda.core``.
 
 Disk cache: ``$IGEMM_CACHE_DIR`` (default ``~/.cache/igemm``), one file per key. The key hashes the
 stub, the ``csrc/`` headers it includes (transitively), the CUTLASS version, the compiler identity, the
-flags and the architecture. Files are written to a temporary name and renamed into place (atomic on POSIX), and carry
-a SHA-256 of their payload, so a truncated or corrupted file is detected and rebuilt; concurrent
-processes compiling the same key both produce a valid file and the last rename wins.
+flags and the architecture. Files carry a SHA-256 of their payload, so a truncated or corrupted file is
+detected and rebuilt; they are written to a temporary name and renamed into place (atomic on POSIX),
+readable by every user. A lock file per key makes concurrent first calls, in threads or processes,
+compile once. A cache directory that cannot be written is read, and new kernels go to a per-user
+fallback directory or memory, with one warning.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.resources
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
-import threading
+import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # Windows: lock files instead (see _entry_lock)
+    fcntl = None
+
 __all__ = [
     "Toolchain", "ToolchainNotFoundError", "CompileError", "find_toolchain", "cutlass_include_dir",
-    "csrc_dir", "csrc_hash", "arch_for", "compile_cubin", "compile_many", "cache_dir",
+    "csrc_dir", "csrc_hash", "arch_for", "compile_cubin", "compile_many", "cache_dir", "cache_status",
+    "CacheWarning",
 ]
 
 _MAGIC = b"IGEMMCUBIN1\n"
@@ -82,6 +93,7 @@ def cutlass_include_dir() -> str:
 
 @lru_cache(maxsize=None)
 def cutlass_version() -> str:
+    """The installed nvidia-cutlass version (part of every cache key)."""
     try:
         from importlib.metadata import version
         return version("nvidia-cutlass")
@@ -113,12 +125,6 @@ def csrc_hash(stub: str | None = None) -> str:
         h.update(n.encode())
         h.update((d / n).read_bytes())
     return h.hexdigest()
-
-
-def cache_dir() -> Path:
-    d = Path(os.environ.get("IGEMM_CACHE_DIR") or Path.home() / ".cache" / "igemm")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 # --------------------------------------------------------------------------------------------- discovery
@@ -221,13 +227,11 @@ def _nvcc_arch_flags(arch: str) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- compile
 def base_flags(debug: bool) -> list[str]:
+    """The compiler flags of every kernel (part of its cache key); ``debug`` adds line info."""
     flags = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr"]
     if debug:
         flags.append("-lineinfo")
     return flags
-
-
-_compile_lock = threading.Lock()
 
 
 def _key(stub: str, arch: str, tc: Toolchain, flags: list[str]) -> str:
@@ -238,7 +242,116 @@ def _key(stub: str, arch: str, tc: Toolchain, flags: list[str]) -> str:
     return h.hexdigest()[:40]
 
 
+def compile_cubin(stub: str, arch: str, *, name: str = "kernel", toolchain: Toolchain | None = None,
+                  use_cache: bool = True) -> tuple[bytes, str]:
+    """Compile a stub to a cubin for ``arch``; returns ``(cubin, cache_key)``. Cached on disk.
+
+    Concurrent first calls for one key (threads or processes) compile it once. A cache directory that
+    cannot be written never fails the call (see :func:`cache_dir`)."""
+    tc = toolchain or find_toolchain()
+    debug = os.environ.get("IGEMM_DEBUG", "") not in ("", "0")
+    flags = base_flags(debug)
+    key = _key(stub, arch, tc, flags)
+
+    def compile_() -> tuple[bytes, str]:
+        return (_compile_nvcc if tc.kind == "nvcc" else _compile_nvrtc)(stub, arch, tc, flags, name)
+    if not use_cache:
+        return compile_()[0], key
+    return _cached(f"{name}-{key}", compile_, stub if debug else None), key
+
+
+# --------------------------------------------------------------------------------------------- disk cache
+_LOCK_TIMEOUT_S = 300.0  # a waiter compiles itself after this long: a hung holder delays, never blocks, a call
+_STALE_S = 600.0         # a temporary file this old is a killed writer's: a live one renames it within moments
+_memory: dict[tuple[str, str], bytes] = {}   # (cache dir, entry) -> cubin, for entries no directory took
+_dir_state: dict[str, str | None] = {}       # directory -> why it cannot be written (None: it can)
+_warned: set[str] = set()
+
+
+class CacheWarning(UserWarning):
+    """The kernel cache directory cannot be written: new kernels go to a per-user fallback or memory."""
+
+
+def cache_dir() -> Path:
+    """The kernel cache directory, ``$IGEMM_CACHE_DIR`` (default ``~/.cache/igemm``), created if possible.
+
+    Raises ValueError when it, or a parent, is a file. A directory that cannot be created or written is no
+    error: its readable entries are used, new ones go to a per-user fallback (``~/.cache/igemm``, then
+    ``<tempdir>/igemm-cache-<uid>``) or, failing that, stay in memory, with one :class:`CacheWarning`."""
+    env = os.environ.get("IGEMM_CACHE_DIR")
+    d = Path(env) if env else _home_cache()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass                                    # unwritable: degrade; a file in the way is reported below
+    if not d.is_dir():
+        blocker = next((p for p in (d, *d.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            what = f"IGEMM_CACHE_DIR={env}" if env else f"the default kernel cache directory {d}"
+            raise ValueError(f"{what} is not a directory ({blocker} is a file): point IGEMM_CACHE_DIR at "
+                             "a directory")
+    return d
+
+
+def cache_status() -> str:
+    """One line for ``python -m igemm info``: the cache directory and where new kernels go. Raises
+    ValueError as :func:`cache_dir` does."""
+    dirs = _cache_dirs(cache_dir())
+    if _unwritable(dirs[0]) is None:
+        return f"{dirs[0]} (writable)"
+    to = dirs[1] if len(dirs) > 1 else "memory, for this process only"
+    return f"{dirs[0]} (not writable: {_unwritable(dirs[0])}; new kernels go to {to})"
+
+
+def _home_cache() -> Path:
+    return Path.home() / ".cache" / "igemm"
+
+
+def _tmp_cache() -> Path:
+    user = os.geteuid() if hasattr(os, "geteuid") else os.environ.get("USERNAME", "user")
+    return Path(tempfile.gettempdir()) / f"igemm-cache-{user}"
+
+
+def _cache_dirs(primary: Path) -> list[Path]:
+    """``[primary]`` when it can be written, else ``[primary, first writable per-user fallback]``
+    (``[primary]`` alone when none is: new entries then stay in memory)."""
+    if _unwritable(primary) is None:
+        return [primary]
+    try:
+        fallbacks = [_home_cache(), _tmp_cache()]
+    except RuntimeError:                        # no home directory
+        fallbacks = [_tmp_cache()]
+    return [primary, *[d for d in fallbacks if d != primary and _unwritable(d) is None][:1]]
+
+
+def _unwritable(d: Path) -> str | None:
+    """Why new entries cannot be written into ``d`` (None: they can). Probed once per process by writing a
+    file, since permission bits do not tell (root ignores them; a read-only mount overrides them). A usable
+    directory is swept of what killed processes left."""
+    k = str(d)
+    if k not in _dir_state:
+        why = None
+        try:
+            shared = d == _tmp_cache()          # in a directory every user can write
+            d.mkdir(mode=0o700 if shared else 0o777, parents=True, exist_ok=True)
+            st = os.lstat(d)
+            if shared and hasattr(os, "geteuid") and (st.st_uid != os.geteuid() or st.st_mode & 0o022
+                                                      or not stat.S_ISDIR(st.st_mode)):
+                why = "owned by another user, or writable by others"
+            else:
+                probe = d / f".probe-{os.getpid()}-{os.urandom(4).hex()}.tmp"
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                os.unlink(probe)
+        except OSError as e:
+            why = e.strerror or str(e)
+        _dir_state[k] = why
+        if why is None:
+            _sweep(d)
+    return _dir_state[k]
+
+
 def _read_cached(path: Path) -> bytes | None:
+    """The verified payload of a cache file; None when it is missing, unreadable, truncated or corrupt."""
     try:
         blob = path.read_bytes()
     except OSError:
@@ -253,8 +366,11 @@ def _read_cached(path: Path) -> bytes | None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write a cache file through a temporary file renamed into place. Mode 0644 less the umask (not
+    mkstemp's 0600): a cache filled by one user, e.g. an image build, serves every user."""
     blob = _MAGIC + hashlib.sha256(data).hexdigest().encode() + data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
@@ -262,35 +378,153 @@ def _write_atomic(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
         raise
 
 
-def compile_cubin(stub: str, arch: str, *, name: str = "kernel", toolchain: Toolchain | None = None,
-                  use_cache: bool = True) -> tuple[bytes, str]:
-    """Compile a stub to a cubin for ``arch``; returns ``(cubin, cache_key)``. Cached on disk."""
-    tc = toolchain or find_toolchain()
-    debug = os.environ.get("IGEMM_DEBUG", "") not in ("", "0")
-    flags = base_flags(debug)
-    key = _key(stub, arch, tc, flags)
-    path = cache_dir() / f"{name}-{key}.cubin"
-    if use_cache:
-        hit = _read_cached(path)
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _lookup(primary: Path, dirs: list[Path], entry: str) -> bytes | None:
+    for d in dirs:
+        hit = _read_cached(d / f"{entry}.cubin")
         if hit is not None:
-            return hit, key
-    cubin, log = (_compile_nvcc if tc.kind == "nvcc" else _compile_nvrtc)(stub, arch, tc, flags, name)
-    if use_cache:
-        _write_atomic(path, cubin)
+            return hit
+    return _memory.get((str(primary), entry))
+
+
+def _cached(entry: str, compile_, debug_stub: str | None) -> bytes:
+    """The cubin of ``entry`` (``<name>-<key>``) from the cache, else compiled once under the entry's lock
+    and stored in the first writable directory (memory when none is)."""
+    primary = cache_dir()
+    hit = _lookup(primary, [primary], entry)
+    if hit is not None:
+        return hit
+    dirs = _cache_dirs(primary)
+    hit = _lookup(primary, dirs[1:], entry)
+    if hit is not None:
+        return hit
+    lock_dir = dirs[-1] if _unwritable(dirs[-1]) is None else None
+    with _entry_lock(lock_dir, entry):
+        hit = _lookup(primary, dirs, entry)     # another process compiled it while this one waited
+        if hit is None:
+            hit, log = compile_()
+            _store(primary, entry, hit, log, debug_stub)
+    return hit
+
+
+def _store(primary: Path, entry: str, cubin: bytes, log: str, debug_stub: str | None) -> None:
+    """Write an entry into the first writable directory, else keep it in memory; warn once when that is
+    not the cache directory itself."""
+    where = None
+    while where is None:
+        d = next((d for d in _cache_dirs(primary) if _unwritable(d) is None), None)
+        if d is None:
+            break
         try:
-            (cache_dir() / f"{name}-{key}.log").write_text(log)
+            _write_atomic(d / f"{entry}.cubin", cubin)
+        except OSError as e:                    # writable when probed, not now (full, remounted): the next one
+            _dir_state[str(d)] = e.strerror or str(e)
+            continue
+        where = d
+        for suffix, text in ((".log", log), (".cu", debug_stub)):
+            if text is not None:
+                try:
+                    (d / f"{entry}{suffix}").write_text(text)
+                except OSError:
+                    pass
+    if where is None:
+        _memory[(str(primary), entry)] = cubin
+    if where != primary and str(primary) not in _warned:
+        _warned.add(str(primary))
+        to = f"compiled into {where}" if where else "kept in memory, for this process only"
+        warnings.warn(f"igemm: the kernel cache {primary} cannot be written ({_dir_state[str(primary)]}); "
+                      f"its kernels are still read, new ones are {to}", CacheWarning, stacklevel=4)
+
+
+# --------------------------------------------------------------------------------------------- locks
+# POSIX: flock, which the kernel drops when its holder dies, so a killed compile never makes others wait.
+# Elsewhere (Windows): an O_CREAT|O_EXCL file, taken over once older than the timeout.
+@contextlib.contextmanager
+def _entry_lock(d: Path | None, entry: str):
+    """Hold ``<d>/<entry>.lock`` across threads and processes for up to _LOCK_TIMEOUT_S of waiting; past
+    that, or where no lock can be made, the body runs unlocked (at worst a kernel is compiled twice)."""
+    if d is None:
+        yield
+        return
+    lock = d / f"{entry}.lock"
+    deadline, delay = time.monotonic() + _LOCK_TIMEOUT_S, 0.005
+    fd = None
+    while True:
+        try:
+            fd = _try_lock(lock, _LOCK_TIMEOUT_S)
+        except OSError:
+            break
+        if fd is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(delay)
+        delay = min(2 * delay, 0.2)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            _release(lock, fd)
+
+
+def _try_lock(lock: Path, stale_s: float) -> int | None:
+    """One attempt at ``lock``: the held descriptor, or None while another holds it."""
+    if fcntl is None:
+        try:
+            return os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                if time.time() - os.stat(lock).st_mtime > stale_s:    # its holder died
+                    os.unlink(lock)
+            except OSError:
+                pass
+            return None
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.samestat(os.fstat(fd), os.stat(lock)):
+            return fd
+    except (BlockingIOError, FileNotFoundError):
+        pass                        # held; or its holder removed it on release: lock the file now there
+    except OSError:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def _release(lock: Path, fd: int) -> None:
+    """Remove the lock file and let go. Under flock it is removed while still held, and _try_lock checks
+    that the file it locked is the one at the path, so a waiter never holds a removed file."""
+    if fcntl is not None:
+        _unlink(lock)
+        os.close(fd)
+    else:
+        os.close(fd)                # Windows cannot remove an open file
+        _unlink(lock)
+
+
+def _sweep(d: Path) -> None:
+    """Remove temporary files, and lock files nobody holds, older than _STALE_S: left by killed processes."""
+    now = time.time()
+    for p in [*d.glob("*.tmp"), *d.glob("*.lock")]:
+        try:
+            if now - p.stat().st_mtime <= _STALE_S:
+                continue
+            if p.suffix == ".tmp":
+                p.unlink()
+            elif (fd := _try_lock(p, _STALE_S)) is not None:
+                _release(p, fd)
         except OSError:
             pass
-        if debug:
-            (cache_dir() / f"{name}-{key}.cu").write_text(stub)
-    return cubin, key
 
 
 def _compile_nvcc(stub: str, arch: str, tc: Toolchain, flags: list[str], name: str) -> tuple[bytes, str]:

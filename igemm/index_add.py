@@ -433,7 +433,7 @@ def index_add(x, dim: int, index, source, alpha=1, *, deterministic: bool = Fals
     >>> igemm.index_add(x, 0, np.array([2, 0, 2]), np.ones((3, 2), np.float32), alpha=2).tolist()
     [[2.0, 2.0], [0.0, 0.0], [4.0, 4.0]]
     """
-    if not deterministic and stream is None:
+    if deterministic is False and stream is None:
         done = _fast_torch(x, dim, index, source, alpha, check_index)
         if done is not None:
             return done
@@ -503,7 +503,8 @@ def _torch_stream(device_id: int):
 
 def _fast_torch(x, dim, index, source, alpha, check_index):
     if _torch is None or type(x) is not _torch.Tensor or type(index) is not _torch.Tensor \
-            or type(source) is not _torch.Tensor or not _fast_geoms:
+            or type(source) is not _torch.Tensor or not _fast_geoms or type(dim) is not int \
+            or type(check_index) is not bool:         # anything unusual: the generic path validates it
         return None
     try:
         g = _fast_geoms.get(_fast_key(x, dim, index, source))

@@ -71,9 +71,8 @@ def _expect_error(A, row, launches=None):
         assert A.same(a, s), f"{row.id}: an argument was written before the error"
 
 
-def _pending(row, request) -> None:
-    reason = CONV_PENDING.get(row.id) or KNOWN_GPU_BUGS.get(row.id) if request.node.get_closest_marker("gpu") \
-        else CONV_PENDING.get(row.id)
+def _pending(row, request, gpu: bool = False) -> None:
+    reason = CONV_PENDING.get(row.id) or (KNOWN_GPU_BUGS.get(row.id) if gpu else None)
     if reason:
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
@@ -113,7 +112,7 @@ def test_bad_input_gpu(row, launches, request):
         import torch
         if torch.cuda.device_count() < 2:
             pytest.skip("needs two CUDA GPUs")
-    _pending(row, request)
+    _pending(row, request, gpu=True)
     A = TorchArrays()
     _expect_error(A, row, launches)
     _context_is_healthy(A)
@@ -211,6 +210,25 @@ def test_item9_stream_checked_on_the_numpy_backend(numpy_backend):
         igemm.relu_backward(np.ones(64, np.float32), np.zeros(2, np.uint32), stream="default")
     with pytest.raises(TypeError, match="^stream"):
         igemm.welford(_x4(), stream=1.5)
+
+
+@pytest.mark.gpu
+def test_item9_index_add_fast_path_refuses_what_the_generic_path_refuses_gpu():
+    """A repeated torch call takes index_add's fast path; a flag or dim of the wrong type still goes to the
+    checks (nothing launched, x unchanged) instead of being taken as truthy."""
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(5, 4, device="cuda")
+    idx, src = torch.tensor([0, 2], device="cuda"), torch.ones(2, 4, device="cuda")
+    igemm.index_add(x, 0, idx, src)
+    igemm.index_add(x, 0, idx, src)                 # the geometry is remembered: the fast path
+    keep = x.clone()
+    for kw, name in ((dict(check_index=1), "check_index"), (dict(deterministic=0), "deterministic")):
+        with pytest.raises(TypeError, match=f"^{name}"):
+            igemm.index_add(x, 0, idx, src, **kw)
+    with pytest.raises(TypeError, match="^dim"):
+        igemm.index_add(x, 0.0, idx, src)
+    torch.cuda.synchronize()
+    assert torch.equal(x, keep)
 
 
 @pytest.mark.parametrize("call, name", [

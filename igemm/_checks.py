@@ -103,7 +103,7 @@ def same_memory(a: Tensor, b: Tensor) -> bool:
 
 def check_no_overlap(a: Tensor, an: str, b: Tensor, bn: str) -> None:
     """Refuse two arrays whose memory ranges overlap (host or device alike: one semantics)."""
-    if a.kind == "numpy" and b.kind == "numpy" or a.kind != "numpy" and b.kind != "numpy":
+    if (a.kind == "numpy") == (b.kind == "numpy"):      # host and device memory never overlap
         (alo, ahi), (blo, bhi) = _span(a), _span(b)
         if alo < bhi and blo < ahi:
             raise ValueError(f"{an} and {bn} overlap in memory; igemm does not compute in place here")

@@ -10,12 +10,11 @@ Every public function builds a :class:`CallContext` from its array arguments:
 """
 from __future__ import annotations
 
-import numpy as np
-
 from . import _runtime
+from ._checks import check_aligned, check_contiguous, check_dtype, check_no_overlap, check_shape  # noqa: F401
 from ._runtime import Tensor, as_tensor
 
-__all__ = ["CallContext", "check_dtype", "check_contiguous", "check_shape", "check_aligned", "check_no_overlap"]
+__all__ = ["CallContext"]
 
 
 class CallContext:
@@ -87,37 +86,3 @@ class CallContext:
             arr = v.obj
             host = dev.obj.get(self.stream)
             arr[...] = host.view(arr.dtype) if host.dtype != arr.dtype else host
-
-
-# ------------------------------------------------------------------------------------------- checks
-def check_dtype(t: Tensor, name: str, allowed) -> None:
-    if t.dtype not in allowed:
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported (expected {' or '.join(allowed)})")
-
-
-def check_contiguous(t: Tensor, name: str) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous (shape {t.shape}, strides {t.strides} in elements); "
-                         f"call .contiguous() first")
-
-
-def check_shape(t: Tensor, name: str, shape) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-
-
-def check_aligned(t: Tensor, name: str, nbytes: int) -> None:
-    if t.ptr % nbytes:
-        raise ValueError(f"{name}: data pointer {t.ptr:#x} is not {nbytes}-byte aligned")
-
-
-def check_no_overlap(a: Tensor, an: str, b: Tensor, bn: str) -> None:
-    if a.kind == "numpy" or b.kind == "numpy":
-        return
-    (alo, ahi), (blo, bhi) = a.span(), b.span()
-    if alo < bhi and blo < ahi:
-        raise ValueError(f"{an} and {bn} overlap in memory; igemm does not compute in place here")
-
-
-def as_numpy(t: Tensor) -> np.ndarray:
-    return np.asarray(t.obj)

@@ -21,7 +21,6 @@ fast division below ``2**31`` and 64-bit division above.
 """
 from __future__ import annotations
 
-import numbers
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,10 +28,11 @@ from functools import lru_cache
 import numpy as np
 
 from . import _kernel, _runtime, reference
-from ._dispatch import CallContext, check_contiguous, check_dtype, check_no_overlap
-from ._runtime import keeps_current_context
+from ._checks import (IndexArgumentError, check_aligned, check_contiguous, check_dtype, check_flag, check_no_overlap,
+                      check_stream, check_writable, is_real, require_array)
+from ._dispatch import CallContext
 from ._kernel import ParamSpec
-from ._runtime import DTYPE_CTYPE, DTYPE_SIZES, FLOAT_DTYPES
+from ._runtime import DTYPE_CTYPE, DTYPE_SIZES, FLOAT_DTYPES, keeps_current_context
 
 __all__ = ["index_add", "IndexAddConfig", "choose_config", "FEW_MAX", "all_stubs", "precompile"]
 
@@ -326,8 +326,8 @@ def _device_check(device_id: int, stream, idtype: str, idx_ptr: int, n_index: in
 
 def _raise_bad(bad, dim: int, size: int, x_shape) -> None:
     pos, val = bad
-    raise IndexError(f"index_add: index[{pos}] = {val} is out of range for dimension {dim} of x (shape "
-                     f"{tuple(x_shape)}, size {size}); x was not modified")
+    raise IndexArgumentError(f"index: index[{pos}] = {val} is out of range for dimension {dim} of x (shape "
+                             f"{tuple(x_shape)}, size {size}); x was not modified")
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -353,10 +353,10 @@ def _validate(tx, tidx, tsrc, dim) -> _Geom:
     nd = tx.ndim
     lo, hi = (-1, 0) if nd == 0 else (-nd, nd - 1)
     if not lo <= dim <= hi:
-        raise IndexError(f"dim: {dim} is out of range for x of shape {tuple(tx.shape)} (expected {lo} to {hi})")
+        raise IndexArgumentError(f"dim: {dim} is out of range for x of shape {tuple(tx.shape)} (expected {lo} to {hi})")
     dim = int(dim) % max(nd, 1)
     if tidx.ndim > 1:
-        raise IndexError(f"index: expected a 1-D (or 0-d) tensor of indices, got shape {tuple(tidx.shape)}")
+        raise IndexArgumentError(f"index: expected a 1-D (or 0-d) tensor of indices, got shape {tuple(tidx.shape)}")
     n_index = tidx.numel
     if tsrc.ndim != nd:
         raise ValueError(f"source: expected {nd} dimensions like x {tuple(tx.shape)}, got shape {tuple(tsrc.shape)}")
@@ -369,17 +369,18 @@ def _validate(tx, tidx, tsrc, dim) -> _Geom:
             raise ValueError(f"source: expected shape {want} (x {tuple(tx.shape)} with {n_index} indices along dim "
                              f"{dim}), got {tuple(tsrc.shape)}")
     for t, name in ((tx, "x"), (tsrc, "source"), (tidx, "index")):
-        if t.numel:          # an empty array is contiguous whatever its strides say
-            check_contiguous(t, name)
+        check_contiguous(t, name)
+        check_aligned(t, name)
+    check_writable(tx, "x")
+    check_no_overlap(tx, "x", tsrc, "source")
+    check_no_overlap(tx, "x", tidx, "index")
     outer, size, inner = reference.collapse_index_add(tx.shape, dim)
     return _Geom(dim, outer, size, inner, n_index, tx.dtype, tidx.dtype, tuple(tx.shape))
 
 
 def _alpha_value(alpha, dtype: str) -> float:
     """alpha rounded to x's dtype, as torch converts it."""
-    if isinstance(alpha, numbers.Complex) and not isinstance(alpha, numbers.Real):
-        raise TypeError(f"alpha: expected a real number, got {alpha!r}")
-    if not isinstance(alpha, numbers.Real):
+    if not is_real(alpha):
         raise TypeError(f"alpha: expected a real number, got {type(alpha).__name__}")
     return _round_alpha(float(alpha), dtype)
 
@@ -417,7 +418,7 @@ def index_add(x, dim: int, index, source, alpha=1, *, deterministic: bool = Fals
     1-D (or 0-d). fp16/bf16 accumulate into ``x`` with fp16/bf16 atomics, like PyTorch.
 
     ``check_index=True`` (default): an index outside ``[0, x.shape[dim])`` -- negative ones included --
-    raises ``IndexError`` naming its position and value, and ``x`` is left unchanged; the CUDA context
+    raises an ``IndexError`` (also a ``ValueError``) naming its position and value, and ``x`` is left unchanged; the CUDA context
     stays usable. For a device ``index`` this costs a small extra kernel reading the index once and a
     synchronisation of the stream: the call waits for the work queued before it, and takes ~35 us more
     host time than ``check_index=False`` (H200, ``benchmarks/host_overhead.py``: 45 vs 12 us); numpy
@@ -432,15 +433,18 @@ def index_add(x, dim: int, index, source, alpha=1, *, deterministic: bool = Fals
     >>> igemm.index_add(x, 0, np.array([2, 0, 2]), np.ones((3, 2), np.float32), alpha=2).tolist()
     [[2.0, 2.0], [0.0, 0.0], [4.0, 4.0]]
     """
-    if not deterministic and stream is None:
+    if deterministic is False and stream is None:
         done = _fast_torch(x, dim, index, source, alpha, check_index)
         if done is not None:
             return done
+    for v, name in ((x, "x"), (index, "index"), (source, "source")):
+        require_array(v, name)
+    check_flag(deterministic, "deterministic")
+    check_flag(check_index, "check_index")
+    check_stream(stream)
     ctx = CallContext({"x": x, "index": index, "source": source}, stream)
     tx, tidx, tsrc = ctx.views["x"], ctx.views["index"], ctx.views["source"]
     g = _validate(tx, tidx, tsrc, dim)
-    check_no_overlap(tx, "x", tsrc, "source")
-    check_no_overlap(tx, "x", tidx, "index")
     a = _alpha_value(alpha, g.dtype)
     if ctx.host and (check_index or ctx.backend == "numpy"):
         bad = reference.first_bad_index(np.asarray(index), g.size)
@@ -499,7 +503,8 @@ def _torch_stream(device_id: int):
 
 def _fast_torch(x, dim, index, source, alpha, check_index):
     if _torch is None or type(x) is not _torch.Tensor or type(index) is not _torch.Tensor \
-            or type(source) is not _torch.Tensor or not _fast_geoms:
+            or type(source) is not _torch.Tensor or not _fast_geoms or type(dim) is not int \
+            or type(check_index) is not bool:         # anything unusual: the generic path validates it
         return None
     try:
         g = _fast_geoms.get(_fast_key(x, dim, index, source))

@@ -13,19 +13,17 @@ a second kernel summing them in order): the same bits on every run.
 from __future__ import annotations
 
 import math
-
-import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
 from . import _kernel, _runtime, reference
-from ._dispatch import CallContext, check_dtype, check_no_overlap
-from ._runtime import keeps_current_context
-from ._dispatch import check_contiguous as _check_contiguous
+from ._checks import (check_aligned, check_contiguous, check_dtype, check_layout, check_output, check_shape,
+                      check_stream, is_real, require_array)
+from ._dispatch import CallContext
 from ._kernel import ParamSpec
-from ._runtime import DTYPE_CTYPE, DTYPE_SIZES, FLOAT_DTYPES
+from ._runtime import DTYPE_CTYPE, DTYPE_SIZES, FLOAT_DTYPES, keeps_current_context
 from .index_add import _round_alpha
 
 __all__ = ["prelu", "prelu_backward", "PreluConfig", "forward_config", "LAYOUTS", "all_stubs", "precompile"]
@@ -57,11 +55,6 @@ class PreluConfig:
     def __post_init__(self):
         if self.mode not in _MODES or self.vec not in (1, 2, 4, 8):
             raise ValueError(f"bad PreluConfig {self}")
-
-
-def check_contiguous(t, name: str) -> None:
-    if t.numel:              # an empty array is contiguous whatever its strides say
-        _check_contiguous(t, name)
 
 
 def _vec_aligned(dtype: str, *ptrs: int) -> int:
@@ -159,13 +152,8 @@ class _Geom:
     alpha_kind: str   # "value" | "one" | "channel"
 
 
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
-
-
 def _is_number(a) -> bool:
-    return isinstance(a, numbers.Real) and not isinstance(a, np.ndarray)
+    return is_real(a)
 
 
 def _geometry(tx, ta, alpha, layout: str, name: str = "x") -> _Geom:
@@ -174,9 +162,11 @@ def _geometry(tx, ta, alpha, layout: str, name: str = "x") -> _Geom:
     axis = reference.prelu_channel_axis(len(shape), layout)
     if ta is None:
         if not _is_number(alpha):
-            raise TypeError(f"alpha: expected a number or an array, got {type(alpha).__name__}")
+            got = "None" if alpha is None else type(alpha).__name__
+            raise TypeError(f"alpha: expected a real number or an array, got {got}")
         return _Geom(1, 1, n, n, "value")
     check_contiguous(ta, "alpha")
+    check_aligned(ta, "alpha")
     if ta.numel == 1:
         return _Geom(1, 1, n, n, "one")
     if axis is None or ta.numel != shape[axis]:
@@ -189,6 +179,12 @@ def _geometry(tx, ta, alpha, layout: str, name: str = "x") -> _Geom:
     else:
         outer, inner = math.prod(shape[:-1]), 1
     return _Geom(outer, c, inner, n, "channel")
+
+
+def _check_x(t, name: str) -> None:
+    check_dtype(t, name, FLOAT_DTYPES)
+    check_contiguous(t, name)
+    check_aligned(t, name)
 
 
 def _check_alpha_dtype(ta, dtype: str) -> None:
@@ -210,24 +206,18 @@ def prelu(x, alpha, *, layout: str = "NCHW", out=None, stream=None):
     >>> igemm.prelu(np.array([[-2., 3.], [4., -1.]], np.float32), np.array([0.5, 0.25], np.float32)).tolist()
     [[-1.0, 3.0], [4.0, -0.25]]
     """
-    _check_layout(layout)
+    require_array(x, "x")
+    check_layout(layout)
+    check_stream(stream)
     arr_alpha = None if _is_number(alpha) else alpha
     ctx = CallContext({"x": x, "alpha": arr_alpha, "out": out}, stream)
     tx, ta = ctx.views["x"], ctx.views.get("alpha")
-    check_dtype(tx, "x", FLOAT_DTYPES)
-    check_contiguous(tx, "x")
+    _check_x(tx, "x")
     _check_alpha_dtype(ta, tx.dtype)
     g = _geometry(tx, ta, alpha, layout)
-    if out is not None:
-        to = ctx.views["out"]
-        if tuple(to.shape) != tuple(tx.shape) or to.dtype != tx.dtype:
-            raise ValueError(f"out: expected shape {tuple(tx.shape)} and dtype {tx.dtype}, got {tuple(to.shape)} "
-                             f"{to.dtype}")
-        check_contiguous(to, "out")
-        if to.ptr != tx.ptr:
-            check_no_overlap(tx, "x", to, "out")
-        if ta is not None:
-            check_no_overlap(ta, "alpha", to, "out")
+    if out is not None:                          # out may be x itself (exactly in place)
+        check_output(ctx.views["out"], "out", shape=tx.shape, dtypes=(tx.dtype,), inputs={"x": tx, "alpha": ta},
+                     alias_ok=("x",))
     aval = _round_alpha(float(alpha), tx.dtype) if g.alpha_kind == "value" else 0.0
     if ctx.backend == "numpy":
         xa = np.asarray(x)
@@ -373,16 +363,17 @@ def prelu_backward(dy, x, alpha, *, layout: str = "NCHW", stream=None):
     >>> dx.tolist(), da.tolist()
     ([[0.5, 1.0], [1.0, 0.25]], [-2.0, -1.0])
     """
-    _check_layout(layout)
+    require_array(dy, "dy")
+    require_array(x, "x")
+    check_layout(layout)
+    check_stream(stream)
     arr_alpha = None if _is_number(alpha) else alpha
     ctx = CallContext({"dy": dy, "x": x, "alpha": arr_alpha}, stream)
     tdy, tx, ta = ctx.views["dy"], ctx.views["x"], ctx.views.get("alpha")
-    check_dtype(tx, "x", FLOAT_DTYPES)
-    if tdy.dtype != tx.dtype or tuple(tdy.shape) != tuple(tx.shape):
-        raise ValueError(f"dy: expected shape {tuple(tx.shape)} and dtype {tx.dtype} like x, got {tuple(tdy.shape)} "
-                         f"{tdy.dtype}")
-    check_contiguous(tx, "x")
-    check_contiguous(tdy, "dy")
+    _check_x(tx, "x")
+    check_dtype(tdy, "dy", (tx.dtype,))
+    check_shape(tdy, "dy", tx.shape)
+    _check_x(tdy, "dy")
     _check_alpha_dtype(ta, tx.dtype)
     g = _geometry(tx, ta, alpha, layout)
     adtype = ta.dtype if ta is not None else tx.dtype

@@ -11,10 +11,11 @@ from functools import lru_cache
 import numpy as np
 
 from . import _kernel, reference
-from ._dispatch import CallContext, check_contiguous, check_dtype, check_no_overlap, check_shape
-from ._runtime import keeps_current_context
+from ._checks import (check_aligned, check_contiguous, check_dtype, check_mask, check_output, check_stream,
+                      mask_words, require_array)
+from ._dispatch import CallContext
 from ._kernel import ParamSpec
-from ._runtime import DTYPE_CTYPE, FLOAT_DTYPES
+from ._runtime import DTYPE_CTYPE, FLOAT_DTYPES, keeps_current_context
 
 __all__ = ["relu_backward", "relu_mask", "mask_words", "mask_dtype_for"]
 
@@ -23,12 +24,8 @@ _MASK_PARAMS = [ParamSpec("y", "ptr"), ParamSpec("mask", "ptr"), ParamSpec("n", 
 _THREADS = 256
 
 
-def mask_words(numel: int) -> int:
-    """Number of 32-bit words of the mask of a tensor with ``numel`` elements."""
-    return (numel + 31) // 32
-
-
 def mask_dtype_for(kind: str) -> str:
+    """The mask's dtype for outputs of a framework: torch has no full uint32 dtype (same bits as int32)."""
     return "int32" if kind == "torch" else "uint32"
 
 
@@ -56,14 +53,6 @@ def _grid(device_id: int, work_items: int) -> int:
     return max(1, min(sms * 8, (work_items + _THREADS - 1) // _THREADS))
 
 
-def _check_mask(mask, numel: int, name: str = "mask") -> None:
-    check_dtype(mask, name, ("uint32", "int32"))
-    check_contiguous(mask, name)
-    if mask.ndim != 1 or mask.shape[0] < mask_words(numel):
-        raise ValueError(f"{name}: expected a 1-D uint32 array of at least {mask_words(numel)} words for "
-                         f"{numel} elements, got shape {mask.shape}")
-
-
 @keeps_current_context
 def relu_backward(dy, mask, *, out=None, stream=None):
     """Gradient of ReLU from its 1-bit mask: ``dx = dy`` where the bit is set, else ``0``.
@@ -78,20 +67,18 @@ def relu_backward(dy, mask, *, out=None, stream=None):
     >>> igemm.relu_backward(dy, m).tolist()
     [1.0, 0.0, 0.0, 4.0]
     """
+    require_array(dy, "dy")
+    require_array(mask, "mask")
+    check_stream(stream)
     ctx = CallContext({"dy": dy, "mask": mask, "out": out}, stream)
     t_dy, t_mask = ctx.views["dy"], ctx.views["mask"]
     check_dtype(t_dy, "dy", FLOAT_DTYPES)
     check_contiguous(t_dy, "dy")
-    _check_mask(t_mask, t_dy.numel)
-    if out is not None:
-        t_out = ctx.views["out"]
-        check_shape(t_out, "out", t_dy.shape)
-        if t_out.dtype != t_dy.dtype:
-            raise TypeError(f"out: dtype {t_out.dtype} differs from dy's {t_dy.dtype}")
-        check_contiguous(t_out, "out")
-        if t_out.ptr != t_dy.ptr:               # exactly in place (out is dy) is fine
-            check_no_overlap(t_out, "out", t_dy, "dy")
-        check_no_overlap(t_out, "out", t_mask, "mask")
+    check_aligned(t_dy, "dy")
+    check_mask(t_mask, "mask", t_dy.numel)
+    if out is not None:                          # exactly in place (out is dy) is fine
+        check_output(ctx.views["out"], "out", shape=t_dy.shape, dtypes=(t_dy.dtype,),
+                     inputs={"dy": t_dy, "mask": t_mask}, alias_ok=("dy",))
     if ctx.backend == "numpy":
         res = reference.relu_backward(np.asarray(dy), np.asarray(mask).view(np.uint32)).astype(np.asarray(dy).dtype)
         if out is not None:
@@ -121,14 +108,18 @@ def relu_mask(y, *, out=None, stream=None):
 
     Equal, bit for bit, to the mask a fused ReLU epilogue writes for the same output ``y``.
     """
+    require_array(y, "y")
+    check_stream(stream)
     ctx = CallContext({"y": y, "out": out}, stream)
     t_y = ctx.views["y"]
     check_dtype(t_y, "y", FLOAT_DTYPES)
     check_contiguous(t_y, "y")
+    check_aligned(t_y, "y")
     words = mask_words(t_y.numel)
     if out is not None:
-        _check_mask(ctx.views["out"], t_y.numel, "out")
-        check_no_overlap(ctx.views["out"], "out", t_y, "y")
+        t_out = ctx.views["out"]
+        check_mask(t_out, "out", t_y.numel)
+        check_output(t_out, "out", inputs={"y": t_y})
     if ctx.backend == "numpy":
         res = reference.pack_mask(np.asarray(y, dtype=np.float64) > 0)
         if out is not None:
@@ -168,7 +159,6 @@ def launch_mask(device_id: int, stream, dtype: str, y_ptr: int, mask_ptr: int, n
 
 @lru_cache(maxsize=None)
 def _pdl_ok(device_id: int) -> bool:
-    """Programmatic dependent launch: sm_90 and later (IGEMM_PDL=0 turns it off)."""
-    import os
+    """Programmatic dependent launch: sm_90 and later."""
     from ._runtime import device
-    return device(device_id).compute_capability.major >= 9 and os.environ.get("IGEMM_PDL", "1") != "0"
+    return device(device_id).compute_capability.major >= 9

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import norm as _norm
+from . import _norm_kernels as _nk
 from . import reference
+from ._checks import check_eps, check_flag, check_layout, check_stream
 from ._dispatch import CallContext
+from ._norm_checks import check_act, check_like, check_momentum, check_running, check_vec, mask_arg, required
 from ._runtime import keeps_current_context
 
 __all__ = ["sync_batch_norm_stats", "sync_batch_norm_backward_reduce", "resolve_comm"]
@@ -102,17 +104,17 @@ def sync_batch_norm_stats(x, eps: float = 1e-5, comm=None, *, layout: str = "NCH
     >>> [a.tolist() for a in igemm.sync_batch_norm_stats(x, 0.0)]   # no process group: one process
     [[2.0, 4.0], [1.0, 0.5]]
     """
-    _norm._check_layout(layout)
-    e = _norm._check_eps(eps)
-    mom = _norm._check_momentum(momentum)
+    required({"x": x})
+    check_layout(layout)
+    e = check_eps(eps)
+    mom = check_momentum(momentum)
+    return_count = check_flag(return_count, "return_count")
+    check_stream(stream)
     kind, handle, W, _rank = resolve_comm(comm)
     ctx = CallContext({"x": x, "running_mean": running_mean, "running_var": running_var}, stream)
     t_x = ctx.views["x"]
-    N, C, HW = _norm._check_act(t_x, "x", layout)
-    if (running_mean is None) != (running_var is None):
-        raise ValueError("running_mean and running_var: give both or neither")
-    _norm._check_vec(ctx, "running_mean", C, layout)
-    _norm._check_vec(ctx, "running_var", C, layout)
+    N, C, HW = check_act(t_x, "x", layout)
+    check_running(ctx, running_mean, running_var, C, layout)
     _check_comm_use(kind, ctx, stream)
     if ctx.backend == "numpy":
         mean, var, n = reference.welford_stats(np.asarray(x), layout)
@@ -126,7 +128,7 @@ def sync_batch_norm_stats(x, eps: float = 1e-5, comm=None, *, layout: str = "NCH
         return res + (cnt.astype(np.float32),) if return_count else res
     d_x = ctx.device_view("x")
     local_obj, local = ctx.empty((3 * C,), "float64")
-    _norm.launch_reduction(ctx, grad=False, dtype=t_x.dtype, layout=layout, N=N, C=C, HW=HW, mode=0, f64=True,
+    _nk.launch_reduction(ctx, grad=False, dtype=t_x.dtype, layout=layout, N=N, C=C, HW=HW, mode=0, f64=True,
                            ptrs=dict(x=d_x.ptr, out0=local.ptr, out1=local.ptr + 8 * C, out2=local.ptr + 16 * C))
     if W > 1:
         g_obj, g = ctx.empty((W * 3 * C,), "float64")
@@ -136,7 +138,7 @@ def sync_batch_norm_stats(x, eps: float = 1e-5, comm=None, *, layout: str = "NCH
     outs = [ctx.empty((C,), "float32") for _ in range(3 if return_count else 2)]
     d_rm = ctx.device_view("running_mean") if running_mean is not None else None
     d_rv = ctx.device_view("running_var") if running_var is not None else None
-    _norm.launch_gather(ctx, in_dtype="float64", cnt_dtype="float64", C=C, W=W, rs=3 * C, cnt_rs=3 * C, cnt_cs=1,
+    _nk.launch_gather(ctx, in_dtype="float64", cnt_dtype="float64", C=C, W=W, rs=3 * C, cnt_rs=3 * C, cnt_cs=1,
                         mode=1, eps=e, momentum=mom,
                         ptrs=dict(mean=g.ptr, var=g.ptr + 8 * C, cnt=g.ptr + 16 * C, out0=outs[0][1].ptr,
                                   out1=outs[1][1].ptr, out2=outs[2][1].ptr if return_count else 0,
@@ -158,19 +160,17 @@ def sync_batch_norm_backward_reduce(dy, x, mean, invstd, weight=None, comm=None,
     The local sums travel as fp64 and are added in rank order on the device (deterministic, identical on
     every rank).
     """
-    _norm._check_layout(layout)
+    required({"dy": dy, "x": x, "mean": mean, "invstd": invstd})
+    check_layout(layout)
+    check_stream(stream)
     kind, handle, W, _rank = resolve_comm(comm)
     ctx = CallContext({"dy": dy, "x": x, "mean": mean, "invstd": invstd, "weight": weight, "mask": mask}, stream)
     t_x = ctx.views["x"]
-    N, C, HW = _norm._check_act(t_x, "x", layout)
-    _norm._check_like(ctx.views["dy"], "dy", t_x, "x")
-    for k in ("mean", "invstd"):
-        if k not in ctx.views:
-            raise TypeError(f"{k}: required")
+    N, C, HW = check_act(t_x, "x", layout)
+    check_like(ctx.views["dy"], "dy", t_x, "x")
     for k in ("mean", "invstd", "weight"):
-        _norm._check_vec(ctx, k, C, layout)
-    if mask is not None:
-        _norm._check_mask(ctx.views["mask"], N * C * HW)
+        check_vec(ctx, k, C, layout)
+    mask_arg(ctx, "mask", N * C * HW)
     _check_comm_use(kind, ctx, stream)
     if ctx.backend == "numpy":
         sdy, sdx, gw, gb = reference.batch_norm_backward_reduce_ref(
@@ -184,7 +184,7 @@ def sync_batch_norm_backward_reduce(dy, x, mean, invstd, weight=None, comm=None,
     local_obj, local = ctx.empty((2 * C,), "float64")
     gw = ctx.empty((C,), "float32")
     gb = ctx.empty((C,), "float32")
-    _norm.launch_reduction(ctx, grad=True, dtype=t_x.dtype, layout=layout, N=N, C=C, HW=HW, f64=True,
+    _nk.launch_reduction(ctx, grad=True, dtype=t_x.dtype, layout=layout, N=N, C=C, HW=HW, f64=True,
                            ptrs=dict(dy=d["dy"].ptr, x=d["x"].ptr, mask=d["mask"].ptr if "mask" in d else 0,
                                      mean=d["mean"].ptr, invstd=d["invstd"].ptr, out0=local.ptr,
                                      out1=local.ptr + 8 * C, out2=gw[1].ptr, out3=gb[1].ptr))
@@ -194,6 +194,6 @@ def sync_batch_norm_backward_reduce(dy, x, mean, invstd, weight=None, comm=None,
         _allgather_device(kind, handle, local_obj, g_obj, ctx)
     sdy = ctx.empty((C,), "float32")
     sdx = ctx.empty((C,), "float32")
-    _norm.launch_sum_ranks(ctx, C=C, W=W, ptrs=dict(mean=g.ptr, out0=sdy[1].ptr, out1=sdx[1].ptr))
+    _nk.launch_sum_ranks(ctx, C=C, W=W, ptrs=dict(mean=g.ptr, out0=sdy[1].ptr, out1=sdx[1].ptr))
     del g_obj, local_obj
     return tuple(ctx.finish(o[0]) for o in (sdy, sdx, gw, gb))

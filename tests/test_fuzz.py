@@ -1266,6 +1266,7 @@ def fuzz_stubs(n: int = 300) -> dict:
     """{stub: cache name} of every kernel a GPU fuzz run can compile on H100/H200 (sm_90a, 132 SMs), sampled
     from the same generators (``n`` draws per item). A kernel missed here still compiles at first use."""
     from igemm import norm, relu
+    from igemm._norm_kernels import _cache_name
     from igemm._runtime import DTYPE_SIZES
     out = dict(conv_stubs(n=n))
     rng = np.random.default_rng(0)
@@ -1278,11 +1279,11 @@ def fuzz_stubs(n: int = 300) -> dict:
             isz = DTYPE_SIZES[c.dtype]
             for s in norm.instances_for(c.layout, c.shape[0], C, HW, c.dtype, sms=132,
                                         align=16 if c.offset == 0 else isz, grad=False, forward=(), backward=()):
-                out[s] = norm._cache_name(s)
+                out[s] = _cache_name(s)
     for i in ("float32", "float64"):
         for cnt in ("float32", "int64"):
             s = norm.stub_gather(i, cnt)
-            out[s] = norm._cache_name(s)
+            out[s] = _cache_name(s)
     for dt in ("float32", "float16", "bfloat16"):
         for vec in (1, 16 // DTYPE_SIZES[dt]):
             for func in ("relu_mask", "relu_backward"):

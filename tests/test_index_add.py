@@ -165,44 +165,6 @@ def test_docstring_example(numpy_backend):
     assert x.tolist() == [[2.0, 2.0], [0.0, 0.0], [4.0, 4.0]]
 
 
-def test_validation(numpy_backend, rng):
-    x = rng.standard_normal((4, 5)).astype(np.float32)
-    keep = x.copy()
-    src = np.ones((3, 5), np.float32)
-    idx = np.array([0, 1, 2])
-    with pytest.raises(TypeError, match="source"):
-        igemm.index_add(x, 0, idx, src.astype(np.float16))
-    with pytest.raises(TypeError, match="index"):
-        igemm.index_add(x, 0, idx.astype(np.float32), src)
-    with pytest.raises(TypeError, match="x"):
-        igemm.index_add(x.astype(np.float64), 0, idx, src.astype(np.float64))
-    with pytest.raises(IndexError, match="index: expected a 1-D"):
-        igemm.index_add(x, 0, idx.reshape(3, 1), src)
-    with pytest.raises(ValueError, match=r"source: expected shape \(3, 5\)"):
-        igemm.index_add(x, 0, idx, np.ones((3, 4), np.float32))
-    with pytest.raises(ValueError, match="source: expected shape"):
-        igemm.index_add(x, 0, idx[:2], src)
-    with pytest.raises(ValueError, match="source: expected 2 dimensions"):
-        igemm.index_add(x, 0, idx, np.ones((3, 5, 1), np.float32))
-    with pytest.raises(IndexError, match="dim"):
-        igemm.index_add(x, 2, idx, src)
-    with pytest.raises(IndexError, match="dim"):
-        igemm.index_add(x, -3, idx, src)
-    with pytest.raises(TypeError, match="dim"):
-        igemm.index_add(x, 0.0, idx, src)
-    with pytest.raises(ValueError, match="contiguous"):
-        igemm.index_add(np.ones((5, 8), np.float32)[:, ::2].T, 0, idx, src)
-    with pytest.raises(ValueError, match="contiguous"):
-        igemm.index_add(x, 0, idx, np.ones((5, 3), np.float32).T)
-    with pytest.raises(ValueError, match="contiguous"):
-        igemm.index_add(x, 0, np.arange(6)[::2], src)
-    with pytest.raises(TypeError, match="alpha"):
-        igemm.index_add(x, 0, idx, src, alpha=1j)
-    with pytest.raises(TypeError, match="alpha"):
-        igemm.index_add(x, 0, idx, src, alpha="2")
-    np.testing.assert_array_equal(x, keep)
-
-
 @pytest.mark.parametrize("bad, pos", [([0, 4, 1], 1), ([0, 1, -1], 2), ([7, 0, 0], 0)])
 @pytest.mark.parametrize("check_index", [True, False])
 def test_bad_index_numpy(bad, pos, check_index, numpy_backend, rng):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import igemm
-from igemm import norm, reference
+from igemm import _norm_kernels, norm, reference
 
 from helpers import TOL, poison, rel_err, to_numpy, to_torch
 
@@ -186,7 +186,7 @@ def test_reduction_index_math(layout, shape, itemsize):
         for align in (16, 4, 2):
             if align < itemsize:
                 continue
-            for unroll in (norm._STATS_UNROLL, norm._GRAD_UNROLL):
+            for unroll in (_norm_kernels._STATS_UNROLL, _norm_kernels._GRAD_UNROLL):
                 cfg = norm.reduction_config(layout, N, C, HW, itemsize, align, sms, unroll)
                 assert cfg.blocks < 2 ** 31 and cfg.S >= 1
                 assert cfg.vec * itemsize <= align
@@ -451,62 +451,6 @@ def test_sync_local_without_comm(numpy_backend, rng):
     np.testing.assert_allclose(a[1], b[1], rtol=1e-7)
     with pytest.raises(TypeError, match="comm"):
         igemm.sync_batch_norm_stats(x, 1e-5, comm=object())
-
-
-# ============================================================================================ validation
-def test_validation(numpy_backend):
-    x = np.ones((2, 3, 4, 4), np.float32)
-    c3 = np.ones(3, np.float32)
-    with pytest.raises(ValueError, match="layout"):
-        igemm.batch_norm_stats(x, 1e-5, "NCWH")
-    with pytest.raises(ValueError, match="eps"):
-        igemm.batch_norm_stats(x, -1.0)
-    with pytest.raises(TypeError, match="x: dtype int32"):
-        igemm.welford(x.astype(np.int32))
-    with pytest.raises(ValueError, match="contiguous"):
-        igemm.welford(np.ones((2, 3, 4, 8), np.float32)[..., ::2])
-    with pytest.raises(ValueError, match="at least 2 dimensions"):
-        igemm.welford(np.ones(5, np.float32))
-    with pytest.raises(ValueError, match=r"mean: expected shape \(4,\).*NHWC"):
-        igemm.batch_norm_relu(x, c3, c3, layout="NHWC")
-    with pytest.raises(TypeError, match="invstd"):
-        igemm.batch_norm_relu(x, c3, c3.astype(np.float16))
-    with pytest.raises(ValueError, match="residual"):
-        igemm.batch_norm_relu(x, c3, c3, residual=np.ones((2, 3, 4, 5), np.float32))
-    with pytest.raises(TypeError, match="residual"):
-        igemm.batch_norm_relu(x, c3, c3, residual=x.astype(np.float16))
-    with pytest.raises(ValueError, match="mask"):
-        igemm.batch_norm_backward_reduce(x, x, c3, c3, mask=np.zeros(2, np.uint32))
-    with pytest.raises(TypeError, match="mask"):
-        igemm.batch_norm_backward_elemt(x, x, c3, c3, None, c3, c3, 32, mask=np.zeros(3, np.float32))
-    with pytest.raises(ValueError, match="dy: shape"):
-        igemm.batch_norm_backward_reduce(x[:1], x, c3, c3)
-    with pytest.raises(TypeError, match="dy: dtype"):
-        igemm.batch_norm_backward_reduce(x.astype(np.float16), x, c3, c3)
-    with pytest.raises(ValueError, match="count: must be > 0"):
-        igemm.batch_norm_backward_elemt(x, x, c3, c3, None, c3, c3, 0)
-    with pytest.raises(ValueError, match="count: expected 1 or 3"):
-        igemm.batch_norm_backward_elemt(x, x, c3, c3, None, c3, c3, np.ones(2, np.float32))
-    with pytest.raises(TypeError, match="count"):
-        igemm.batch_norm_backward_elemt(x, x, c3, c3, None, c3, c3, "32")
-    with pytest.raises(ValueError, match="counts: expected shape"):
-        igemm.batch_norm_gather_stats(np.ones((2, 3)), np.ones((2, 3)), np.ones(3))
-    with pytest.raises(TypeError, match="vars: dtype"):
-        igemm.batch_norm_gather_stats(np.ones((2, 3)), np.ones((2, 3), np.float32), np.ones(2))
-    with pytest.raises(TypeError, match="out"):
-        igemm.welford(x, out=(c3, c3))
-    with pytest.raises(ValueError, match="out.var: expected shape"):
-        igemm.welford(x, out=(c3, np.ones(4, np.float32), c3))
-    with pytest.raises(ValueError, match="running_mean and running_var"):
-        igemm.batch_norm_stats(x, running_mean=c3.copy())
-    with pytest.raises(ValueError, match="momentum"):
-        igemm.batch_norm_stats(x, momentum=2.0)
-    with pytest.raises(ValueError, match="no channels"):
-        igemm.welford(np.ones((2, 0, 3), np.float32))
-    with pytest.raises(ValueError, match="mask_out"):
-        igemm.batch_norm_relu(x, c3, c3, return_mask=True, mask_out=np.zeros(1, np.uint32))
-    with pytest.raises(TypeError, match="required"):
-        igemm.batch_norm_relu(x, None, c3)
 
 
 # ============================================================================================ compile
@@ -942,8 +886,9 @@ class _FakeLauncher:
     def __call__(self, stream, packed):
         m = re.search(r"igemm::norm::(\w+)(?:<([^>]*)>)?\(p\);", self.stub)
         fn, targs = m.group(1), [a.strip() for a in (m.group(2) or "").split(",") if a.strip()]
-        params = {"bn_forward": norm._EW_PARAMS, "bn_backward": norm._EW_PARAMS, "gather_stats": norm._GATHER_PARAMS,
-                  "sum_ranks": norm._GATHER_PARAMS}.get(fn, norm._RED_PARAMS)
+        nk = _norm_kernels
+        params = {"bn_forward": nk._EW_PARAMS, "bn_backward": nk._EW_PARAMS, "gather_stats": nk._GATHER_PARAMS,
+                  "sum_ranks": nk._GATHER_PARAMS}.get(fn, nk._RED_PARAMS)
         p = {}
         for spec in params:
             i = packed.slots[spec.name]
@@ -1147,14 +1092,15 @@ class _FakeLauncher:
 
 @pytest.fixture
 def emulated_gpu(monkeypatch):
-    caches = (norm._red_plan, norm._empty_plan, norm._ew_plan, norm._gather_plan)
+    nk = _norm_kernels
+    caches = (nk._red_plan, nk._empty_plan, nk._ew_plan, nk._gather_plan)
     for f in caches:
         f.cache_clear()
     monkeypatch.setattr(norm, "CallContext", _FakeCtx)
     monkeypatch.setattr(syncbn, "CallContext", _FakeCtx)
     monkeypatch.setattr(_kernel, "load", lambda stub, name, entry, device_id, smem=0: stub)
     monkeypatch.setattr(_kernel, "Launcher", _FakeLauncher)
-    monkeypatch.setattr(norm, "_sms", lambda device_id: 2)          # small grids: many slices per channel
+    monkeypatch.setattr(nk, "_sms", lambda device_id: 2)          # small grids: many slices per channel
     yield
     for f in caches:
         f.cache_clear()
@@ -1255,7 +1201,7 @@ def test_gpu_path_emulated(emulated_gpu, rng, layout, dtype, shape):
 
 def test_gpu_path_emulated_block_finalize(emulated_gpu, monkeypatch, rng):
     """Few channels, many slices: kernel 2 runs a block per channel."""
-    monkeypatch.setattr(norm, "_sms", lambda device_id: 32)
+    monkeypatch.setattr(_norm_kernels, "_sms", lambda device_id: 32)
     seen = []
     orig = _FakeLauncher.__call__
 

@@ -1,20 +1,19 @@
-"""Bad input (issue 8): each kind of wrong argument is a clear error raised before anything is launched;
-valid-but-unusual input (empty tensors, zero-sized dims, NaN/Inf, misaligned views, in place) gives the
-reference's answer. Never a crash, never a partial write.
+"""Bad input (issue 38, items 8-10): each kind of wrong argument is a clear error naming the argument, raised
+before anything is written or launched; valid-but-unusual input (empty tensors, zero-sized dims, NaN/Inf,
+misaligned views, in place) gives the reference's answer. Never a crash, never a partial write.
 
-* ``BAD``: one row per kind: a builder making the call from an array *adapter* (numpy arrays on the numpy
-  backend in the CPU tier; torch CUDA tensors on the GPU), the exception type and a regex on its message.
-  Every output and in-place argument the call could write is poisoned first and must be bit-identical
-  afterwards. On the GPU the kernel launcher is instrumented: a bad call launches nothing (rows marked
-  ``launches`` excepted: index_add's documented index-check kernel), and the context stays usable.
-* ``GPU_BAD``: device-specific kinds (host tensors, mixed host/device, misaligned or overlapping ``out``,
-  stream objects, devices).
+* The bad-input table lives in ``tests/validation_rows/`` (one module per family; the row format and how to
+  add one are in its ``__init__``). One runner, two tiers: numpy arrays on the numpy backend here, CUDA
+  tensors (torch) on the GPU, same rows. Every array argument is snapshotted first (outputs pre-filled with a
+  sentinel) and must be bit-identical afterwards; on the GPU nothing may be launched (rows marked
+  ``launches`` excepted: index_add's documented index-check kernel) and the context stays usable.
+* ``test_item<N>_*``: one test per defect of issue 38 (items 8, 9, 10) for the standalone families.
 * ``OK``: valid inputs at the edges, checked against numpy's IEEE semantics / the float64 reference.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
 
 import numpy as np
 import pytest
@@ -26,561 +25,62 @@ from igemm.conv import Conv2dPlan
 from igemm.reference.epilogue import apply_chain
 
 from helpers import TOL, rel_err, to_numpy
+from validation_rows import NAN, INF, NumpyArrays, TorchArrays, all_rows, watched
+from validation_rows.conv import PENDING as CONV_PENDING
 
-NAN, INF = float("nan"), float("inf")
-POISON_WORD = 0xAAAAAAAA
+ROWS = all_rows()
+CPU_ROWS = [r for r in ROWS if r.where != "gpu"]
+GPU_ROWS = [r for r in ROWS if r.where != "cpu"]
+# Rows seen failing on a GPU and not fixed yet: id -> what was seen (marked xfail(strict) below).
+KNOWN_GPU_BUGS: dict = {}
 
 
-# ============================================================================================== adapters
-class NumpyArrays:
-    """numpy arrays on the numpy backend (the CPU tier)."""
-    gpu = False
-    device = None
-
-    def arr(self, a, dtype="float32"):
-        return np.array(a, dtype=dtype)
-
-    def randn(self, shape, dtype="float32", seed=0):
-        return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-    def full(self, shape, value, dtype="float32"):
-        return np.full(shape, value, dtype=dtype)
-
-    def words(self, n, value=POISON_WORD):
-        return np.full(n, value, dtype=np.uint32)
-
-    def perm(self, a, axes):
-        return a.transpose(axes)
-
-    def channels_last(self, a):
-        """NCHW shape, NHWC strides (not contiguous in NCHW order)."""
-        return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-
-    def flat(self, a):
-        return a.reshape(-1)
-
-    def snapshot(self, a):
-        return np.array(a, copy=True)
-
-    def same(self, a, snap) -> bool:
-        return a.shape == snap.shape and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(snap).tobytes()
-
-    def empty(self, shape, dtype="float32"):
-        return np.empty(shape, dtype=dtype)
-
-    def host(self, a):
-        """A float64 (floats) copy on the host."""
-        a = np.asarray(a)
-        return np.array(a, dtype=np.float64) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a.copy()
-
-    def host_words(self, m):
-        return np.array(m).view(np.uint32)
-
-    def sync(self):
-        pass
-
-
-class TorchArrays:
-    """torch CUDA tensors (the GPU tier)."""
-    gpu = True
-    device = 0
-
-    def __init__(self):
-        import torch
-        self.torch = torch
-
-    def _dt(self, dtype):
-        return getattr(self.torch, dtype)
-
-    def arr(self, a, dtype="float32"):
-        a = np.asarray(a)
-        if dtype in ("bfloat16", "float16", "float32") and a.dtype.kind == "f":
-            return self.torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to("cuda", self._dt(dtype))
-        return self.torch.from_numpy(np.array(a, dtype=dtype)).cuda()
-
-    def randn(self, shape, dtype="float32", seed=0):
-        return self.arr(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-    def full(self, shape, value, dtype="float32"):
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        return self.torch.full(shape, value, dtype=self._dt(dtype), device="cuda")
-
-    def empty(self, shape, dtype="float32"):
-        return self.torch.empty(shape, dtype=self._dt(dtype), device="cuda")
-
-    def words(self, n, value=POISON_WORD):
-        v = int(np.array(value, dtype=np.uint32).view(np.int32))
-        return self.torch.full((n,), v, dtype=self.torch.int32, device="cuda")
-
-    def perm(self, a, axes):
-        return a.permute(axes)
-
-    def channels_last(self, a):
-        return a.contiguous(memory_format=self.torch.channels_last)
-
-    def flat(self, a):
-        return a.view(-1)
-
-    def snapshot(self, a):
-        return np.array(a, copy=True) if isinstance(a, np.ndarray) else a.clone()
-
-    def _bytes(self, t) -> bytes:
-        if isinstance(t, np.ndarray):
-            return np.ascontiguousarray(t).tobytes()
-        return t.detach().reshape(-1).cpu().view(self.torch.uint8).numpy().tobytes()
-
-    def same(self, a, snap) -> bool:
-        return tuple(a.shape) == tuple(snap.shape) and self._bytes(a) == self._bytes(snap)
-
-    def host(self, a):
-        return to_numpy(a)
-
-    def host_words(self, m):
-        return m.cpu().numpy().view(np.uint32)
-
-    def sync(self):
-        self.torch.cuda.synchronize()
-
-    # device-only helpers
-    def misaligned(self, shape, dtype="float32", seed=0, offset=1):
-        """A tensor of random values ``offset`` elements into a bigger buffer (not 16-byte aligned)."""
-        n = int(np.prod(shape))
-        buf = self.torch.empty(n + offset, dtype=self._dt(dtype), device="cuda")
-        t = buf[offset:].view(shape)
-        t.copy_(self.randn(shape, dtype, seed))
-        return t
-
-
-# ============================================================================================== rows
-@dataclass
-class Bad:
-    id: str
-    build: object          # (adapter) -> (call, [arrays that must stay unchanged])
-    exc: object            # exception type (or tuple)
-    match: str
-    where: str = "both"    # "both" | "cpu" | "gpu"
-    launches: bool = False  # a (documented) launch before the error is allowed on the GPU
-    multigpu: bool = False
-
-
-def _conv_xw(A, dtype="float32"):
-    return A.randn((2, 4, 8, 8), dtype, 1), A.randn((3, 4, 3, 3), dtype, 2)
-
-
-def _conv_out(A, shape=(2, 3, 6, 6), dtype="float32"):
-    return A.full(shape, NAN, dtype)
-
-
-def _bn_vecs(A, K=3):
-    rng = np.random.default_rng(3)
-    return [A.arr(v.astype(np.float32)) for v in (rng.uniform(0.5, 1.5, K), rng.standard_normal(K),
-                                                 rng.standard_normal(K), rng.uniform(0.5, 2, K))]
-
-
-def conv_row(kw_fn=None, x_fn=None, w_fn=None, out_fn=_conv_out, mask_fn=None):
-    """A conv2d call; a poisoned ``out`` (``out_fn``) and ``mask_out`` (``mask_fn``) are made first and
-    watched; ``kw_fn(A)`` gives the other kwargs, evaluated inside the call (epilogue objects may raise)."""
-    def build(A):
-        x, w = _conv_xw(A)
-        x = x_fn(A, x) if x_fn else x
-        w = w_fn(A, w) if w_fn else w
-        fixed = {}
-        if out_fn is not None:
-            fixed["out"] = out_fn(A)
-        if mask_fn is not None:
-            fixed["mask_out"] = mask_fn(A)
-
-        def call():
-            kw = dict(fixed)
-            kw.update(kw_fn(A) if kw_fn else {})
-            return igemm.conv2d(x, w, **kw)
-        return call, list(fixed.values())
-    return build
-
-
-def _plan_row(x_shape, dtype="float32"):
-    def build(A):
-        plan = Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", "NCHW", device=A.device)
-        x = A.randn(x_shape, dtype, 1)
-        w = A.randn((3, 4, 3, 3), dtype, 2)
-        out = _conv_out(A)
-        return (lambda: plan(x, w, out=out)), [out]
-    return build
-
-
-def relu_row(dy_fn=None, mask_fn=None, out_fn=None):
-    def build(A):
-        dy = A.randn((64,), "float32", 4)
-        mask = A.words(2, 0x0F0F0F0F)
-        if dy_fn:
-            dy = dy_fn(A, dy)
-        if mask_fn:
-            mask = mask_fn(A, mask)
-        kw = {}
-        watched = []
-        if out_fn:
-            kw["out"] = out_fn(A)
-            watched.append(kw["out"])
-        return (lambda: igemm.relu_backward(dy, mask, **kw)), watched
-    return build
-
-
-def index_row(mod):
-    """index_add on x (5, 4): ``mod(A, dict)`` edits the arguments; x must stay unchanged."""
-    def build(A):
-        a = dict(x=A.randn((5, 4), "float32", 5), dim=0, index=A.arr([0, 2, 4], "int64"),
-                 source=A.randn((3, 4), "float32", 6), alpha=1.0)
-        mod(A, a)
-        x = a["x"]
-        return (lambda: igemm.index_add(x, a["dim"], a["index"], a["source"], alpha=a["alpha"],
-                                        stream=a.get("stream"))), [x]
-    return build
-
-
-def _set(**kv):
-    def mod(A, a):
-        for k, v in kv.items():
-            a[k] = v(A, a) if callable(v) else v
-    return mod
-
-
-def prelu_row(x_fn=None, alpha_fn=None, kw_fn=None, backward=False):
-    def build(A):
-        x = A.randn((2, 3, 4), "float32", 7)
-        alpha = A.arr([0.1, 0.2, 0.3])
-        if x_fn:
-            x = x_fn(A, x)
-        if alpha_fn:
-            alpha = alpha_fn(A, alpha)
-        kw = kw_fn(A) if kw_fn else {}
-        watched = [kw["out"]] if "out" in kw else []
-        if backward:
-            dy = kw.pop("dy")
-            return (lambda: igemm.prelu_backward(dy, x, alpha, **kw)), watched
-        return (lambda: igemm.prelu(x, alpha, **kw)), watched
-    return build
-
-
-def bn_row(fn):
-    """``fn(A, x, c3)`` returns (call, watched) for x (2, 3, 4, 4) and fp32 per-channel vectors c3."""
-    def build(A):
-        x = A.randn((2, 3, 4, 4), "float32", 8)
-        c3 = A.arr([1.0, 2.0, 3.0])
-        return fn(A, x, c3)
-    return build
-
-
-def _bn_relu_call(A, x, c3, **kw):
-    kw.setdefault("out", A.full(tuple(x.shape), NAN))
-    kw.setdefault("mask_out", A.words(3))
-    mean, invstd = kw.pop("mean", c3), kw.pop("invstd", c3)
-    return (lambda: igemm.batch_norm_relu(x, mean, invstd, **kw)), [kw["out"], kw["mask_out"]]
-
-
-BAD = [
-    # ------------------------------------------------------------------------------------------- conv2d
-    Bad("conv/x-float64", conv_row(None, lambda A, x: A.arr(A.host(x), "float64"),
-                                   lambda A, w: A.arr(A.host(w), "float64")), TypeError, "dtype float64"),
-    Bad("conv/int32", conv_row(None, lambda A, x: A.arr(A.host(x), "int32"), lambda A, w: A.arr(A.host(w), "int32")),
-        TypeError, "dtype int32"),
-    Bad("conv/w-dtype-differs", conv_row(None, w_fn=lambda A, w: A.arr(A.host(w), "float16")), TypeError, "w: dtype"),
-    Bad("conv/layout-name", conv_row(lambda A: {"layout": "NWHC"}), ValueError, "layout"),
-    Bad("conv/x-3d", conv_row(None, lambda A, x: x[0]), ValueError, "4-D"),
-    Bad("conv/w-5d", conv_row(None, w_fn=lambda A, w: w[None]), ValueError, "4-D"),
-    Bad("conv/channels-differ", conv_row(None, w_fn=lambda A, w: A.randn((3, 3, 3, 3), "float32", 2)), ValueError,
-        "input channels"),
-    Bad("conv/x-noncontiguous", conv_row(None, lambda A, x: x[:, :, ::2], out_fn=lambda A: _conv_out(A, (2, 3, 2, 6))),
-        ValueError, "contiguous"),
-    Bad("conv/x-channels-last-strides", conv_row(None, lambda A, x: A.channels_last(x)), ValueError, "contiguous"),
-    Bad("conv/out-shape", conv_row(out_fn=lambda A: _conv_out(A, (2, 3, 7, 7))), ValueError, "out: expected shape"),
-    Bad("conv/out-dtype", conv_row(out_fn=lambda A: _conv_out(A, dtype="float16")), TypeError, "out"),
-    Bad("conv/out-noncontiguous", conv_row(out_fn=lambda A: _conv_out(A, (2, 3, 6, 12))[..., ::2]), ValueError,
-        "contiguous"),
-    Bad("conv/empty-batch", conv_row(None, lambda A, x: x[:0], out_fn=None), ValueError, "empty"),
-    Bad("conv/zero-width", conv_row(None, lambda A, x: A.full((2, 4, 8, 0), 1.0), out_fn=None), ValueError, "empty"),
-    Bad("conv/zero-filters", conv_row(None, w_fn=lambda A, w: A.full((0, 4, 3, 3), 1.0), out_fn=None), ValueError,
-        "empty"),
-    Bad("conv/filter-does-not-fit", conv_row(lambda A: {"dilation": 2}, lambda A, x: A.randn((2, 4, 2, 2)),
-                                             out_fn=None), ValueError, "does not fit"),
-    Bad("conv/stride-0", conv_row(lambda A: {"stride": 0}), ValueError, "stride"),
-    Bad("conv/stride-triple", conv_row(lambda A: {"stride": (1, 2, 3)}), ValueError, "stride"),
-    Bad("conv/stride-float", conv_row(lambda A: {"stride": 1.5}), TypeError, "stride"),
-    Bad("conv/padding-negative", conv_row(lambda A: {"padding": -1}), ValueError, "padding"),
-    Bad("conv/dilation-0", conv_row(lambda A: {"dilation": 0}), ValueError, "dilation"),
-    Bad("conv/precision", conv_row(lambda A: {"precision": "fast"}), ValueError, "precision"),
-    Bad("conv/epilogue-type", conv_row(lambda A: {"epilogue": "relu"}), TypeError, "epilogue"),
-    Bad("conv/bn-vector-length", conv_row(lambda A: {"epilogue": ep.BatchNorm(*[v[:2] for v in _bn_vecs(A)])}),
-        ValueError, "gamma.*3"),
-    Bad("conv/bn-vector-int", conv_row(lambda A: {"epilogue": ep.BatchNorm(
-        *[A.arr(A.host(v), "int32") if i == 2 else v for i, v in enumerate(_bn_vecs(A))])}), TypeError, "mean"),
-    Bad("conv/bn-vector-2d", conv_row(lambda A: {"epilogue": ep.BatchNorm(*[v.reshape(3, 1) for v in _bn_vecs(A)])}),
-        ValueError, "1-D"),
-    Bad("conv/bn-eps-negative", conv_row(lambda A: {"epilogue": ep.BatchNorm(*_bn_vecs(A), eps=-1.0)}), ValueError,
-        "eps"),
-    Bad("conv/bias-length", conv_row(lambda A: {"epilogue": ep.Bias(A.arr([1.0, 2.0]))}), ValueError, "bias"),
-    Bad("conv/prelu-alpha-length", conv_row(lambda A: {"epilogue": ep.PReLU(A.arr([0.1, 0.2]))}), ValueError,
-        "alpha"),
-    Bad("conv/prelu-alpha-one-element", conv_row(lambda A: {"epilogue": ep.PReLU(A.arr([0.1]))}), ValueError,
-        "Python float"),
-    Bad("conv/residual-shape", conv_row(lambda A: {"epilogue": ep.Add(A.randn((2, 3, 6, 5)))}), ValueError,
-        "residual.*shape"),
-    Bad("conv/residual-int", conv_row(lambda A: {"epilogue": ep.Add(A.full((2, 3, 6, 6), 1, "int32"))}), TypeError,
-        "residual"),
-    Bad("conv/residual-without-add", conv_row(lambda A: {"residual": A.randn((2, 3, 6, 6))}), ValueError, "Add"),
-    Bad("conv/add-without-residual", conv_row(lambda A: {"epilogue": ep.Add()}), ValueError, "pass residual"),
-    Bad("conv/mask-out-without-mask", conv_row(lambda A: {"epilogue": ep.ReLU()}, mask_fn=lambda A: A.words(7)),
-        ValueError, "mask_out"),
-    Bad("conv/mask-out-too-short", conv_row(lambda A: {"epilogue": ep.ReLU(mask=True)}, mask_fn=lambda A: A.words(6)),
-        ValueError, "mask_out"),
-    Bad("conv/mask-out-float", conv_row(lambda A: {"epilogue": ep.ReLU(mask=True)}, mask_fn=lambda A: A.full(7, NAN)),
-        ValueError, "mask_out"),
-    Bad("conv/mask-relu-not-last", conv_row(lambda A: {"epilogue": ep.chain(ep.ReLU(mask=True), ep.Bias(A.arr(
-        [1.0, 2.0, 3.0])))}), ValueError, "last"),
-    Bad("conv/two-activations", conv_row(lambda A: {"epilogue": ep.chain(ep.ReLU(), ep.PReLU(0.1))}),
-        NotImplementedError, "activation"),
-    Bad("conv/plan-x-shape", _plan_row((2, 4, 9, 8)), ValueError, "x: expected shape"),
-    Bad("conv/plan-x-dtype", _plan_row((2, 4, 8, 8), "float16"), TypeError, "x: expected dtype"),
-    Bad("conv/plan-too-many-pixels", lambda A: ((lambda: Conv2dPlan((2 ** 12, 1, 2 ** 10, 2 ** 10), (1, 1, 1, 1),
-                                                                    "float16", device=A.device)), []),
-        NotImplementedError, r"2\*\*31"),
-    Bad("conv/plan-image-too-big", lambda A: ((lambda: Conv2dPlan((1, 32769, 256, 256), (1, 32769, 1, 1), "float16",
-                                                                  stride=256, device=A.device)), []),
-        NotImplementedError, r"per image"),
-    Bad("conv/plan-config-field", lambda A: ((lambda: Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC",
-                                                                 device=A.device, config={"tile": 3}).spec()), []),
-        ValueError, "unknown"),
-    # ------------------------------------------------------------------------------------------- relu
-    Bad("relu_backward/mask-too-short", relu_row(mask_fn=lambda A, m: m[:1]), ValueError, "mask"),
-    Bad("relu_backward/mask-float", relu_row(mask_fn=lambda A, m: A.full(2, 1.0)), TypeError, "mask"),
-    Bad("relu_backward/mask-2d", relu_row(mask_fn=lambda A, m: A.words(4).reshape(2, 2)), ValueError, "mask"),
-    Bad("relu_backward/dy-int", relu_row(dy_fn=lambda A, dy: A.full(64, 1, "int32")), TypeError, "dy"),
-    Bad("relu_backward/dy-noncontiguous", relu_row(dy_fn=lambda A, dy: A.randn((128,))[::2]), ValueError,
-        "contiguous"),
-    Bad("relu_backward/out-shape", relu_row(out_fn=lambda A: A.full(63, NAN)), ValueError, "out"),
-    Bad("relu_backward/out-dtype", relu_row(out_fn=lambda A: A.full(64, NAN, "float16")), TypeError, "out"),
-    Bad("relu_mask/y-int", lambda A: ((lambda: igemm.relu_mask(A.full(40, 1, "int32"))), []), TypeError, "y"),
-    Bad("relu_mask/out-too-short", lambda A: (lambda o: ((lambda: igemm.relu_mask(A.randn(65), out=o)), [o]))(
-        A.words(2)), ValueError, "out"),
-    # ------------------------------------------------------------------------------------------- index_add
-    Bad("index_add/index-past-end", index_row(_set(index=lambda A, a: A.arr([0, 5, 1], "int64"))), IndexError,
-        r"index\[1\] = 5 is out of range", launches=True),
-    Bad("index_add/index-negative", index_row(_set(index=lambda A, a: A.arr([0, 1, -1], "int32"))), IndexError,
-        r"index\[2\] = -1 is out of range", launches=True),
-    Bad("index_add/source-dtype", index_row(_set(source=lambda A, a: A.randn((3, 4), "float16"))), TypeError,
-        "source"),
-    Bad("index_add/index-float", index_row(_set(index=lambda A, a: A.arr([0.0, 1.0, 2.0]))), TypeError, "index"),
-    Bad("index_add/x-int", index_row(_set(x=lambda A, a: A.full((5, 4), 1, "int32"),
-                                          source=lambda A, a: A.full((3, 4), 1, "int32"))), TypeError, "x"),
-    Bad("index_add/dim-out-of-range", index_row(_set(dim=2)), IndexError, "dim"),
-    Bad("index_add/dim-float", index_row(_set(dim=0.0)), TypeError, "dim"),
-    Bad("index_add/source-shape", index_row(_set(source=lambda A, a: A.randn((3, 5)))), ValueError,
-        r"source: expected shape \(3, 4\)"),
-    Bad("index_add/source-rank", index_row(_set(source=lambda A, a: A.randn((3, 4, 1)))), ValueError,
-        "source: expected 2 dimensions"),
-    Bad("index_add/index-2d", index_row(_set(index=lambda A, a: A.arr([[0], [1], [2]], "int64"))), IndexError,
-        "1-D"),
-    Bad("index_add/alpha-complex", index_row(_set(alpha=1j)), TypeError, "alpha"),
-    Bad("index_add/alpha-string", index_row(_set(alpha="2")), TypeError, "alpha"),
-    Bad("index_add/source-noncontiguous", index_row(_set(source=lambda A, a: A.perm(A.randn((4, 3)), (1, 0)))),
-        ValueError, "contiguous"),
-    # ------------------------------------------------------------------------------------------- prelu
-    Bad("prelu/alpha-count", prelu_row(alpha_fn=lambda A, a: A.arr([0.1, 0.2, 0.3, 0.4])), ValueError,
-        "alpha: 4 elements"),
-    Bad("prelu/alpha-float64", prelu_row(alpha_fn=lambda A, a: A.arr([0.1, 0.2, 0.3], "float64")), TypeError, "alpha"),
-    Bad("prelu/alpha-string", prelu_row(alpha_fn=lambda A, a: "0.1"), TypeError, "alpha"),
-    Bad("prelu/layout", prelu_row(kw_fn=lambda A: {"layout": "NWC"}), ValueError, "layout"),
-    Bad("prelu/x-float64", prelu_row(x_fn=lambda A, x: A.arr(A.host(x), "float64")), TypeError, "x"),
-    Bad("prelu/x-noncontiguous", prelu_row(x_fn=lambda A, x: A.perm(A.randn((2, 4, 3)), (0, 2, 1))), ValueError,
-        "contiguous"),
-    Bad("prelu/out-shape", prelu_row(kw_fn=lambda A: {"out": A.full((2, 3), NAN)}), ValueError, "out"),
-    Bad("prelu/out-dtype", prelu_row(kw_fn=lambda A: {"out": A.full((2, 3, 4), NAN, "float16")}), ValueError, "out"),
-    Bad("prelu/1d-channel-alpha", prelu_row(x_fn=lambda A, x: A.randn((5,))), ValueError, "below 2-D"),
-    Bad("prelu_backward/dy-shape", prelu_row(kw_fn=lambda A: {"dy": A.randn((2, 3, 5))}, backward=True), ValueError,
-        "dy"),
-    Bad("prelu_backward/dy-dtype", prelu_row(kw_fn=lambda A: {"dy": A.randn((2, 3, 4), "float16")}, backward=True),
-        ValueError, "dy"),
-    # ------------------------------------------------------------------------------------------- BatchNorm
-    Bad("welford/layout", bn_row(lambda A, x, c: ((lambda: igemm.welford(x, "NCWH")), [])), ValueError, "layout"),
-    Bad("welford/x-1d", bn_row(lambda A, x, c: ((lambda: igemm.welford(A.randn(5))), [])), ValueError,
-        "at least 2 dimensions"),
-    Bad("welford/no-channels", bn_row(lambda A, x, c: ((lambda: igemm.welford(A.full((2, 0, 3), 1.0))), [])),
-        ValueError, "no channels"),
-    Bad("welford/x-int", bn_row(lambda A, x, c: ((lambda: igemm.welford(A.full((2, 3, 4), 1, "int32"))), [])),
-        TypeError, "x: dtype int32"),
-    Bad("welford/out-tuple-length", bn_row(lambda A, x, c: ((lambda: igemm.welford(x, out=(c, c))), [c])), TypeError,
-        "out"),
-    Bad("welford/out-shape", bn_row(lambda A, x, c: (lambda o: ((lambda: igemm.welford(x, out=o)), list(o)))(
-        (A.full(3, NAN), A.full(4, NAN), A.full(3, NAN)))), ValueError, "out.var: expected shape"),
-    Bad("welford/out-mixed-dtypes", bn_row(lambda A, x, c: (lambda o: ((lambda: igemm.welford(x, out=o)), list(o)))(
-        (A.full(3, NAN), A.full(3, NAN, "float64"), A.full(3, NAN)))), TypeError, "share one dtype"),
-    Bad("batch_norm_stats/eps-negative", bn_row(lambda A, x, c: ((lambda: igemm.batch_norm_stats(x, -1.0)), [])),
-        ValueError, "eps"),
-    Bad("batch_norm_stats/eps-nan", bn_row(lambda A, x, c: ((lambda: igemm.batch_norm_stats(x, NAN)), [])),
-        ValueError, "eps"),
-    Bad("batch_norm_stats/momentum", bn_row(lambda A, x, c: ((lambda: igemm.batch_norm_stats(x, momentum=2.0)), [])),
-        ValueError, "momentum"),
-    Bad("batch_norm_stats/running-mean-only", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_stats(x, running_mean=c)), [c])), ValueError, "running_mean and running_var"),
-    Bad("batch_norm_stats/running-var-shape", bn_row(lambda A, x, c: (lambda rv: (
-        (lambda: igemm.batch_norm_stats(x, running_mean=c, running_var=rv)), [c, rv]))(A.full(4, 1.0))),
-        ValueError, "running_var"),
-    Bad("batch_norm_relu/mean-shape-nhwc", bn_row(lambda A, x, c: _bn_relu_call(A, x, c, layout="NHWC")), ValueError,
-        r"mean: expected shape \(4,\)"),
-    Bad("batch_norm_relu/invstd-dtype", bn_row(lambda A, x, c: _bn_relu_call(A, x, c, invstd=A.arr([1, 2, 3],
-                                                                                                   "float16"))),
-        TypeError, "invstd"),
-    Bad("batch_norm_relu/residual-shape", bn_row(lambda A, x, c: _bn_relu_call(A, x, c, residual=A.randn(
-        (2, 3, 4, 5)))), ValueError, "residual"),
-    Bad("batch_norm_relu/mask-out-too-short", bn_row(lambda A, x, c: _bn_relu_call(A, x, c, mask_out=A.words(2))),
-        ValueError, "mask_out"),
-    Bad("batch_norm_relu/mean-missing", bn_row(lambda A, x, c: _bn_relu_call(A, x, c, mean=None)), TypeError,
-        "required"),
-    Bad("batch_norm_backward_reduce/mask-short", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_backward_reduce(x, x, c, c, mask=A.words(2))), [])), ValueError, "mask"),
-    Bad("batch_norm_backward_reduce/dy-shape", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_backward_reduce(x[:1], x, c, c)), [])), ValueError, "dy: shape"),
-    Bad("batch_norm_backward_elemt/count-zero", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_backward_elemt(x, x, c, c, None, c, c, 0)), [])), ValueError, "count: must be > 0"),
-    Bad("batch_norm_backward_elemt/count-shape", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_backward_elemt(x, x, c, c, None, c, c, A.full(2, 4.0))), [])), ValueError,
-        "count: expected 1 or 3"),
-    Bad("batch_norm_backward_elemt/out-shape", bn_row(lambda A, x, c: (lambda o: (
-        (lambda: igemm.batch_norm_backward_elemt(x, x, c, c, None, c, c, 32, out=o)), [o]))(A.full((2, 3, 4, 5), NAN))),
-        ValueError, "out"),
-    Bad("batch_norm_gather_stats/counts-shape", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_gather_stats(A.full((2, 3), 1.0), A.full((2, 3), 1.0), A.full(3, 1.0))), [])),
-        ValueError, "counts: expected shape"),
-    Bad("batch_norm_gather_stats/vars-dtype", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_gather_stats(A.full((2, 3), 1.0, "float64"), A.full((2, 3), 1.0),
-                                               A.full(2, 1.0))), [])), TypeError, "vars: dtype"),
-    Bad("sync_batch_norm_stats/comm", bn_row(lambda A, x, c: ((lambda: igemm.sync_batch_norm_stats(
-        x, 1e-5, comm=object())), [])), TypeError, "comm"),
-]
-
-
-# ---------------------------------------------------------------------------------------------- GPU-only kinds
-def _gpu_conv(fn):
-    def build(A):
-        x, w = _conv_xw(A)
-        return fn(A, x, w)
-    return build
-
-
-def _buf_view(A, shape, offset, dtype="float32", fill=NAN):
-    n = int(np.prod(shape))
-    buf = A.full(n + offset, fill, dtype)
-    return buf, buf[offset:].view(shape)
-
-
-GPU_BAD = [
-    Bad("conv/x-on-cpu", _gpu_conv(lambda A, x, w: ((lambda: igemm.conv2d(x.cpu(), w)), [])), TypeError, "cpu"),
-    Bad("conv/w-numpy-x-cuda", _gpu_conv(lambda A, x, w: (lambda o: ((lambda: igemm.conv2d(
-        x, w.cpu().numpy(), out=o)), [o]))(_conv_out(A))), TypeError, r"host \(numpy\)"),
-    Bad("conv/out-numpy", _gpu_conv(lambda A, x, w: (lambda o: ((lambda: igemm.conv2d(x, w, out=o)), [o]))(
-        np.full((2, 3, 6, 6), np.nan, np.float32))), TypeError, r"host \(numpy\)"),
-    Bad("conv/bn-vector-on-cpu", _gpu_conv(lambda A, x, w: (lambda o: ((lambda: igemm.conv2d(
-        x, w, out=o, epilogue=ep.BatchNorm(*[v.cpu() for v in _bn_vecs(A)]))), [o]))(_conv_out(A))), TypeError,
-        "gamma.*cpu"),
-    Bad("conv/out-misaligned", _gpu_conv(lambda A, x, w: (lambda bv: ((lambda: igemm.conv2d(x, w, out=bv[1])),
-                                                                      [bv[0]]))(_buf_view(A, (2, 3, 6, 6), 1))),
-        ValueError, "aligned"),
-    Bad("conv/residual-misaligned", _gpu_conv(lambda A, x, w: (lambda o, r: ((lambda: igemm.conv2d(
-        x, w, out=o, epilogue=ep.Add(), residual=r)), [o]))(_conv_out(A), _buf_view(A, (2, 3, 6, 6), 2, fill=1.0)[1])),
-        ValueError, "residual.*aligned"),
-    Bad("conv/out-overlaps-x", _gpu_conv(lambda A, x, w: ((lambda: igemm.conv2d(
-        x, w, out=A.flat(x)[:216].view(2, 3, 6, 6))), [x])), ValueError, "overlap"),
-    Bad("conv/out-overlaps-w", _gpu_conv(lambda A, x, w: (lambda big: (
-        (lambda: igemm.conv2d(x, big[:108].view(3, 4, 3, 3), out=big[100:316].view(2, 3, 6, 6))), [big]))(
-        A.randn((316,)))), ValueError, "overlap"),
-    Bad("conv/mask-out-overlaps-out", _gpu_conv(lambda A, x, w: (lambda big: (
-        (lambda: igemm.conv2d(x, w, epilogue=ep.ReLU(mask=True), out=big[:216].view(2, 3, 6, 6),
-                              mask_out=big.view(A.torch.int32)[208:215])), [big]))(A.full(224, NAN))),
-        ValueError, "overlap"),
-    Bad("conv/mask-out-overlaps-x", _gpu_conv(lambda A, x, w: (
-        (lambda: igemm.conv2d(x, w, epilogue=ep.ReLU(mask=True), out=_conv_out(A),
-                              mask_out=A.flat(x).view(A.torch.int32)[:7])), [x])), ValueError, "overlap"),
-    Bad("conv/stream-type", _gpu_conv(lambda A, x, w: (lambda o: ((lambda: igemm.conv2d(
-        x, w, out=o, stream="default")), [o]))(_conv_out(A))), TypeError, "stream"),
-    Bad("conv/plan-stream-type", _gpu_conv(lambda A, x, w: (lambda o, p: ((lambda: p(x, w, out=o, stream=1.5)), [o]))(
-        _conv_out(A), Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32"))), TypeError, "stream"),
-    Bad("relu_backward/dy-on-cpu", relu_row(dy_fn=lambda A, dy: dy.cpu()), TypeError, "cpu", where="gpu"),
-    Bad("relu_backward/out-overlaps-dy", lambda A: (lambda buf: (
-        (lambda: igemm.relu_backward(buf[:64], A.words(2, 0x0F0F0F0F), out=buf[1:65])), [buf]))(A.randn((65,))),
-        ValueError, "overlap"),
-    Bad("relu_backward/out-overlaps-mask", lambda A: (lambda buf: (
-        (lambda: igemm.relu_backward(A.randn((64,)), buf.view(A.torch.int32)[:2], out=buf)), [buf]))(
-        A.randn((64,))), ValueError, "overlap"),
-    Bad("relu_mask/out-overlaps-y", lambda A: (lambda y: (
-        (lambda: igemm.relu_mask(y, out=y.view(A.torch.int32)[1:4])), [y]))(A.randn((96,))), ValueError, "overlap"),
-    Bad("relu_backward/stream-type", relu_row(), TypeError, "stream", where="gpu"),   # build replaced below
-    Bad("index_add/index-on-cpu", index_row(_set(index=lambda A, a: a["index"].cpu())), TypeError, "cpu"),
-    Bad("index_add/x-overlaps-source", lambda A: (lambda buf: (
-        (lambda: igemm.index_add(buf[:20].view(5, 4), 0, A.arr([0, 1, 2], "int64"), buf[8:20].view(3, 4))), [buf]))(
-        A.randn((20,))), ValueError, "overlap"),
-    Bad("index_add/stream-type", index_row(lambda A, a: a.update(stream="s")), TypeError, "stream"),
-    Bad("prelu/out-overlaps-x", prelu_row(kw_fn=None), ValueError, "overlap"),                 # build replaced below
-    Bad("prelu/out-overlaps-alpha", lambda A: (lambda buf: (
-        (lambda: igemm.prelu(A.randn((2, 3, 4)), buf[:3], out=buf.view(2, 3, 4))), [buf]))(A.randn((24,))),
-        ValueError, "overlap"),
-    Bad("prelu/stream-type", prelu_row(kw_fn=lambda A: {"stream": object()}), TypeError, "stream"),
-    Bad("batch_norm_stats/out-overlaps-x", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_stats(x, out=(A.flat(x)[:3], A.full(3, NAN)))), [x])), ValueError, "overlap"),
-    Bad("batch_norm_relu/mask-out-overlaps-x", bn_row(lambda A, x, c: (
-        (lambda: igemm.batch_norm_relu(x, c, c, mask_out=A.flat(x).view(A.torch.int32)[:4])), [x])), ValueError,
-        "overlap"),
-    Bad("batch_norm_stats/stream-type", bn_row(lambda A, x, c: ((lambda: igemm.batch_norm_stats(x, stream=2.5)), [])),
-        TypeError, "stream"),
-    Bad("batch_norm_stats/x-on-cpu", bn_row(lambda A, x, c: ((lambda: igemm.batch_norm_stats(x.cpu())), [])),
-        TypeError, "cpu"),
-    Bad("conv/plan-other-device", _gpu_conv(lambda A, x, w: (lambda p: ((lambda: p(x, w)), []))(
-        Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", device=1))), ValueError, "cuda:1", multigpu=True),
-    Bad("conv/tensors-on-two-devices", _gpu_conv(lambda A, x, w: ((lambda: igemm.conv2d(x, w.to("cuda:1"))), [])),
-        ValueError, "different devices", multigpu=True),
-    Bad("relu_backward/stream-of-other-device", lambda A: (lambda s: (
-        (lambda: igemm.relu_backward(A.randn((64,)), A.words(2), stream=s)), []))(A.torch.cuda.Stream(device=1)),
-        (ValueError, RuntimeError), "stream|device|launch", multigpu=True),
-]
-
-
-def _relu_stream_type(A):
-    dy, mask = A.randn((64,)), A.words(2)
-    out = A.full(64, NAN)
-    return (lambda: igemm.relu_backward(dy, mask, out=out, stream="default")), [out]
-
-
-def _prelu_out_overlaps_x(A):
-    buf = A.randn((25,))
-    x = buf[:24].view(2, 3, 4)
-    return (lambda: igemm.prelu(x, A.arr([0.1, 0.2, 0.3]), out=buf[1:].view(2, 3, 4))), [buf]
-
-
-for _r in GPU_BAD:
-    if _r.id == "relu_backward/stream-type":
-        _r.build = _relu_stream_type
-    elif _r.id == "prelu/out-overlaps-x":
-        _r.build = _prelu_out_overlaps_x
-
-
-# ============================================================================================== runners
-def _ids(rows):
-    return [r.id for r in rows]
-
-
+# ============================================================================================== the table
 def test_table_size():
-    """Issue 8: >= 30 kinds of bad input."""
-    kinds = {r.id for r in BAD + GPU_BAD}
-    assert len(kinds) == len(BAD) + len(GPU_BAD) and len(kinds) >= 30
+    """>= 200 distinct bad-input rows over all families, >= 130 of them outside conv."""
+    ids = [r.id for r in ROWS]
+    assert len(set(ids)) == len(ids), sorted({i for i in ids if ids.count(i) > 1})
+    assert len(ids) >= 200 and sum(not i.startswith("conv/") for i in ids) >= 130, len(ids)
 
 
-@pytest.mark.parametrize("row", [r for r in BAD if r.where != "gpu"], ids=_ids([r for r in BAD if r.where != "gpu"]))
-def test_bad_input_numpy(row, numpy_backend):
-    A = NumpyArrays()
-    call, watched = row.build(A)
-    snaps = [A.snapshot(w) for w in watched]
-    with pytest.raises(row.exc, match=row.match):
+def _names_arg(row, msg: str) -> bool:
+    """The message starts with the argument's name (``row.anywhere``: names it somewhere, as a word)."""
+    pat = rf"(?<![\w.]){re.escape(row.arg)}(?![\w])"
+    return bool(re.search(pat, msg) if row.anywhere else re.match(pat, msg))
+
+
+def _expect_error(A, row, launches=None):
+    """Make the call, check the exception, the message and that no byte of any watched array changed."""
+    call = row.build(A)
+    arrays = watched(A, call)
+    A.sync()
+    snaps = [A.snapshot(a) for a in arrays]
+    if launches is not None:
+        launches.clear()
+    with pytest.raises(row.exc) as info:
         call()
-    for w, s in zip(watched, snaps):
-        assert A.same(w, s), f"{row.id}: an output/in-place argument was written before the error"
+    n_launched = len(launches) if launches is not None else 0
+    A.sync()                                       # an asynchronous fault would surface here
+    msg = str(info.value)
+    assert _names_arg(row, msg), f"{row.id}: the message does not name {row.arg!r}: {msg!r}"
+    if row.match:
+        assert re.search(row.match, msg), f"{row.id}: {row.match!r} not in {msg!r}"
+    if launches is not None and not row.launches:
+        assert n_launched == 0, f"{row.id}: {n_launched} kernel(s) launched before the error"
+    for a, s in zip(arrays, snaps):
+        assert A.same(a, s), f"{row.id}: an argument was written before the error"
+
+
+def _pending(row, request, gpu: bool = False) -> None:
+    reason = CONV_PENDING.get(row.id) or (KNOWN_GPU_BUGS.get(row.id) if gpu else None)
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
+
+@pytest.mark.parametrize("row", CPU_ROWS, ids=[r.id for r in CPU_ROWS])
+def test_bad_input_numpy(row, numpy_backend, request):
+    _pending(row, request)
+    _expect_error(NumpyArrays(), row)
 
 
 @pytest.fixture
@@ -604,35 +104,232 @@ def _context_is_healthy(A) -> None:
     np.testing.assert_array_equal(A.host_words(m), reference.pack_mask(A.host(y) > 0))
 
 
-# Rows seen failing on a GPU and not fixed yet: id -> what was seen (marked xfail(strict) below).
-KNOWN_GPU_BUGS: dict = {}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("row", [r for r in BAD + GPU_BAD if r.where != "cpu"],
-                         ids=_ids([r for r in BAD + GPU_BAD if r.where != "cpu"]))
+@pytest.mark.parametrize("row", GPU_ROWS, ids=[r.id for r in GPU_ROWS])
 def test_bad_input_gpu(row, launches, request):
     pytest.importorskip("torch")
     if row.multigpu:
         import torch
         if torch.cuda.device_count() < 2:
             pytest.skip("needs two CUDA GPUs")
-    if row.id in KNOWN_GPU_BUGS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_GPU_BUGS[row.id]))
+    _pending(row, request, gpu=True)
     A = TorchArrays()
-    call, watched = row.build(A)
-    A.sync()
-    snaps = [A.snapshot(w) for w in watched]
-    launches.clear()
-    with pytest.raises(row.exc, match=row.match):
-        call()
-    n_launched = len(launches)
-    A.sync()                                       # an asynchronous fault would surface here
-    if not row.launches:
-        assert n_launched == 0, f"{row.id}: {n_launched} kernel(s) launched before the error"
-    for w, s in zip(watched, snaps):
-        assert A.same(w, s), f"{row.id}: an output/in-place argument was written"
+    _expect_error(A, row, launches)
     _context_is_healthy(A)
+
+
+# ============================================================================================== issue 38, items 8-10
+# One test per defect, on the numpy backend (the GPU runs the same checks: the table's GPU tier).
+def _c3(v=0.0):
+    return np.full(3, v, np.float32)
+
+
+def _x4():
+    return np.random.default_rng(30).standard_normal((2, 3, 4, 4)).astype(np.float32)
+
+
+def test_item8_batch_norm_relu_readonly_mask_out_writes_nothing(numpy_backend):
+    out, mask_out = np.full((2, 3, 4, 4), np.nan, np.float32), np.zeros(3, np.uint32)
+    mask_out.flags.writeable = False
+    with pytest.raises(ValueError, match="^mask_out: .*read-only"):
+        igemm.batch_norm_relu(_x4(), _c3(), _c3(1.0), out=out, mask_out=mask_out)
+    assert np.isnan(out).all()
+
+
+def test_item8_batch_norm_stats_running_var_readonly_writes_nothing(numpy_backend):
+    rm, rv = _c3(0.0), _c3(1.0)
+    rv.flags.writeable = False
+    with pytest.raises(ValueError, match="^running_var: .*read-only"):
+        igemm.batch_norm_stats(_x4(), 1e-5, running_mean=rm, running_var=rv)
+    assert rm.tolist() == [0.0] * 3
+
+
+def test_item8_welford_count_readonly_writes_nothing(numpy_backend):
+    mean, var, count = _c3(np.nan), _c3(np.nan), _c3(np.nan)
+    count.flags.writeable = False
+    with pytest.raises(ValueError, match="^out.count: .*read-only"):
+        igemm.welford(_x4(), out=(mean, var, count))
+    assert np.isnan(mean).all() and np.isnan(var).all()
+
+
+def test_item8_welford_one_array_for_three_outputs_refused(numpy_backend):
+    o = _c3(np.nan)
+    with pytest.raises(ValueError, match="^out.mean and out.var overlap"):
+        igemm.welford(_x4(), out=(o, o, o))
+    assert np.isnan(o).all()
+
+
+def test_item8_overlap_refused_on_the_numpy_backend_too(numpy_backend):
+    buf = np.arange(65, dtype=np.float32)
+    with pytest.raises(ValueError, match="^out and dy overlap"):
+        igemm.relu_backward(buf[:64], np.full(2, 0xFFFFFFFF, np.uint32), out=buf[1:])
+    assert buf.tolist() == list(range(65))
+    igemm.relu_backward(buf[:64], np.full(2, 0xFFFFFFFF, np.uint32), out=buf[:64])    # exactly in place: fine
+
+
+def test_item8_index_add_readonly_x_refused_by_name(numpy_backend):
+    x = np.zeros((5, 4), np.float32)
+    x.flags.writeable = False
+    with pytest.raises(ValueError, match="^x: .*read-only"):
+        igemm.index_add(x, 0, np.array([0, 1]), np.ones((2, 4), np.float32))
+
+
+def test_item8_unaligned_output_refused(numpy_backend):
+    out = NumpyArrays().unaligned((64,))
+    with pytest.raises(ValueError, match="^out: .*aligned"):
+        igemm.relu_backward(np.ones(64, np.float32), np.zeros(2, np.uint32), out=out)
+    assert np.isnan(out).all()
+
+
+def test_item9_batch_norm_relu_mask_out_without_return_mask_refused(numpy_backend):
+    m = np.full(3, 0xAAAAAAAA, np.uint32)
+    with pytest.raises(ValueError, match="^mask_out: given but return_mask is False"):
+        igemm.batch_norm_relu(_x4(), _c3(), _c3(1.0), return_mask=False, mask_out=m)
+    assert (m == 0xAAAAAAAA).all()
+
+
+def test_item9_backward_reduce_out_for_unrequested_gradient_refused(numpy_backend):
+    outs = tuple(_c3(np.nan) for _ in range(4))
+    x = _x4()
+    with pytest.raises(ValueError, match="^out.grad_weight: given but weight_g is False"):
+        igemm.batch_norm_backward_reduce(x, x, _c3(), _c3(1.0), weight_g=False, out=outs)
+    assert all(np.isnan(o).all() for o in outs)
+
+
+def test_item9_flags_are_bools_not_truthy_values(numpy_backend):
+    x = np.zeros((5, 4), np.float32)
+    with pytest.raises(TypeError, match="^deterministic: expected True or False"):
+        igemm.index_add(x, 0, np.array([0]), np.ones((1, 4), np.float32), deterministic="no")
+    with pytest.raises(TypeError, match="^return_mask"):
+        igemm.batch_norm_relu(_x4(), _c3(), _c3(1.0), return_mask="no")
+    assert not x.any()
+
+
+def test_item9_stream_checked_on_the_numpy_backend(numpy_backend):
+    with pytest.raises(TypeError, match="^stream"):
+        igemm.relu_backward(np.ones(64, np.float32), np.zeros(2, np.uint32), stream="default")
+    with pytest.raises(TypeError, match="^stream"):
+        igemm.welford(_x4(), stream=1.5)
+
+
+@pytest.mark.gpu
+def test_item9_index_add_fast_path_refuses_what_the_generic_path_refuses_gpu():
+    """A repeated torch call takes index_add's fast path; a flag or dim of the wrong type still goes to the
+    checks (nothing launched, x unchanged) instead of being taken as truthy."""
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(5, 4, device="cuda")
+    idx, src = torch.tensor([0, 2], device="cuda"), torch.ones(2, 4, device="cuda")
+    igemm.index_add(x, 0, idx, src)
+    igemm.index_add(x, 0, idx, src)                 # the geometry is remembered: the fast path
+    keep = x.clone()
+    for kw, name in ((dict(check_index=1), "check_index"), (dict(deterministic=0), "deterministic")):
+        with pytest.raises(TypeError, match=f"^{name}"):
+            igemm.index_add(x, 0, idx, src, **kw)
+    with pytest.raises(TypeError, match="^dim"):
+        igemm.index_add(x, 0.0, idx, src)
+    torch.cuda.synchronize()
+    assert torch.equal(x, keep)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: igemm.relu_backward(np.ones(4, np.float32), None), "mask"),
+    (lambda: igemm.relu_backward(None, np.zeros(1, np.uint32)), "dy"),
+    (lambda: igemm.relu_mask(None), "y"),
+    (lambda: igemm.index_add(np.zeros((3, 2), np.float32), 0, None, np.ones((1, 2), np.float32)), "index"),
+    (lambda: igemm.index_add(None, 0, np.array([0]), np.ones((1, 2), np.float32)), "x"),
+    (lambda: igemm.prelu(None, 0.25), "x"),
+    (lambda: igemm.batch_norm_relu(_x4(), None, _c3(1.0)), "mean"),
+    (lambda: igemm.batch_norm_backward_elemt(_x4(), _x4(), _c3(), _c3(1.0), None, None, _c3(), 32), "sum_dy"),
+    (lambda: igemm.batch_norm_gather_stats(np.ones((2, 3)), None, np.ones(2)), "vars"),
+    (lambda: igemm.sync_batch_norm_backward_reduce(_x4(), _x4(), _c3(), None), "invstd"),
+], ids=["relu_backward-mask", "relu_backward-dy", "relu_mask-y", "index_add-index", "index_add-x", "prelu-x",
+        "batch_norm_relu-mean", "backward_elemt-sum_dy", "gather_stats-vars", "sync_reduce-invstd"])
+def test_item10_none_for_an_array_is_a_type_error_naming_it(numpy_backend, call, name):
+    with pytest.raises(TypeError, match=f"^{name}: expected an array, got None"):
+        call()
+
+
+def test_item10_eps_is_any_real_number(numpy_backend):
+    x = _x4()
+    ref = igemm.batch_norm_stats(x, 1e-5)[1]
+    for eps in (np.float32(1e-5), np.float64(1e-5), 1e-5):
+        np.testing.assert_allclose(igemm.batch_norm_stats(x, eps)[1], ref, rtol=1e-6)
+        np.testing.assert_allclose(igemm.sync_batch_norm_stats(x, eps)[1], ref, rtol=1e-6)
+    for eps in (0, np.int64(0), np.float16(0.0)):
+        igemm.batch_norm_stats(x, eps)
+    for eps, exc in (("1e-5", TypeError), (True, TypeError), (None, TypeError), (1e-5j, TypeError),
+                     (np.array([1e-5]), TypeError), (-1e-5, ValueError), (math.nan, ValueError),
+                     (math.inf, ValueError)):
+        with pytest.raises(exc, match="^eps"):
+            igemm.batch_norm_stats(x, eps)
+        with pytest.raises(exc, match="^eps"):
+            igemm.sync_batch_norm_stats(x, eps)
+
+
+def test_item10_one_exception_type_per_kind_of_failure(numpy_backend):
+    """Wrong dtype: TypeError; wrong shape or out-of-range value: ValueError -- in every family."""
+    x = np.ones((2, 3, 4), np.float32)
+    with pytest.raises(TypeError, match="^out: dtype"):
+        igemm.prelu(x, 0.25, out=np.empty((2, 3, 4), np.float16))
+    with pytest.raises(ValueError, match="^out: expected shape"):
+        igemm.prelu(x, 0.25, out=np.empty((2, 3, 5), np.float32))
+    with pytest.raises(TypeError, match="^dy: dtype"):
+        igemm.prelu_backward(x.astype(np.float16), x, 0.25)
+    with pytest.raises(TypeError, match="^out: dtype"):
+        igemm.relu_backward(np.ones(64, np.float32), np.zeros(2, np.uint32), out=np.empty(64, np.float16))
+    with pytest.raises(TypeError, match="^out.mean: dtype"):
+        igemm.batch_norm_stats(_x4(), out=(np.empty(3, np.float16), None))
+    with pytest.raises(ValueError, match="^dim"):
+        igemm.index_add(np.zeros((3, 2), np.float32), 2, np.array([0]), np.ones((1, 2), np.float32))
+    with pytest.raises(ValueError, match=r"^index: index\[0\] = 7"):
+        igemm.index_add(np.zeros((3, 2), np.float32), 0, np.array([7]), np.ones((1, 2), np.float32))
+    with pytest.raises(IndexError):      # ... and still the IndexError PyTorch raises for these
+        igemm.index_add(np.zeros((3, 2), np.float32), 0, np.array([7]), np.ones((1, 2), np.float32))
+
+
+def test_item10_shapes_given_as_floats_are_refused():
+    from igemm._checks import check_int, check_shape_arg
+    assert check_shape_arg((2, np.int64(8)), "x_shape", 2) == (2, 8)
+    for bad in ((2, 8.7), (2, 8.0), (2, True), [2.0]):
+        with pytest.raises(TypeError, match=r"^x_shape\["):
+            check_shape_arg(bad, "x_shape")
+    with pytest.raises(TypeError, match="^x_shape"):
+        check_shape_arg(8, "x_shape")
+    with pytest.raises(ValueError, match="^x_shape"):
+        check_shape_arg((2, 3), "x_shape", 4)
+    with pytest.raises(TypeError, match="^dim"):
+        check_int(1.0, "dim")
+
+
+def test_item10_no_pdl_switch(monkeypatch):
+    """PDL after a conv is on for sm_90+ whatever the environment says (no IGEMM_PDL switch ships)."""
+    import types
+
+    from igemm import _runtime, relu
+    monkeypatch.setenv("IGEMM_PDL", "0")
+    relu._pdl_ok.cache_clear()
+    cc = {0: 9, 1: 8}
+    monkeypatch.setattr(_runtime, "device", lambda i: types.SimpleNamespace(
+        compute_capability=types.SimpleNamespace(major=cc[i], minor=0)))
+    try:
+        assert relu._pdl_ok(0) is True and relu._pdl_ok(1) is False
+    finally:
+        relu._pdl_ok.cache_clear()
+
+
+def test_family_modules_and_functions_are_short():
+    """No family module over 600 lines, no function over 120 (the lead's conv modules are checked there)."""
+    import ast
+    import pathlib
+    root = pathlib.Path(igemm.__file__).parent
+    for name in ("relu", "norm", "_norm_kernels", "_norm_checks", "index_add", "prelu", "syncbn", "_checks",
+                 "_dispatch"):
+        src = (root / f"{name}.py").read_text()
+        assert len(src.splitlines()) <= 600, name
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno < 120, f"{name}.{node.name}"
+    assert callable(igemm.norm.precompile)          # tools/precompile_all.sh calls it
 
 
 # ============================================================================================== valid edge inputs

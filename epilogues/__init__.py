@@ -138,8 +138,10 @@ class BatchNorm(Epilogue):
     affine = True
 
     def __post_init__(self):
-        if not _is_real(self.eps) or not math.isfinite(self.eps) or self.eps < 0:
-            raise ValueError(f"eps: expected a finite real number >= 0, got {self.eps!r}")
+        if not _is_real(self.eps):      # (the same rule as every family's eps: igemm._checks.check_eps)
+            raise TypeError(f"eps: expected a real number, got {type(self.eps).__name__}")
+        if not math.isfinite(self.eps) or self.eps < 0:
+            raise ValueError(f"eps: must be finite and >= 0, got {self.eps!r}")
         self.eps = float(self.eps)
 
     def arrays(self) -> dict:
@@ -271,8 +273,11 @@ class PReLU(Epilogue):
             raise TypeError("alpha: expected a real number or a per-channel array, got None")
         if _is_real(self.alpha):
             if not math.isfinite(self.alpha):
-                raise ValueError(f"alpha: expected a finite number, got {self.alpha!r}")
+                raise ValueError(f"alpha: must be finite, got {self.alpha!r}")
             self.alpha = float(self.alpha)
+        elif not isinstance(self.alpha, _PerChannel) and (isinstance(self.alpha, (str, bytes, bool))
+                                                          or not hasattr(self.alpha, "shape")):
+            raise TypeError(f"alpha: expected a real number or a per-channel array, got {type(self.alpha).__name__}")
 
     @property
     def per_channel(self) -> bool:
@@ -322,18 +327,18 @@ class Chain(Epilogue):
         ops = tuple(self.ops)
         for o in ops:
             if not isinstance(o, Epilogue) or isinstance(o, Chain):
-                raise TypeError(f"chain: expected epilogue ops, got {o!r}")
+                raise TypeError(f"epilogue: expected igemm.epilogues ops, got {o!r}")
         kinds = ["affine" if o.affine else type(o).__name__ for o in ops]
         groups = [k for i, k in enumerate(kinds) if k != "affine" or i == 0 or kinds[i - 1] != "affine"]
         if groups.count("affine") > 1:
-            raise NotImplementedError("chain: BatchNorm/Bias ops must be next to each other (one affine group)")
+            raise NotImplementedError("epilogue: BatchNorm/Bias ops must be next to each other (one affine group)")
         if kinds.count("Add") > 1:
-            raise NotImplementedError("chain: at most one Add")
+            raise NotImplementedError("epilogue: at most one Add")
         if kinds.count("ReLU") + kinds.count("PReLU") > 1:
-            raise NotImplementedError("chain: at most one activation (ReLU or PReLU)")
+            raise NotImplementedError("epilogue: at most one activation (ReLU or PReLU)")
         for i, o in enumerate(ops):
             if o.outputs and i != len(ops) - 1:
-                raise ValueError("chain: ReLU(mask=True) must be the last op (its bit is stored y > 0)")
+                raise ValueError("epilogue: ReLU(mask=True) must be the last op (its bit is stored y > 0)")
         self.ops = ops
 
     @property

@@ -405,7 +405,7 @@ def ok_conv_ieee(A, dtype="float32", layout="NCHW", precision="strict", ffma=Fal
             ref = apply_chain(pre, chain, layout)
         if ffma:          # the FFMA kernel by name: IEEE products and sums
             r = igemm.Conv2dPlan(tuple(x.shape), tuple(w.shape), dtype, layout, 1, 1, epilogue=chain,
-                                 precision=precision, config=FFMA)(x, w)
+                                 precision=precision, options=igemm.Conv2dOptions(config=FFMA))(x, w)
         else:
             r = igemm.conv2d(x, w, 1, 1, layout=layout, epilogue=chain, precision=precision)
         y, m = r if chain.mask else (r, None)
@@ -781,8 +781,8 @@ def test_fresh_process_without_cuda_initialised_gpu(tmp_path):
     pytest.importorskip("torch")
     code = (
         "import numpy as np, igemm\n"
-        "from igemm.conv2d import Conv2dPlan\n"
-        "p = Conv2dPlan((1, 4, 6, 6), (2, 4, 3, 3), 'float32', padding=1, device=None)\n"
+        "from igemm.conv import Conv2dPlan\n"
+        "p = Conv2dPlan((1, 4, 6, 6), (2, 4, 3, 3), 'float32', padding=1, device='numpy')\n"
         "x = np.random.default_rng(0).standard_normal((1, 4, 6, 6)).astype(np.float32)\n"
         "w = np.ones((2, 4, 3, 3), np.float32)\n"
         "y = igemm.conv2d(x, w, padding=1)\n"
@@ -817,7 +817,6 @@ def test_launch_after_is_pdl_with_a_configuration_per_stream(monkeypatch):
     args = types.SimpleNamespace(address=0x5000)
     for pdl in (True, False):
         ln = _kernel.Launcher(types.SimpleNamespace(handle=0), 7, 256, 1024, pdl=pdl)
-        ln._raw = None
         ln._get_ctx, ln._set_ctx, ln._ctx, ln._ctx_id = (lambda: (0, None)), (lambda c: None), None, 0
         for s in (0x11, 0x22, 0x11):
             ln.launch_after(s, args)

@@ -8,7 +8,7 @@ from .. import _runtime
 from .._runtime import as_tensor, keeps_current_context
 from ._launch import FoldedVectors
 from ._plan import Conv2dPlan, as_epilogue
-from ._problem import pair
+from ._problem import DTYPES, geometry, pair
 
 __all__ = ["conv2d", "conv2d_bn_relu"]
 
@@ -17,15 +17,20 @@ _CACHE_SIZE = 256
 
 
 def _plan_for(xt, wt, layout, stride, padding, dilation, chain, precision, residual, device_id) -> Conv2dPlan:
+    if xt.dtype not in DTYPES:
+        raise TypeError(f"x: dtype {xt.dtype} is not supported (expected float16, bfloat16 or float32)")
     if wt.dtype != xt.dtype:
         raise TypeError(f"w: dtype {wt.dtype} differs from x's {xt.dtype}")
     res_dtype = as_tensor(residual, "residual").dtype if residual is not None else None
+    if res_dtype is not None and res_dtype not in DTYPES:
+        raise TypeError(f"residual: dtype {res_dtype} is not supported (expected float16, bfloat16 or float32)")
     key = (tuple(xt.shape), tuple(wt.shape), xt.dtype, layout, stride, padding, dilation, chain.signature(),
            precision, res_dtype, device_id)
     plan = _PLANS.get(key)
     if plan is not None:
         _PLANS.move_to_end(key)
         return plan
+    geometry(xt.shape, wt.shape, layout, stride, padding, dilation, names=("x", "w"))   # (errors name the arrays)
     # the cached plan holds the structure only; the call's vectors are folded per call
     plan = Conv2dPlan(xt.shape, wt.shape, xt.dtype, layout, stride, padding, dilation, chain.skeleton(), precision,
                       res_dtype if chain.residual_op is not None else None,

@@ -14,7 +14,8 @@ import threading
 import numpy as np
 
 from .. import _kernel, _runtime, reference
-from .._dispatch import CallContext, check_no_overlap
+from .._checks import check_aligned, check_output, check_stream, require_array
+from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, Tensor, as_tensor, keeps_current_context
 from ..fastdiv import MAX_DIVIDEND
 from ._launch import FoldedVectors, LaunchRecord, TorchCall, TwoPreps, workspace
@@ -155,9 +156,9 @@ class Conv2dPlan:
         self.numel_y = N * K * P * Q
         self.mask_words = (self.numel_y + 31) // 32
         if pb.M >= MAX_DIVIDEND:
-            raise NotImplementedError(f"N*P*Q = {pb.M} output pixels: igemm's index math supports < 2**31")
+            raise NotImplementedError(f"x_shape: N*P*Q = {pb.M} output pixels; igemm's index math supports < 2**31")
         if C * H * W >= MAX_DIVIDEND or pb.Kred >= MAX_DIVIDEND:
-            raise NotImplementedError(f"one image of x has {C * H * W} elements: igemm supports < 2**31 per image")
+            raise NotImplementedError(f"x_shape: one image has {C * H * W} elements; igemm supports < 2**31 per image")
         self._copy = None                # a patch plan's twin on the copy path, for a misaligned x (built on use)
         self._torch = None
         self._records: dict = {}
@@ -354,9 +355,9 @@ class Conv2dPlan:
             raise ValueError("residual: given, but the plan's epilogue has no Add")
         if res_op is not None and residual is None:
             raise ValueError("residual: the epilogue has an Add: pass residual= (or give it to ep.Add)")
-        for name, a in (("x", x), ("w", w)):
-            if a is None:
-                raise TypeError(f"{name}: expected an array, got None")
+        require_array(x, "x")
+        require_array(w, "w")
+        check_stream(stream)
         ctx = CallContext({"x": x, "w": w, "out": out, "residual": residual, "mask_out": mask_out}, stream)
         self._check_call(ctx.views)
         if self.backend == "numpy":
@@ -393,34 +394,22 @@ class Conv2dPlan:
         """Every argument against the plan: shapes, dtypes, contiguity, alignment, overlap, writability."""
         self._check(v["x"], "x", self.x_shape, self.dtype)
         self._check(v["w"], "w", self.w_shape, self.dtype)
+        inputs = {k: v[k] for k in ("x", "w", "residual") if k in v}
         if "residual" in v:
             self._check(v["residual"], "residual", self.y_shape, self.problem.residual_dtype)
-            if v["residual"].kind != "numpy" and v["residual"].ptr % 16:
-                raise ValueError(f"residual: data pointer {v['residual'].ptr:#x} is not 16-byte aligned")
-        outs = []
+            if v["residual"].kind != "numpy":
+                check_aligned(v["residual"], "residual", 16)
         if "out" in v:
-            o = v["out"]
-            self._check(o, "out", self.y_shape, self.dtype)
-            if o.kind != "numpy" and o.ptr % 16:
-                raise ValueError(f"out: data pointer {o.ptr:#x} is not 16-byte aligned")
-            outs.append("out")
+            check_output(v["out"], "out", shape=self.y_shape, dtypes=(self.dtype,), inputs=inputs)
+            if v["out"].kind != "numpy":
+                check_aligned(v["out"], "out", 16)
         if "mask_out" in v:
+            mo = v["mask_out"]
             if not self.chain.mask:
                 raise ValueError("mask_out: given, but the epilogue has no ReLU(mask=True)")
-            mo = v["mask_out"]
-            if mo.dtype not in ("uint32", "int32"):
-                raise TypeError(f"mask_out: expected uint32 or int32 words, got {mo.dtype}")
-            if mo.ndim != 1 or mo.shape[0] < self.mask_words or not mo.is_contiguous():
-                raise ValueError(f"mask_out: expected a contiguous 1-D array of >= {self.mask_words} words, "
-                                 f"got shape {mo.shape}")
-            outs.append("mask_out")
-        for name in outs:
-            t = v[name]
-            if t.kind == "numpy" and not t.obj.flags.writeable:
-                raise ValueError(f"{name}: is read-only")
-            for other in ("x", "w", "residual", "out"):
-                if other != name and other in v and (other != "out" or name == "mask_out"):
-                    check_no_overlap(t, name, v[other], other)
+            check_output(mo, "mask_out", dtypes=("uint32", "int32"), inputs={**inputs, "out": v.get("out")})
+            if mo.ndim != 1 or mo.shape[0] < self.mask_words:
+                raise ValueError(f"mask_out: expected a 1-D array of >= {self.mask_words} words, got shape {mo.shape}")
 
     def _check(self, t: Tensor, name: str, shape, dtype) -> None:
         if tuple(t.shape) != shape:

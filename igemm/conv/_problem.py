@@ -3,11 +3,11 @@ the conv family shares (output size, GEMM sizes, the width unfold's channel coun
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
+from .._checks import check_layout, check_shape_arg
 from .._runtime import DTYPE_SIZES
 from ..reference.conv import pair
 
@@ -97,27 +97,19 @@ class ConvProblem:
         return self.residual_dtype is not None
 
 
-def _int(v, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{name}: expected an integer, got {v!r} ({type(v).__name__})")
-    return int(v)
-
-
 def _shape(s, name: str, what: str) -> tuple:
-    if s is None or isinstance(s, (str, bytes)) or not hasattr(s, "__len__"):
-        raise TypeError(f"{name}: expected a shape (a sequence of 4 ints), got {s!r}")
-    t = tuple(_int(v, name) for v in s)
+    t = check_shape_arg(tuple(s) if hasattr(s, "__len__") and not isinstance(s, (str, bytes)) else s, name)
     if len(t) != 4:
         raise ValueError(f"{name}: expected a 4-D {what}, got shape {t}")
     return t
 
 
-def geometry(x_shape, w_shape, layout: str, stride, padding, dilation):
-    """Validate a problem's geometry: ``(N, C, H, W, K, R, S, P, Q, stride, padding, dilation)``."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
-    x_shape = _shape(x_shape, "x", f"{layout} tensor")
-    w_shape = _shape(w_shape, "w", "filter (" + ("K,C,R,S" if layout == "NCHW" else "K,R,S,C") + ")")
+def geometry(x_shape, w_shape, layout: str, stride, padding, dilation, names=("x_shape", "w_shape")):
+    """Validate a problem's geometry: ``(N, C, H, W, K, R, S, P, Q, stride, padding, dilation)``; ``names``:
+    what the caller calls the two shapes (the arrays themselves for the function forms)."""
+    check_layout(layout)
+    x_shape = _shape(x_shape, names[0], f"{layout} tensor")
+    w_shape = _shape(w_shape, names[1], "filter (" + ("K,C,R,S" if layout == "NCHW" else "K,R,S,C") + ")")
     if layout == "NCHW":
         N, C, H, W = x_shape
         K, Cw, R, S = w_shape
@@ -128,7 +120,8 @@ def geometry(x_shape, w_shape, layout: str, stride, padding, dilation):
         raise ValueError(f"w: has {Cw} input channels but x has {C} ({layout}: x {x_shape}, w {w_shape}); "
                          f"grouped convolution is not supported")
     if min(N, C, H, W, K, R, S) < 1:
-        raise ValueError(f"empty tensors are not supported: x {x_shape}, w {w_shape}")
+        raise ValueError(f"{'x' if min(N, C, H, W) < 1 else 'w'}: empty tensors are not supported "
+                         f"(x {x_shape}, w {w_shape})")
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
     if min(s) < 1:
         raise ValueError(f"stride: must be >= 1, got {stride!r}")
@@ -139,8 +132,8 @@ def geometry(x_shape, w_shape, layout: str, stride, padding, dilation):
     P = (H + 2 * p[0] - d[0] * (R - 1) - 1) // s[0] + 1
     Q = (W + 2 * p[1] - d[1] * (S - 1) - 1) // s[1] + 1
     if P < 1 or Q < 1:
-        raise ValueError(f"the (dilated) filter {R}x{S} (dilation {d}) does not fit the padded input "
-                         f"{H}x{W} (padding {p}): output would be {P}x{Q}")
+        raise ValueError(f"w: the (dilated) filter {R}x{S} (dilation {d}) does not fit x's padded input "
+                         f"{H}x{W} (padding {p}): the output would be {P}x{Q}")
     return N, C, H, W, K, R, S, P, Q, s, p, d
 
 

@@ -95,7 +95,7 @@ class _Wrapper:
 class NumpyArrays:
     """numpy arrays on the numpy backend (the CPU tier)."""
     gpu = False
-    device = None
+    device = "numpy"
 
     def arr(self, a, dtype="float32"):
         return np.array(a, dtype=dtype)

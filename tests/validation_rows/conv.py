@@ -10,7 +10,7 @@ import numpy as np
 
 import igemm
 from igemm import epilogues as ep
-from igemm.conv2d import Conv2dPlan
+from igemm.conv import Conv2dPlan
 
 from . import NAN, Call, Row
 
@@ -156,7 +156,7 @@ ROWS = [
                                                   stride=256, device=A.device), NI, "x_shape", "per image",
         anywhere=True),
     Row("conv/plan-config-field", lambda A: Call(lambda: Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC",
-                                                                    device=A.device, config={"tile": 3}).spec()),
+                                                                    device=A.device, options=igemm.Conv2dOptions(config={"tile": 3})).spec()),
         V, "config", "unknown", anywhere=True),
     # ----------------------------------------------------------------------------------- GPU only
     Row("conv/x-on-cpu", _gpu_conv(lambda A, x, w: Call(igemm.conv2d, x.cpu(), w)), T, "x", "cpu", where="gpu"),
@@ -191,12 +191,4 @@ ROWS = [
         "different devices", where="gpu", multigpu=True, anywhere=True),
 ]
 
-PENDING: dict = {
-    "conv/filter-does-not-fit": "the message names neither x nor w",
-    "conv/residual-without-add": "blamed on residual_dtype, which the caller never passed (issue 38 item 10)",
-    "conv/mask-out-float": "a wrong mask_out dtype is a ValueError here, a TypeError in every other family",
-    "conv/mask-relu-not-last": "the message starts with 'chain', not the argument 'epilogue'",
-    "conv/two-activations": "the message starts with 'chain', not the argument 'epilogue'",
-    "conv/plan-too-many-pixels": "the message names neither x_shape nor w_shape",
-    "conv/plan-image-too-big": "the message names x, not the argument x_shape",
-}
+PENDING: dict = {}

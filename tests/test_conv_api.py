@@ -1,0 +1,177 @@
+"""The conv API's semantics on both backends: where a plan is built without a GPU, when epilogue vectors are read,
+what ``precision="tf32"`` means on the numpy backend, nothing written on error, every argument honoured or refused
+(issue 38, items 4, 5, 6, 8 and 10; the table of bad inputs is tests/validation_rows/conv.py)."""
+import numpy as np
+import pytest
+
+import igemm
+from igemm import epilogues as ep
+from igemm import reference
+from igemm.conv._plan import _tf32
+
+from helpers import rel_err, to_numpy
+
+
+def _xw(rng, dtype=np.float32, N=2, C=4, H=8, K=3):
+    return rng.standard_normal((N, C, H, H)).astype(dtype), (rng.standard_normal((K, C, 3, 3)) / 6).astype(dtype)
+
+
+def _bn(rng, K=3):
+    return [rng.uniform(0.5, 1.5, K).astype(np.float32), rng.standard_normal(K).astype(np.float32),
+            rng.standard_normal(K).astype(np.float32), rng.uniform(0.5, 2, K).astype(np.float32)]
+
+
+# ----------------------------------------------------------------------------- item 4: plans without a GPU
+def test_item4_plan_default_device_follows_the_backend(numpy_backend):
+    plan = igemm.Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", padding=1)
+    assert plan.backend == "numpy" and plan.device_id is None and "device=numpy" in repr(plan)
+    with pytest.raises(ValueError, match="^device: cuda:0 asked for, but the numpy backend is active"):
+        igemm.Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", padding=1, device=0)
+    with pytest.raises(TypeError, match="^device:"):
+        igemm.Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", padding=1, device=1.0)
+    with pytest.raises(ValueError, match="^device:"):
+        igemm.Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", padding=1, device="gpu")
+
+
+def test_item4_numpy_plan_checks_its_options(numpy_backend):
+    """A numpy-backend plan checks ``options.config`` as a GPU plan does (for sm_90a)."""
+    with pytest.raises(ValueError, match="^config: unknown fields"):
+        igemm.Conv2dOptions(config={"tile": 3})
+    with pytest.raises(NotImplementedError, match="kernel config"):
+        igemm.Conv2dPlan((2, 8, 8, 16), (32, 3, 3, 16), "float16", "NHWC", device="numpy",
+                         options=igemm.Conv2dOptions(config={"bm": 96}))
+    name, src = igemm.Conv2dPlan((2, 8, 8, 64), (64, 3, 3, 64), "float16", "NHWC", padding=1, device="numpy",
+                                 arch="sm_80").kernel()
+    assert "kTensorOp" in src and name.startswith("conv_float16_NHWC_tensorop")
+
+
+@pytest.mark.gpu
+def test_item4_plan_default_device_is_the_gpu():
+    plan = igemm.Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", padding=1)
+    assert plan.backend == "cuda" and plan.device_id == 0
+    with pytest.raises(ValueError, match="^arch, sms"):
+        igemm.Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", padding=1, device=0, arch="sm_80")
+
+
+# ------------------------------------------------------------------- item 5: one semantics for vectors
+def _item5(rng, make, run, host):
+    """A plan folds its chain's vectors when built; conv2d reads them at every call -- same on both backends."""
+    x, w = _xw(rng)
+    V = _bn(rng)
+    Vd = [make(v.copy()) for v in V]
+    chain = ep.chain(ep.BatchNorm(*Vd), ep.PReLU(make(np.full(3, 0.25, np.float32))))
+    plan = run(lambda xx, ww: igemm.Conv2dPlan(x.shape, w.shape, "float32", padding=1, epilogue=chain))(None, None)
+    before = host(plan(make(x), make(w)))
+    Vd[0] *= 5                                        # gamma, in place, after the plan was built
+    chain.ops[1].alpha *= 0                           # and the PReLU slope
+    after = host(plan(make(x), make(w)))
+    fresh = host(igemm.conv2d(make(x), make(w), padding=1, epilogue=chain))
+    np.testing.assert_array_equal(before, after)
+    pre = reference.conv2d_direct(x.astype(np.float64), w.astype(np.float64), 1, 1)
+    want = ep.chain(ep.BatchNorm(*[v * (5 if i == 0 else 1) for i, v in enumerate(V)]), ep.PReLU(0.0)).reference(pre)
+    assert rel_err(fresh, want) < 1e-5 and rel_err(before, want) > 1e-2
+
+
+def test_item5_plan_folds_at_build_numpy(numpy_backend, rng):
+    _item5(rng, lambda a: a, lambda f: f, np.asarray)
+
+
+@pytest.mark.gpu
+def test_item5_plan_folds_at_build_gpu(rng):
+    torch = pytest.importorskip("torch")
+    _item5(rng, lambda a: torch.from_numpy(np.array(a)).cuda(), lambda f: f, to_numpy)
+
+
+# ----------------------------------------------------------------------- item 6: tf32 on the numpy backend
+def test_item6_tf32_on_the_numpy_backend_rounds_the_inputs(numpy_backend, rng):
+    x, w = _xw(rng)
+    tf = igemm.conv2d(x, w, padding=1, precision="tf32")
+    strict = igemm.conv2d(x, w, padding=1)
+    want = reference.conv2d_direct(_tf32(x).astype(np.float64), _tf32(w).astype(np.float64), 1, 1)
+    assert rel_err(tf, want) < 1e-6 and 1e-5 < rel_err(tf, strict) < 1e-3
+    u = _tf32(x).view(np.uint32)
+    assert not (u & 0x1FFF).any()                     # 10 mantissa bits kept
+
+
+# --------------------------------------------------------------------------- item 8: nothing written
+def test_item8_conv_readonly_mask_out_writes_nothing(numpy_backend, rng):
+    x, w = _xw(rng)
+    out = np.full((2, 3, 8, 8), np.nan, np.float32)
+    mask = np.zeros(4, np.uint32)
+    mask.flags.writeable = False
+    with pytest.raises(ValueError, match="^mask_out: .*read-only"):
+        igemm.conv2d(x, w, padding=1, epilogue=ep.ReLU(mask=True), out=out, mask_out=mask)
+    assert np.isnan(out).all()
+
+
+def test_item8_conv_readonly_out_and_out_overlapping_mask(numpy_backend, rng):
+    x, w = _xw(rng)
+    out = np.full((2, 3, 8, 8), np.nan, np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="^out: .*read-only"):
+        igemm.conv2d(x, w, padding=1, out=out)
+    buf = np.full(2 * 3 * 8 * 8 + 8, np.nan, np.float32)
+    with pytest.raises(ValueError, match="^mask_out and out overlap"):
+        igemm.conv2d(x, w, padding=1, epilogue=ep.ReLU(mask=True), out=buf[:384].reshape(2, 3, 8, 8),
+                     mask_out=buf[376:].view(np.uint32))
+    assert np.isnan(buf).all()
+
+
+# ------------------------------------------------------------------------- item 10: clear, uniform errors
+@pytest.mark.parametrize("call, name", [
+    (lambda x, w, p: p(None, w), "x"),
+    (lambda x, w, p: p(x, None), "w"),
+    (lambda x, w, p: igemm.conv2d(None, w), "x"),
+    (lambda x, w, p: igemm.conv2d(x, None), "w"),
+], ids=["plan-x", "plan-w", "conv2d-x", "conv2d-w"])
+def test_item10_conv_none_names_the_argument(numpy_backend, rng, call, name):
+    x, w = _xw(rng)
+    plan = igemm.Conv2dPlan(x.shape, w.shape, "float32", padding=1)
+    with pytest.raises(TypeError, match=f"^{name}: expected an array, got None"):
+        call(x, w, plan)
+
+
+def test_item10_conv_residual_without_add_names_residual(numpy_backend, rng):
+    x, w = _xw(rng)
+    r = np.ones((2, 3, 8, 8), np.float32)
+    with pytest.raises(ValueError, match="^residual: given, but the epilogue has no Add"):
+        igemm.conv2d(x, w, padding=1, residual=r)
+    plan = igemm.Conv2dPlan(x.shape, w.shape, "float32", padding=1)
+    with pytest.raises(ValueError, match="^residual: given, but the plan's epilogue has no Add"):
+        plan(x, w, residual=r)
+    with pytest.raises(ValueError, match="^residual_dtype: given, but the epilogue has no Add"):
+        igemm.Conv2dPlan(x.shape, w.shape, "float32", padding=1, residual_dtype="float16")
+
+
+def test_item10_conv_numbers_and_shapes(numpy_backend, rng):
+    x, w = _xw(rng)
+    V = _bn(rng)
+    y = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(*V, eps=np.float32(1e-5)),
+                                                        ep.PReLU(np.int64(0))))
+    assert np.isfinite(y).all() and (y >= 0).all()
+    for bad, exc in (("1e-5", TypeError), (True, TypeError), (float("nan"), ValueError), (-1.0, ValueError)):
+        with pytest.raises(exc, match="^eps:"):
+            ep.BatchNorm(*V, eps=bad)
+    with pytest.raises(TypeError, match="^alpha:"):
+        ep.PReLU("0.25")
+    with pytest.raises(TypeError, match=r"^x_shape\[0\]: expected an int"):
+        igemm.Conv2dPlan((8.7, 4, 8, 8), (3, 4, 3, 3), "float32")
+    with pytest.raises(TypeError, match="^x_shape:"):
+        igemm.Conv2dPlan(None, (3, 4, 3, 3), "float32")
+    with pytest.raises(TypeError, match="^stride: expected integers"):
+        igemm.Conv2dPlan((2, 4, 8, 8), (3, 4, 3, 3), "float32", stride=1.0)
+
+
+def test_item10_conv_one_exception_type_per_failure(numpy_backend, rng):
+    """Wrong dtypes are TypeErrors (out, mask_out, residual alike), wrong shapes ValueErrors."""
+    x, w = _xw(rng)
+    with pytest.raises(TypeError, match="^out:"):
+        igemm.conv2d(x, w, padding=1, out=np.empty((2, 3, 8, 8), np.float16))
+    with pytest.raises(TypeError, match="^mask_out:"):
+        igemm.conv2d(x, w, padding=1, epilogue=ep.ReLU(mask=True), mask_out=np.empty(4, np.float32))
+    with pytest.raises(TypeError, match="^residual:"):
+        igemm.conv2d(x, w, padding=1, epilogue=ep.Add(), residual=np.ones((2, 3, 8, 8), np.int32))
+    with pytest.raises(ValueError, match="^out:"):
+        igemm.conv2d(x, w, padding=1, out=np.empty((2, 3, 8, 7), np.float32))
+    with pytest.raises(TypeError, match="^stream:"):
+        igemm.Conv2dPlan(x.shape, w.shape, "float32", padding=1)(x, w, stream="default")

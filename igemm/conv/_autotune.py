@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 import threading
+import warnings
 
 import numpy as np
 
@@ -41,11 +42,17 @@ def _load() -> dict:
 
 
 def _save(db: dict) -> None:
+    """Write the choices atomically; where the cache cannot be written they stay in this process (a warning)."""
     p = _path()
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix="autotune.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(db, f, indent=1, sort_keys=True)
-    os.replace(tmp, p)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix="autotune.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(db, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, p)
+    except OSError as e:
+        warnings.warn(f"autotune: could not write {p} ({e}); the choices stay in this process",
+                      _build.CacheWarning, stacklevel=3)
 
 
 def _keys(plan) -> tuple[str, str]:

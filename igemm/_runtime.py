@@ -201,9 +201,12 @@ def as_tensor(obj, name: str, stream_ptr: int = -1) -> Tensor:
             strides = tuple(s // item for s in strides)
         return Tensor(obj, "cupy", int(cai["data"][0]), shape, strides,
                       _np_dtype_name(np.dtype(cai["typestr"])), int(obj.device.id), cai.get("stream"))
+    if stream_ptr == -1 and kind == "jax":
+        stream_ptr = 1          # jax takes no -1 (no ordering): order the legacy stream, which costs nothing
     try:
         from cuda.core.utils import StridedMemoryView
-        v = StridedMemoryView(obj, stream_ptr=dlpack_stream(stream_ptr))
+        view = getattr(StridedMemoryView, "from_any_interface", StridedMemoryView)
+        v = view(obj, stream_ptr=dlpack_stream(stream_ptr))
     except Exception as e:
         raise TypeError(f"{name}: expected a CUDA array (torch, cupy, jax, DLPack or CUDA array interface) "
                         f"or a numpy array, got {type(obj).__name__}") from e

@@ -138,7 +138,7 @@ def test_device_array_exports_through_dlpack():
     """Item 13: igemm's own DeviceArray (outputs for other producers) goes into torch and cupy zero-copy,
     with the DLPack 1.x capsule where the consumer asks for it, and keeps its memory alive there."""
     xh = np.linspace(-1, 1, 96, dtype=np.float32).reshape(8, 12)
-    d, _ = _runtime.to_device(_runtime.as_tensor(xh, "x"), 0, None)
+    _, d = _runtime.to_device(_runtime.as_tensor(xh, "x"), 0, None)
     torch = pytest.importorskip("torch")
     t = torch.from_dlpack(d)
     assert t.data_ptr() == d.ptr and t.device.type == "cuda" and t.dtype == torch.float32

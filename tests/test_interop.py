@@ -204,3 +204,19 @@ def test_jax_producer_still_computing():
         x = slow_ones(a)                                               # still running when igemm is called
         y = igemm.prelu(x, 0.25, stream=stream)
         assert float(jnp.min(y)) == 1.0, "igemm read x before jax wrote it"
+
+
+@pytest.mark.gpu
+def test_jax_output_alive_at_interpreter_exit(tmp_path):
+    """Item 13: jax may release igemm's memory (the DLPack deleter) while Python shuts down: a clean exit."""
+    pytest.importorskip("jax")
+    import os
+    import subprocess
+    import sys
+    code = ("import jax.numpy as jnp, igemm\n"
+            "keep = [igemm.prelu(jnp.ones((64, 64), jnp.float32), 0.25) for _ in range(4)]\n"
+            "print(float(keep[-1].sum()))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "4096.0", r.stdout + r.stderr

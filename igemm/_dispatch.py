@@ -43,7 +43,7 @@ class CallContext:
             raise ValueError("no array arguments")
         kinds = {v.kind for v in self.views.values()}
         if foreign:
-            kinds |= {_runtime._kind_of(o) for o in foreign.values()}
+            kinds |= {_runtime.array_kind(o) for o in foreign.values()}
             kinds = {k if k != "foreign" else "other" for k in kinds}
         self.host = kinds == {"numpy"}
         if "numpy" in kinds and not self.host:

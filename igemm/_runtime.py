@@ -21,8 +21,9 @@ import numpy as np
 
 from . import _build, _dlpack
 
-__all__ = ["Tensor", "as_tensor", "gpu_available", "get_backend", "set_backend", "DTYPE_SIZES",
-           "DTYPE_CTYPE", "DeviceArray", "empty", "stream_for", "get_kernel", "device"]
+__all__ = ["Tensor", "as_tensor", "array_kind", "is_foreign", "foreign_device", "dlpack_stream", "gpu_available",
+           "get_backend", "set_backend", "DTYPE_SIZES", "DTYPE_CTYPE", "DeviceArray", "empty", "stream_for",
+           "get_kernel", "device"]
 
 DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8,
                "uint32": 4, "uint8": 1, "int8": 1, "bool": 1}
@@ -142,7 +143,7 @@ def _np_dtype_name(dt) -> str:
     return "bool" if name == "bool" else name
 
 
-def _kind_of(obj) -> str:
+def array_kind(obj) -> str:
     """``"torch"``, ``"numpy"``, ``"cupy"``, ``"jax"``, ``"device"`` (igemm's DeviceArray) or ``"foreign"``."""
     if isinstance(obj, DeviceArray):
         return "device"
@@ -161,7 +162,7 @@ def _kind_of(obj) -> str:
 def is_foreign(obj) -> bool:
     """True for arrays read through cuda.core's StridedMemoryView (jax, DLPack, CUDA array interface):
     their view is made with the launch stream, so that the producer orders its work before it."""
-    return _kind_of(obj) in ("jax", "foreign")
+    return array_kind(obj) in ("jax", "foreign")
 
 
 def as_tensor(obj, name: str, stream_ptr: int = -1) -> Tensor:
@@ -170,7 +171,7 @@ def as_tensor(obj, name: str, stream_ptr: int = -1) -> Tensor:
     For jax and other DLPack / CUDA-array-interface producers, ``stream_ptr`` is the consumer (launch)
     stream the producer orders its pending writes before (DLPack ``__dlpack__(stream=...)``, CAI v3's
     ``stream``); ``-1`` (the default) describes the array without ordering anything."""
-    kind = _kind_of(obj)
+    kind = array_kind(obj)
     if kind == "device":
         return as_device_tensor(obj)
     if kind == "torch":

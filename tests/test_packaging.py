@@ -70,9 +70,10 @@ def test_wheel_holds_every_package_and_header(wheel):
     """Item 1: every module under igemm/ (subpackages found, not listed), epilogues/ as igemm.epilogues and
     every file of csrc/ (subfolders included) as igemm.csrc; nothing else of the repository; the LICENSE."""
     names = set(zipfile.ZipFile(wheel).namelist())
-    want = {f"igemm/{p.relative_to(ROOT / 'igemm').as_posix()}" for p in _files(ROOT / "igemm", "*.py")}
-    want |= {f"igemm/epilogues/{p.relative_to(ROOT / 'epilogues').as_posix()}" for p in _files(ROOT / "epilogues", "*.py")}
-    want |= {f"igemm/csrc/{p.relative_to(ROOT / 'csrc').as_posix()}" for p in _files(ROOT / "csrc")}
+    want = set()
+    for folder, into, pattern in (("igemm", "igemm", "*.py"), ("epilogues", "igemm/epilogues", "*.py"),
+                                  ("csrc", "igemm/csrc", "*")):
+        want |= {f"{into}/{p.relative_to(ROOT / folder).as_posix()}" for p in _files(ROOT / folder, pattern)}
     assert not want - names, f"missing from the wheel: {sorted(want - names)}"
     stray = sorted(n for n in names if not n.startswith(("igemm/", "igemm-")))
     assert not stray, f"outside the igemm package: {stray}"

@@ -1,13 +1,29 @@
 """igemm: implicit-GEMM convolution with fused epilogues, and the kernels around it, for CUDA GPUs."""
-import importlib.util as _ilu
-import os as _os
 
-# In a source checkout used without installing (PYTHONPATH=<repo>), the top-level epilogues/ and csrc/
-# are not yet the subpackages igemm.epilogues / igemm.csrc that an install makes them: look there too.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _ilu.find_spec("igemm.epilogues") is None and _os.path.isfile(_os.path.join(_root, "epilogues", "__init__.py")):
-    __path__.append(_root)  # noqa: F821
 
+def _load_checkout_epilogues() -> None:
+    """In a source checkout used without installing (PYTHONPATH=<repo>), load the top-level ``epilogues/``
+    as ``igemm.epilogues``, which an install makes it; nothing else of the repository root is importable."""
+    import importlib.util
+    import os
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    init = os.path.join(os.path.dirname(here), "epilogues", "__init__.py")
+    installed = os.path.isfile(os.path.join(here, "epilogues", "__init__.py"))
+    if installed or not os.path.isfile(init) or "igemm.epilogues" in sys.modules:
+        return                                          # installed (or already loaded)
+    spec = importlib.util.spec_from_file_location("igemm.epilogues", init,
+                                                  submodule_search_locations=[os.path.dirname(init)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["igemm.epilogues"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules["igemm.epilogues"]
+        raise
+
+
+_load_checkout_epilogues()
 from . import epilogues  # noqa: E402
 from ._runtime import get_backend, gpu_available, set_backend  # noqa: E402
 from .conv import Conv2dOptions, Conv2dPlan, conv2d, conv2d_bn_relu  # noqa: E402

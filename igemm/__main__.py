@@ -17,67 +17,89 @@ def _shapes(layout, N, C, K, H, R):
     return (N, H, H, C), (K, R, R, C)
 
 
+def _host(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float data as a host array of ``dtype`` (bfloat16 through ml_dtypes)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return a.astype(ml_dtypes.bfloat16)
+    return a.astype(dtype)
+
+
+def _gpu_layer(plan, x: np.ndarray, w: np.ndarray, dtype: str, reps: int = 20):
+    """(seconds per call, y on the host) for a plan launched on igemm's own device arrays (no framework)."""
+    from cuda.bindings import driver
+
+    from igemm import _runtime
+    dev = plan.device_id
+    stream = _runtime.device(dev).create_stream()
+    xd, wd = (_runtime.to_device(_runtime.as_tensor(a, n), dev, stream)[1] for a, n in ((x, "x"), (w, "w")))
+    y = _runtime.DeviceArray(plan.y_shape, dtype, dev, stream)
+    plan(xd, wd, out=y, stream=stream)                     # compile, load, warm up
+    h = driver.CUstream(int(stream.handle))
+    e0, e1 = driver.cuEventCreate(0)[1], driver.cuEventCreate(0)[1]
+    driver.cuEventRecord(e0, h)
+    for _ in range(reps):
+        plan(xd, wd, out=y, stream=stream)
+    driver.cuEventRecord(e1, h)
+    driver.cuEventSynchronize(e1)
+    ms = driver.cuEventElapsedTime(e0, e1)[1]
+    for e in (e0, e1):
+        driver.cuEventDestroy(e)
+    return ms * 1e-3 / reps, y.get(stream)
+
+
 def demo(args) -> int:
+    """ResNet-50's conv layers through igemm, each checked against the float64 reference: the sizes run are
+    the sizes printed (the numpy backend, without a GPU, runs them at 1/8 of the spatial size by default)."""
+    import re
+
     import igemm
     from igemm import reference
     gpu = igemm.get_backend() == "cuda"
     layout, dtype = args.layout, args.dtype
+    N = args.batch if args.batch is not None else (32 if gpu else 1)
+    scale = args.scale if args.scale is not None else (1 if gpu else 8)
+    if N < 1 or scale < 1:
+        print("demo: --batch and --scale must be positive integers", file=sys.stderr)
+        return 2
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes  # noqa: F401  (host bfloat16 arrays)
+        except ImportError:
+            print("demo: --dtype bfloat16 needs ml_dtypes for its host arrays (a dependency of igemm: "
+                  "pip install ml-dtypes)", file=sys.stderr)
+            return 2
     rng = np.random.default_rng(0)
     if not gpu:
-        print("No CUDA GPU visible: running the numpy backend (float64 reference) on a small batch "
-              "(N=1, spatial size / 8).")
-    N = args.batch if gpu else 1
+        print(f"No CUDA GPU visible: running the numpy backend (float64 reference, rounded to {dtype}) on the CPU.")
     rows = []
     for name, C, K, H, R, st, pd in RESNET50:
-        Hs = H if gpu else max(R, H // 8)
+        Hs = max(R, H // scale)
         xs, ws = _shapes(layout, N, C, K, Hs, R)
+        x = _host(rng.standard_normal(xs), dtype)
+        w = _host(rng.standard_normal(ws) / np.sqrt(C * R * R), dtype)
         if gpu:
-            import torch
-            tdt = getattr(torch, dtype)
-            x = torch.randn(xs, device="cuda", dtype=tdt)
-            w = (torch.randn(ws, device="cuda", dtype=tdt) / np.sqrt(C * R * R)).to(tdt)
-            plan = igemm.Conv2dPlan(xs, ws, dtype, layout, st, pd)
-            y = plan(x, w)
-            torch.cuda.synchronize()
-            reps = 20
-            t0 = torch.cuda.Event(enable_timing=True)
-            t1 = torch.cuda.Event(enable_timing=True)
-            t0.record()
-            for _ in range(reps):
-                plan(x, w, out=y)
-            t1.record()
-            torch.cuda.synchronize()
-            t = t0.elapsed_time(t1) / reps * 1e-3
-            # reference on a slice of the batch (float64 on the GPU through torch, for speed)
-            import torch.nn.functional as F
-            xr = x[:2].double() if layout == "NCHW" else x[:2].double().permute(0, 3, 1, 2)
-            wr = w.double() if layout == "NCHW" else w.double().permute(0, 3, 1, 2)
-            ref = F.conv2d(xr, wr, stride=st, padding=pd)
-            if layout == "NHWC":
-                ref = ref.permute(0, 2, 3, 1)
-            err = ((y[:2].double() - ref).abs().max() / ref.abs().max()).item()
-            P = ref.shape[2] if layout == "NCHW" else ref.shape[1]
+            t, y = _gpu_layer(igemm.Conv2dPlan(xs, ws, dtype, layout, st, pd), x, w, dtype)
         else:
-            x = rng.standard_normal(xs).astype(np.float32)
-            w = (rng.standard_normal(ws) / np.sqrt(C * R * R)).astype(np.float32)
             t0 = time.perf_counter()
             y = igemm.conv2d(x, w, st, pd, layout=layout)
             t = time.perf_counter() - t0
-            ref = reference.conv2d_im2col(x, w, st, pd, 1, layout)
-            err = float(np.abs(y - ref).max() / np.abs(ref).max())
-            P = y.shape[2] if layout == "NCHW" else y.shape[1]
-        flops = 2 * N * K * P * P * C * R * R
-        rows.append((name, t * 1e6, flops / t / 1e12, err))
-    print(f"\nigemm demo: ResNet-50 conv layers, N={N}, {dtype if gpu else 'float32'} {layout}"
-          f"{'' if gpu else ' (numpy backend)'}\n")
-    print(f"| {'layer':24s} | {'time (us)':>10s} | {'TFLOP/s':>8s} | {'max rel err':>11s} |")
-    print(f"|{'-' * 26}|{'-' * 12}|{'-' * 10}|{'-' * 13}|")
+        ref = reference.conv2d_im2col(x[:1].astype(np.float64), w.astype(np.float64), st, pd, 1, layout)
+        err = float(np.abs(y[:1].astype(np.float64) - ref).max() / np.abs(ref).max())
+        P = ref.shape[2] if layout == "NCHW" else ref.shape[1]
+        flops = reference.conv_flops(N, C, K, R, R, P, P)
+        rows.append((re.sub(r"@\d+$", f"@{Hs}", name), t * 1e6, flops / t, err))
+    unit, div, fmt = ("TFLOP/s", 1e12, "10.1f") if gpu else ("GFLOP/s", 1e9, "10.3f")
+    print(f"\nigemm demo: ResNet-50 conv layers, N={N}, {dtype} {layout}, {'cuda' if gpu else 'numpy'} backend"
+          f"{f', spatial size 1/{scale}' if scale != 1 else ''} (error of image 0 against float64)\n")
+    print(f"| {'layer':24s} | {'time (us)':>10s} | {unit:>10s} | {'max rel err':>11s} |")
+    print(f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 13}|")
     bad = 0
-    tol = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-5}[dtype if gpu else "float32"]
-    for name, us, tf, err in rows:
+    tol = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-5}[dtype]
+    for name, us, rate, err in rows:
         flag = "" if err <= tol else "  FAIL"
         bad += err > tol
-        print(f"| {name:24s} | {us:10.1f} | {tf:8.2f} | {err:11.2e} |{flag}")
+        print(f"| {name:24s} | {us:10.1f} | {rate / div:{fmt}} | {err:11.2e} |{flag}")
     return 1 if bad else 0
 
 
@@ -144,7 +166,9 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="run the ResNet-50 conv layers through igemm and check them")
     d.add_argument("--layout", default="NHWC", choices=["NCHW", "NHWC"])
     d.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--batch", type=int, default=None, help="images per layer (default: 32 on a GPU, 1 without)")
+    d.add_argument("--scale", type=int, default=None,
+                   help="divide the spatial size by this (default: 1 on a GPU, 8 without)")
     d.set_defaults(fn=demo)
     p = sub.add_parser("precompile", help="fill the kernel cache for the ResNet-50 benchmark set")
     p.add_argument("--arch", default="sm_90a")

@@ -71,11 +71,13 @@ class Toolchain:
 
 # --------------------------------------------------------------------------------------------- paths
 def csrc_dir() -> Path:
-    """Directory of the shipped device headers (``csrc/`` in the repo, ``igemm/csrc`` in a wheel)."""
-    try:
-        return Path(str(importlib.resources.files("igemm.csrc")))
-    except ModuleNotFoundError:  # a source checkout on PYTHONPATH, not installed
-        return Path(__file__).resolve().parent.parent / "csrc"
+    """Directory of the shipped device headers: ``igemm/csrc`` of an install, or the ``csrc/`` beside
+    ``igemm/`` in a source checkout used without installing (PYTHONPATH=<repo>)."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "csrc"
+    if not (here / "csrc" / "__init__.py").is_file() and (checkout / "__init__.py").is_file():
+        return checkout
+    return Path(str(importlib.resources.files("igemm.csrc")))
 
 
 @lru_cache(maxsize=None)

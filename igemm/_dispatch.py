@@ -6,11 +6,21 @@ Every public function builds a :class:`CallContext` from its array arguments:
   ``ctx.backend == "numpy"``: the function runs its float64 reference (cast to the input dtype);
 * otherwise ``"cuda"``: device arrays must all be on one device and of one framework; numpy arrays are
   copied to the device (and results back) only when *every* array argument is numpy;
-* outputs are allocated as the inputs' framework (torch → torch, cupy → cupy, numpy → numpy).
+* the launch stream: ``stream=`` if given, else the framework's current stream (torch, cupy), else the
+  legacy default stream;
+* producers are ordered before the launch as each array's protocol says: jax and other DLPack producers
+  through ``__dlpack__(stream=<launch stream>)``, cupy (and any CUDA array interface v3 producer, igemm's
+  own DeviceArray included) through the interface's ``stream``: the launch stream waits for it. torch
+  tensors carry no stream: torch's rule holds (the current stream is the producer's; with another
+  ``stream=``, order it yourself, e.g. ``s.wait_stream(torch.cuda.current_stream())``);
+* outputs are allocated as the inputs' framework (torch → torch, cupy → cupy, jax → jax through DLPack,
+  numpy → numpy; any other producer → igemm's DeviceArray, which exposes ``__dlpack__``).
 """
 from __future__ import annotations
 
-from . import _runtime
+import numpy as np
+
+from . import _dlpack, _runtime
 from ._checks import check_aligned, check_contiguous, check_dtype, check_no_overlap, check_shape  # noqa: F401
 from ._runtime import Tensor, as_tensor
 
@@ -18,36 +28,66 @@ __all__ = ["CallContext"]
 
 
 class CallContext:
+    """One call's arrays (``views``: name → Tensor), backend, device, framework ``kind`` and launch stream."""
+
     def __init__(self, arrays: dict, stream=None, *, device_id: int | None = None):
         self.views: dict[str, Tensor] = {}
+        foreign: dict = {}                 # jax / DLPack / CAI arrays: viewed once the launch stream is known
         for name, obj in arrays.items():
-            if obj is not None:
+            if obj is None:
+                continue
+            if _runtime.is_foreign(obj):
+                foreign[name] = obj
+            else:
                 self.views[name] = as_tensor(obj, name)
-        kinds = {v.kind for v in self.views.values()}
-        if not self.views:
+        if not self.views and not foreign:
             raise ValueError("no array arguments")
+        kinds = {v.kind for v in self.views.values()}
+        if foreign:
+            kinds |= {_runtime.array_kind(o) for o in foreign.values()}
+            kinds = {k if k != "foreign" else "other" for k in kinds}
         self.host = kinds == {"numpy"}
         if "numpy" in kinds and not self.host:
             hosts = sorted(n for n, v in self.views.items() if v.kind == "numpy")
-            devs = sorted(n for n, v in self.views.items() if v.kind != "numpy")
+            devs = sorted([n for n, v in self.views.items() if v.kind != "numpy"] + list(foreign))
             raise TypeError(f"{', '.join(hosts)} host (numpy) but {', '.join(devs)} on the GPU: "
                             f"pass all arrays as CUDA tensors, or all as numpy arrays")
+        self._stream_arg = stream
+        self._stream = None
+        self._copies: list = []
         if not self.host:
-            ids = {v.device_id for v in self.views.values()}
+            devices = {n: v.device_id for n, v in self.views.items()}
+            devices.update({n: _runtime.foreign_device(o, n) for n, o in foreign.items()})
+            ids = set(devices.values())
             if len(ids) > 1:
-                where = ", ".join(f"{n}: cuda:{v.device_id}" for n, v in self.views.items())
+                where = ", ".join(f"{n}: cuda:{d}" for n, d in devices.items())
                 raise ValueError(f"arrays are on different devices ({where})")
             fw = kinds - {"other"}
             self.kind = fw.pop() if len(fw) == 1 else ("other" if not fw else sorted(fw)[0])
             self.device_id = ids.pop()
             self.backend = "cuda"
+            self._order_producers(arrays, foreign)
         else:
             self.kind = "numpy"
             self.backend = _runtime.get_backend()
             self.device_id = device_id if device_id is not None else 0
-        self._stream_arg = stream
-        self._stream = None
-        self._copies: list = []
+
+    def _order_producers(self, arrays: dict, foreign: dict) -> None:
+        """Views of the foreign arrays made with the launch stream (their producers order themselves
+        before it); the launch stream waits for the stream a CUDA array interface names."""
+        waits = {v.stream for v in self.views.values() if v.stream is not None}
+        if not foreign and not waits:
+            return
+        launch = self.stream.handle
+        waits = {p for p in waits if not _dlpack.same_stream(p, launch)}
+        if foreign or waits:
+            _runtime.device(self.device_id)
+        for name, obj in foreign.items():
+            self.views[name] = as_tensor(obj, name, stream_ptr=launch)
+        if foreign:
+            self.views = {n: self.views[n] for n in arrays if n in self.views}   # the arguments' order
+        for producer in waits:
+            _dlpack.order_after(producer, launch)
 
     # -- cuda side --------------------------------------------------------------------------------
     @property
@@ -74,9 +114,13 @@ class CallContext:
         return obj, t
 
     def finish(self, obj):
-        """What the caller gets back for an output object made by :meth:`empty`."""
+        """What the caller gets back for an output object made by :meth:`empty`: a numpy array for numpy
+        inputs, a jax array (zero-copy, through DLPack) for jax inputs, else ``obj`` itself."""
         if self.host:
             return obj.get(self.stream)
+        if self.kind == "jax":
+            import jax.dlpack
+            return jax.dlpack.from_dlpack(obj)
         return obj
 
     def copy_back(self, name: str, dev: Tensor) -> None:

@@ -19,10 +19,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _build
+from . import _build, _dlpack
 
-__all__ = ["Tensor", "as_tensor", "gpu_available", "get_backend", "set_backend", "DTYPE_SIZES",
-           "DTYPE_CTYPE", "DeviceArray", "empty", "stream_for", "get_kernel", "device"]
+__all__ = ["Tensor", "as_tensor", "array_kind", "is_foreign", "foreign_device", "dlpack_stream", "gpu_available",
+           "get_backend", "set_backend", "DTYPE_SIZES", "DTYPE_CTYPE", "DeviceArray", "empty", "stream_for",
+           "get_kernel", "device"]
 
 DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8,
                "uint32": 4, "uint8": 1, "int8": 1, "bool": 1}
@@ -35,16 +36,23 @@ _backend_override: str | None = None
 
 # --------------------------------------------------------------------------------------------- backend
 @lru_cache(maxsize=None)
-def _device_count() -> int:
+def _gpu_probe() -> tuple[int, str]:
+    """(number of visible CUDA devices, why none where it is 0)."""
     try:
         from cuda.bindings import driver
         (err,) = driver.cuInit(0)
         if int(err) != 0:
-            return 0
+            return 0, f"cuInit failed ({err})"
         err, n = driver.cuDeviceGetCount()
-        return int(n) if int(err) == 0 else 0
-    except Exception:
-        return 0
+        if int(err) != 0:
+            return 0, f"cuDeviceGetCount failed ({err})"
+        return int(n), "" if int(n) else "the CUDA driver sees no device"
+    except Exception as e:
+        return 0, f"the CUDA driver cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
+def _device_count() -> int:
+    return _gpu_probe()[0]
 
 
 def gpu_available() -> bool:
@@ -63,10 +71,15 @@ def get_backend() -> str:
 
 
 def set_backend(name: str | None) -> None:
-    """Force ``"cuda"`` or ``"numpy"`` (``None``/``"auto"`` restores the default)."""
+    """Force ``"cuda"`` or ``"numpy"`` (``None``/``"auto"`` restores the default).
+
+    ``"cuda"`` where no GPU is visible raises RuntimeError at once (the backend is left unchanged)."""
     global _backend_override
     if name not in (None, "auto", "cuda", "numpy"):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'numpy', got {name!r}")
+    if name == "cuda" and _device_count() == 0:
+        raise RuntimeError(f"set_backend('cuda'): no CUDA GPU is visible: {_gpu_probe()[1]}. "
+                           f"Use set_backend('numpy') (or None) to run the float64 references instead")
     _backend_override = None if name in (None, "auto") else name
 
 
@@ -75,12 +88,13 @@ def set_backend(name: str | None) -> None:
 class Tensor:
     """What igemm needs of an array: its pointer, geometry, dtype and origin (``kind``)."""
     obj: object
-    kind: str              # "torch" | "cupy" | "numpy" | "other"
+    kind: str              # "torch" | "cupy" | "jax" | "numpy" | "other"
     ptr: int
     shape: tuple
     strides: tuple         # in elements
     dtype: str
     device_id: int         # -1 for host memory
+    stream: int | None = None   # the producer's stream, where the array says (CUDA array interface v3)
 
     @property
     def ndim(self) -> int:
@@ -129,12 +143,38 @@ def _np_dtype_name(dt) -> str:
     return "bool" if name == "bool" else name
 
 
-def as_tensor(obj, name: str) -> Tensor:
-    """Describe ``obj`` (torch/cupy/jax/numpy/DLPack/CAI array); raises TypeError naming ``name``."""
+def array_kind(obj) -> str:
+    """``"torch"``, ``"numpy"``, ``"cupy"``, ``"jax"``, ``"device"`` (igemm's DeviceArray) or ``"foreign"``."""
     if isinstance(obj, DeviceArray):
-        return as_device_tensor(obj)
+        return "device"
+    if isinstance(obj, np.ndarray):
+        return "numpy"
     mod = type(obj).__module__.split(".")[0]
     if mod == "torch":
+        return "torch"
+    if mod == "cupy" and hasattr(obj, "__cuda_array_interface__"):
+        return "cupy"
+    if mod in ("jax", "jaxlib") and hasattr(obj, "__dlpack__"):
+        return "jax"
+    return "foreign"
+
+
+def is_foreign(obj) -> bool:
+    """True for arrays read through cuda.core's StridedMemoryView (jax, DLPack, CUDA array interface):
+    their view is made with the launch stream, so that the producer orders its work before it."""
+    return array_kind(obj) in ("jax", "foreign")
+
+
+def as_tensor(obj, name: str, stream_ptr: int = -1) -> Tensor:
+    """Describe ``obj`` (torch/cupy/jax/numpy/DLPack/CAI array); raises TypeError naming ``name``.
+
+    For jax and other DLPack / CUDA-array-interface producers, ``stream_ptr`` is the consumer (launch)
+    stream the producer orders its pending writes before (DLPack ``__dlpack__(stream=...)``, CAI v3's
+    ``stream``); ``-1`` (the default) describes the array without ordering anything."""
+    kind = array_kind(obj)
+    if kind == "device":
+        return as_device_tensor(obj)
+    if kind == "torch":
         import torch
         if not isinstance(obj, torch.Tensor):
             raise TypeError(f"{name}: expected a tensor, got {type(obj).__name__}")
@@ -144,14 +184,14 @@ def as_tensor(obj, name: str) -> Tensor:
                             f"(or numpy arrays, which it copies)")
         return Tensor(obj, "torch", obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()),
                       str(obj.dtype)[6:], dev.index if dev.index is not None else 0)
-    if isinstance(obj, np.ndarray):
+    if kind == "numpy":
         if obj.dtype.itemsize and any(s % obj.dtype.itemsize for s in obj.strides):
             raise ValueError(f"{name}: numpy strides {obj.strides} are not multiples of the item size")
         dtname = "bfloat16" if obj.dtype.name == "bfloat16" else _np_dtype_name(obj.dtype)
         return Tensor(obj, "numpy", obj.ctypes.data, obj.shape,
                       tuple(s // obj.dtype.itemsize for s in obj.strides) if obj.dtype.itemsize else obj.strides,
                       dtname, -1)
-    if mod == "cupy" and hasattr(obj, "__cuda_array_interface__"):
+    if kind == "cupy":
         cai = obj.__cuda_array_interface__
         item = np.dtype(cai["typestr"]).itemsize
         strides = cai.get("strides")
@@ -161,10 +201,13 @@ def as_tensor(obj, name: str) -> Tensor:
         else:
             strides = tuple(s // item for s in strides)
         return Tensor(obj, "cupy", int(cai["data"][0]), shape, strides,
-                      _np_dtype_name(np.dtype(cai["typestr"])), int(obj.device.id))
+                      _np_dtype_name(np.dtype(cai["typestr"])), int(obj.device.id), cai.get("stream"))
+    if stream_ptr == -1 and kind == "jax":
+        stream_ptr = 1          # jax takes no -1 (no ordering): order the legacy stream, which costs nothing
     try:
         from cuda.core.utils import StridedMemoryView
-        v = StridedMemoryView(obj, stream_ptr=-1)
+        view = getattr(StridedMemoryView, "from_any_interface", StridedMemoryView)
+        v = view(obj, stream_ptr=dlpack_stream(stream_ptr))
     except Exception as e:
         raise TypeError(f"{name}: expected a CUDA array (torch, cupy, jax, DLPack or CUDA array interface) "
                         f"or a numpy array, got {type(obj).__name__}") from e
@@ -174,7 +217,29 @@ def as_tensor(obj, name: str) -> Tensor:
     strides = v.strides
     if strides is None:
         strides = contiguous_strides(shape)
-    return Tensor(obj, "other", int(v.ptr), shape, tuple(strides), _np_dtype_name(v.dtype), int(v.device_id))
+    return Tensor(obj, "jax" if kind == "jax" else "other", int(v.ptr), shape, tuple(strides),
+                  _np_dtype_name(v.dtype), int(v.device_id))
+
+
+def foreign_device(obj, name: str) -> int:
+    """The CUDA device of a jax/DLPack/CAI array, read without exporting it (``__dlpack_device__``) where
+    it can be: the view itself waits for the launch stream."""
+    get = getattr(obj, "__dlpack_device__", None)
+    if get is not None:
+        try:
+            typ, dev = get()
+        except Exception as e:
+            raise TypeError(f"{name}: {type(obj).__name__}.__dlpack_device__() failed: {e}") from e
+        if int(typ) in (2, 13):             # kDLCUDA, kDLCUDAManaged
+            return int(dev)
+        raise TypeError(f"{name}: a host array was given through DLPack; pass a numpy array or a CUDA array")
+    return as_tensor(obj, name).device_id
+
+
+def dlpack_stream(handle: int) -> int:
+    """A launch stream handle as DLPack / StridedMemoryView take it: ``-1`` (no ordering) stays, the legacy
+    default stream (0) is spelled 1."""
+    return 1 if handle == 0 else handle
 
 
 # --------------------------------------------------------------------------------------------- devices
@@ -405,9 +470,12 @@ def stream_for(stream, kind: str, device_id: int) -> RawStream:
 
 # --------------------------------------------------------------------------------------------- memory
 class DeviceArray:
-    """A minimal device array igemm returns for inputs that are neither torch nor cupy tensors.
+    """igemm's own device array: outputs for inputs that are neither torch, cupy nor jax arrays, and
+    scratch memory.
 
-    Exposes ``__cuda_array_interface__`` (so cupy/numba/torch can wrap it) and ``.get()`` (to numpy).
+    Exposes ``__dlpack__`` / ``__dlpack_device__`` (so ``torch.from_dlpack``, ``cupy.from_dlpack``,
+    ``jax.dlpack.from_dlpack`` take it zero-copy, the memory kept alive while they hold it),
+    ``__cuda_array_interface__`` (v3, with the stream it was written on) and ``.get()`` (to numpy).
     """
 
     def __init__(self, shape, dtype: str, device_id: int, stream=None):
@@ -416,7 +484,10 @@ class DeviceArray:
         self.device_id = device_id
         n = int(np.prod(self.shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
         dev = device(device_id)
-        self._buf = dev.allocate(max(n, 1), stream=core_stream(stream, device_id))
+        cs = core_stream(stream, device_id)
+        self._buf = dev.allocate(max(n, 1), stream=cs)
+        # the launch stream that writes it: consumers order after it
+        self._stream = int(stream.handle) if isinstance(stream, RawStream) else int(cs.handle)
         self.ptr = int(self._buf.handle)
         self.nbytes = n
 
@@ -424,7 +495,24 @@ class DeviceArray:
     def __cuda_array_interface__(self):
         typestr = {"bfloat16": "<V2"}.get(self.dtype) or np.dtype(self.dtype).str
         return {"shape": self.shape, "typestr": typestr, "data": (self.ptr, False), "version": 3,
-                "strides": None, "stream": None}
+                "strides": None, "stream": dlpack_stream(self._stream)}
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_dlpack.KDL_CUDA, self.device_id)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of this array (no copy); ``stream`` (the consumer's) waits for its writes."""
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"__dlpack__: the array is on cuda:{self.device_id}, not {tuple(dl_device)}")
+        if copy:
+            raise BufferError("__dlpack__: igemm's DeviceArray is exported without a copy (copy=True refused)")
+        consumer = _dlpack.consumer_stream(stream)
+        if consumer is not None:
+            device(self.device_id)
+            _dlpack.order_after(self._stream, consumer)
+        versioned = max_version is not None and tuple(max_version) >= (1, 0)
+        return _dlpack.capsule(self, self.ptr, self.shape, contiguous_strides(self.shape), self.dtype,
+                               self.device_id, versioned)
 
     def get(self, stream=None) -> np.ndarray:
         host_dtype = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
@@ -479,7 +567,7 @@ def to_device(t: Tensor, device_id: int, stream) -> tuple[Tensor, DeviceArray]:
 
 
 def as_device_tensor(d: DeviceArray) -> Tensor:
-    return Tensor(d, "other", d.ptr, d.shape, contiguous_strides(d.shape), d.dtype, d.device_id)
+    return Tensor(d, "other", d.ptr, d.shape, contiguous_strides(d.shape), d.dtype, d.device_id, d._stream)
 
 
 def empty(kind: str, like, shape, dtype: str, device_id: int, stream=None):

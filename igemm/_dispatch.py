@@ -18,10 +18,7 @@ Every public function builds a :class:`CallContext` from its array arguments:
 """
 from __future__ import annotations
 
-import numpy as np
-
 from . import _dlpack, _runtime
-from ._checks import check_aligned, check_contiguous, check_dtype, check_no_overlap, check_shape  # noqa: F401
 from ._runtime import Tensor, as_tensor
 
 __all__ = ["CallContext"]

@@ -144,7 +144,8 @@ def _np_dtype_name(dt) -> str:
 
 
 def array_kind(obj) -> str:
-    """``"torch"``, ``"numpy"``, ``"cupy"``, ``"jax"``, ``"device"`` (igemm's DeviceArray) or ``"foreign"``."""
+    """``"torch"``, ``"numpy"``, ``"cupy"``, ``"jax"``, ``"device"`` (igemm's DeviceArray), ``"foreign"`` (another
+    DLPack or CUDA array interface producer) or ``"unknown"`` (not an array)."""
     if isinstance(obj, DeviceArray):
         return "device"
     if isinstance(obj, np.ndarray):
@@ -156,7 +157,9 @@ def array_kind(obj) -> str:
         return "cupy"
     if mod in ("jax", "jaxlib") and hasattr(obj, "__dlpack__"):
         return "jax"
-    return "foreign"
+    if hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"):
+        return "foreign"
+    return "unknown"                # not an array: as_tensor refuses it, naming the argument
 
 
 def is_foreign(obj) -> bool:

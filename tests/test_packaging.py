@@ -204,7 +204,7 @@ def test_imports_match_declared_dependencies():
     declared = base.union(*extras.values())
     product = _files(ROOT / "igemm", "*.py") + _files(ROOT / "epilogues", "*.py")
     tests = _files(ROOT / "tests", "*.py")
-    local = {p.stem for p in tests}
+    local = {p.stem for p in tests} | {p.parent.name for p in tests}     # (test modules and packages)
     problems, used = [], set()
     for group, paths in (("product", product), ("tests", tests)):
         for where, line, mod, unconditional in _imports(paths, local):

@@ -131,7 +131,8 @@ def precompile(args) -> int:
                                             options=igemm.Conv2dOptions(nchw_path=path, unfold=unfold))
                     name, src = plan.kernel()
                     kernels[src] = name
-                    if plan.spec().load_b == "tma":   # bench_conv's fp16-NHWC-gather times the cp.async gather too
+                    if layout == "NHWC" and plan.spec().load_b == "tma":   # bench_conv's fp16-NHWC-gather times
+                        # the cp.async gather too
                         name, src = plan.with_options(igemm.Conv2dOptions(
                             nchw_path=path, unfold=unfold, config={"load_a": "vec", "load_b": "vec"})).kernel()
                         kernels[src] = name

@@ -110,6 +110,15 @@ class CallContext:
         obj, t = _runtime.empty(kind, None, tuple(shape), dtype, self.device_id, self.stream)
         return obj, t
 
+    def workspace(self, shape, dtype: str):
+        """Scratch memory freed in order with the launches: the framework's allocator on its current stream; a
+        stream-ordered allocation on an explicit ``stream=`` (the framework would not order it with that one).
+        Returns (object to keep alive, device Tensor)."""
+        if self._stream_arg is None:
+            return self.empty(shape, dtype, name="workspace")
+        d = _runtime.DeviceArray(shape, dtype, self.device_id, self.stream)
+        return d, _runtime.as_device_tensor(d)
+
     def finish(self, obj):
         """What the caller gets back for an output object made by :meth:`empty`: a numpy array for numpy
         inputs, a jax array (zero-copy, through DLPack) for jax inputs, else ``obj`` itself."""

@@ -397,15 +397,6 @@ def _round_alpha(a: float, dtype: str) -> float:
     return float(np.float32(a))
 
 
-def _workspace(ctx, shape, dtype: str, stream):
-    """Scratch memory freed in order with the launches: the framework's allocator on its current stream, a
-    stream-ordered allocation on an explicit ``stream=`` (the framework would not order it with that one)."""
-    if stream is None:
-        return ctx.empty(shape, dtype, name="workspace")
-    d = _runtime.DeviceArray(shape, dtype, ctx.device_id, ctx.stream)
-    return d, _runtime.as_device_tensor(d)
-
-
 # ------------------------------------------------------------------------------------------ entry point
 @keeps_current_context
 def index_add(x, dim: int, index, source, alpha=1, *, deterministic: bool = False, check_index: bool = True,
@@ -465,7 +456,7 @@ def index_add(x, dim: int, index, source, alpha=1, *, deterministic: bool = Fals
         vec = max_vec(g.dtype, g.inner, d_x.ptr, d_src.ptr)
         plan = _plan(ctx.device_id, g.dtype, g.idtype, g.outer, g.size, g.inner, g.n_index, bool(deterministic), vec)
         # workspaces (sort path) live until every launch is queued; their frees are stream-ordered
-        plan.run(ctx.stream, d_x.ptr, d_idx.ptr, d_src.ptr, a, alloc=lambda n: _workspace(ctx, (n,), "int64", stream))
+        plan.run(ctx.stream, d_x.ptr, d_idx.ptr, d_src.ptr, a, alloc=lambda n: ctx.workspace((n,), "int64"))
     if ctx.host:
         ctx.copy_back("x", d_x)
     elif ctx.kind == "torch" and not deterministic and stream is None:

@@ -341,15 +341,6 @@ def _backward_plan(device_id, dtype, adtype, g: _Geom, vec: int) -> _BwdPlan:
     return _BwdPlan(kind, launcher, args, fin, fin_args, parts * chans)
 
 
-def _workspace(ctx, shape, dtype: str, stream):
-    """Scratch memory freed in order with the launches: the framework's allocator on its current stream, a
-    stream-ordered allocation on an explicit ``stream=`` (the framework would not order it with that one)."""
-    if stream is None:
-        return ctx.empty(shape, dtype, name="workspace")
-    d = _runtime.DeviceArray(shape, dtype, ctx.device_id, ctx.stream)
-    return d, _runtime.as_device_tensor(d)
-
-
 @keeps_current_context
 def prelu_backward(dy, x, alpha, *, layout: str = "NCHW", stream=None):
     """``(dx, dalpha)`` of :func:`prelu`: ``dx = dy if x > 0 else alpha * dy``, ``dalpha[c] = sum over channel
@@ -399,7 +390,7 @@ def prelu_backward(dy, x, alpha, *, layout: str = "NCHW", stream=None):
     extent = 16 if g.alpha_kind != "channel" else (g.inner if g.inner > 1 else g.channels)
     vec = _bwd_vec(tx.dtype, extent, (d_dy.ptr, d_x.ptr, d_dx.ptr))
     plan = _backward_plan(ctx.device_id, tx.dtype, adtype, g, vec)
-    part_obj, d_part = _workspace(ctx, (plan.partials,), "float32", stream)
+    part_obj, d_part = ctx.workspace((plan.partials,), "float32")
     vals = (d_dy.ptr, d_x.ptr, d_a.ptr if d_a is not None else 0, d_dx.ptr, d_part.ptr)
     plan.launcher(ctx.stream, plan.args(*vals, aval) if plan.kind == "flat" else plan.args(*vals))
     plan.fin_launcher(ctx.stream, plan.fin_args(d_part.ptr, d_da.ptr))

@@ -34,7 +34,7 @@ class ConvProblem:
     epilogue: tuple = ()  # Chain.signature()
     residual_dtype: str | None = None
     out_layout: str | None = None   # the output's layout when it differs from the input's (NCHW transpose path)
-    #: the patch loader's problem (csrc/conv2d_patch.cuh): x as given, the reduction over the width-unfolded
+    #: the patch loader's problem (csrc/conv/patch.cuh): x as given, the reduction over the width-unfolded
     #: filter, R x roundup(S*C, 16 bytes) long (igemm/_unfold.py)
     patch: bool = False
 
@@ -139,7 +139,7 @@ class KernelSpec:
     @property
     def residual_staged(self) -> bool:
         """Whether the kernel stages a 16-bit residual in shared memory during the mainloop
-        (csrc/conv2d_sm90.cuh: kStageResidual, kStageResidualNchw, kStageResidualNchwWs): the register
+        (csrc/conv/residual.cuh: kStageResidual, kStageResidualNchw, kStageResidualNchwWs): the register
         epilogues, NHWC with BN <= 128 or NCHW with vectors of 4 pixels or more; the per-tile TMA kernel and the
         persistent one, which stages NCHW with any vector (at the tile's start, but not with the cluster k-split)."""
         return self.residual16 and (self.store == "regs" and self.bn <= 128
@@ -149,7 +149,7 @@ class KernelSpec:
     @property
     def residual_preloaded(self) -> bool:
         """Whether the patch kernel loads a 16-bit residual into registers at the tile's start
-        (csrc/conv2d_sm90.cuh: kPreloadResidual): the NHWC register epilogue, BN <= 128."""
+        (csrc/conv/residual.cuh: kPreloadResidual): the NHWC register epilogue, BN <= 128."""
         return self.residual16 and self.load_a == "patch" and self.store == "regs" and self.bn <= 128
 
     def launch_smem(self, kt: int) -> int:
@@ -216,11 +216,11 @@ REGS_STORES = ("regs", "regsnchw")
 _LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kLoadTmaC8", "patch": "kLoadPatch",
           "tmamn": "kLoadTmaMN"}
 
-PATCH_BOX, PATCH_STEP, PATCH_ALIGN = 128, 120, 8      # csrc/conv2d_patch.cuh: kPatchBox, kPatchStep, kPatchAlign
+PATCH_BOX, PATCH_STEP, PATCH_ALIGN = 128, 120, 8      # csrc/conv/patch.cuh: kPatchBox, kPatchStep, kPatchAlign
 
 
 def patch_slots(pb: ConvProblem, bm: int) -> int:
-    """Box slots the patch of the worst BM-row tile takes (csrc/conv2d_patch.cuh: line 0 from its q0, full
+    """Box slots the patch of the worst BM-row tile takes (csrc/conv/patch.cuh: line 0 from its q0, full
     lines, the last line), over every start q0 a tile can have."""
     Q, sw, SC, C = pb.Q, pb.stride[1], pb.S * pb.C, pb.C
     def boxes(count, a):        # a line's boxes; its first box starts a (0..7) elements early (16-byte starts)
@@ -245,7 +245,7 @@ PATCH_MAX_BYTES = 64 * 1024
 
 
 def patch_unsupported(pb: ConvProblem, arch: str) -> str | None:
-    """Why the patch loader (the width unfold in shared memory, csrc/conv2d_patch.cuh) cannot run ``pb``
+    """Why the patch loader (the width unfold in shared memory, csrc/conv/patch.cuh) cannot run ``pb``
     (the user's problem; None: it can)."""
     import os
     from ._unfold import unfold_channels
@@ -310,7 +310,7 @@ def epilogue_functors(problem: ConvProblem) -> tuple[str, ...]:
 
 def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
     """Whether a register epilogue (the chain on the accumulators, a 16-bit C tile, the mask from its
-    stored vectors; ``csrc/conv2d_sm90.cuh`` epilogue_regs_by / epilogue_regs_nchw_by) can store this problem: the
+    stored vectors; ``csrc/conv/epilogue_regs*.cuh`` epilogue_regs_by / epilogue_regs_nchw_by) can store this problem: the
     per-tile wgmma kernel or the persistent one, 16-bit output, no split-K; NHWC with K % 8 == 0 (16-byte
     vectors, store ``"regs"``), or NCHW with a 16-bit residual if any (staged in the 16-bit C tile; store
     ``"regsnchw"``)."""
@@ -565,7 +565,7 @@ def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = Tr
         wm, wn = 2, 2
         stages = 4
         if math == "tf32x3":
-            # two fp32 accumulator sets per thread (csrc/conv2d_sm80.cuh): warp tiles of at most 2048
+            # two fp32 accumulator sets per thread (csrc/conv/mainloop_sm80.cuh): warp tiles of at most 2048
             # elements. tools/sweep.py on an H100 (N=32, notes/perf.md): 64x128 (32x64 warp tiles) fastest
             # wherever K > 64 (3x3 128->128 @28 NHWC 153.5 us vs 64x64 171.4), 128x64 for K <= 64
             # (3x3 64->64 @56 155 vs 64x64 182); 3 stages for the NCHW gather, 4 for NHWC (within 2%)

@@ -45,7 +45,7 @@ _PRECISIONS = ("strict", "tf32")
 
 
 def _stub(spec: KernelSpec) -> str:
-    return _kernel.render_kernel(include="conv2d_fprop.cuh", entry="igemm_conv2d_fprop", params=CONV_PARAMS,
+    return _kernel.render_kernel(include="conv/fprop.cuh", entry="igemm_conv2d_fprop", params=CONV_PARAMS,
                                  threads=spec.threads, min_blocks=spec.min_blocks, prelude=spec.prelude(),
                                  cluster=spec.csplit,
                                  body=f"igemm::conv::fprop<{spec.config_type()}>(p);")
@@ -300,7 +300,7 @@ class Conv2dPlan:
             (rounded up to 16 bytes) channels and an R x 1 filter, so A is moved 16 bytes at a time and the
             reduction is R*C' (conv1: 168, against 392 padded). On sm_90, 16-bit NHWC (dilation 1) it runs in
             shared memory: each CTA loads its input patch once by TMA and builds its A tiles from it
-            (``csrc/conv2d_patch.cuh``; only w is copied); elsewhere on copies of x and w made by one extra
+            (``csrc/conv/patch.cuh``; only w is copied); elsewhere on copies of x and w made by one extra
             kernel. ``None`` (default): on for pixels under 16 bytes (C * element size < 16, conv1's C = 3)
             with S > 1, either layout (y is still stored in ``layout``); ``True``: on; ``"copy"`` / ``"patch"``:
             on, that way; ``False``: the element gather.
@@ -442,12 +442,12 @@ class Conv2dPlan:
             spec = self._primary if key == (True, True) else self.spec(xa, wa)
             k = _kernel.load(_stub(spec), spec.name(), "igemm_conv2d_fprop", self.device_id, smem=spec.smem)
             tiles = -(-self.problem.M // spec.bm) * -(-self.problem.K // spec.bn)
-            grid = (tiles, 1, spec.splits)      # tile blockIdx.x, n-fastest (csrc/conv2d_common.cuh, tile_coord)
+            grid = (tiles, 1, spec.splits)      # tile blockIdx.x, n-fastest (csrc/conv/config.cuh, tile_coord)
             if spec.persistent:                 # ctas CTAs per SM at most, looping over the tiles
                 grid = (spec.csplit * min(tiles, spec.ctas * self.sms // spec.csplit), 1, 1)   # (csplit: CTA pairs a tile)
             kt = -(-self.kproblem.Kred // spec.bk)  # the kernel's reduction (padded or unfolded copies: longer)
             ws = None
-            if spec.streamk:                    # equal shares of tiles x k-tiles (csrc/conv2d_sm90.cuh, fprop_streamk)
+            if spec.streamk:                    # equal shares of tiles x k-tiles (csrc/conv/streamk_sm90.cuh, fprop_streamk)
                 grid = (min(self.sms * spec.streamk, tiles * kt), 1, 1)
                 ws = self._workspace(spec, grid[0], grid[0], 0)
             elif spec.splits > 1:

@@ -7,7 +7,7 @@
 // shared C tile (NHWC: Cs[m][n], NCHW: Cs[n][m]) for the epilogue.
 #pragma once
 #include <cute/arch/mma_sm80.hpp>
-#include "conv2d_common.cuh"
+#include "conv/gather.cuh"
 
 namespace igemm::conv {
 
@@ -25,8 +25,8 @@ IGEMM_DEVICE uint32_t to_tf32(uint32_t x) {
 // x (fp32 bits) -> big = tf32(x) in x, small = tf32(x - big) in lo, and in cross the big part the cross
 // terms multiply: 0 for a non-finite x. An infinite operand then meets only the other's big part
 // (big·big): the product is ±inf or NaN exactly as IEEE's (big has x's sign), never the NaN of inf times
-// the other's small part (which may be 0 or of the other sign). Branch-free: a version with branches here
-// ran the mainloop 2x slower (the MMAs no longer interleaved across the splits). A finite |x| above
+// the other's small part (which may be 0 or of the other sign). Branch-free: with branches the MMAs no
+// longer interleave across the splits (docs/performance.md: tf32x3-branch-free). A finite |x| above
 // TF32's largest value (3.4014e38) rounds to an infinite big.
 IGEMM_DEVICE void split_tf32(uint32_t& x, uint32_t& lo, uint32_t& cross) {
   const float f = __uint_as_float(x);
@@ -87,9 +87,9 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
   // 3xTF32: the tensor core adds each MMA's products into its accumulator with truncation, not rounding,
-  // so a chain over a deep reduction drifts (biased, ~K/8 ulps: Kred 2304 gave 1.9e-5 of max |y| on an
-  // H100, 50x cuDNN's FFMA error). Every kPromoteTiles k-tiles the MMA accumulators are added to fp32
-  // registers with a rounded FADD and restart from zero (CUTLASS's "promotion" for FP8, applied here).
+  // so a chain over a deep reduction drifts (biased, ~K/8 ulps; docs/performance.md: tf32x3-promotion).
+  // Every kPromoteTiles k-tiles the MMA accumulators are added to fp32 registers with a rounded FADD and
+  // restart from zero (CUTLASS's "promotion" for FP8, applied here).
   constexpr bool kPromote = Cfg::kMath == kTensorOp3;
   constexpr int kPromoteTiles = 4;
   constexpr int PM = kPromote ? MT : 1, PN = kPromote ? NT : 1;

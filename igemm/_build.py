@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import importlib.resources
 import os
+import posixpath
 import re
 import shutil
 import subprocess
@@ -61,6 +62,9 @@ class Toolchain:
 # --------------------------------------------------------------------------------------------- paths
 def csrc_dir() -> Path:
     """Directory of the shipped device headers (``csrc/`` in the repo, ``igemm/csrc`` in a wheel)."""
+    here = Path(__file__).resolve().parent.parent / "csrc"
+    if (here / "__init__.py").is_file() and (here / "common.cuh").is_file():
+        return here   # the checkout this igemm was imported from (an editable install may map igemm.csrc elsewhere)
     try:
         return Path(str(importlib.resources.files("igemm.csrc")))
     except ModuleNotFoundError:  # a source checkout on PYTHONPATH, not installed
@@ -98,15 +102,18 @@ def csrc_hash(stub: str | None = None) -> str:
     that include it."""
     d = csrc_dir()
     if stub is None:
-        names = sorted(p.name for p in d.glob("*.cuh"))
+        names = sorted(p.relative_to(d).as_posix() for p in d.rglob("*.cuh"))
     else:
-        names, todo = set(), list(_INCLUDE.findall(stub))
+        # a quoted include is looked up beside the including header first, then in csrc/ (as nvcc does)
+        names, todo = set(), [("", n) for n in _INCLUDE.findall(stub)]
         while todo:
-            n = todo.pop()
-            if n in names or not (d / n).is_file():
+            base, inc = todo.pop()
+            n = next((c for c in (posixpath.normpath(posixpath.join(base, inc)), posixpath.normpath(inc))
+                      if not c.startswith("../") and (d / c).is_file()), None)
+            if n is None or n in names:
                 continue
             names.add(n)
-            todo.extend(_INCLUDE.findall((d / n).read_text()))
+            todo.extend((posixpath.dirname(n), i) for i in _INCLUDE.findall((d / n).read_text()))
         names = sorted(names)
     h = hashlib.sha256()
     for n in names:

@@ -4,6 +4,44 @@
 
 namespace igemm::conv {
 
+// The NHWC 16-bit C tile (rows of BN + 8 elements) leaves in 16-byte vectors, each with its byte of the ReLU
+// mask: thread tid stores column vector tid % CPR of rows tid / CPR + i·NT/CPR.
+template <class Cfg, int NT, class P>
+IGEMM_DEVICE void store_tile_nhwc(const P& p, const typename Cfg::ElementOut* ct, int tid, int m0, int n0) {
+  using TO = typename Cfg::ElementOut;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
+  constexpr int RSTEP = NT / CPR;
+  const int col = (tid % CPR) * V, rows = min(BM, p.M - m0);
+  if (n0 + col < p.K) {
+    const int64_t off = int64_t(m0 + tid / CPR) * p.K + n0 + col;
+    TO* y = static_cast<TO*>(const_cast<void*>(p.y)) + off;
+    const int64_t ystep = int64_t(RSTEP) * p.K;
+    if constexpr (Cfg::FuseMask) {
+      // the vector's 8 mask bits (stored value > 0: one set.gt a pair), one byte at bit offset off (K % 8 == 0)
+      uint8_t* mb = static_cast<uint8_t*>(const_cast<void*>(p.mask)) + (off >> 3);
+      const int64_t mstep = ystep >> 3;
+#pragma unroll 4
+      for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep, mb += mstep) {
+        const uint4 v = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
+        store_vec(y, v);
+        *mb = mask_byte8<TO>(v);
+      }
+      // the tensor's last byte (K % 32 != 0 can leave its word part-filled): the rest of the word, past the
+      // last element, is zero, as relu_mask leaves it -- by the thread that stored that byte
+      const int64_t nbytes = (int64_t(p.M) * p.K) >> 3;
+      const int last = rows - 1 - tid / CPR;             // (this thread's rows: tid / CPR + i·RSTEP)
+      if ((nbytes & 3) != 0 && m0 + rows == p.M && n0 + col + V == p.K && last >= 0 && last % RSTEP == 0) {
+        uint8_t* const m = static_cast<uint8_t*>(const_cast<void*>(p.mask));
+        for (int64_t e = nbytes; (e & 3) != 0; ++e) m[e] = 0;
+      }
+    } else {
+#pragma unroll 4
+      for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep)
+        *reinterpret_cast<uint4*>(y) = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
+    }
+  }
+}
+
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
@@ -22,7 +60,7 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
                                    const ResidualPairs<Cfg>* pre = nullptr) {
   using TO = typename Cfg::ElementOut;
   using Epi = typename Cfg::Epi;
-  constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V;
+  constexpr int BN = Cfg::BN, LDH = BN + 8, CPR = BN / Cfg::VecO;
   static_assert(NT % CPR == 0, "whole rows per store pass");
   const int lane = tid & 31, r0 = fragment_row0(tid);
   using RT = typename ResidualPairs<Cfg>::RT;
@@ -106,37 +144,7 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
     }
   }
   sync();
-  // the tile leaves in 16-byte vectors: thread tid stores column vector tid % CPR of rows tid / CPR + i·NT/CPR
-  constexpr int RSTEP = NT / CPR;
-  const int col = (tid % CPR) * V, rows = min(BM, p.M - m0);
-  if (n0 + col < p.K) {
-    const int64_t off = int64_t(m0 + tid / CPR) * p.K + n0 + col;
-    TO* y = static_cast<TO*>(const_cast<void*>(p.y)) + off;
-    const int64_t ystep = int64_t(RSTEP) * p.K;
-    if constexpr (Cfg::FuseMask) {
-      // the vector's 8 mask bits (stored value > 0: one set.gt a pair), one byte at bit offset off (K % 8 == 0)
-      uint8_t* mb = static_cast<uint8_t*>(const_cast<void*>(p.mask)) + (off >> 3);
-      const int64_t mstep = ystep >> 3;
-#pragma unroll 4
-      for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep, mb += mstep) {
-        const uint4 v = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
-        store_vec(y, v);
-        *mb = mask_byte8<TO>(v);
-      }
-      // the tensor's last byte (K % 32 != 0 can leave its word part-filled): the rest of the word, past the
-      // last element, is zero, as relu_mask leaves it -- by the thread that stored that byte
-      const int64_t nbytes = (int64_t(p.M) * p.K) >> 3;
-      const int last = rows - 1 - tid / CPR;             // (this thread's rows: tid / CPR + i·RSTEP)
-      if ((nbytes & 3) != 0 && m0 + rows == p.M && n0 + col + V == p.K && last >= 0 && last % RSTEP == 0) {
-        uint8_t* const m = static_cast<uint8_t*>(const_cast<void*>(p.mask));
-        for (int64_t e = nbytes; (e & 3) != 0; ++e) m[e] = 0;
-      }
-    } else {
-#pragma unroll 4
-      for (int row = tid / CPR; row < rows; row += RSTEP, y += ystep)
-        *reinterpret_cast<uint4*>(y) = *reinterpret_cast<const uint4*>(ct + row * LDH + col);
-    }
-  }
+  store_tile_nhwc<Cfg, NT>(p, ct, tid, m0, n0);
 }
 
 }  // namespace igemm::conv

@@ -73,6 +73,98 @@ IGEMM_DEVICE void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {   // acqui
   } while (!done);
 }
 
+// The producer warp (its thread 0): walks the tile sequence and fills each consumer's ring with TMA copies.
+template <class Cfg, class P>
+IGEMM_DEVICE void ws_produce(const P& p, uint8_t* smem, uint64_t (*full)[Cfg::Stages], uint64_t (*empty)[Cfg::Stages],
+                             int first, int step, int NT, int KT, int kb, int ke) {
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages, NC = Cfg::WM;
+  constexpr int A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2, RING = S * (A_STAGE + B_STAGE);
+  tma_prefetch_maps(p.tmA, p.tmB);
+  int k0 = 0, k1 = 0;                             // stages filled so far, per consumer ring
+  // kWsBooks, one k-tile a tile (a 1x1 conv over 64 channels): a slot's B tile is its column block's, and with
+  // a grid that is a multiple of the column blocks each CTA keeps one, so a slot refilled with the column block
+  // it holds skips that copy. Deeper reductions keep no such books: the producer's per-k-tile work is on their
+  // critical path (docs/performance.md: ws-books).
+  int held[NC][S];
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int s = 0; s < S; ++s) held[c][s] = -1;
+  for (int i = 0;; ++i) {
+    const int t = first + i * step;
+    if (t >= NT) break;
+    const int c = NC == 1 ? 0 : i & 1;
+    const auto [m0, n0] = tile_coord<Cfg>(p, t);
+    const TileOrigin o = tile_origin(p, m0);
+    uint8_t* ring = smem + c * RING;
+    int k = c ? k1 : k0;
+    for (int kt = kb; kt < ke; ++kt, ++k) {
+      const int slot = k % S;
+      mbar_wait(&empty[c][slot], ((k / S) & 1) ^ 1);   // a fresh barrier counts as emptied once
+      bool load_b = true;
+      if (kWsBooks && KT == 1) {
+#pragma unroll
+        for (int cc = 0; cc < NC; ++cc)            // (unrolled: the indices stay out of local memory)
+#pragma unroll
+          for (int s = 0; s < S; ++s)
+            if (cc == c && s == slot) {
+              load_b = held[cc][s] != n0;
+              held[cc][s] = n0;
+            }
+      }
+      tma_issue_stage<Cfg>(p, ring + slot * A_STAGE, ring + S * A_STAGE + slot * B_STAGE, &full[c][slot], kt, o, n0,
+                           load_b);
+    }
+    if (c) k1 = k; else k0 = k;
+  }
+}
+
+// The cluster k-split's hand-over goes through rank 0's C tile (free: its previous epilogue has released it), in
+// fragment order: float4 j of thread tid at (j · 128 + tid) · 16 bytes. Rank 1 sends its partial sums (done:
+// the tiles it handed over before) ...
+template <class Cfg>
+IGEMM_DEVICE void csplit_send(const float* acc, float* Cs, uint64_t* xfer, int done, int tid) {
+  constexpr int NACC = Cfg::BN / 2;
+  if (done > 0) mbar_wait_cluster(&xfer[1], (done - 1) & 1);   // rank 0 has read the previous one
+  const uint32_t dst = smem_in_rank(Cs, 0);
+#pragma unroll
+  for (int j = 0; j < NACC / 4; ++j)
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + (j * 128 + tid) * 16),
+                 "f"(acc[4 * j]), "f"(acc[4 * j + 1]), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3]) : "memory");
+  mbar_arrive_remote(smem_in_rank(&xfer[0], 0));
+}
+
+// ... and rank 0 adds them to its own (done: the tiles it received before).
+template <class Cfg>
+IGEMM_DEVICE void csplit_receive(float* acc, const float* Cs, uint64_t* xfer, int done, int tid) {
+  constexpr int NACC = Cfg::BN / 2;
+  const float4* xbuf = reinterpret_cast<const float4*>(Cs);
+  mbar_wait_cluster(&xfer[0], done & 1);
+#pragma unroll
+  for (int j = 0; j < NACC / 4; ++j) {
+    const float4 v = xbuf[j * 128 + tid];
+    acc[4 * j] += v.x;
+    acc[4 * j + 1] += v.y;
+    acc[4 * j + 2] += v.z;
+    acc[4 * j + 3] += v.w;
+  }
+}
+
+// A consumer warpgroup's store phase: a register epilogue, or the accumulators through the fp32 C tile.
+template <class Cfg, class P>
+IGEMM_DEVICE void ws_store(const P& p, float* acc, float* Cs, float (*s_vec)[Cfg::BN], int tid, int m0, int n0,
+                           NamedSync sync, uint8_t* res_s) {
+  if constexpr (Cfg::StoreMode == kStoreRegs) {
+    epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec, tid, m0, n0, sync, res_s);
+  } else if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
+    epilogue_regs_nchw_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec, tid, m0, n0, sync, res_s);
+  } else {
+    acc_to_cs_rows<Cfg>(acc, Cs, 0);
+    sync();
+    epilogue_store_by<Cfg, 128>(p, Cs, m0, n0, tid, s_vec, sync);
+  }
+}
+
 template <class Cfg, class P>
 IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   using T = typename Cfg::Element;
@@ -113,44 +205,7 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (wg == NC) {                                   // the producer warp
     if ((threadIdx.x & 31) != 0) return;
-    tma_prefetch_maps(p.tmA, p.tmB);
-    int k0 = 0, k1 = 0;                             // stages filled so far, per consumer ring
-    // kWsBooks, one k-tile a tile (a 1x1 conv over 64 channels): a slot's B tile is its column block's, and with
-    // a grid that is a multiple of the column blocks each CTA keeps one, so a slot refilled with the column block
-    // it holds skips that copy. Deeper reductions keep no such books: the producer's per-k-tile work is on their
-    // critical path (docs/performance.md: ws-books).
-    int held[NC][S];
-#pragma unroll
-    for (int c = 0; c < NC; ++c)
-#pragma unroll
-      for (int s = 0; s < S; ++s) held[c][s] = -1;
-    for (int i = 0;; ++i) {
-      const int t = first + i * step;
-      if (t >= NT) break;
-      const int c = NC == 1 ? 0 : i & 1;
-      const auto [m0, n0] = tile_coord<Cfg>(p, t);
-      const TileOrigin o = tile_origin(p, m0);
-      uint8_t* ring = smem + c * RING;
-      int k = c ? k1 : k0;
-      for (int kt = kb; kt < ke; ++kt, ++k) {
-        const int slot = k % S;
-        mbar_wait(&empty[c][slot], ((k / S) & 1) ^ 1);   // a fresh barrier counts as emptied once
-        bool load_b = true;
-        if (kWsBooks && KT == 1) {
-#pragma unroll
-          for (int cc = 0; cc < NC; ++cc)            // (unrolled: the indices stay out of local memory)
-#pragma unroll
-            for (int s = 0; s < S; ++s)
-              if (cc == c && s == slot) {
-                load_b = held[cc][s] != n0;
-                held[cc][s] = n0;
-              }
-        }
-        tma_issue_stage<Cfg>(p, ring + slot * A_STAGE, ring + S * A_STAGE + slot * B_STAGE, &full[c][slot], kt, o, n0,
-                             load_b);
-      }
-      if (c) k1 = k; else k0 = k;
-    }
+    ws_produce<Cfg>(p, smem, full, empty, first, step, NT, KT, kb, ke);
     return;
   }
   // consumer warpgroup wg
@@ -207,43 +262,16 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
     if (prev >= 0) mbar_arrive(&empty[wg][prev]);
     const NamedSync sync{1 + wg};
     if constexpr (kCsplit == 2) {
-      // the hand-over, through rank 0's C tile (free: its previous epilogue has released it); fragment
-      // order, float4 i of thread tid at (i · 128 + tid) · 16 bytes
-      float4* xbuf = reinterpret_cast<float4*>(Cs);
       if (rank == 1) {
-        if (done > 0) mbar_wait_cluster(&xfer[1], (done - 1) & 1);   // rank 0 has read the previous one
-        const uint32_t dst = smem_in_rank(xbuf, 0);
-#pragma unroll
-        for (int j = 0; j < NACC / 4; ++j)
-          asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + (j * 128 + tid) * 16),
-                       "f"(acc[4 * j]), "f"(acc[4 * j + 1]), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3]) : "memory");
-        mbar_arrive_remote(smem_in_rank(&xfer[0], 0));
+        csplit_send<Cfg>(acc, Cs, xfer, done, tid);
         ++done;
         continue;                                   // rank 0 stores the tile
       }
-      mbar_wait_cluster(&xfer[0], done & 1);
-#pragma unroll
-      for (int j = 0; j < NACC / 4; ++j) {
-        const float4 v = xbuf[j * 128 + tid];
-        acc[4 * j] += v.x;
-        acc[4 * j + 1] += v.y;
-        acc[4 * j + 2] += v.z;
-        acc[4 * j + 3] += v.w;
-      }
+      csplit_receive<Cfg>(acc, Cs, xfer, done, tid);
       ++done;
       sync();                                       // every thread has read its partial: the epilogue may reuse Cs
     }
-    if constexpr (Cfg::StoreMode == kStoreRegs) {
-      epilogue_regs_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync,
-                                 kStage ? res_s : nullptr);
-    } else if constexpr (Cfg::StoreMode == kStoreRegsNCHW) {
-      epilogue_regs_nchw_by<Cfg, 128>(p, acc, reinterpret_cast<uint8_t*>(Cs), s_vec[wg], tid, m0, n0, sync,
-                                      kStage ? res_s : nullptr);
-    } else {
-      acc_to_cs_rows<Cfg>(acc, Cs, 0);
-      sync();
-      epilogue_store_by<Cfg, 128>(p, Cs, m0, n0, tid, s_vec[wg], sync);
-    }
+    ws_store<Cfg>(p, acc, Cs, s_vec[wg], tid, m0, n0, sync, kStage ? res_s : nullptr);
     sync();                                         // C tile and channel vectors free for the next tile
     if constexpr (kCsplit == 2) mbar_arrive_remote(smem_in_rank(&xfer[1], 1));   // rank 1 may hand over again
   }

@@ -1,10 +1,5 @@
 // igemm conv2d forward: TMA loads (kLoadTma, kLoadTmaC8, kLoadTmaMN) and the mbarriers they complete on.
 //
-#pragma once
-#include "conv/config.cuh"
-
-namespace igemm::conv {
-
 // A stage is filled by two TMA copies that thread 0 issues: an im2col-mode copy of the BM × 64 A tile
 // (x NHWC as a 4-D tensor map: BM consecutive output pixels from the tile's first one, 64 channels of
 // tap (r, s) from channel c0, zeros outside the image and past the last image) and a tiled copy of the
@@ -12,6 +7,11 @@ namespace igemm::conv {
 // descriptors read, and complete on the stage's mbarrier (transaction bytes). The tensor maps are
 // encoded by the plan (igemm/_tma.py) and passed as __grid_constant__ parameters. No thread computes a
 // gather address: the per-k-tile work is one divmod pair for (r, s, c0) in thread 0.
+#pragma once
+#include "conv/config.cuh"
+
+namespace igemm::conv {
+
 IGEMM_DEVICE void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }

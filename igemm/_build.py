@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import importlib.resources
 import os
+import posixpath
 import re
 import shutil
 import stat
@@ -112,15 +113,18 @@ def csrc_hash(stub: str | None = None) -> str:
     that include it."""
     d = csrc_dir()
     if stub is None:
-        names = sorted(p.name for p in d.glob("*.cuh"))
+        names = sorted(p.relative_to(d).as_posix() for p in d.rglob("*.cuh"))
     else:
-        names, todo = set(), list(_INCLUDE.findall(stub))
+        # a quoted include is looked up beside the including header first, then in csrc/ (as nvcc does)
+        names, todo = set(), [("", n) for n in _INCLUDE.findall(stub)]
         while todo:
-            n = todo.pop()
-            if n in names or not (d / n).is_file():
+            base, inc = todo.pop()
+            n = next((c for c in (posixpath.normpath(posixpath.join(base, inc)), posixpath.normpath(inc))
+                      if not c.startswith("../") and (d / c).is_file()), None)
+            if n is None or n in names:
                 continue
             names.add(n)
-            todo.extend(_INCLUDE.findall((d / n).read_text()))
+            todo.extend((posixpath.dirname(n), i) for i in _INCLUDE.findall((d / n).read_text()))
         names = sorted(names)
     h = hashlib.sha256()
     for n in names:

@@ -113,7 +113,7 @@ def test_launch_values_cover_every_parameter():
 
 
 def emulate_im2col(x, pb, vec):
-    """csrc/im2col.cuh's loops and index decode (FastDiv as the device computes it), over every thread."""
+    """csrc/baselines/im2col.cuh's loops and index decode (FastDiv as the device computes it), over every thread."""
     v = A.im2col_launch_values(pb, vec)
     dm = divmod_like_device
     out = np.full(int(np.prod(A.im2col_cols_shape(pb))), np.nan)
@@ -177,7 +177,7 @@ def test_im2col_vec_choice():
 
 
 def emulate_direct(x, w, pb):
-    """csrc/direct_conv.cuh: decode each thread's output index, loop over the taps, fp32 accumulation."""
+    """csrc/baselines/direct_conv.cuh: decode each thread's output index, loop over the taps, fp32 accumulation."""
     v = A.direct_launch_values(pb)
     dm = divmod_like_device
     e = np.arange(v["total"])

@@ -615,7 +615,7 @@ def test_channel_pad_choice():
 
 
 def _unfold_numpy(src: np.ndarray, job) -> np.ndarray:
-    """csrc/unfold.cuh's job in numpy, from the job's own fields (strides in elements)."""
+    """csrc/conv/unfold.cuh's job in numpy, from the job's own fields (strides in elements)."""
     flat = src.ravel()
     out = np.zeros((job.A, job.B, job.Q, job.Cp), src.dtype)
     sa, sb, sc, sw = job.strides
@@ -675,7 +675,7 @@ def test_unfold_choice_and_geometry(layout, rng):
 
 
 def _patch_a_tiles(x: np.ndarray, pb, bm: int) -> np.ndarray:
-    """csrc/conv2d_patch.cuh in numpy, from its own index math: every tile's patch (boxes of x viewed as
+    """csrc/conv/patch.cuh in numpy, from its own index math: every tile's patch (boxes of x viewed as
     [N][H][W*C], zero outside) in a NaN-poisoned region of the plan's size, then the A k-tiles built from it
     (an 8-lane chunk: the kept lanes read at the chunk's element offset). Returns A, M x KT*64."""
     from igemm.conv._problem import PATCH_ALIGN as AL, PATCH_BOX as BOX, PATCH_STEP as STEP, patch_slots

@@ -6,7 +6,7 @@ current stream and returns ``y`` as a new tensor, ``close()`` frees library reso
 
 ========== =======================================================================================
 implicit   igemm's implicit GEMM (:class:`igemm.Conv2dPlan`)
-im2col     igemm's im2col kernel (``csrc/im2col.cuh``) materialises the GEMM operand, then one
+im2col     igemm's im2col kernel (``csrc/baselines/im2col.cuh``) materialises the GEMM operand, then one
            cuBLAS(Lt) GEMM through nvmath-python. NHWC: ``y[NPQ, K] = cols[NPQ, RSC] @ w[K, RSC]^T``;
            NCHW: a batched GEMM ``y[n][K, PQ] = w[K, CRS] @ cols[n][CRS, PQ]`` (w broadcast over the
            batch). Both land directly in the output layout: no permute copy.
@@ -14,7 +14,7 @@ fft        cuFFT through nvmath-python, in float32 whatever the input dtype: pad
            size, R2C of input and (dilated, every call) filter, pointwise multiply-accumulate over C as a
            complex64 batched matmul over frequencies (torch.bmm), C2R, crop; a stride subsamples the
            full stride-1 result.
-direct     ``csrc/direct_conv.cuh``: one output per thread, fp32 accumulation
+direct     ``csrc/baselines/direct_conv.cuh``: one output per thread, fp32 accumulation
 cudnn      ``torch.nn.functional.conv2d`` (cuDNN)
 ========== =======================================================================================
 
@@ -112,14 +112,14 @@ class Problem:
 
 
 # ============================================================================ kernels: im2col, direct
-#: im2col launch parameters (csrc/im2col.cuh), in order: the one definition.
+#: im2col launch parameters (csrc/baselines/im2col.cuh), in order: the one definition.
 IM2COL_PARAMS = [
     ParamSpec("x", "ptr"), ParamSpec("cols", "ptr"),
     *(ParamSpec(n, "int32") for n in ("N", "H", "W", "C", "R", "S", "P", "Q", "sh", "sw", "ph", "pw", "dh", "dw",
                                       "rows", "row_len", "rows_per_iter")),
     *(ParamSpec(n, "fastdiv") for n in ("fd_L", "fd_PQ", "fd_Q", "fd_C", "fd_S", "fd_RS", "fd_Kd")),
 ]
-#: direct-convolution launch parameters (csrc/direct_conv.cuh), in order.
+#: direct-convolution launch parameters (csrc/baselines/direct_conv.cuh), in order.
 DIRECT_PARAMS = [
     ParamSpec("x", "ptr"), ParamSpec("w", "ptr"), ParamSpec("y", "ptr"),
     *(ParamSpec(n, "int32") for n in ("N", "H", "W", "C", "K", "R", "S", "P", "Q", "sh", "sw", "ph", "pw", "dh",
@@ -182,7 +182,7 @@ def im2col_stub(dtype: str, layout: str, vec: int) -> str:
     t = DTYPE_CTYPE[dtype]
     body = (f"igemm::im2col::im2col_nhwc<{t}, {vec}>(p);" if layout == "NHWC"
             else f"igemm::im2col::im2col_nchw<{t}>(p);")
-    return _kernel.render_kernel(include="im2col.cuh", entry="igemm_im2col", params=IM2COL_PARAMS,
+    return _kernel.render_kernel(include="baselines/im2col.cuh", entry="igemm_im2col", params=IM2COL_PARAMS,
                                  threads=_THREADS, body=body)
 
 
@@ -192,7 +192,7 @@ def im2col_name(dtype: str, layout: str, vec: int) -> str:
 
 @lru_cache(maxsize=None)
 def direct_stub(dtype: str, layout: str) -> str:
-    return _kernel.render_kernel(include="direct_conv.cuh", entry="igemm_direct_conv", params=DIRECT_PARAMS,
+    return _kernel.render_kernel(include="baselines/direct_conv.cuh", entry="igemm_direct_conv", params=DIRECT_PARAMS,
                                  threads=_THREADS,
                                  body=f"igemm::direct::conv<{DTYPE_CTYPE[dtype]}, "
                                       f"{'true' if layout == 'NHWC' else 'false'}>(p);")

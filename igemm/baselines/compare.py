@@ -282,7 +282,7 @@ def _run_gpu(layers, args, progress) -> tuple[list, list]:
         "the multiply-accumulate cost stride_h·stride_w times what the strided output needs.",
         "Not counted anywhere: memory the libraries allocate internally when planning (cuFFT plan data, "
         "cuBLAS handles) and loaded kernel code.",
-        "direct: csrc/direct_conv.cuh, one output element per thread, fp32 accumulation, no tiling.",
+        "direct: csrc/baselines/direct_conv.cuh, one output element per thread, fp32 accumulation, no tiling.",
         f"cuDNN: torch.nn.functional.conv2d, cudnn.benchmark=True (its choice made before timing), "
         f"allow_tf32={args.precision == 'tf32'}; NHWC tensors enter as channels_last views.",
         "max rel err: max|y - ref| / max|ref| against a float64 convolution (torch) of the first min(N, 4) images.",

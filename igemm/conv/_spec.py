@@ -102,7 +102,7 @@ class KernelSpec:
     @property
     def residual_staged(self) -> bool:
         """Whether the kernel stages a 16-bit residual in shared memory during the mainloop
-        (csrc/conv2d_sm90.cuh: kStageResidual, kStageResidualNchw, kStageResidualNchwWs): the register
+        (csrc/conv/residual.cuh: kStageResidual, kStageResidualNchw, kStageResidualNchwWs): the register
         epilogues, NHWC with BN <= 128 or NCHW with vectors of 4 pixels or more; the per-tile TMA kernel and the
         persistent one, which stages NCHW with any vector (at the tile's start, but not with the cluster k-split)."""
         return self.residual16 and (self.store == "regs" and self.bn <= 128
@@ -112,7 +112,7 @@ class KernelSpec:
     @property
     def residual_preloaded(self) -> bool:
         """Whether the patch kernel loads a 16-bit residual into registers at the tile's start
-        (csrc/conv2d_sm90.cuh: kPreloadResidual): the NHWC register epilogue, BN <= 128."""
+        (csrc/conv/residual.cuh: kPreloadResidual): the NHWC register epilogue, BN <= 128."""
         return self.residual16 and self.load_a == "patch" and self.store == "regs" and self.bn <= 128
 
     def launch_smem(self, kt: int) -> int:
@@ -175,7 +175,7 @@ _LOADS = {"vec": "kLoadVec", "elem": "kLoadElem", "tma": "kLoadTma", "tma8": "kL
 
 def regs_epilogue_ok(pb: ConvProblem, math: str, splits: int) -> bool:
     """Whether a register epilogue (the chain on the accumulators, a 16-bit C tile, the mask from its
-    stored vectors; ``csrc/conv2d_sm90.cuh`` epilogue_regs_by / epilogue_regs_nchw_by) can store this problem: the
+    stored vectors; ``csrc/conv/epilogue_regs*.cuh`` epilogue_regs_by / epilogue_regs_nchw_by) can store this problem: the
     per-tile wgmma kernel or the persistent one, 16-bit output, no split-K; NHWC with K % 8 == 0 (16-byte
     vectors, store ``"regs"``), or NCHW with a 16-bit residual if any (staged in the 16-bit C tile; store
     ``"regsnchw"``)."""
@@ -326,6 +326,6 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
 
 def stub(spec: KernelSpec) -> str:
     """The generated source of ``spec``'s kernel (its cache key with the headers' hash)."""
-    return _kernel.render_kernel(include="conv2d_fprop.cuh", entry="igemm_conv2d_fprop", params=CONV_PARAMS,
+    return _kernel.render_kernel(include="conv/fprop.cuh", entry="igemm_conv2d_fprop", params=CONV_PARAMS,
                                  threads=spec.threads, min_blocks=spec.min_blocks, prelude=spec.prelude(),
                                  cluster=spec.csplit, body=f"igemm::conv::fprop<{spec.config_type()}>(p);")

@@ -1,6 +1,6 @@
 """TMA tensor maps for the conv kernel's TMA loader (``KernelSpec.load_b == "tma"``, sm_90a).
 
-The kernel loads each stage with two TMA copies (``csrc/conv/``): A through an *im2col-mode*
+The kernel loads each stage with two TMA copies (``csrc/conv/tma.cuh``): A through an *im2col-mode*
 map of x (NHWC as a 4-D tensor, the bounding box given by the padding and the filter extent, traversal
 strides = the conv stride, so one copy gathers BM consecutive output pixels' taps, zero-filled outside
 the image), B through a tiled map of w as the K x Kred matrix. Both use the 128-byte swizzle the wgmma

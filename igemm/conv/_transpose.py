@@ -1,4 +1,4 @@
-"""The conv's input preparation (``csrc/transpose.cuh``), x and w in one launch:
+"""The conv's input preparation (``csrc/conv/transpose.cuh``), x and w in one launch:
 
 * the NCHW transpose path: x NCHW -> NHWC and w KCRS -> KRSC. The plan then gathers its im2col tiles with
   16-byte loads from the NHWC copy (the NCHW gather moves one 2-byte element per load) and stores NCHW
@@ -26,7 +26,7 @@ PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
 _THREADS = 256
 
 
-SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC, ROWSVEC, SUBVEC = 0, 1, 2, 3, 4, 5, 6, 7, 8   # job kinds (csrc/transpose.cuh)
+SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC, ROWSVEC, SUBVEC = 0, 1, 2, 3, 4, 5, 6, 7, 8   # job kinds (csrc/conv/transpose.cuh)
 _TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024, ROWSVEC: 16, SUBVEC: 64}
 
 
@@ -36,7 +36,7 @@ def _ctype(esize: int) -> str:
 
 @lru_cache(maxsize=None)
 def _stub(esize: int, mode0: int, mode1: int) -> str:
-    return _kernel.render_kernel(include="transpose.cuh", entry="igemm_transpose2", params=PARAMS, threads=_THREADS,
+    return _kernel.render_kernel(include="conv/transpose.cuh", entry="igemm_transpose2", params=PARAMS, threads=_THREADS,
                                  body=f"igemm::xpose::transpose2<{_ctype(esize)}, {mode0}, {mode1}>(p);")
 
 

@@ -1,4 +1,4 @@
-"""The width unfold (``csrc/unfold.cuh``): the conv's input preparation for few-channel inputs.
+"""The width unfold (``csrc/conv/unfold.cuh``): the conv's input preparation for few-channel inputs.
 
 A conv with C channels and an R x S filter is run as a conv with ``C' = roundup(S*C, V)`` channels and an
 R x 1 filter (``V = 16 / element size``) on copies of x and w unfolded along the width::
@@ -50,7 +50,7 @@ def unfolded_problem(pb, esize: int):
 @lru_cache(maxsize=None)
 def _stub(esize: int) -> str:
     t = {2: "uint16_t", 4: "uint32_t"}[esize]
-    return _kernel.render_kernel(include="unfold.cuh", entry="igemm_unfold2", params=PARAMS, threads=_THREADS,
+    return _kernel.render_kernel(include="conv/unfold.cuh", entry="igemm_unfold2", params=PARAMS, threads=_THREADS,
                                  body=f"igemm::unfold::unfold2<{t}>(p);")
 
 

@@ -7,7 +7,7 @@
 // shared C tile (NHWC: Cs[m][n], NCHW: Cs[n][m]) for the epilogue.
 #pragma once
 #include <cute/arch/mma_sm80.hpp>
-#include "conv2d_common.cuh"
+#include "conv/gather.cuh"
 
 namespace igemm::conv {
 
@@ -25,8 +25,8 @@ IGEMM_DEVICE uint32_t to_tf32(uint32_t x) {
 // x (fp32 bits) -> big = tf32(x) in x, small = tf32(x - big) in lo, and in cross the big part the cross
 // terms multiply: 0 for a non-finite x. An infinite operand then meets only the other's big part
 // (big·big): the product is ±inf or NaN exactly as IEEE's (big has x's sign), never the NaN of inf times
-// the other's small part (which may be 0 or of the other sign). Branch-free: a version with branches here
-// ran the mainloop 2x slower (the MMAs no longer interleaved across the splits). A finite |x| above
+// the other's small part (which may be 0 or of the other sign). Branch-free: with branches the MMAs no
+// longer interleave across the splits (docs/performance.md: tf32x3-branch-free). A finite |x| above
 // TF32's largest value (3.4014e38) rounds to an infinite big.
 IGEMM_DEVICE void split_tf32(uint32_t& x, uint32_t& lo, uint32_t& cross) {
   const float f = __uint_as_float(x);
@@ -61,6 +61,50 @@ template <> struct Mma<float> {   // TF32
   }
 };
 
+// k-step ks of a warp's A (MT row blocks of 16) and B (NT column blocks of 8) fragments, by ldmatrix from the
+// loader's swizzled stage buffers at a_base and b_base.
+template <class Cfg, class L, int MT, int NT>
+IGEMM_DEVICE void load_fragments(uint32_t (&af)[MT][4], uint32_t (&bf)[NT][2], uint32_t a_base, uint32_t b_base,
+                                 int ks, int wm, int wn, int lane) {
+  constexpr int WTM = Cfg::BM / Cfg::WM, WTN = Cfg::BN / Cfg::WN;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int row = wm * WTM + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    ldsm_x4(af[mt], a_base + L::swz(row, ks * 2 + (lane >> 4)));
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; nt += 2) {
+    const int row = wn * WTN + (nt + (lane >> 4)) * 8 + (lane & 7);
+    uint32_t r[4];
+    ldsm_x4(r, b_base + L::swz(row, ks * 2 + ((lane >> 3) & 1)));
+    bf[nt][0] = r[0]; bf[nt][1] = r[1]; bf[nt + 1][0] = r[2]; bf[nt + 1][1] = r[3];
+  }
+}
+
+// A warp's MT × NT accumulator tile (mma.sync's C fragments) into the shared fp32 C tile (layout per
+// Config::kCsPixelMajor); the caller publishes it.
+template <class Cfg, int MT, int NT>
+IGEMM_DEVICE void warp_tile_to_cs(const float (&v4)[MT][NT][4], float* Cs, int wm, int wn, int lane) {
+  constexpr int LD = Cfg::kCsLd, WTM = Cfg::BM / Cfg::WM, WTN = Cfg::BN / Cfg::WN;
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int r0 = wm * WTM + mt * 16 + g, c0 = wn * WTN + nt * 8 + 2 * t4;
+      const float* v = v4[mt][nt];
+      if constexpr (Cfg::kCsPixelMajor) {
+        *reinterpret_cast<float2*>(Cs + r0 * LD + c0) = make_float2(v[0], v[1]);
+        *reinterpret_cast<float2*>(Cs + (r0 + 8) * LD + c0) = make_float2(v[2], v[3]);
+      } else {
+        Cs[c0 * LD + r0] = v[0];
+        Cs[(c0 + 1) * LD + r0] = v[1];
+        Cs[c0 * LD + r0 + 8] = v[2];
+        Cs[(c0 + 1) * LD + r0 + 8] = v[3];
+      }
+    }
+}
+
 template <class Cfg, class P>
 IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, int kt0, int kt1) {
   using T = typename Cfg::Element;
@@ -87,9 +131,9 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
   // 3xTF32: the tensor core adds each MMA's products into its accumulator with truncation, not rounding,
-  // so a chain over a deep reduction drifts (biased, ~K/8 ulps: Kred 2304 gave 1.9e-5 of max |y| on an
-  // H100, 50x cuDNN's FFMA error). Every kPromoteTiles k-tiles the MMA accumulators are added to fp32
-  // registers with a rounded FADD and restart from zero (CUTLASS's "promotion" for FP8, applied here).
+  // so a chain over a deep reduction drifts (biased, ~K/8 ulps; docs/performance.md: tf32x3-promotion).
+  // Every kPromoteTiles k-tiles the MMA accumulators are added to fp32 registers with a rounded FADD and
+  // restart from zero (CUTLASS's "promotion" for FP8, applied here).
   constexpr bool kPromote = Cfg::kMath == kTensorOp3;
   constexpr int kPromoteTiles = 4;
   constexpr int PM = kPromote ? MT : 1, PN = kPromote ? NT : 1;
@@ -131,18 +175,7 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
     for (int ks = 0; ks < KSTEPS; ++ks) {
       uint32_t af[MT][4];
       uint32_t bf[NT][2];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int row = wm * WTM + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        ldsm_x4(af[mt], a_base + L::swz(row, ks * 2 + (lane >> 4)));
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; nt += 2) {
-        const int row = wn * WTN + (nt + (lane >> 4)) * 8 + (lane & 7);
-        uint32_t r[4];
-        ldsm_x4(r, b_base + L::swz(row, ks * 2 + ((lane >> 3) & 1)));
-        bf[nt][0] = r[0]; bf[nt][1] = r[1]; bf[nt + 1][0] = r[2]; bf[nt + 1][1] = r[3];
-      }
+      load_fragments<Cfg, L>(af, bf, a_base, b_base, ks, wm, wn, lane);
       if constexpr (Cfg::kMath == kTensorOp3) {
         // 3xTF32: x = big + small with big = tf32(x) and small = tf32(x - big) (x - big is exact);
         // a·b ≈ a_s·b_b + a_b·b_s + a_b·b_b (a_s·b_s, ~2^-22 relative, is dropped), small terms first
@@ -189,26 +222,8 @@ IGEMM_DEVICE void mainloop_tensorop(const P& p, uint8_t* smem, int m0, int n0, i
   cp_async_wait<0>();
   __syncthreads();
 
-  // accumulators → shared C tile
-  float* Cs = reinterpret_cast<float*>(smem);
-  constexpr int LD = Cfg::kCsLd;
-  const int g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int r0 = wm * WTM + mt * 16 + g, c0 = wn * WTN + nt * 8 + 2 * t4;
-      const float* v = kPromote ? sum[kPromote ? mt : 0][kPromote ? nt : 0] : acc[mt][nt];
-      if constexpr (Cfg::kCsPixelMajor) {
-        *reinterpret_cast<float2*>(Cs + r0 * LD + c0) = make_float2(v[0], v[1]);
-        *reinterpret_cast<float2*>(Cs + (r0 + 8) * LD + c0) = make_float2(v[2], v[3]);
-      } else {
-        Cs[c0 * LD + r0] = v[0];
-        Cs[(c0 + 1) * LD + r0] = v[1];
-        Cs[c0 * LD + r0 + 8] = v[2];
-        Cs[(c0 + 1) * LD + r0 + 8] = v[3];
-      }
-    }
+  if constexpr (kPromote) warp_tile_to_cs<Cfg>(sum, reinterpret_cast<float*>(smem), wm, wn, lane);
+  else warp_tile_to_cs<Cfg>(acc, reinterpret_cast<float*>(smem), wm, wn, lane);
   __syncthreads();
 }
 

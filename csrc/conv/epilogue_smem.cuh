@@ -1,4 +1,4 @@
-// igemm conv2d forward: split-K reduction and the store phase.
+// igemm conv2d forward: the fp32 C tile's epilogue -- split-K reduction and the store phase.
 //
 // Split-K (p.splits > 1; grid.z = splits): every CTA of a tile writes its fp32 partial tile to the
 // workspace, then takes a ticket; the last one sums the partials in split order (deterministic: the
@@ -12,7 +12,7 @@
 // are staged in shared memory once per CTA; residual vectors of G passes are loaded before any of them
 // is used (G independent loads in flight).
 #pragma once
-#include "conv2d_common.cuh"
+#include "conv/config.cuh"
 
 namespace igemm::conv {
 
@@ -151,7 +151,7 @@ struct CtaSync {
 
 // The store phase of one tile by NT threads (tid = 0..NT-1), which `sync` synchronises; s_vec: 3 × BN
 // floats of shared memory for the per-channel vectors. The whole CTA by default; one consumer warpgroup
-// of the persistent kernel (conv2d_sm90.cuh) with a named barrier.
+// of the persistent kernel (persistent_sm90.cuh) with a named barrier.
 template <class Cfg, int NT, class P, class Sync>
 IGEMM_DEVICE void epilogue_store_by(const P& p, const float* Cs, int m0, int n0, int tid, float (*s_vec)[Cfg::BN],
                                     Sync sync) {

@@ -21,6 +21,7 @@
 // (the plan checks KT <= Stages), loaded once by cp.async][patch]. Each warpgroup builds and multiplies its
 // own 64 A rows: the loop has no CTA-wide barrier, only the warpgroup's own (named barrier 1 + wg).
 #pragma once
+#include "conv/mainloop_sm90.cuh"
 
 namespace igemm::conv {
 
@@ -35,10 +36,6 @@ IGEMM_DEVICE int patch_line_elems(const P& p, int count) { return ((count - 1) *
 
 // Barrier 1 + wg over warpgroup wg's 128 threads (immediate ids: ptxas then reserves WM + 1 barriers, not 16)
 IGEMM_DEVICE void warpgroup_sync(int wg) {
-#if defined(IGEMM_PATCH_NO_NAMED)
-  __syncthreads();
-  return;
-#endif
   switch (wg) {
     case 0: asm volatile("bar.sync 1, 128;\n" ::: "memory"); break;
     case 1: asm volatile("bar.sync 2, 128;\n" ::: "memory"); break;
@@ -109,11 +106,7 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
     mbar_init(&bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(p.tmA) : "memory");
-#if defined(IGEMM_PATCH_NO_TMA)
-    mbar_expect_tx(&bar, 0);
-#else
     patch_issue(p, pt, patch, &bar);
-#endif
   }
   // the tile's residual pairs into registers, while the patch loads (kPreloadResidual)
   ResidualPairs<Cfg> res;
@@ -135,8 +128,8 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
   // first lane in its line), or -1 past M
   const int slot_elems = p.R * kPatchBox;
   // (with the residual preloaded, both in one register a row, rbase << 16 | rjb -- each < 2^15: the patch is
-  // at most 64 KB -- so that the 16 registers the residual holds fit the 3-CTA register cap without a spill,
-  // whose store waited for its load: conv1 (c), 80 registers, a 4-byte spill, 571 long-scoreboard samples)
+  // at most 64 KB -- so that the 16 registers the residual holds fit the 3-CTA register cap without a spill:
+  // docs/performance.md: patch-packed-rows)
   constexpr bool kPack = kPreloadResidual<Cfg>;
   int rbase[UA], rjb[kPack ? 1 : UA];
 #pragma unroll
@@ -197,9 +190,7 @@ IGEMM_DEVICE void mainloop_wgmma_patch(const P& p, uint8_t* smem, int m0, int n0
   // been read) → build k-tile i+1 into it, publish to this warpgroup.
   for (int it = 0; it < KT; ++it) {
     const int buf = it & 1;
-#if !defined(IGEMM_PATCH_NO_WGMMA)
     wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * A_STAGE), desc_sw128(sB_u + it * B_STAGE), acc);
-#endif
     if (it + 1 < KT) {
       cute::warpgroup_wait<1>();
 #pragma unroll

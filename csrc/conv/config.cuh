@@ -71,7 +71,7 @@ struct Config {
   static constexpr int CE = 16 / EB;               // elements per 16-byte chunk
   // shared-memory C tile (fp32), padded against bank conflicts: pixel-major (BM rows of BN channels) for
   // NHWC outputs, channel-major (BN rows of BM pixels) for NCHW outputs. The output layout is the store
-  // mode's, independent of the input's: an NHWC gather may store NCHW (igemm/conv2d.py's transpose path).
+  // mode's, independent of the input's: an NHWC gather may store NCHW (igemm/conv/_paths.py: the transpose path).
   static constexpr bool kNchwOut = StoreMode_ == kStoreNCHW || StoreMode_ == kStoreRegsNCHW;
   static constexpr bool kRegsStore = StoreMode_ == kStoreRegs || StoreMode_ == kStoreRegsNCHW;
   static constexpr bool kCsPixelMajor = !kNchwOut;

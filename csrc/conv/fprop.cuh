@@ -18,7 +18,7 @@
 // The operands' preparation (NCHW -> NHWC transposes, channel pads, the width unfold) are separate kernels:
 // transpose.cuh, unfold.cuh.
 //
-// Launch parameters: igemm/conv2d.py (CONV_PARAMS), rendered into `struct Params` by the stub. The stub's
+// Launch parameters: igemm/conv/_spec.py (CONV_PARAMS), rendered into `struct Params` by the stub. The stub's
 // prelude (KernelSpec.prelude) defines IGEMM_WGMMA for the sm_90a kernels and selects a variant with
 // IGEMM_STREAMK, IGEMM_CSPLIT or IGEMM_WS_CTAS (config.cuh).
 // Grid: (ceil(M / BM) · ceil(K / BN), 1, splits); each CTA computes the BM × BN output tile blockIdx.x

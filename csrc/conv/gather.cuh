@@ -146,7 +146,7 @@ struct GatherLoader {
         cp_async_zfill<16>(a_dst + soffA[i], ok ? ra[i].img + off : ra[i].img, ok);
       }
     } else {
-      // Element gather driven by the plan's per-k table (igemm/conv2d.py: _k_table): entry k holds the
+      // Element gather driven by the plan's per-k table (igemm/conv/_problem.py: k_table): entry k holds the
       // element offset of tap k relative to the row's origin and its (r·dh, s·dw) for the bounds checks;
       // entries past Kred have r·dh = -32768, so they always read zero.
       int tab[2 * CE];

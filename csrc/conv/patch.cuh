@@ -2,7 +2,7 @@
 //
 // For few-channel inputs (conv1: C = 3, 7x7/2) the plan runs the conv as an R x 1 conv over the width-
 // unfolded input, whose reduction index is kk = r·C' + s·C + c (C' = roundup(S·C, 8), lanes >= S·C zero:
-// igemm/_unfold.py). The filter is unfolded by the plan (w -> [K][R][C'], B below); x is not copied. Each CTA
+// igemm/conv/_unfold.py). The filter is unfolded by the plan (w -> [K][R][C'], B below); x is not copied. Each CTA
 // instead loads the input its BM output pixels read -- per output line (n, p) of the tile, rows
 // p·sh - ph .. + R-1 of x, the columns its pixels cover, all channels -- once by TMA into shared memory
 // (the "patch"), and builds every A k-tile from it there. A row's 8-lane chunk (r, s·C+c .. +7) is 8
@@ -14,7 +14,7 @@
 // Every 8-element window that starts in [k·kPatchStep, (k+1)·kPatchStep) lies inside box k. The boxes of
 // one line are consecutive slots of R × kPatchBox elements; line 0 (a partial line: the tile starts at q0)
 // takes nb0 slots, each following line nbf (a full line's), the last line fits in its nbf. The plan sizes
-// the region for the worst tile (KernelSpec.patch_bytes: igemm/_heuristics.py, patch_boxes).
+// the region for the worst tile (KernelSpec.patch_bytes: igemm/conv/_problem.py, patch_bytes).
 //
 // Parameters: the kernel problem is the user's (W, C, S, sw, pw are x's), except Kred = R·C' (the unfolded
 // filter's row); C' = Kred / R. Shared memory: [A: 2 buffers][B: Stages k-tiles, the whole reduction

@@ -5,7 +5,7 @@
 // tap (r, s) from channel c0, zeros outside the image and past the last image) and a tiled copy of the
 // BN × 64 B tile (w as the K × Kred matrix). Both land in the SW128 K-major layout the wgmma
 // descriptors read, and complete on the stage's mbarrier (transaction bytes). The tensor maps are
-// encoded by the plan (igemm/_tma.py) and passed as __grid_constant__ parameters. No thread computes a
+// encoded by the plan (igemm/conv/_tma.py) and passed as __grid_constant__ parameters. No thread computes a
 // gather address: the per-k-tile work is one divmod pair for (r, s, c0) in thread 0.
 #pragma once
 #include "conv/config.cuh"

@@ -34,7 +34,7 @@ constexpr int kThreads = 256;
 constexpr int kElems = 4096;                       // elements per tile
 constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
 enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5, kWideVec = 6,
-             kRowsVec = 7, kSubVec = 8 };   // per-job kinds (igemm/_transpose.py)
+             kRowsVec = 7, kSubVec = 8 };   // per-job kinds (igemm/conv/_transpose.py)
 
 // Scalar tile of (4096 / TC) rows x TC cols (TC = 64; 16 for short rows such as a filter's R*S; 1024 for
 // rows <= 4): element loads coalesced along cols, element stores coalesced along rows, through a padded

@@ -44,7 +44,7 @@ class KernelSpec:
     wm: int
     wn: int
     stages: int
-    load_a: str               # "vec" | "elem" | "tma" | "tma8" (sm_90a wgmma; load_b "tma": igemm/_tma.py)
+    load_a: str               # "vec" | "elem" | "tma" | "tma8" (sm_90a wgmma; load_b "tma": igemm/conv/_tma.py)
     load_b: str
     store: str                # "rows" | "linear" | "nchw" | "regs" | "regsnchw" (register epilogues: store_for)
     vec_o: int

@@ -1,34 +1,80 @@
 #!/usr/bin/env bash
-# One GPU run per milestone: install the carried wheels, run the GPU tests and the benchmarks.
-#   tools/gpu_check.sh [pytest args...]        (env: BENCH="bench_conv bench_epilogues ..." to run benchmarks)
-# Carry .whl (nvidia-cutlass wheel from ../shared/device/fetch-wheels.sh) and, optionally, .cache
-# (a kernel cache precompiled on the dev machine: IGEMM_CACHE_DIR=.cache/igemm).
+# A milestone's GPU run in stages, each under its own time limit, on a machine without network (the carried
+# wheels are installed first). Logs go to $OUT/logs and are packed into $OUT/logs.tgz after every stage, so a run
+# cut short still brings back what it did.
+#
+#   tools/gpu_check.sh STAGE...
+#     tests      the GPU suite: pytest -m "gpu and not slow and not multigpu" (N workers)
+#     fuzz       the hypothesis fuzz on the GPU ($FUZZ_EXAMPLES examples per item; prints the problem count)
+#     sanitize   tools/sanitize.sh, every family, in the background until `wait`
+#     wait       wait for the sanitizer and print its table
+#     bench      the benchmarks in $BENCHES (default: bench_conv bench_epilogues) with $BENCH_ARGS
+#     host       benchmarks/host_overhead.py, and the same benchmark of the checkout in $OLD if set
+#     multigpu   the two-GPU tests (SyncBN, device-mismatch rows)
+#     pytest     pytest $PYTEST_ARGS
+#   env: N (pytest workers, 12), FUZZ_EXAMPLES (24), T_<stage> (seconds), OUT (/tmp/out), OLD (another checkout)
+#
+# Carry .whl (../shared/device/fetch-wheels.sh: nvidia-cutlass) and, to spare the GPU machine the compiles,
+# .cache.tar.xz: a kernel cache made on the dev machine (tools/precompile_all.sh, then
+# `tar -cJf .cache.tar.xz -C .cache igemm`), unpacked into .cache/igemm here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed"; exit 3; }
-export PYTHONPATH=/tmp/site:$PWD
-# optional wheels (e.g. a newer cuda-pathfinder for nvmath-python) only where the machine's own fail
-if [ -d .whl-extra ] && ! python3 -c "import nvmath.bindings.cublas" >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-extra/*.whl
-  echo "installed .whl-extra: $(ls .whl-extra)"
-fi
-export IGEMM_CACHE_DIR=${IGEMM_CACHE_DIR:-$PWD/.cache/igemm}
+OUT=${OUT:-/tmp/out}; L=$OUT/logs; mkdir -p "$L"
+export PYTHONUNBUFFERED=1 IGEMM_CACHE_DIR=${IGEMM_CACHE_DIR:-$PWD/.cache/igemm} NCCL_NVLS_ENABLE=0
 mkdir -p "$IGEMM_CACHE_DIR"
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, cuda.core, numpy; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version(), 'cuda.core', cuda.core.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/device.txt"
-python3 -c "from igemm import _build; print('compiler:', _build.find_toolchain().describe())" | tee -a "$OUT/device.txt"
-if [ -n "${PRECOMPILE:-}" ]; then
-  python3 -m igemm precompile $PRECOMPILE 2>&1 | tail -3
+if ! python3 -c "import cutlass_library" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 3; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-rc=0
-if [ "$#" -gt 0 ]; then
-  python3 -m pytest "$@" 2>&1 | tee "$OUT/pytest.log" | grep -vE '^(tests/.*(PASSED|SKIPPED))' | tail -60
-  rc=${PIPESTATUS[0]}
-fi
-for b in ${BENCH:-}; do
-  python3 "benchmarks/$b.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$b.log" | tail -40
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -f .cache.tar.xz ] && [ -z "$(ls -A "$IGEMM_CACHE_DIR")" ] && tar -xJf .cache.tar.xz -C "$(dirname "$IGEMM_CACHE_DIR")"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, cuda.core, numpy; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version(),
+'cuda.core', cuda.core.__version__, 'numpy', numpy.__version__)"
+  python3 -m igemm info
+  echo "kernel cache: $(ls "$IGEMM_CACHE_DIR" | grep -c cubin) cubins"
+} 2>&1 | tee "$L/device.txt"
+N=${N:-12}
+pack() { tar -czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null; }
+stage() {   # stage NAME SECONDS CMD...
+  local name=$1 secs=$2 t0 rc; shift 2
+  t0=$(date +%s)
+  timeout -k 10 "$secs" "$@" > "$L/$name.log" 2>&1; rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s (limit $secs)"
+  grep -E "(passed|failed|error)s? in |xfailed|XPASS|^FAILED|^ERROR" "$L/$name.log" | tail -25
+  pack
+}
+SAN_PID=
+for s in "$@"; do
+  case $s in
+    tests) stage tests "${T_tests:-420}" python3 -m pytest tests -m "gpu and not slow and not multigpu" -q -n "$N" \
+             -rfEx --tb=short -p no:cacheprovider ;;
+    fuzz) rm -f "$L/fuzz-count.txt"
+          IGEMM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-24} IGEMM_FUZZ_LOG=$L/fuzz-count.txt \
+            stage fuzz "${T_fuzz:-420}" python3 -m pytest tests/test_fuzz.py -m "gpu" -q -n "$N" -rfE --tb=short \
+            -p no:cacheprovider
+          echo "fuzz problems run: $(awk '{s += $2} END {print s + 0}' "$L/fuzz-count.txt" 2>/dev/null)" ;;
+    sanitize) ( OUT=$L/sanitize JOBS=${SAN_JOBS:-4} timeout -k 10 "${T_sanitize:-540}" tools/sanitize.sh \
+                  > "$L/sanitize.log" 2>&1; echo "rc=$?" >> "$L/sanitize.log" ) &
+              SAN_PID=$! ;;
+    wait) [ -n "$SAN_PID" ] && wait "$SAN_PID"; echo "== sanitize:"; tail -32 "$L/sanitize.log"; pack ;;
+    bench) for b in ${BENCHES:-bench_conv bench_epilogues}; do
+             stage "$b" "${T_bench:-240}" python3 "benchmarks/$b.py" --out "$L" ${BENCH_ARGS:-}
+             grep -E "^\|" "$L/$b.log" | head -45
+           done ;;
+    host) stage host "${T_host:-120}" python3 benchmarks/host_overhead.py --out "$L"
+          grep -E "^\|" "$L/host.log"
+          if [ -n "${OLD:-}" ]; then          # the same benchmark, the other checkout's code, the same machine
+            stage host-old "${T_host:-120}" env PYTHONPATH="$OLD:/tmp/site" IGEMM_CACHE_DIR="$IGEMM_CACHE_DIR-old" \
+              python3 "$OLD/benchmarks/host_overhead.py" --out "$L/old"
+            grep -E "^\||fast launch" "$L/host-old.log"
+          fi ;;
+    pytest) stage pytest "${T_pytest:-300}" bash -c "python3 -m pytest ${PYTEST_ARGS:-tests} -q -rfEx --tb=short -p no:cacheprovider" ;;
+    multigpu) stage multigpu "${T_multigpu:-420}" python3 -m pytest tests -m multigpu -q -rfEs --tb=short \
+                -p no:cacheprovider ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
 done
-exit $rc
+pack

@@ -614,66 +614,6 @@ def test_channel_pad_choice():
     assert rel_err(y, reference.conv2d_direct(x, w, 1, 1, 1, "NHWC")) < 1e-2
 
 
-def _unfold_numpy(src: np.ndarray, job) -> np.ndarray:
-    """csrc/conv/unfold.cuh's job in numpy, from the job's own fields (strides in elements)."""
-    flat = src.ravel()
-    out = np.zeros((job.A, job.B, job.Q, job.Cp), src.dtype)
-    sa, sb, sc, sw = job.strides
-    for s in range(job.S):
-        for c in range(job.C):
-            w = np.arange(job.Q) * job.stride - job.pad + s * job.dil
-            ok = (w >= 0) & (w < job.width)
-            idx = (np.arange(job.A)[:, None, None] * sa + np.arange(job.B)[None, :, None] * sb + c * sc
-                   + np.where(ok, w, 0)[None, None, :] * sw)
-            out[:, :, :, s * job.C + c] = np.where(ok[None, None, :], flat[idx], 0)
-    return out
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_unfold_choice_and_geometry(layout, rng):
-    """The width unfold: when it is chosen, and that a conv of the unfolded copies (the jobs' index math,
-    emulated in numpy) with the unfolded problem equals the conv, over strides, paddings and dilations."""
-    from igemm.conv._paths import kernel_setup, use_unfold
-    from igemm.conv._unfold import UnfoldJob, unfold_channels
-    assert use_unfold(_pb(C=3, R=7, S=7, layout=layout))                               # conv1, fp16
-    assert not use_unfold(_pb(C=3, R=7, S=7, layout=layout, dtype="float32", precision="strict"))  # measured slower
-    assert not use_unfold(_pb(C=4, R=3, S=3, dtype="float32", precision="strict"))    # 16-byte pixels already
-    assert not use_unfold(_pb(C=3, R=3, S=1))                                          # nothing to unfold
-    assert not use_unfold(_pb(C=3, R=7, S=7), pad=True) and not use_unfold(_pb(C=3, R=7, S=7), "native")
-    assert use_unfold(_pb(C=12, R=3, S=3), unfold=True) and not use_unfold(_pb(C=3, R=7, S=7), unfold=False)
-    with pytest.raises(ValueError, match="unfold"):
-        use_unfold(_pb(C=3), pad=True, unfold=True)
-    assert (unfold_channels(3, 7, 2), unfold_channels(3, 7, 4), unfold_channels(1, 3, 2)) == (24, 24, 8)
-    path, kp = kernel_setup(_pb(C=3, R=7, S=7, H=30, W=30, stride=(2, 2), padding=(3, 3), layout=layout))
-    assert (path, kp.C, kp.S, kp.W, kp.layout, kp.y_layout, kp.stride, kp.padding) == (
-        "unfold", 24, 1, 15, "NHWC", layout, (2, 1), (3, 0))
-    s = choose_config(kp)
-    assert (s.load_a, s.load_b, kp.Kred) == ("vec", "vec", 168)
-    big = kernel_setup(_pb(N=32, C=3, R=7, S=7, H=224, W=224, K=64, stride=(2, 2), padding=(3, 3)))[1]
-    assert (choose_config(big).bm, choose_config(big).wm) == (128, 2)                  # conv1, N=32
-    plan = Conv2dPlan((2, 3, 30, 30) if layout == "NCHW" else (2, 30, 30, 3),
-                      (64, 3, 7, 7) if layout == "NCHW" else (64, 7, 7, 3), "float16", layout, 2, 3, device="numpy", options=igemm.Conv2dOptions(unfold="copy"))
-    assert plan.path == "unfold" and "unfolded to 24" in repr(plan)
-    assert plan.spec(x_aligned=False, w_aligned=False).load_a == "vec"                # reads its own copies
-    for _ in range(12):
-        C, R, S = int(rng.integers(1, 6)), int(rng.integers(1, 5)), int(rng.integers(1, 6))
-        st, pd, dl = ((int(rng.integers(1, 4)), int(rng.integers(1, 4))), (int(rng.integers(0, 3)),
-                      int(rng.integers(0, 3))), (int(rng.integers(1, 3)), int(rng.integers(1, 3))))
-        H, W = int(rng.integers(dl[0] * (R - 1) + 1, 14)), int(rng.integers(dl[1] * (S - 1) + 1, 14))
-        pb = _pb(N=2, C=C, H=H, W=W, K=5, R=R, S=S, stride=st, padding=pd, dilation=dl, layout=layout,
-                 dtype="float32", precision="strict")
-        x, w = to_layout(rng.standard_normal((2, C, H, W)), rng.standard_normal((5, C, R, S)), layout)
-        path, kp = kernel_setup(pb, unfold=True)
-        jx, jw = UnfoldJob.for_x(pb, 4), UnfoldJob.for_w(pb, 4)
-        xu = _unfold_numpy(x, jx).reshape(kp.N, kp.H, kp.W, kp.C)
-        wu = _unfold_numpy(w, jw).reshape(kp.K, kp.R, 1, kp.C)
-        got = reference.conv2d_direct(xu, wu, kp.stride, kp.padding, kp.dilation, "NHWC")
-        want = reference.conv2d_direct(x, w, st, pd, dl, layout)
-        if layout == "NCHW":
-            got = got.transpose(0, 3, 1, 2)
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(pb))
-
-
 def _patch_a_tiles(x: np.ndarray, pb, bm: int) -> np.ndarray:
     """csrc/conv/patch.cuh in numpy, from its own index math: every tile's patch (boxes of x viewed as
     [N][H][W*C], zero outside) in a NaN-poisoned region of the plan's size, then the A k-tiles built from it
@@ -763,6 +703,7 @@ def test_patch_loader_index_math(rng):
     """The patch kernel's tiles, lines, box slots and chunk offsets (emulated in numpy, NaN-poisoned patch)
     build exactly the im2col matrix of the width-unfolded problem, for random few-channel problems and both
     tile heights; the slot count the plan reserves is never exceeded; the path choice."""
+    from test_conv_prep import _unfold_numpy
     from igemm.conv._paths import kernel_setup, patch_unsupported
     from igemm.conv._rules import patch_config
     from igemm.conv._spec import validate_spec
@@ -894,36 +835,6 @@ def test_persistent_and_tma8_kernels_compile(tmp_path, monkeypatch):
         assert cubin[:4] == b"\x7fELF"
     for log in tmp_path.glob("*.log"):
         assert " 0 bytes spill stores" in log.read_text() and "C7514" not in log.read_text()
-
-
-@pytest.mark.compile
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
-    from igemm.conv import _transpose
-    monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
-    T = _transpose
-    for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD), (2, T.VEC, T.ROWSVEC)):
-        cubin, _ = _build.compile_cubin(T._stub(e, a, b), arch, name=T._name(e, a, b))
-        assert cubin[:4] == b"\x7fELF"
-
-
-@pytest.mark.compile
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_unfold_kernels_compile(arch, tmp_path, monkeypatch):
-    """The width unfold (2- and 4-byte elements) and the conv kernel of an unfolded conv1."""
-    from igemm.conv import _unfold
-    from igemm.conv._paths import kernel_setup
-    monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
-    for name, stub in _unfold.all_variants():
-        cubin, _ = _build.compile_cubin(stub, arch, name=name)
-        assert cubin[:4] == b"\x7fELF"
-    kp = kernel_setup(_pb(C=3, R=7, S=7, stride=(2, 2), padding=(3, 3), layout="NCHW",
-                          epilogue=(("ReLU", True),)))[1]
-    spec = choose_config(kp, arch)
-    cubin, _ = _build.compile_cubin(_stub(spec), arch, name=spec.name())
-    assert cubin[:4] == b"\x7fELF"
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -2156,70 +2067,6 @@ def _replay_in_graph(torch, plan, x, w, y, w_scale, ref_fn):
         g.replay()
         torch.cuda.synchronize()
         assert rel_err(to_numpy(y), ref_fn()) <= TOL[str(y.dtype).replace("torch.", "")]
-
-
-@pytest.mark.gpu
-def test_gpu_transpose_kernel(rng):
-    """The batched transpose on its own: every tile variant, exact bits."""
-    torch = pytest.importorskip("torch")
-    from igemm.conv import _transpose
-    for dt, (B, R, C) in [(torch.float16, (3, 64, 3136)), (torch.bfloat16, (2, 72, 196)),
-                          (torch.float16, (5, 130, 9)), (torch.float32, (2, 33, 70)), (torch.float16, (1, 8, 8)),
-                          (torch.float16, (3, 300, 16)), (torch.float32, (2, 513, 1)), (torch.float16, (2, 9, 17)),
-                          (torch.float16, (3, 3, 5000)), (torch.float32, (2, 4, 1500)), (torch.bfloat16, (2, 1, 2048)),
-                          (torch.float16, (2, 3, 5003)),
-                          # 256-row 16-byte tiles of a filter's taps (one full tile and a tail; 3 taps)
-                          (torch.float16, (4, 512, 9)), (torch.bfloat16, (3, 264, 9)), (torch.float16, (2, 16, 3))]:
-        for pitch in {R, R + 5}:                                 # zero-filled channels past R
-            a = torch.randn(B, R, C, device="cuda").to(dt)
-            o = torch.full((B, C, pitch), float("nan"), device="cuda", dtype=dt)
-            es = a.element_size()
-            _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream,
-                                   _transpose.TransposeJob(B, R, C, es, pitch=pitch), a.data_ptr(), o.data_ptr())
-            p = torch.cat([a.transpose(1, 2), torch.zeros(B, C, pitch - R, device="cuda", dtype=dt)], 2)
-            torch.cuda.synchronize()
-            assert torch.equal(o, p), (dt, B, R, C, pitch)
-            pa = torch.full((C * B, pitch), float("nan"), device="cuda", dtype=dt)   # channel pad of B*C pixels
-            src = a.reshape(B * C, R)                            # the same memory as B*C pixels of R channels
-            _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream,
-                                   _transpose.TransposeJob(1, R, B * C, es, pitch=pitch, pad=True), src.data_ptr(),
-                                   pa.data_ptr())
-            torch.cuda.synchronize()
-            assert torch.equal(pa[:, :R], src) and not pa[:, R:].any(), (dt, B, R, C, pitch, "pad")
-        es = torch.tensor([], dtype=dt).element_size()
-        a = torch.randn(B, R, C, device="cuda").to(dt)
-        b = torch.randn(2, 24, 40, device="cuda").to(dt)
-        oa = torch.full((B, C, R), float("nan"), device="cuda", dtype=dt)
-        ob = torch.full((2, 40, 24), float("nan"), device="cuda", dtype=dt)
-        ja, jb = _transpose.TransposeJob(B, R, C, es), _transpose.TransposeJob(2, 24, 40, es)
-        _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream, ja, a.data_ptr(), oa.data_ptr(),
-                               jb, b.data_ptr(), ob.data_ptr())
-        torch.cuda.synchronize()
-        assert torch.equal(oa, a.transpose(1, 2)) and torch.equal(ob, b.transpose(1, 2)), (dt, B, R, C)
-    # subsampled jobs: x[:, :, ::sh, ::sw] NCHW -> NHWC (a 1x1 strided conv's pixels), with a second job
-    for dt, (B, R, H, W), (sh, sw), pitch in [(torch.float16, (2, 64, 9, 11), (2, 2), 64),
-                                              (torch.float32, (3, 5, 14, 13), (3, 1), 8),
-                                              (torch.bfloat16, (1, 130, 28, 28), (2, 3), 130),
-                                              # 8-byte pair loads (16-bit, sw = 2, W % 4 == 0): several
-                                              # 64-column tiles, a partial one, two row tiles with a tail
-                                              (torch.float16, (3, 136, 28, 28), (2, 2), 136),
-                                              (torch.bfloat16, (2, 64, 9, 20), (2, 2), 64),
-                                              (torch.float16, (2, 8, 16, 8), (1, 2), 8)]:
-        a = torch.randn(B, R, H, W, device="cuda").to(dt)
-        sub = a[:, :, ::sh, ::sw]
-        P, Q = sub.shape[2], sub.shape[3]
-        o = torch.full((B, P, Q, pitch), float("nan"), device="cuda", dtype=dt)
-        b = torch.randn(2, 24, 40, device="cuda").to(dt)
-        ob = torch.full((2, 40, 24), float("nan"), device="cuda", dtype=dt)
-        es = a.element_size()
-        job = _transpose.TransposeJob(B, R, P * Q, es, pitch=pitch, sub=(Q, W, sh, sw, H * W))
-        vec = es == 2 and sw == 2 and W % 4 == 0 and pitch == R and R % 8 == 0
-        assert job.mode(a.data_ptr(), o.data_ptr()) == (_transpose.SUBVEC if vec else _transpose.SUB)
-        _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream, job, a.data_ptr(), o.data_ptr(),
-                               _transpose.TransposeJob(2, 24, 40, es), b.data_ptr(), ob.data_ptr())
-        torch.cuda.synchronize()
-        want = torch.cat([sub.permute(0, 2, 3, 1), torch.zeros(B, P, Q, pitch - R, device="cuda", dtype=dt)], 3)
-        assert torch.equal(o, want) and torch.equal(ob, b.transpose(1, 2)), (dt, B, R, H, W, sh, sw)
 
 
 @pytest.mark.gpu

@@ -6,8 +6,9 @@
 #   tools/gpu_check.sh STAGE...
 #     tests      the GPU suite: pytest -m "gpu and not slow and not multigpu" (N workers)
 #     fuzz       the hypothesis fuzz on the GPU ($FUZZ_EXAMPLES examples per item; prints the problem count)
+#     bgfuzz     the fuzz in the background (with $FUZZ_N workers) until `wait`
 #     sanitize   tools/sanitize.sh, every family, in the background until `wait`
-#     wait       wait for the sanitizer and print its table
+#     wait       wait for the background stages; print the sanitizer's table and the fuzz count
 #     bench      the benchmarks in $BENCHES (default: bench_conv bench_epilogues) with $BENCH_ARGS
 #     host       benchmarks/host_overhead.py, and the same benchmark of the checkout in $OLD if set
 #     multigpu   the two-GPU tests (SyncBN, device-mismatch rows)
@@ -46,20 +47,28 @@ stage() {   # stage NAME SECONDS CMD...
   grep -E "(passed|failed|error)s? in |xfailed|XPASS|^FAILED|^ERROR" "$L/$name.log" | tail -25
   pack
 }
-SAN_PID=
+fuzz() {   # the GPU fuzz with $1 workers
+  rm -f "$L/fuzz-count.txt"
+  IGEMM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-24} IGEMM_FUZZ_LOG=$L/fuzz-count.txt \
+    stage fuzz "${T_fuzz:-420}" python3 -m pytest tests/test_fuzz.py -m "gpu" -q -n "$1" -rfE --tb=short \
+    -p no:cacheprovider
+  echo "fuzz problems run: $(awk '{s += $2} END {print s + 0}' "$L/fuzz-count.txt" 2>/dev/null)"
+}
+BG=()
 for s in "$@"; do
   case $s in
     tests) stage tests "${T_tests:-420}" python3 -m pytest tests -m "gpu and not slow and not multigpu" -q -n "$N" \
              -rfEx --tb=short -p no:cacheprovider ;;
-    fuzz) rm -f "$L/fuzz-count.txt"
-          IGEMM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-24} IGEMM_FUZZ_LOG=$L/fuzz-count.txt \
-            stage fuzz "${T_fuzz:-420}" python3 -m pytest tests/test_fuzz.py -m "gpu" -q -n "$N" -rfE --tb=short \
-            -p no:cacheprovider
-          echo "fuzz problems run: $(awk '{s += $2} END {print s + 0}' "$L/fuzz-count.txt" 2>/dev/null)" ;;
+    fuzz) fuzz "$N" ;;
+    bgfuzz) fuzz "${FUZZ_N:-4}" > "$L/fuzz-summary.txt" 2>&1 &
+            BG+=($!) ;;
     sanitize) ( OUT=$L/sanitize JOBS=${SAN_JOBS:-4} timeout -k 10 "${T_sanitize:-540}" tools/sanitize.sh \
                   > "$L/sanitize.log" 2>&1; echo "rc=$?" >> "$L/sanitize.log" ) &
-              SAN_PID=$! ;;
-    wait) [ -n "$SAN_PID" ] && wait "$SAN_PID"; echo "== sanitize:"; tail -32 "$L/sanitize.log"; pack ;;
+              BG+=($!) ;;
+    wait) [ ${#BG[@]} -gt 0 ] && wait "${BG[@]}"; BG=()
+          [ -f "$L/fuzz-summary.txt" ] && cat "$L/fuzz-summary.txt"
+          [ -f "$L/sanitize.log" ] && { echo "== sanitize:"; tail -32 "$L/sanitize.log"; }
+          pack ;;
     bench) for b in ${BENCHES:-bench_conv bench_epilogues}; do
              stage "$b" "${T_bench:-240}" python3 "benchmarks/$b.py" --out "$L" ${BENCH_ARGS:-}
              grep -E "^\|" "$L/$b.log" | head -45

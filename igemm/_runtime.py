@@ -66,7 +66,9 @@ def get_backend() -> str:
     if b == "auto":
         return "cuda" if _device_count() > 0 else "numpy"
     if b not in ("cuda", "numpy"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'numpy', got {b!r}")
+        raise ValueError(f"IGEMM_BACKEND: must be 'auto', 'cuda' or 'numpy', got {b!r}")
+    if b == "cuda" and _backend_override is None and _device_count() == 0:
+        raise RuntimeError(f"IGEMM_BACKEND=cuda, but no CUDA GPU is visible: {_gpu_probe()[1]}")
     return b
 
 

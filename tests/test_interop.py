@@ -220,3 +220,17 @@ def test_jax_output_alive_at_interpreter_exit(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "4096.0", r.stdout + r.stderr
+
+
+def test_backend_variable_cuda_without_gpu_raises_at_once(monkeypatch):
+    """Item 4: ``IGEMM_BACKEND=cuda`` on a machine with no GPU raises at the first call that asks, naming the
+    variable, not later in a launch; an unknown value names the variable too."""
+    monkeypatch.setenv("IGEMM_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="^IGEMM_BACKEND: must be"):
+        igemm.get_backend()
+    monkeypatch.setenv("IGEMM_BACKEND", "cuda")
+    if _runtime._device_count() > 0:
+        assert igemm.get_backend() == "cuda"
+        return
+    with pytest.raises(RuntimeError, match="^IGEMM_BACKEND=cuda, but no CUDA GPU is visible"):
+        igemm.get_backend()

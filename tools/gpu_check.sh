@@ -4,7 +4,8 @@
 # cut short still brings back what it did.
 #
 #   tools/gpu_check.sh STAGE...
-#     tests      the GPU suite: pytest -m "gpu and not slow and not multigpu" (N workers)
+#     tests      the GPU suite: pytest -m "gpu and not slow and not multigpu" (N workers; the fuzz's GPU items
+#                included, their problem count printed)
 #     fuzz       the hypothesis fuzz on the GPU ($FUZZ_EXAMPLES examples per item; prints the problem count)
 #     bgfuzz     the fuzz in the background (with $FUZZ_N workers) until `wait`
 #     sanitize   tools/sanitize.sh, every family, in the background until `wait`
@@ -57,8 +58,10 @@ fuzz() {   # the GPU fuzz with $1 workers
 BG=()
 for s in "$@"; do
   case $s in
-    tests) stage tests "${T_tests:-420}" python3 -m pytest tests -m "gpu and not slow and not multigpu" -q -n "$N" \
-             -rfEx --tb=short -p no:cacheprovider ;;
+    tests) rm -f "$L/fuzz-count.txt"       # (the suite includes the fuzz's GPU items: their problems are counted)
+           IGEMM_FUZZ_LOG=$L/fuzz-count.txt stage tests "${T_tests:-420}" python3 -m pytest tests \
+             -m "gpu and not slow and not multigpu" -q -n "$N" -rfEx --tb=short -p no:cacheprovider
+           echo "fuzz problems run: $(awk '{s += $2} END {print s + 0}' "$L/fuzz-count.txt" 2>/dev/null)" ;;
     fuzz) fuzz "$N" ;;
     bgfuzz) fuzz "${FUZZ_N:-4}" > "$L/fuzz-summary.txt" 2>&1 &
             BG+=($!) ;;

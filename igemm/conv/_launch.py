@@ -177,14 +177,17 @@ class TorchCall:
         self.int32 = torch.int32
         self.stream_of = torch._C._cuda_getCurrentRawStream
         self.empty_like = torch.empty_like
-
-        def template(shape, dt):        # empty_like of an expanded one-element tensor: the cheapest allocation
-            return torch.empty((1,) * len(shape), dtype=dt, device=self.device).expand(shape)
-        self.y_template = template(self.y_shape, self.dtype)
+        self.y_template = self.mask_template = None      # (made at the first call that allocates)
         self.want_mask = plan.chain.mask
-        self.mask_template = template((self.mask_words,), torch.int32) if self.want_mask else None
         self.residual_op = plan.chain.residual_op
         self.patch_nhwc = plan.path == "patch" and plan.problem.layout == "NHWC"
+
+    def _templates(self) -> None:
+        """empty_like of an expanded one-element tensor: the cheapest torch allocation of an output."""
+        import torch
+        self.y_template = torch.empty((1,) * 4, dtype=self.dtype, device=self.device).expand(self.y_shape)
+        if self.want_mask:
+            self.mask_template = torch.empty((1,), dtype=torch.int32, device=self.device).expand(self.mask_words)
 
     def _ok(self, t, dtype, shape) -> bool:
         return (type(t) is self.Tensor and t.dtype is dtype and t.get_device() == self.device_index
@@ -214,6 +217,8 @@ class TorchCall:
                 return None
             extents.append((rp, self.res_nbytes))
         if out is None:
+            if self.y_template is None:
+                self._templates()
             out = self.empty_like(self.y_template)
             yp = out.data_ptr()
         else:
@@ -225,6 +230,8 @@ class TorchCall:
         mp = 0
         if self.want_mask:
             if mask_out is None:
+                if self.mask_template is None:
+                    self._templates()
                 mask_out = self.empty_like(self.mask_template)
             elif (type(mask_out) is not T or mask_out.dtype is not self.int32
                   or mask_out.get_device() != self.device_index or mask_out.dim() != 1

@@ -66,6 +66,16 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
     >>> igemm.conv2d(x, w, padding=1).shape
     (1, 3, 5, 5)
     """
+    if type(x) is _TORCH_TENSOR and epilogue is None and residual is None and mask_out is None:
+        # a repeated plain call on torch tensors: the cached plan checks what it relies on itself and falls
+        # back to its general path, which raises the precise error (docs/performance.md: host-conv2d-fast-path)
+        try:
+            plan = _TORCH_PLANS.get((x.shape, w.shape, x.dtype, x.device, layout, stride, padding, dilation,
+                                     precision))
+        except TypeError:           # (an unhashable stride, padding or dilation: the general path)
+            plan = None
+        if plan is not None:
+            return plan.run(x, w, out, None, None, stream)
     for name, a in (("x", x), ("w", w)):
         if a is None:
             raise TypeError(f"{name}: expected an array, got None")
@@ -81,12 +91,32 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
         raise ValueError("residual: given, but the epilogue has no Add")
     plan = _plan_for(xt, wt, layout, pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"),
                      chain, precision, residual, device_id)
+    if xt.kind == "torch" and not chain.ops and residual is None and mask_out is None:
+        _remember(x, w, plan, (layout, stride, padding, dilation, precision))
     folded = None
     if device_id is not None and (chain.affine_ops or chain.prelu_op):
         # fold on the launch stream, so the vectors are ordered before the kernel that reads them
         sh = _runtime.stream_handle(stream, xt.kind, device_id)
         folded = FoldedVectors(chain, plan.problem.K, device_id, sh)
     return plan.run(x, w, out, residual, mask_out, stream, chain, folded)
+
+
+_TORCH_TENSOR = None        # torch.Tensor, once a torch call has been seen
+_TORCH_PLANS: dict = {}
+
+
+def _remember(x, w, plan: Conv2dPlan, args: tuple) -> None:
+    global _TORCH_TENSOR
+    key = (x.shape, w.shape, x.dtype, x.device, *args)
+    try:
+        hash(key)
+    except TypeError:
+        return
+    import torch
+    _TORCH_TENSOR = torch.Tensor
+    if len(_TORCH_PLANS) >= _CACHE_SIZE:
+        _TORCH_PLANS.clear()
+    _TORCH_PLANS[key] = plan
 
 
 @keeps_current_context

@@ -65,6 +65,8 @@ def _vector(v, name: str, K: int) -> None:
     shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
     if shape is None or dtype is None:
         raise TypeError(f"{name}: expected an array (torch, cupy, jax or numpy), got {type(v).__name__}")
+    if type(v).__module__.split(".")[0] == "torch" and not v.is_cuda:
+        raise TypeError(f"{name}: a torch tensor on {v.device} was given; pass a CUDA tensor (or a numpy array)")
     if len(shape) != 1 or int(shape[0]) != K:
         raise ValueError(f"{name}: expected a 1-D vector of {K} values (one per output channel), "
                          f"got shape {tuple(shape)}")

@@ -50,8 +50,8 @@ stage() {   # stage NAME SECONDS CMD...
 }
 fuzz() {   # the GPU fuzz with $1 workers
   rm -f "$L/fuzz-count.txt"
-  IGEMM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-24} IGEMM_FUZZ_LOG=$L/fuzz-count.txt \
-    stage fuzz "${T_fuzz:-420}" python3 -m pytest tests/test_fuzz.py -m "gpu" -q -n "$1" -rfE --tb=short \
+  export IGEMM_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-24} IGEMM_FUZZ_LOG=$L/fuzz-count.txt
+  stage fuzz "${T_fuzz:-420}" python3 -m pytest tests/test_fuzz.py -m "gpu" -q -n "$1" -rfE --tb=short \
     -p no:cacheprovider
   echo "fuzz problems run: $(awk '{s += $2} END {print s + 0}' "$L/fuzz-count.txt" 2>/dev/null)"
 }
@@ -59,7 +59,8 @@ BG=()
 for s in "$@"; do
   case $s in
     tests) rm -f "$L/fuzz-count.txt"       # (the suite includes the fuzz's GPU items: their problems are counted)
-           IGEMM_FUZZ_LOG=$L/fuzz-count.txt stage tests "${T_tests:-420}" python3 -m pytest tests \
+           export IGEMM_FUZZ_LOG=$L/fuzz-count.txt
+           stage tests "${T_tests:-420}" python3 -m pytest tests \
              -m "gpu and not slow and not multigpu" -q -n "$N" -rfEx --tb=short -p no:cacheprovider
            echo "fuzz problems run: $(awk '{s += $2} END {print s + 0}' "$L/fuzz-count.txt" 2>/dev/null)" ;;
     fuzz) fuzz "$N" ;;

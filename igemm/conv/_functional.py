@@ -97,7 +97,7 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
     if device_id is not None and (chain.affine_ops or chain.prelu_op):
         # fold on the launch stream, so the vectors are ordered before the kernel that reads them
         sh = _runtime.stream_handle(stream, xt.kind, device_id)
-        folded = FoldedVectors(chain, plan.problem.K, device_id, sh)
+        folded = FoldedVectors(chain, plan.problem.K, device_id, sh, snapshot=False)   # (read at this call)
     return plan.run(x, w, out, residual, mask_out, stream, chain, folded)
 
 

@@ -26,19 +26,21 @@ class FoldedVectors:
 
     torch CUDA vectors are folded with torch ops on their device, on the launch stream (no host
     synchronisation); anything else is folded on the host in float64 and uploaded (stream-ordered).
-    ``device_id=None``: host (float64) only, for the numpy backend (:attr:`host`).
+    ``device_id=None``: host (float64) only, for the numpy backend (:attr:`host`). ``snapshot``: a plan's
+    vectors, which later in-place changes of the caller's tensors must not reach (a per-channel PReLU slope
+    is copied; the folded scale and shift are new tensors anyway).
     """
 
     __slots__ = ("scale", "shift", "alpha", "alpha_scalar", "host", "_keep")
 
-    def __init__(self, chain, K: int, device_id: int | None, stream: int = 0):
+    def __init__(self, chain, K: int, device_id: int | None, stream: int = 0, snapshot: bool = True):
         self.scale = self.shift = self.alpha = 0
         self._keep: list = []
         pr = chain.prelu_op
         self.alpha_scalar = np.float32(pr.alpha if pr is not None and not pr.per_channel else 0.0)
         self.host = None
         if device_id is not None and chain.torch_foldable():
-            self._fold_torch(chain, pr, K, device_id, stream)
+            self._fold_torch(chain, pr, K, device_id, stream, snapshot)
             return
         host = {}
         folded = chain.fold(K)
@@ -56,7 +58,7 @@ class FoldedVectors:
                 self._keep.append(d)
                 setattr(self, name, d.ptr)
 
-    def _fold_torch(self, chain, pr, K: int, device_id: int, stream: int) -> None:
+    def _fold_torch(self, chain, pr, K: int, device_id: int, stream: int, snapshot: bool) -> None:
         import torch
         dev = torch.device("cuda", device_id)
 
@@ -66,7 +68,8 @@ class FoldedVectors:
                 self._set("scale", folded[0])
                 self._set("shift", folded[1])
             if pr is not None and pr.per_channel:
-                self._set("alpha", pr.alpha.float().contiguous().reshape(-1))
+                a = pr.alpha.float().contiguous().reshape(-1)
+                self._set("alpha", a.clone() if snapshot and a.data_ptr() == pr.alpha.data_ptr() else a)
         if stream and stream != torch._C._cuda_getCurrentRawStream(device_id):
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
                 fold()

@@ -4,8 +4,7 @@
 # cut short still brings back what it did.
 #
 #   tools/gpu_check.sh STAGE...
-#     tests      the GPU suite: pytest -m "gpu and not slow and not multigpu" (N workers; the fuzz's GPU items
-#                included, their problem count printed)
+#     tests      the GPU suite: pytest -m "gpu and not slow and not multigpu" (N workers)
 #     fuzz       the hypothesis fuzz on the GPU ($FUZZ_EXAMPLES examples per item; prints the problem count)
 #     bgfuzz     the fuzz in the background (with $FUZZ_N workers) until `wait`
 #     sanitize   tools/sanitize.sh, every family, in the background until `wait`
@@ -58,11 +57,8 @@ fuzz() {   # the GPU fuzz with $1 workers
 BG=()
 for s in "$@"; do
   case $s in
-    tests) rm -f "$L/fuzz-count.txt"       # (the suite includes the fuzz's GPU items: their problems are counted)
-           export IGEMM_FUZZ_LOG=$L/fuzz-count.txt
-           stage tests "${T_tests:-420}" python3 -m pytest tests \
-             -m "gpu and not slow and not multigpu" -q -n "$N" -rfEx --tb=short -p no:cacheprovider
-           echo "fuzz problems run: $(awk '{s += $2} END {print s + 0}' "$L/fuzz-count.txt" 2>/dev/null)" ;;
+    tests) stage tests "${T_tests:-420}" python3 -m pytest tests -m "gpu and not slow and not multigpu" -q -n "$N" \
+             -rfEx --tb=short -p no:cacheprovider ;;   # (the fuzz's GPU items are `slow`: the fuzz stage runs them)
     fuzz) fuzz "$N" ;;
     bgfuzz) fuzz "${FUZZ_N:-4}" > "$L/fuzz-summary.txt" 2>&1 &
             BG+=($!) ;;

@@ -27,6 +27,7 @@
 #include <cuda_fp16.h>
 #include <type_traits>
 #include "common.cuh"
+#include "elementwise.cuh"
 
 namespace igemm::index_add {
 
@@ -34,25 +35,6 @@ constexpr int kFewMax = 32;    // indices staged in shared memory by `few` (inde
 constexpr int kSortTile = 256; // keys per block in sort_tile (== its block size)
 
 // ----------------------------------------------------------------------------------------- elements
-template <class T> struct Elem;
-template <> struct Elem<float> {
-  using Bits = float;
-  static IGEMM_DEVICE float to_f(float b) { return b; }
-  static IGEMM_DEVICE float from_f(float f) { return f; }
-};
-template <> struct Elem<cutlass::half_t> {
-  using Bits = uint16_t;
-  static IGEMM_DEVICE float to_f(uint16_t b) { return __half2float(__ushort_as_half(b)); }
-  static IGEMM_DEVICE uint16_t from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
-};
-template <> struct Elem<cutlass::bfloat16_t> {
-  using Bits = uint16_t;
-  static IGEMM_DEVICE float to_f(uint16_t b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
-  static IGEMM_DEVICE uint16_t from_f(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
-};
-
-template <class B, int V>
-struct alignas(sizeof(B) * V) Pack { B v[V]; };
 
 // Streaming (evict-first) pack load and store, for data touched once (the sweep's source and x rows).
 template <class PK> struct RawOf;

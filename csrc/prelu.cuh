@@ -21,31 +21,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include "common.cuh"
+#include "elementwise.cuh"
 
 namespace igemm::prelu {
 
 enum Mode : int { kScalarVal = 0, kScalarPtr = 1, kPlane = 2, kRow = 3, kStep = 4 };
 constexpr int kThreads = 256;  // every kernel's block size (backward: blockDim.x * blockDim.y)
 
-template <class T> struct Elem;
-template <> struct Elem<float> {
-  using Bits = float;
-  static IGEMM_DEVICE float to_f(float b) { return b; }
-  static IGEMM_DEVICE float from_f(float f) { return f; }
-};
-template <> struct Elem<cutlass::half_t> {
-  using Bits = uint16_t;
-  static IGEMM_DEVICE float to_f(uint16_t b) { return __half2float(__ushort_as_half(b)); }
-  static IGEMM_DEVICE uint16_t from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
-};
-template <> struct Elem<cutlass::bfloat16_t> {
-  using Bits = uint16_t;
-  static IGEMM_DEVICE float to_f(uint16_t b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
-  static IGEMM_DEVICE uint16_t from_f(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
-};
-
-template <class B, int V>
-struct alignas(sizeof(B) * V) Pack { B v[V]; };
 
 // Streaming 16-byte accesses where the pack is 16 bytes; plain ones otherwise.
 template <class B, int V>

@@ -20,7 +20,7 @@ each path bench_conv times, no epilogue, BN+ReLU(mask) and BN+Add+ReLU(mask); fp
 epilogue); ``prep`` every transpose and unfold variant; ``extra`` the autotune candidates of a few problems that
 the default configs leave out (the persistent kernel with one or two consumers, the cluster k-split, several
 CTAs an SM, stream-K, the patch kernel's tiles, NCHW register epilogues with a residual); ``baselines`` the
-comparison's im2col and direct kernels. Prints each kernel that differs and ``N identical of N``; exits 1
+comparison's im2col and direct kernels; ``families`` every index_add and prelu kernel. Prints each kernel that differs and ``N identical of N``; exits 1
 if any differs.
 """
 from __future__ import annotations
@@ -137,7 +137,15 @@ def baselines_set(arch: str) -> dict[str, str]:
     return out
 
 
-SETS = {"bench": bench_set, "prep": prep_set, "extra": extra_set, "baselines": baselines_set}
+def families_set(arch: str) -> dict[str, str]:
+    """Every index_add and prelu kernel (the elementwise families that share csrc/elementwise.cuh)."""
+    import importlib
+    ia, pr = (importlib.import_module(f"igemm.{m}") for m in ("index_add", "prelu"))   # (the modules, not the
+    return {stub: name for name, stub in ia.all_stubs() + pr.all_stubs()}            # functions of the same names)
+
+
+SETS = {"bench": bench_set, "prep": prep_set, "extra": extra_set, "baselines": baselines_set,
+        "families": families_set}
 
 _ANON = re.compile(rb"(_INTERNAL_|_GLOBAL__N__|_cu_)[0-9a-f]{8}")
 

@@ -90,9 +90,9 @@ class TwoPreps:
     def __init__(self, first, second):
         self.first, self.second = first, second
 
-    def __call__(self, stream: int, x: int, w: int) -> None:
-        self.first(stream, x, 0)
-        self.second(stream, 0, w)
+    def __call__(self, stream: int, x: int, w: int, checked: bool = True) -> None:
+        self.first(stream, x, 0, checked)
+        self.second(stream, 0, w, checked)
 
 
 class LaunchRecord:
@@ -123,7 +123,7 @@ class LaunchRecord:
         """The bind step and the launch (under the plan's lock). ``checked=False``: the caller has made sure
         the launcher's context is current."""
         if self.prep is not None:
-            self.prep(stream, x, w)
+            self.prep(stream, x, w, checked)
             if self.copy_x:
                 x = self.copy_x
             if self.copy_w:

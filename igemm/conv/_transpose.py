@@ -121,18 +121,34 @@ def launch_pair(device_id: int, stream: int, job0: TransposeJob, src0: int, dst0
 
 class Prepared:
     """A plan's transpose launch with its destinations fixed: ``prep(stream, src0, src1)`` only picks the
-    variant for the sources' alignment (kept per variant: launcher and packed arguments) and launches.
-    Not thread-safe by itself (the conv plan calls it under its lock)."""
+    variant for the sources' alignment (kept per variant: launcher and packed arguments; the variant of each
+    source alignment remembered) and launches. Not thread-safe by itself (the conv plan calls it under its
+    lock)."""
 
-    __slots__ = ("device_id", "job0", "dst0", "job1", "dst1", "_variants")
+    __slots__ = ("device_id", "job0", "dst0", "job1", "dst1", "_variants", "_by_align")
 
     def __init__(self, device_id: int, job0: TransposeJob, dst0: int, job1: TransposeJob | None = None, dst1: int = 0):
         if job1 is not None and job1.sub is not None:
             raise ValueError("a subsampled job runs as job 0 of a launch")
         self.device_id, self.job0, self.dst0, self.job1, self.dst1 = device_id, job0, dst0, job1, dst1
         self._variants = {}
+        self._by_align = {}       # (src0 % 16, src1 % 16) -> variant: a job's mode reads no other bit of a source
 
-    def __call__(self, stream: int, src0: int, src1: int = 0) -> None:
+    def __call__(self, stream: int, src0: int, src1: int = 0, checked: bool = True) -> None:
+        """Launch on ``stream``; ``checked=False``: the caller has made the launcher's context current."""
+        v = self._by_align.get((src0 & 15, src1 & 15))
+        if v is None:
+            v = self._by_align[(src0 & 15, src1 & 15)] = self._variant(src0, src1)
+        launcher, args, s0, s1 = v
+        args.u64[s0] = src0
+        args.u64[s1] = src1
+        if checked:
+            launcher(stream, args)
+        else:
+            launcher.launch_current(stream, args)
+
+    def _variant(self, src0: int, src1: int) -> tuple:
+        """(launcher, packed arguments, source slots) of the variant for these sources."""
         j0, j1 = self.job0, self.job1
         key = (j0.mode(src0, self.dst0), j1.mode(src1, self.dst1, first=False) if j1 is not None else SCALAR64)
         v = self._variants.get(key)
@@ -150,18 +166,7 @@ class Prepared:
             args = _kernel.pack_args(PARAMS, vals)
             v = self._variants[key] = (_launcher(j0.esize, key[0], key[1], self.device_id, blocks), args,
                                        args.slots["src0"], args.slots["src1"])
-        launcher, args, s0, s1 = v
-        args.u64[s0] = src0
-        args.u64[s1] = src1
-        launcher(stream, args)
-
-    def lean_fn(self, src0: int, src1: int = 0):
-        """The variant that sources aligned as ``src0``, ``src1`` take, as ``f(cu_stream, src0, src1)`` with no
-        checks (:func:`igemm._kernel.raw_launch_fn`); None until a call has built it."""
-        j0, j1 = self.job0, self.job1
-        key = (j0.mode(src0, self.dst0), j1.mode(src1, self.dst1, first=False) if j1 is not None else SCALAR64)
-        v = self._variants.get(key)
-        return _kernel.raw_launch_fn(v[0], v[1], v[2], v[3]) if v is not None else None
+        return v
 
 
 def precompile(arch: str, jobs: int | None = None) -> int:

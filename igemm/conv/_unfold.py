@@ -122,15 +122,15 @@ class Unfolded:
         self.launcher = _launcher(jw.esize, device_id, nx + jw.blocks)
         self.s0, self.s1 = self.args.slots["src0"], self.args.slots["src1"]
 
-    def __call__(self, stream: int, x: int, w: int) -> None:
+    def __call__(self, stream: int, x: int, w: int, checked: bool = True) -> None:
+        """Launch on ``stream``; ``checked=False``: the caller has made the launcher's context current."""
         u = self.args.u64
         u[self.s0] = x
         u[self.s1] = w
-        self.launcher(stream, self.args)
-
-    def lean_fn(self, x: int = 0, w: int = 0):
-        """This launch as ``f(cu_stream, x, w)`` with no checks (:func:`igemm._kernel.raw_launch_fn`)."""
-        return _kernel.raw_launch_fn(self.launcher, self.args, self.s0, self.s1)
+        if checked:
+            self.launcher(stream, self.args)
+        else:
+            self.launcher.launch_current(stream, self.args)
 
 
 def all_variants() -> list[tuple[str, str]]:

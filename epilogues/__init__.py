@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from igemm.reference.epilogue import host_f64 as _host64   # (public: the float64 references)
+
 __all__ = ["Epilogue", "BatchNorm", "Bias", "ReLU", "Add", "PReLU", "Chain", "chain", "Identity"]
 
 _CTYPE = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t", "float32": "float"}
@@ -38,16 +40,6 @@ def _dtype_name(dt) -> str:
     """A dtype of any framework as igemm's name ("float16", ...): torch.float16, np.dtype, jax dtypes."""
     name = getattr(dt, "name", None)
     return name if isinstance(name, str) else str(dt).rsplit(".", 1)[-1]
-
-
-def _host64(v) -> np.ndarray:
-    """Any array (torch, cupy, jax, numpy) or scalar as a float64 numpy array."""
-    mod = type(v).__module__.split(".")[0]
-    if mod == "torch":
-        return v.detach().double().cpu().numpy()
-    if mod == "cupy":
-        return v.get().astype(np.float64)
-    return np.asarray(v, dtype=np.float64)
 
 
 def _is_torch_cuda(v) -> bool:

@@ -131,9 +131,8 @@ class Conv2dPlan:
         self.device_id = resolve_device(device)
         self.backend = "numpy" if self.device_id is None else "cuda"
         self.options = options
-        self.problem = ConvProblem(N, C, H, W, K, R, S, s, p, d, dtype, layout,
-                                   precision if dtype == "float32" else "tensorop",
-                                   self.chain.functors(dtype, residual_dtype), residual_dtype, mask=self.chain.mask)
+        self.problem = ConvProblem.of(N, C, H, W, K, R, S, s, p, d, dtype, layout, precision, self.chain,
+                                      residual_dtype)
         if self.device_id is not None:
             if arch is not None or sms is not None:
                 raise ValueError("arch, sms: only for numpy-backend plans (a GPU plan takes its device's)")

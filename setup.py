@@ -16,4 +16,4 @@ _HEADERS = _under("igemm.csrc", find_namespace_packages(where="csrc", exclude=["
 setup(packages=[*_under("igemm", find_packages(where="igemm")),
                 *_under("igemm.epilogues", find_packages(where="epilogues")), *_HEADERS],
       package_dir=_DIRS,
-      package_data={p: ["*.cuh", "*.h"] for p in _HEADERS})   # the device headers
+      package_data={p: ["*.cuh", "*.h", "*.c"] for p in _HEADERS})   # the device headers, the host launch step

@@ -6,10 +6,13 @@ is never the bottleneck, next to the PyTorch call doing the same work; optional 
 The device time of these calls is a few microseconds; what is measured is how long the calling thread
 is busy per call (perf_counter around chunks of 250 calls, GPU work queued asynchronously; a synchronize
 between chunks, not timed, keeps the queue from filling -- so a GPU slower than the host is not timed).
+Each igemm call is timed twice in the same run, interleaved chunk by chunk with PyTorch's: launching through
+the C launch step (csrc/host/launch.c) and through cuda.bindings (the path without a C compiler).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -77,20 +80,29 @@ def main(argv=None) -> int:
         ("prelu (per-channel)", lambda: igemm.prelu(xs, alpha), lambda: F.prelu(xs, alpha)),
     ]
     rows, profiles = [], {}
-    for name, fi, ft in cases:
-        res = {}
-        for who, fn in (("igemm", fi), ("torch", ft)):
-            for _ in range(50):
-                fn()
-            torch.cuda.synchronize()
-            n, busy = args.calls, 0.0
-            for _ in range(-(-n // 250)):        # chunks of 250 calls; the synchronize between them is not timed
-                t0 = time.perf_counter()
+    from igemm import _hostlaunch
+    c_step = _hostlaunch.status()
+
+    def chunk(fn, python=False):
+        def run():
+            with _hostlaunch.python_only() if python else contextlib.nullcontext():
                 for _ in range(250):
                     fn()
-                busy += time.perf_counter() - t0
+        return run
+    for name, fi, ft in cases:
+        res = {"c": 0.0, "python": 0.0, "torch": 0.0}
+        chunks = {"c": chunk(fi), "python": chunk(fi, python=True), "torch": chunk(ft)}
+        for run in (*chunks.values(), *chunks.values()):     # warm-up
+            run()
+        torch.cuda.synchronize()
+        n = -(-args.calls // 250)
+        for _ in range(n):                     # interleaved chunks: a drifting host clock hits all three alike
+            for who, run in chunks.items():
+                t0 = time.perf_counter()
+                run()
+                res[who] += time.perf_counter() - t0
                 torch.cuda.synchronize()
-            res[who] = busy / (-(-n // 250) * 250) * 1e6
+        res = {k: v / (n * 250) * 1e6 for k, v in res.items()}
         if args.profile:
             pr = cProfile.Profile()
             pr.enable()
@@ -101,11 +113,14 @@ def main(argv=None) -> int:
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
             profiles[name] = s.getvalue()
-        rows.append(dict(call=name, igemm_host_us=round(res["igemm"], 2), torch_host_us=round(res["torch"], 2),
-                         ratio=round(res["igemm"] / res["torch"], 2)))
-    print("| call | igemm host us | torch host us | ratio |\n|---|---|---|---|")
+        rows.append(dict(call=name, igemm_c_us=round(res["c"], 2), igemm_python_us=round(res["python"], 2),
+                         torch_us=round(res["torch"], 2), ratio_c=round(res["c"] / res["torch"], 2),
+                         ratio_python=round(res["python"] / res["torch"], 2)))
+    print(f"launch step: {c_step}")
+    print("| call | igemm, C launch step: us (ratio) | igemm, cuda.bindings: us (ratio) | torch us |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['call']} | {r['igemm_host_us']} | {r['torch_host_us']} | {r['ratio']} |")
+        print(f"| {r['call']} | {r['igemm_c_us']} ({r['ratio_c']}) | {r['igemm_python_us']} ({r['ratio_python']}) "
+              f"| {r['torch_us']} |")
     for name, text in profiles.items():
         print(f"\n=== {name}: cProfile of 500 calls, by own time")
         print("\n".join(ln for ln in text.splitlines()[4:] if ln.strip())[:2600])

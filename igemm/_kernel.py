@@ -9,10 +9,11 @@ the ``extern "C" __global__`` signature and the initialiser that rebuilds the st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from . import _runtime
+from . import _hostlaunch, _runtime
 from .fastdiv import magic
 
 __all__ = ["ParamSpec", "PackedArgs", "render_kernel", "pack_args", "Launcher", "load"]
@@ -178,6 +179,18 @@ def _cu_stream(handle: int):
     return s
 
 
+# A launch step: a launcher, its packed arguments and the binds a call makes into them, each
+# ``(slot, source, base)``: ``args[slot] = base + (0, x, w, y, residual, mask)[source]``. A conv plan's launch
+# record is its steps (preparations, then the conv), run by csrc/host/launch.c or igemm.conv._launch.
+ZERO, SRC_X, SRC_W, SRC_Y, SRC_RES, SRC_MASK = range(6)
+
+
+class Step(NamedTuple):
+    launcher: "Launcher"
+    args: PackedArgs
+    binds: tuple
+
+
 class Launcher:
     """A compiled kernel and its launch configuration: ``launcher(stream, packed_args)`` launches.
 
@@ -215,19 +228,30 @@ class Launcher:
         self._fn = int(h)
         self._pdl = bool(pdl) and hasattr(driver, "cuLaunchKernelEx")   # launch_after: the device is sm_90+
         self._pdl_cfg = {}                            # stream handle -> CUlaunchConfig (launch_after)
+        if api:
+            _hostlaunch.get()                         # (built and loaded once per process)
 
     def __call__(self, stream, args: PackedArgs) -> None:
         handle = stream if isinstance(stream, int) else int(stream.handle)
-        if self._get_ctx is not None and _runtime._ctx_int(self._get_ctx()[1]) != self._ctx_id:
-            # the public call's keeps_current_context wrapper restores the caller's context afterwards
-            self._set_ctx(self._ctx)
+        self.make_current()
         self.launch_current(handle, args)
 
+    def make_current(self) -> None:
+        """Make this launcher's context current if it is not (the public call's keeps_current_context
+        wrapper restores the caller's afterwards)."""
+        if self._get_ctx is not None and _runtime.current_context() != self._ctx_id:
+            self._set_ctx(self._ctx)
+
     def launch_current(self, handle: int, args: PackedArgs) -> None:
-        """Launch on the raw stream ``handle``; the caller has made sure this launcher's context is current."""
+        """Launch on the raw stream ``handle``; the caller has made sure this launcher's context is current.
+        Through the C launch step where it is built (docs/performance.md: host-c-bind-step)."""
         g, b = self.grid, self.block
-        (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
-                              args.address, 0)
+        m = _hostlaunch.MOD
+        if m is not None:
+            err = m.raw(self._fn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, handle, args.address)
+        else:
+            (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
+                                  args.address, 0)
         if err:
             raise launch_error(err)
 
@@ -240,8 +264,7 @@ class Launcher:
             return self(stream, args)
         from cuda.bindings import driver
         handle = stream if isinstance(stream, int) else int(stream.handle)
-        if _runtime._ctx_int(self._get_ctx()[1]) != self._ctx_id:
-            self._set_ctx(self._ctx)
+        self.make_current()
         # a launch configuration per stream, made once and never changed after (a Launcher is shared
         # between plans and threads: one configuration whose stream each call rewrote could launch on
         # another thread's stream)

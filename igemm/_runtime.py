@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _build, _dlpack
+from . import _build, _dlpack, _hostlaunch
 
 __all__ = ["Tensor", "as_tensor", "array_kind", "is_foreign", "foreign_device", "dlpack_stream", "gpu_available",
            "get_backend", "set_backend", "DTYPE_SIZES", "DTYPE_CTYPE", "DeviceArray", "empty", "stream_for",
@@ -276,6 +276,9 @@ def _ctx_int(c) -> int:
 
 def current_context() -> int:
     """The calling thread's current CUDA context as an int (0: none)."""
+    m = _hostlaunch.MOD
+    if m is not None:
+        return m.ctx()
     api = _CTX_API if _CTX_API is not False else _ctx_api()
     return _ctx_int(api[0]()[1]) if api else 0
 

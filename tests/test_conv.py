@@ -1,4 +1,5 @@
 """conv2d: references, numpy backend, validation, kernel selection, compilation, and the GPU oracle."""
+import contextlib
 import dataclasses
 import shutil
 
@@ -1609,7 +1610,18 @@ def test_gpu_register_epilogue_nchw_bitwise(dtype, rng):
 
 
 @pytest.mark.gpu
-def test_gpu_torch_fast_path(rng):
+@pytest.mark.parametrize("launch", ["C", "cuda.bindings"])
+def test_gpu_torch_fast_path(rng, launch):
+    """Both launch steps (csrc/host/launch.c, which the GPU machine must build, and cuda.bindings): see
+    _torch_fast_path."""
+    from igemm import _hostlaunch
+    if launch == "C":
+        assert _hostlaunch.get() is not None, _hostlaunch.status()
+    with contextlib.nullcontext() if launch == "C" else _hostlaunch.python_only():
+        _torch_fast_path(rng)
+
+
+def _torch_fast_path(rng):
     """The torch fast path (torch tensors, the plan's context current: checks against precomputed values, then
     the one bind step) and the general path give the same bits: every call's new x, w, y, mask pointers reach
     the argument buffer and the TMA maps' address words, and plans that prepare copies first (the NCHW

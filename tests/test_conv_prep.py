@@ -197,8 +197,10 @@ def test_gpu_unfold_kernel(layout, rng):
 
 
 def test_prepared_remembers_the_variant_of_each_alignment(monkeypatch):
-    """A preparation picks its variant from the sources' alignment once per (src0 % 16, src1 % 16) and launches
-    it with the call's pointers: the same variant the job modes give for every source, checked or not."""
+    """A preparation picks its variant from the sources' alignment once per (src0 % 16, src1 % 16): its launch
+    step is the variant the job modes give for every source, binding the two sources; a one-shot call
+    launches it with the call's pointers."""
+    from igemm import _kernel
     from igemm.conv import _transpose as T
     launched = []
 
@@ -207,19 +209,21 @@ def test_prepared_remembers_the_variant_of_each_alignment(monkeypatch):
             self.key = key
 
         def __call__(self, stream, args):
-            launched.append((self.key, "checked", args.u64[args.slots["src0"]], args.u64[args.slots["src1"]]))
-
-        def launch_current(self, stream, args):
-            launched.append((self.key, "current", args.u64[args.slots["src0"]], args.u64[args.slots["src1"]]))
+            launched.append((self.key, args.u64[args.slots["src0"]], args.u64[args.slots["src1"]]))
     monkeypatch.setattr(T, "_launcher", lambda e, m0, m1, dev, blocks: FakeLauncher((e, m0, m1)))
     jobs = [(T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)), T.TransposeJob(96, 64, 9, 2)),
             (T.TransposeJob(2, 3, 5000, 2), None), (T.TransposeJob(2, 64, 64, 2), T.TransposeJob(32, 64, 9, 2)),
             (T.TransposeJob(1, 3, 4096, 2, pitch=8, pad=True), T.TransposeJob(1, 3, 147, 2, pitch=8, pad=True))]
     for j0, j1 in jobs:
         prep = T.Prepared(0, j0, 0x10000, j1, 0x20000 if j1 is not None else 0)
-        for i, (a, b) in enumerate([(0x1000, 0x2000), (0x1008, 0x2000), (0x1002, 0x2004), (0x3000, 0x4010),
-                                    (0x1008, 0x2002), (0x5000, 0x6000)]):
-            launched.clear()
-            prep(0, a, b, checked=i % 2 == 0)
+        for a, b in [(0x1000, 0x2000), (0x1008, 0x2000), (0x1002, 0x2004), (0x3000, 0x4010), (0x1008, 0x2002),
+                     (0x5000, 0x6000)]:
             want = (j0.esize, j0.mode(a, 0x10000), j1.mode(b, 0x20000, first=False) if j1 is not None else T.SCALAR64)
-            assert launched == [(want, "checked" if i % 2 == 0 else "current", a, b)], (i, launched, want)
+            (step,) = prep.steps(a, b)
+            sl = step.args.slots
+            assert step.launcher.key == want, (a, b)
+            assert step.binds == ((sl["src0"], _kernel.SRC_X, 0), (sl["src1"], _kernel.SRC_W, 0))
+            assert prep.steps(a, b)[0].launcher is step.launcher       # remembered
+            launched.clear()
+            prep(0, a, b)
+            assert launched == [(want, a, b)], (a, b, launched, want)

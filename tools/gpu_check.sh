@@ -74,11 +74,11 @@ for s in "$@"; do
              grep -E "^\|" "$L/$b.log" | head -45
            done ;;
     host) stage host "${T_host:-120}" python3 benchmarks/host_overhead.py --out "$L"
-          grep -E "^\|" "$L/host.log"
+          grep -E "^\||launch step" "$L/host.log"
           if [ -n "${OLD:-}" ]; then          # the same benchmark, the other checkout's code, the same machine
             stage host-old "${T_host:-120}" env PYTHONPATH="$OLD:/tmp/site" IGEMM_CACHE_DIR="$IGEMM_CACHE_DIR-old" \
               python3 "$OLD/benchmarks/host_overhead.py" --out "$L/old"
-            grep -E "^\||fast launch" "$L/host-old.log"
+            grep -E "^\||launch step" "$L/host-old.log"
           fi ;;
     pytest) stage pytest "${T_pytest:-300}" bash -c "python3 -m pytest ${PYTEST_ARGS:-tests} -q -rfEx --tb=short -p no:cacheprovider" ;;
     multigpu) stage multigpu "${T_multigpu:-420}" python3 -m pytest tests -m multigpu -q -rfEs --tb=short \

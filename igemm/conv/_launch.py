@@ -9,10 +9,11 @@ need no :class:`~igemm._dispatch.CallContext`.
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 
-from .. import _kernel, _runtime
+from .. import _hostlaunch, _kernel, _runtime
 from .._kernel import PackedArgs
 from .._runtime import DTYPE_SIZES
 from ._spec import KernelSpec
@@ -82,17 +83,17 @@ class FoldedVectors:
 
 
 class TwoPreps:
-    """Two input preparations in a row, called as one (``prep(stream, x, w)``): the NCHW patch path's
-    transpose of x and unfold of w."""
+    """Two input preparations in a row (the NCHW patch path's transpose of x and unfold of w), with one
+    preparation's interface: :meth:`steps`."""
 
     __slots__ = ("first", "second")
 
     def __init__(self, first, second):
         self.first, self.second = first, second
 
-    def __call__(self, stream: int, x: int, w: int, checked: bool = True) -> None:
-        self.first(stream, x, 0, checked)
-        self.second(stream, 0, w, checked)
+    def steps(self, x: int, w: int) -> list:
+        return (self.first.steps(x, 0, (_kernel.SRC_X, _kernel.ZERO))
+                + self.second.steps(0, w, (_kernel.ZERO, _kernel.SRC_W)))
 
 
 class LaunchRecord:
@@ -101,56 +102,102 @@ class LaunchRecord:
     ``prep``: the preparation that copies x (and w) first (NCHW transpose, channel pad, width unfold), with the
     copies' addresses ``copy_x``/``copy_w`` the kernel reads instead (0: the caller's tensor). ``mask_after``:
     the chain writes a mask the epilogue cannot (it does not own whole words): a pack kernel runs after.
+
+    A call's launches are this record's steps (:class:`igemm._kernel.Step`: the preparation's, then the
+    conv's), made once per alignment of x and w (a preparation's variant depends on it) and packed for
+    ``csrc/host/launch.c``, which binds and launches them in one call; where it is not built, :meth:`launch`
+    runs the same steps through cuda.bindings.
     """
 
-    __slots__ = ("spec", "launcher", "args", "u64", "f32", "slots", "maps", "map_words", "workspace", "prep",
-                 "copy_x", "copy_w", "mask_after", "numel_y", "dtype", "device_id")
+    __slots__ = ("spec", "launcher", "args", "f32", "slots", "maps", "workspace", "prep", "copy_x", "copy_w",
+                 "mask_after", "numel_y", "dtype", "device_id", "_bound", "_folded", "_remap")
 
     def __init__(self, spec: KernelSpec, launcher: _kernel.Launcher, args: PackedArgs, maps, workspace, prep,
                  copy_x: int, copy_w: int, mask_after: bool, numel_y: int, dtype: str, device_id: int):
         self.spec, self.launcher, self.args, self.maps, self.workspace = spec, launcher, args, maps, workspace
         self.prep, self.copy_x, self.copy_w, self.mask_after = prep, copy_x, copy_w, mask_after
         self.numel_y, self.dtype, self.device_id = numel_y, dtype, device_id
-        self.u64 = memoryview(args.data)           # slot writes: faster than numpy item assignment
         self.f32 = args.f32
         s = args.slots
-        self.slots = (s["x"], s["w"], s["y"], s["residual"], s["mask"], s["scale"], s["shift"], s["alpha"],
-                      2 * s["alpha_scalar"])
-        self.map_words = None                      # (a word, its offset, b word, its offset) once the maps are known
+        self.slots = (s["scale"], s["shift"], s["alpha"], 2 * s["alpha_scalar"])
+        self._bound: dict = {}                     # (x % 16) | (w % 16) << 4 -> (packed record, steps)
+        self._folded = None                        # the FoldedVectors whose slots the buffer holds
+        self._remap = False                        # the maps hold no single address word: encoded per call
 
     def launch(self, stream: int, x: int, w: int, y: int, res: int, mask: int, folded: FoldedVectors,
                checked: bool = True) -> None:
-        """The bind step and the launch (under the plan's lock). ``checked=False``: the caller has made sure
+        """The bind step and the launches (under the plan's lock). ``checked=False``: the caller has made sure
         the launcher's context is current."""
-        if self.prep is not None:
-            self.prep(stream, x, w, checked)
-            if self.copy_x:
-                x = self.copy_x
-            if self.copy_w:
-                w = self.copy_w
-        u = self.u64
-        sx, sw, sy, sr, sm, ss, st, sa, saf = self.slots
-        u[sx], u[sw], u[sy], u[sr], u[sm] = x, w, y, res, mask
-        u[ss], u[st], u[sa] = folded.scale, folded.shift, folded.alpha
-        self.f32[saf] = folded.alpha_scalar
-        if self.maps is not None:
-            mw = self.map_words
-            if mw is None:
-                self.maps.write(self.args.u64, x, w, True)
-                self.map_words = self.maps.patch         # None if the maps hold no single address word
-            else:
-                ia, oa, ib, ob = mw
-                u[ia] = oa + x
-                if ib is not None:
-                    u[ib] = ob + w
+        if folded is not self._folded:
+            self._write_folded(folded)
+        b = self._bound.get((x & 15) | (w & 15) << 4)
+        if b is None:
+            b = self._bind(x, w)
         if checked:
-            self.launcher(stream, self.args)
+            self.launcher.make_current()
+        if self._remap:
+            self.maps.write(self.args.u64, self.copy_x or x, self.copy_w or w, True)
+        m = _hostlaunch.MOD
+        if m is not None:
+            err = m.launch(b[0], stream, x, w, y, res, mask)
+            if err:
+                raise _kernel.launch_error(err)
         else:
-            self.launcher.launch_current(stream, self.args)
+            vals = (0, x, w, y, res, mask)
+            for launcher, u, binds, args in b[1]:
+                for slot, src, base in binds:
+                    u[slot] = base + vals[src]
+                launcher.launch_current(stream, args)
         if self.mask_after and mask:
             from ..relu import launch_mask
             launch_mask(self.device_id, _runtime.RawStream(stream), self.dtype, y, mask, self.numel_y,
                         after_kernel=True)
+
+    def _write_folded(self, folded: FoldedVectors) -> None:
+        u, (ss, st, sa, saf) = self.args.u64, self.slots
+        u[ss], u[st], u[sa] = folded.scale, folded.shift, folded.alpha
+        self.f32[saf] = folded.alpha_scalar
+        self._folded = folded                      # (held: no other object can take its id while it is bound)
+
+    def steps(self, x: int, w: int) -> list:
+        """The call's launch steps for x and w of these alignments (the first call also writes the tensor
+        maps, whose address words later calls patch)."""
+        Z, X, W = _kernel.ZERO, _kernel.SRC_X, _kernel.SRC_W
+        sl = self.args.slots
+        bx = (sl["x"], Z, self.copy_x) if self.copy_x else (sl["x"], X, 0)
+        bw = (sl["w"], Z, self.copy_w) if self.copy_w else (sl["w"], W, 0)
+        binds = [bx, bw, (sl["y"], _kernel.SRC_Y, 0), (sl["residual"], _kernel.SRC_RES, 0),
+                 (sl["mask"], _kernel.SRC_MASK, 0)]
+        if self.maps is not None:
+            xe, we = self.copy_x or x, self.copy_w or w
+            self.maps.write(self.args.u64, xe, we, True)
+            mw = self.maps.patch                   # (a word, its offset, b word, its offset), or None
+            if mw is None:
+                self._remap = True
+            else:
+                ia, oa, ib, ob = mw
+                binds.append((ia, Z, oa + self.copy_x) if self.copy_x else (ia, X, oa))
+                if ib is not None:
+                    binds.append((ib, Z, ob + self.copy_w) if self.copy_w else (ib, W, ob))
+        pre = self.prep.steps(x, w) if self.prep is not None else []
+        return pre + [_kernel.Step(self.launcher, self.args, tuple(binds))]
+
+    def _bind(self, x: int, w: int) -> tuple:
+        steps = self.steps(x, w)
+        b = self._bound[(x & 15) | (w & 15) << 4] = (
+            pack_record(steps), [(s.launcher, memoryview(s.args.data), s.binds, s.args) for s in steps])
+        return b
+
+
+def pack_record(steps) -> bytes:
+    """Steps as csrc/host/launch.c's launch record (its layout: that file's head comment)."""
+    f = [len(steps)]
+    for launcher, args, binds in steps:
+        f += [launcher._fn, args.address, args.data.ctypes.data, *launcher.grid, *launcher.block, launcher.smem,
+              len(binds)]
+        for slot, src, base in binds:
+            f += [slot, src, base]
+    return struct.pack(f"<{len(f)}q", *f)
 
 
 class TorchCall:

@@ -120,10 +120,9 @@ def launch_pair(device_id: int, stream: int, job0: TransposeJob, src0: int, dst0
 
 
 class Prepared:
-    """A plan's transpose launch with its destinations fixed: ``prep(stream, src0, src1)`` only picks the
-    variant for the sources' alignment (kept per variant: launcher and packed arguments; the variant of each
-    source alignment remembered) and launches. Not thread-safe by itself (the conv plan calls it under its
-    lock)."""
+    """A plan's transpose launch with its destinations fixed: :meth:`steps` only picks the variant for the
+    sources' alignment (kept per variant: launcher and packed arguments; the variant of each source alignment
+    remembered). Not thread-safe by itself (the conv plan calls it under its lock)."""
 
     __slots__ = ("device_id", "job0", "dst0", "job1", "dst1", "_variants", "_by_align")
 
@@ -134,18 +133,20 @@ class Prepared:
         self._variants = {}
         self._by_align = {}       # (src0 % 16, src1 % 16) -> variant: a job's mode reads no other bit of a source
 
-    def __call__(self, stream: int, src0: int, src1: int = 0, checked: bool = True) -> None:
-        """Launch on ``stream``; ``checked=False``: the caller has made the launcher's context current."""
+    def __call__(self, stream: int, src0: int, src1: int = 0) -> None:
+        """Launch on ``stream`` (a one-shot call: a plan runs :meth:`steps` in its launch record)."""
+        launcher, args, binds = self.steps(src0, src1)[0]
+        for slot, src, _ in binds:
+            args.u64[slot] = src0 if src == _kernel.SRC_X else src1
+        launcher(stream, args)
+
+    def steps(self, src0: int, src1: int, codes: tuple = (_kernel.SRC_X, _kernel.SRC_W)) -> list:
+        """The launch step for sources of these alignments; ``codes``: what the two source slots receive."""
         v = self._by_align.get((src0 & 15, src1 & 15))
         if v is None:
             v = self._by_align[(src0 & 15, src1 & 15)] = self._variant(src0, src1)
         launcher, args, s0, s1 = v
-        args.u64[s0] = src0
-        args.u64[s1] = src1
-        if checked:
-            launcher(stream, args)
-        else:
-            launcher.launch_current(stream, args)
+        return [_kernel.Step(launcher, args, ((s0, codes[0], 0), (s1, codes[1], 0)))]
 
     def _variant(self, src0: int, src1: int) -> tuple:
         """(launcher, packed arguments, source slots) of the variant for these sources."""

@@ -109,8 +109,8 @@ def _launcher(esize: int, device_id: int, blocks: int):
 
 
 class Unfolded:
-    """A plan's unfold launch with its destinations fixed: ``prep(stream, x, w)`` writes both copies
-    (the same call shape as ``igemm._transpose.Prepared``)."""
+    """A plan's unfold launch with its destinations fixed: :meth:`steps` writes both copies (the same
+    interface as :class:`igemm.conv._transpose.Prepared`)."""
 
     __slots__ = ("launcher", "args", "s0", "s1")
 
@@ -122,15 +122,9 @@ class Unfolded:
         self.launcher = _launcher(jw.esize, device_id, nx + jw.blocks)
         self.s0, self.s1 = self.args.slots["src0"], self.args.slots["src1"]
 
-    def __call__(self, stream: int, x: int, w: int, checked: bool = True) -> None:
-        """Launch on ``stream``; ``checked=False``: the caller has made the launcher's context current."""
-        u = self.args.u64
-        u[self.s0] = x
-        u[self.s1] = w
-        if checked:
-            self.launcher(stream, self.args)
-        else:
-            self.launcher.launch_current(stream, self.args)
+    def steps(self, x: int, w: int, codes: tuple = (_kernel.SRC_X, _kernel.SRC_W)) -> list:
+        """The launch step; ``codes``: what the two source slots receive (x and w)."""
+        return [_kernel.Step(self.launcher, self.args, ((self.s0, codes[0], 0), (self.s1, codes[1], 0)))]
 
 
 def all_variants() -> list[tuple[str, str]]:

@@ -1,0 +1,183 @@
+/* igemm's launch step in C: a launch record's argument binds and cuLaunchKernel calls, for conv plan calls
+ * (launch) and for every other launcher (raw). A CPython extension, built on first use by igemm/_hostlaunch.py
+ * with the host C compiler; no CUDA headers: the driver's cuLaunchKernel and cuCtxGetCurrent are found with
+ * dlsym in the libcuda.so.1 the process has loaded (init), or set by set_driver (the CPU tests' stand-ins).
+ * Why C: the same binds through cuda.bindings cost a conv plan call ~1.8x the host time relative to PyTorch's
+ * own call (docs/performance.md: host-c-bind-step).
+ *
+ * A launch record is a bytes object of int64 fields, written once per plan variant by
+ * igemm/conv/_launch.py (LaunchRecord._pack), which also runs the same record without this module:
+ *   [0] number of steps (1..MAX_STEPS), then per step:
+ *   CUfunction, kernelParams (void**), the argument buffer (uint64 slots), grid[3], block[3], shared memory,
+ *   the number of binds (0..MAX_BINDS), then per bind: slot, source, base  ->  buffer[slot] = base + value,
+ *   value = {0, x, w, y, residual, mask}[source].
+ * The steps launch in order on one stream (a preparation's copies, then the conv).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*cu_launch_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                           unsigned bz, unsigned smem, void *stream, void **params, void **extra);
+typedef int (*cu_ctx_get_t)(void **ctx);
+
+static cu_launch_t g_launch = NULL;
+static cu_ctx_get_t g_ctx_get = NULL;
+
+enum { STEP = 11, BIND = 3, MAX_STEPS = 4, MAX_BINDS = 16, SOURCES = 6 };
+
+static int read_u64(PyObject *o, uint64_t *v) {
+    *v = PyLong_AsUnsignedLongLong(o);
+    return !(*v == (uint64_t)-1 && PyErr_Occurred());
+}
+
+static int launch_step(const int64_t *d, void *stream) {
+    return g_launch((void *)(uintptr_t)d[0], (unsigned)d[3], (unsigned)d[4], (unsigned)d[5], (unsigned)d[6],
+                    (unsigned)d[7], (unsigned)d[8], (unsigned)d[9], stream, (void **)(uintptr_t)d[1], NULL);
+}
+
+/* The record's steps with these values: -1 (exception set) for a malformed record, else the first failing
+ * CUresult (0: every step launched). Nothing is written for a malformed record: it is checked whole first. */
+static int run_record(PyObject *rec, void *stream, const uint64_t vals[SOURCES]) {
+    const Py_ssize_t nbytes = PyBytes_GET_SIZE(rec);
+    const int64_t *r = (const int64_t *)PyBytes_AS_STRING(rec);
+    const Py_ssize_t n = nbytes / 8;
+    if (nbytes % 8 || n < 1 || r[0] < 1 || r[0] > MAX_STEPS)
+        goto bad;
+    Py_ssize_t at = 1;
+    for (int64_t s = 0; s < r[0]; ++s) {     /* the shape: every step and bind inside the record */
+        if (at + STEP > n || r[at + 10] < 0 || r[at + 10] > MAX_BINDS)
+            goto bad;
+        const int64_t nb = r[at + 10];
+        at += STEP;
+        if (at + BIND * nb > n)
+            goto bad;
+        for (int64_t b = 0; b < nb; ++b)
+            if (r[at + BIND * b] < 0 || r[at + BIND * b + 1] < 0 || r[at + BIND * b + 1] >= SOURCES)
+                goto bad;
+        at += BIND * nb;
+    }
+    if (at != n)
+        goto bad;
+    at = 1;
+    for (int64_t s = 0; s < r[0]; ++s) {
+        const int64_t *d = r + at;
+        uint64_t *u = (uint64_t *)(uintptr_t)d[2];
+        const int64_t *b = d + STEP;
+        for (int64_t i = 0; i < d[10]; ++i, b += BIND)
+            u[b[0]] = (uint64_t)b[2] + vals[b[1]];
+        const int err = launch_step(d, stream);
+        if (err)
+            return err;
+        at += STEP + BIND * d[10];
+    }
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "igemm launch: malformed launch record");
+    return -1;
+}
+
+static int have_driver(void) {
+    if (g_launch == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "igemm launch: no cuLaunchKernel (init() found no driver)");
+        return 0;
+    }
+    return 1;
+}
+
+/* launch(rec: bytes, stream, x, w, y, residual, mask) -> CUresult (0: launched) */
+static PyObject *hl_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "launch(rec: bytes, stream, x, w, y, residual, mask)");
+        return NULL;
+    }
+    if (!have_driver())
+        return NULL;
+    uint64_t stream, vals[SOURCES] = {0};
+    if (!read_u64(args[1], &stream))
+        return NULL;
+    for (int i = 1; i < SOURCES; ++i)
+        if (!read_u64(args[i + 1], &vals[i]))
+            return NULL;
+    const int err = run_record(args[0], (void *)(uintptr_t)stream, vals);
+    return err < 0 ? NULL : PyLong_FromLong(err);
+}
+
+/* raw(func, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult: one cuLaunchKernel */
+static PyObject *hl_raw(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "raw(func, gx, gy, gz, bx, by, bz, smem, stream, params)");
+        return NULL;
+    }
+    if (!have_driver())
+        return NULL;
+    int64_t d[10];
+    uint64_t v;
+    for (int i = 0; i < 10; ++i) {
+        if (!read_u64(args[i], &v))
+            return NULL;
+        d[i] = (int64_t)v;
+    }
+    const int64_t step[STEP] = {d[0], d[9], 0, d[1], d[2], d[3], d[4], d[5], d[6], d[7], 0};
+    return PyLong_FromLong(launch_step(step, (void *)(uintptr_t)d[8]));
+}
+
+/* ctx() -> the calling thread's current CUcontext as an int (0: none) */
+static PyObject *hl_ctx(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    if (g_ctx_get == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "igemm launch: no cuCtxGetCurrent (init() found no driver)");
+        return NULL;
+    }
+    void *c = NULL;
+    if (g_ctx_get(&c))
+        c = NULL;
+    return PyLong_FromUnsignedLongLong((uint64_t)(uintptr_t)c);
+}
+
+/* init() -> True when the loaded libcuda.so.1 provides both entry points (it is not loaded here) */
+static PyObject *hl_init(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib != NULL) {
+        g_launch = (cu_launch_t)dlsym(lib, "cuLaunchKernel");
+        g_ctx_get = (cu_ctx_get_t)dlsym(lib, "cuCtxGetCurrent");
+        dlclose(lib);   /* (NOLOAD took a reference; the process's own keeps it loaded) */
+    }
+    return PyBool_FromLong(g_launch != NULL && g_ctx_get != NULL);
+}
+
+/* set_driver(launch_address, ctx_address): stand-in entry points (function pointers as ints) */
+static PyObject *hl_set_driver(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    uint64_t a, c;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_driver(launch_address, ctx_address)");
+        return NULL;
+    }
+    if (!read_u64(args[0], &a) || !read_u64(args[1], &c))
+        return NULL;
+    g_launch = (cu_launch_t)(uintptr_t)a;
+    g_ctx_get = (cu_ctx_get_t)(uintptr_t)c;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"launch", (PyCFunction)(void (*)(void))hl_launch, METH_FASTCALL, "a launch record's binds and launches"},
+    {"raw", (PyCFunction)(void (*)(void))hl_raw, METH_FASTCALL, "one cuLaunchKernel"},
+    {"ctx", hl_ctx, METH_NOARGS, "the current context as an int"},
+    {"init", hl_init, METH_NOARGS, "find the driver's entry points"},
+    {"set_driver", (PyCFunction)(void (*)(void))hl_set_driver, METH_FASTCALL, "stand-in entry points"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "igemm_hostlaunch", NULL, -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_igemm_hostlaunch(void) { return PyModule_Create(&module); }

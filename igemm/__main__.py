@@ -153,13 +153,13 @@ def info(args) -> int:
     except Exception as e:
         print("compiler: none -", e)
     print("CUTLASS headers:", _build.cutlass_include_dir())
-    from igemm import _hostlaunch
-    print("launch step:", _hostlaunch.status())
     try:
         print("kernel cache:", _build.cache_status())
     except ValueError as e:
         print("kernel cache: error:", e)
         return 1
+    from igemm import _hostlaunch
+    print("launch step:", _hostlaunch.status())
     return 0
 
 

@@ -96,15 +96,18 @@ def get():
     with _lock:
         if "mod" not in _state:
             mod, why = None, ""
-            from . import _runtime
-            _runtime._ctx_api()            # (loads the driver where there is one: init() looks in the loaded one)
+            try:                           # load the driver where there is one: init() looks in the loaded one
+                from cuda.bindings import driver
+                driver.cuCtxGetCurrent()
+            except Exception:
+                pass
             try:
                 m = load()
                 if m.init():
                     mod = m
                 else:
                     why = "libcuda.so.1 not loaded, or without cuLaunchKernel / cuCtxGetCurrent"
-            except (RuntimeError, OSError, ImportError) as e:
+            except (RuntimeError, OSError, ImportError, ValueError) as e:   # (ValueError: a bad cache dir)
                 why = f"not built: {e}"
             _state["why"] = why
             _state["mod"] = MOD = mod

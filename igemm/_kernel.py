@@ -191,6 +191,16 @@ class Step(NamedTuple):
     binds: tuple
 
 
+def run_steps(steps, stream: int, x: int = 0, w: int = 0, y: int = 0, res: int = 0, mask: int = 0) -> None:
+    """Bind and launch steps in order, each making its context current (a one-shot launch; a plan's record
+    runs its steps in igemm.conv._launch)."""
+    vals = (0, x, w, y, res, mask)
+    for launcher, args, binds in steps:
+        for slot, src, base in binds:
+            args.u64[slot] = base + vals[src]
+        launcher(stream, args)
+
+
 class Launcher:
     """A compiled kernel and its launch configuration: ``launcher(stream, packed_args)`` launches.
 

@@ -5,6 +5,9 @@ import pytest
 
 from igemm import _runtime
 
+# jax takes 75% of the GPU's memory at its first use unless told not to; the suite's workers share one GPU
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 def _has_gpu() -> bool:
     return os.environ.get("IGEMM_BACKEND") != "numpy" and _runtime._device_count() > 0

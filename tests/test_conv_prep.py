@@ -175,6 +175,7 @@ def test_gpu_unfold_kernel(layout, rng):
     dilation, both element sizes) equal the numpy emulation bit for bit, outputs poisoned first."""
     torch = pytest.importorskip("torch")
     from igemm.conv._problem import ConvProblem
+    from igemm import _kernel
     from igemm.conv._unfold import Unfolded, UnfoldJob
     for dtype, (N, C, H, W, K, R, S, st, pd, dl) in [
             (torch.float16, (2, 3, 17, 19, 8, 7, 7, 2, 3, 1)), (torch.bfloat16, (1, 2, 9, 30, 4, 3, 5, 1, 2, 1)),
@@ -187,8 +188,8 @@ def test_gpu_unfold_kernel(layout, rng):
         x, w = torch.randn(xs, device="cuda").to(dtype), torch.randn(ws, device="cuda").to(dtype)
         ox = torch.full((jx.A, jx.B, jx.Q, jx.Cp), float("nan"), device="cuda").to(dtype)
         ow = torch.full((jw.A, jw.B, jw.Q, jw.Cp), float("nan"), device="cuda").to(dtype)
-        Unfolded(0, jx, ox.data_ptr(), jw, ow.data_ptr())(torch.cuda.current_stream().cuda_stream,
-                                                           x.data_ptr(), w.data_ptr())
+        _kernel.run_steps(Unfolded(0, jx, ox.data_ptr(), jw, ow.data_ptr()).steps(x.data_ptr(), w.data_ptr()),
+                          torch.cuda.current_stream().cuda_stream, x.data_ptr(), w.data_ptr())
         torch.cuda.synchronize()
         bits = torch.int16 if es == 2 else torch.int32
         for got, src, job in ((ox, x, jx), (ow, w, jw)):

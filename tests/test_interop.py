@@ -216,7 +216,7 @@ def test_jax_output_alive_at_interpreter_exit(tmp_path):
     code = ("import jax.numpy as jnp, igemm\n"
             "keep = [igemm.prelu(jnp.ones((64, 64), jnp.float32), 0.25) for _ in range(4)]\n"
             "print(float(keep[-1].sum()))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), XLA_PYTHON_CLIENT_PREALLOCATE="false")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "4096.0", r.stdout + r.stderr

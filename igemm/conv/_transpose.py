@@ -135,10 +135,7 @@ class Prepared:
 
     def __call__(self, stream: int, src0: int, src1: int = 0) -> None:
         """Launch on ``stream`` (a one-shot call: a plan runs :meth:`steps` in its launch record)."""
-        launcher, args, binds = self.steps(src0, src1)[0]
-        for slot, src, _ in binds:
-            args.u64[slot] = src0 if src == _kernel.SRC_X else src1
-        launcher(stream, args)
+        _kernel.run_steps(self.steps(src0, src1), stream, src0, src1)
 
     def steps(self, src0: int, src1: int, codes: tuple = (_kernel.SRC_X, _kernel.SRC_W)) -> list:
         """The launch step for sources of these alignments; ``codes``: what the two source slots receive."""

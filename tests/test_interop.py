@@ -198,7 +198,9 @@ def test_jax_producer_still_computing():
 
     a = jnp.asarray(np.random.default_rng(0).standard_normal((4096, 4096)).astype(np.float32))
     slow_ones(a).block_until_ready()                                   # compile
-    s = Device(0).create_stream()
+    dev = Device(0)
+    dev.set_current()                                                  # (cuda.core: before create_stream)
+    s = dev.create_stream()
     igemm.prelu(jnp.ones((4, 256), jnp.float32), 0.25)                 # compile and load first
     for stream in (None, s):
         x = slow_ones(a)                                               # still running when igemm is called

@@ -126,7 +126,6 @@ def main() -> int:
     copy_bw = copy_bandwidth(bench)
     bench.row(kernel="device copy (floor)", shape="1 GiB", dtype="", layout="", us=2 * (1 << 30) / copy_bw * 1e6,
               torch_us="", speedup="", GBps=copy_bw / 1e9, pct_copy=100.0, bar="", met="")
-    dev = "cuda"
 
     def add(kernel, shape, dtype, layout, t_ig, t_th, nbytes, bar, met, eager=None, host=None, torch_eager=None,
             same_bw=None):
@@ -138,8 +137,30 @@ def main() -> int:
                   eager_us=eager * 1e6 if eager else "", torch_eager_us=torch_eager * 1e6 if torch_eager else "",
                   host_us=host * 1e6 if host else "")
 
-    # ------------------------------------------------------------------ batch_norm_stats
-    for shape, dtype, layout, bar in stats_cases:
+    _stats_rows(torch, igemm, tm, add, stats_cases)
+    _elementwise_rows(torch, igemm, tm, add, ew_cases, copy_bw)
+    _gather_row(torch, igemm, tm, add)
+
+    bench.note("us: device time per call from CUDA-graph replay (both peers); eager_us: CUDA events around each "
+               "eager call (includes host time when the call is host-bound); host_us: igemm's Python time per call.")
+    bench.note("GB/s: bytes the kernel must move (reads once + writes once, mask = numel/8 bytes); %copy: of the "
+               "measured device-to-device copy bandwidth (read + write).")
+    bench.note("bar column: the issue's bars; in parentheses: reported, not barred (the other dtype of each bar "
+               "shape, and the two passes of the backward); %same-size copy: of torch's copy of this row's "
+               "tensor size, rotated like the inputs.")
+    bench.note("PyTorch's BN-ReLU chain writes no 1-bit mask (its backward needs y); its bytes are not the row's bytes.")
+    bench.note("backward rows: the mask's ReLU gradient is fused (a select) into both passes; PyTorch's chain first "
+               "materialises where(y > 0, dy, 0).")
+    for n in sorted(tm.notes):
+        bench.note(n)
+    bench.finish()
+    return 0
+
+
+def _stats_rows(torch, igemm, tm, add, cases) -> None:
+    """batch_norm_stats against torch.batch_norm_stats."""
+    dev = "cuda"
+    for shape, dtype, layout, bar in cases:
         tdt = getattr(torch, dtype)
         numel = 1
         for s in shape:
@@ -160,8 +181,11 @@ def main() -> int:
             bar_s, met = "", None
         add("batch_norm_stats", shape, dtype, layout, t_ig, t_th, nbytes, bar_s, met, ev_ig, host_ig, ev_th)
 
-    # ------------------------------------------------------------------ BN-ReLU forward with mask, backward
-    for shape, dtype, barred in ew_cases:
+
+def _elementwise_rows(torch, igemm, tm, add, cases, copy_bw: float) -> None:
+    """BN-ReLU forward with mask (and + residual), the two backward passes and the whole backward."""
+    dev = "cuda"
+    for shape, dtype, barred in cases:
         for layout in ("NCHW", "NHWC"):
             tdt = getattr(torch, dtype)
             C = shape[1]
@@ -251,7 +275,10 @@ def main() -> int:
                 ((n_red + n_el) / t_b >= 0.8 * copy_bw and t_b < t_bt) if on else None, tm.eager(bwd_ig, nset),
                 tm.host(bwd_ig, nset), tm.eager(bwd_th, nset), same_bw)
 
-    # ------------------------------------------------------------------ merge of per-rank partials
+
+def _gather_row(torch, igemm, tm, add) -> None:
+    """the merge of per-rank partials (SyncBN) against torch.batch_norm_gather_stats_with_counts."""
+    dev = "cuda"
     W, C = 8, 2048
     means = torch.randn(W, C, device=dev)
     vars_ = torch.rand(W, C, device=dev) + 0.5
@@ -262,21 +289,6 @@ def main() -> int:
     t_th = tm.device(lambda i: torch.batch_norm_gather_stats_with_counts(xd, means, inv, None, None, 0.1, EPS,
                                                                           counts), 1)
     add("batch_norm_gather_stats", (W, C), "float32", "", t_ig, t_th, 3 * W * C * 4 + 3 * C * 4, "", None)
-
-    bench.note("us: device time per call from CUDA-graph replay (both peers); eager_us: CUDA events around each "
-               "eager call (includes host time when the call is host-bound); host_us: igemm's Python time per call.")
-    bench.note("GB/s: bytes the kernel must move (reads once + writes once, mask = numel/8 bytes); %copy: of the "
-               "measured device-to-device copy bandwidth (read + write).")
-    bench.note("bar column: the issue's bars; in parentheses: reported, not barred (the other dtype of each bar "
-               "shape, and the two passes of the backward); %same-size copy: of torch's copy of this row's "
-               "tensor size, rotated like the inputs.")
-    bench.note("PyTorch's BN-ReLU chain writes no 1-bit mask (its backward needs y); its bytes are not the row's bytes.")
-    bench.note("backward rows: the mask's ReLU gradient is fused (a select) into both passes; PyTorch's chain first "
-               "materialises where(y > 0, dy, 0).")
-    for n in sorted(tm.notes):
-        bench.note(n)
-    bench.finish()
-    return 0
 
 
 if __name__ == "__main__":

@@ -276,9 +276,8 @@ def _ctx_int(c) -> int:
 
 def current_context() -> int:
     """The calling thread's current CUDA context as an int (0: none)."""
-    m = _hostlaunch.MOD
-    if m is not None:
-        return m.ctx()
+    if _hostlaunch.MOD is not None:                # (the C launch step's: no cuda.bindings object made)
+        return _hostlaunch.MOD.ctx()
     api = _CTX_API if _CTX_API is not False else _ctx_api()
     return _ctx_int(api[0]()[1]) if api else 0
 
@@ -301,10 +300,8 @@ def device(device_id: int):
         devs = _tls.devs = {}
     ent = devs.get(device_id)
     if ent is not None:
-        get = _CTX_API[0] if _CTX_API else None
-        if get is not None and _ctx_int(get()[1]) == ent[1]:
-            return ent[0]
-        ent[0].set_current()
+        if current_context() != ent[1]:
+            ent[0].set_current()
         return ent[0]
     from cuda.core import Device
     d = Device(device_id)

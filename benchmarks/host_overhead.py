@@ -35,6 +35,7 @@ def main(argv=None) -> int:
 
     import igemm
     from igemm import epilogues as ep
+    torch.set_grad_enabled(False)                     # (inference: igemm.nn modules run igemm's kernel)
     dev = "cuda"
     h = torch.float16
     x = torch.randn(8, 64, 14, 14, device=dev, dtype=h)
@@ -58,6 +59,11 @@ def main(argv=None) -> int:
     w1 = torch.randn(64, 64, 1, 1, device=dev, dtype=h)
     plan_1 = igemm.Conv2dPlan(tuple(x1.shape), tuple(w1.shape), "float16", "NCHW", device=0)
     y_1 = plan_1(x1, w1)
+    import igemm.nn as inn
+    block = inn.Conv2dBNReLU(torch.nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64))
+    block = block.to(dev, h).eval().to(memory_format=torch.channels_last)
+    ref_block = torch.nn.Sequential(block.conv, block.bn, torch.nn.ReLU())
+    xcl = x.contiguous(memory_format=torch.channels_last)
     cases = [
         ("Conv2dPlan call (fp16 NHWC)", lambda: plan(xl, w, out=y), lambda: F.conv2d(x, w_nchw, padding=1)),
         ("Conv2dPlan call (fp16 NCHW 3x3: transpose + conv)", lambda: plan_t(x, w_nchw, out=y_t),
@@ -66,6 +72,7 @@ def main(argv=None) -> int:
          lambda: F.conv2d(x1, w1)),
         ("conv2d function (fp16 NHWC)", lambda: igemm.conv2d(xl, w, padding=1, layout="NHWC"),
          lambda: F.conv2d(x, w_nchw, padding=1)),
+        ("igemm.nn.Conv2dBNReLU (fp16 channels_last, eval)", lambda: block(xcl), lambda: ref_block(xcl)),
         ("conv2d + BN + ReLU(mask)", lambda: igemm.conv2d(xl, w, padding=1, layout="NHWC",
                                                            epilogue=ep.chain(ep.BatchNorm(g, b, mu, var),
                                                                              ep.ReLU(mask=True))),

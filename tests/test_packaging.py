@@ -149,6 +149,9 @@ _PROVIDERS = {
     "setuptools": {"setuptools"},
 }
 #: declared but never imported, and why
+# subpackages that need an extra at import (``import igemm`` never imports them: test_extra_packages_stay_apart)
+_EXTRA_PACKAGES = {"igemm/nn": "torch"}
+
 _NOT_IMPORTED = {
     "nvidia-cuda-nvcc": "toolkit: nvcc found on disk by igemm/_build.py",
     "nvidia-cuda-nvrtc": "toolkit: loaded by cuda.bindings.nvrtc",
@@ -216,13 +219,23 @@ def test_imports_match_declared_dependencies():
             used |= {(group, d) for d in dists}
             if not dists & declared:
                 problems.append(f"{where}:{line}: `{mod}` comes from {sorted(dists)}, declared nowhere in pyproject")
-            elif group == "product" and unconditional and not dists & base:
+            elif (group == "product" and unconditional and not dists & base
+                  and not dists & extras.get(_EXTRA_PACKAGES.get(where.rsplit("/", 1)[0], ""), set())):
                 problems.append(f"{where}:{line}: module-level `import {mod}` needs an extra: import it where used")
     for name in sorted(declared):
         group = "tests" if name in extras.get("test", set()) else "product"
         if (group, name) not in used and name not in _NOT_IMPORTED:
             problems.append(f"pyproject declares {name!r}, which no {group} module imports")
     assert not problems, "\n".join(problems)
+
+
+def test_extra_packages_stay_apart():
+    """``import igemm`` (and the import of every public name) does not import a subpackage that needs an extra."""
+    code = ("import sys, igemm\n[getattr(igemm, n) for n in igemm.__all__]\n"
+            f"print(sorted(m for m in sys.modules if m.replace('.', '/') in {sorted(_EXTRA_PACKAGES)!r}))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), IGEMM_BACKEND="numpy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------------------------------------- license

@@ -1,0 +1,196 @@
+"""``igemm.nn.convert``: a model's conv -> BN (-> + identity) -> ReLU patterns, conv -> BN pairs and lone convs
+replaced by igemm modules.
+
+A model that ``torch.fx.symbolic_trace`` traces (torchvision's CNNs do) is rewritten on its graph: the
+patterns are found by data flow, whatever the module structure (a ResNet block's ``out += identity; relu``
+included). Otherwise the modules are walked: inside each ``nn.Sequential``, conv, BN (, ReLU) runs are fused;
+every other convertible ``nn.Conv2d`` becomes :class:`igemm.nn.Conv2d`. Convolutions igemm does not run
+(grouped, depthwise, 1-D/3-D, transposed, other padding modes) stay PyTorch modules.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+
+import torch
+from torch import nn
+
+from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU, _padding
+
+__all__ = ["convert", "Report"]
+
+log = logging.getLogger("igemm.nn")
+_RELU_FUNCS = (torch.relu, torch.nn.functional.relu, torch.relu_)
+_ADD_FUNCS = (operator.add, operator.iadd, torch.add)
+_OTHER_CONVS = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+class Report(dict):
+    """What :func:`convert` did: ``converted`` (module path -> the igemm module's kind) and ``left`` (module
+    path -> why it stayed PyTorch's); ``traced``: whether the graph rewrite ran."""
+
+    def __str__(self) -> str:
+        kinds: dict = {}
+        for k in self["converted"].values():
+            kinds[k] = kinds.get(k, 0) + 1
+        head = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "nothing"
+        left = "; ".join(f"{p}: {why}" for p, why in self["left"].items()) or "none"
+        return f"igemm.nn.convert ({'graph' if self['traced'] else 'module walk'}): converted {head}; left: {left}"
+
+
+def _convertible(conv) -> str | None:
+    """Why this module stays PyTorch's (None: igemm runs it)."""
+    if type(conv) is not nn.Conv2d:
+        return None if isinstance(conv, Conv2d) else f"{type(conv).__name__} is not a Conv2d"
+    if conv.groups != 1:
+        return f"groups={conv.groups}"
+    if conv.padding_mode != "zeros":
+        return f"padding_mode={conv.padding_mode!r}"
+    if _padding(conv) is None:
+        return f"padding={conv.padding!r} (asymmetric)"
+    return None
+
+
+def convert(model: nn.Module, *, inplace: bool = False, return_report: bool = False):
+    """Replace ``model``'s convolutions (and the BN, residual add and ReLU after them) with igemm modules.
+
+    Args:
+        model: any ``nn.Module``; its parameters and buffers are shared by the result unless copied
+            (``inplace=False``, the default, converts a deep copy).
+        inplace: convert ``model`` itself (with a traced graph, the result is still a new ``GraphModule``).
+        return_report: also return the :class:`Report` (it is logged on the ``igemm.nn`` logger either way).
+
+    Returns:
+        The converted module (an ``fx.GraphModule`` when the model traced), or ``(module, report)``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    m = model if inplace else copy.deepcopy(model)
+    report = Report(converted={}, left={}, traced=False)
+    try:
+        gm = torch.fx.symbolic_trace(m)
+    except Exception as e:                         # (data-dependent control flow, unsupported ops, ...)
+        log.info("igemm.nn.convert: the model does not trace (%s: %s); walking its modules", type(e).__name__, e)
+        _walk(m, "", report)
+        out = m
+    else:
+        report["traced"] = True
+        _rewrite(gm, report)
+        out = gm
+    out.train(model.training)
+    log.info("%s", report)
+    return (out, report) if return_report else out
+
+
+def _single_user(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _is_relu(node, modules) -> bool:
+    if node is None:
+        return False
+    if node.op == "call_module":
+        return isinstance(modules.get(node.target), nn.ReLU)
+    if node.op == "call_function":
+        return node.target in _RELU_FUNCS
+    return node.op == "call_method" and node.target in ("relu", "relu_")
+
+
+def _is_add(node) -> bool:
+    if node is None or node.kwargs:
+        return False
+    return ((node.op == "call_function" and node.target in _ADD_FUNCS) or
+            (node.op == "call_method" and node.target in ("add", "add_", "__iadd__"))) and len(node.args) == 2
+
+
+def igemm_module(kind: str, conv: nn.Conv2d, bn: nn.BatchNorm2d | None) -> nn.Module:
+    """The igemm module of a pattern (``kind``: "Conv2d", "Conv2dBN", "Conv2dBNReLU", "Conv2dBNAddReLU")."""
+    if kind == "Conv2d":
+        return Conv2d.from_torch(conv)
+    return {"Conv2dBN": Conv2dBN, "Conv2dBNReLU": Conv2dBNReLU, "Conv2dBNAddReLU": Conv2dBNAddReLU}[kind](conv, bn)
+
+
+def _rewrite(gm, report: Report, make=igemm_module) -> None:
+    """The graph rewrite: each conv node, with what follows it, as one module call (``make(kind, conv, bn)``;
+    benchmarks/bench_nn.py builds its cuDNN peer with the same rewrite)."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module":
+            continue
+        if isinstance(modules.get(node.target), _OTHER_CONVS):
+            report["left"][node.target] = type(modules[node.target]).__name__
+            continue
+        if not isinstance(modules.get(node.target), nn.Conv2d):
+            continue
+        conv = modules[node.target]
+        why = _convertible(conv)
+        if why is not None:
+            report["left"][node.target] = why
+            continue
+        chain = [node]
+        bn_node = _single_user(node)
+        bn = modules.get(bn_node.target) if bn_node is not None and bn_node.op == "call_module" else None
+        identity, kind = None, "Conv2d"
+        if isinstance(bn, nn.BatchNorm2d) and bn.num_features == conv.out_channels:
+            chain.append(bn_node)
+            nxt, kind = _single_user(bn_node), "Conv2dBN"
+            if _is_relu(nxt, modules):
+                chain.append(nxt)
+                kind = "Conv2dBNReLU"
+            elif _is_add(nxt) and _is_relu(_single_user(nxt), modules):
+                other = nxt.args[1] if nxt.args[0] is bn_node else nxt.args[0]
+                if isinstance(other, torch.fx.Node) and other is not bn_node:
+                    chain += [nxt, _single_user(nxt)]
+                    identity, kind = other, "Conv2dBNAddReLU"
+        else:
+            bn = None
+        mod = make(kind, conv, bn)
+        name = node.target.replace(".", "_") + "_igemm"
+        gm.add_submodule(name, mod)
+        last = chain[-1]
+        with graph.inserting_before(last):
+            new = graph.call_module(name, (node.args[0],) if identity is None else (node.args[0], identity))
+        last.replace_all_uses_with(new)
+        for n in reversed(chain):
+            graph.erase_node(n)
+        report["converted"][node.target] = kind
+    graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def _walk(module: nn.Module, prefix: str, report: Report) -> None:
+    """The module walk (a model that does not trace)."""
+    if isinstance(module, nn.Sequential):
+        names = list(module._modules)
+        i = 0
+        while i < len(names):
+            c = module._modules[names[i]]
+            nxt = module._modules[names[i + 1]] if i + 1 < len(names) else None
+            if (type(c) is nn.Conv2d and _convertible(c) is None and isinstance(nxt, nn.BatchNorm2d)
+                    and nxt.num_features == c.out_channels):
+                relu = i + 2 < len(names) and isinstance(module._modules[names[i + 2]], nn.ReLU)
+                module._modules[names[i]] = (Conv2dBNReLU if relu else Conv2dBN)(c, nxt)
+                module._modules[names[i + 1]] = nn.Identity()
+                if relu:
+                    module._modules[names[i + 2]] = nn.Identity()
+                report["converted"][prefix + names[i]] = type(module._modules[names[i]]).__name__
+                i += 3 if relu else 2
+                continue
+            i += 1
+    for name, child in module.named_children():
+        path = prefix + name
+        if type(child) is nn.Conv2d:
+            why = _convertible(child)
+            if why is None:
+                setattr(module, name, Conv2d.from_torch(child))
+                report["converted"][path] = "Conv2d"
+            else:
+                report["left"][path] = why
+        elif isinstance(child, _OTHER_CONVS):
+            report["left"][path] = type(child).__name__
+        elif not isinstance(child, (Conv2d, Conv2dBN, Conv2dBNReLU, Conv2dBNAddReLU)):
+            _walk(child, path + ".", report)

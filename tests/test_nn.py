@@ -1,0 +1,359 @@
+"""igemm.nn: the custom op (its registration, fake implementation, CPU and CUDA implementations), the modules,
+``convert``, channels_last, and the PyTorch machinery around them (torch.compile, torch.export, CUDA graphs).
+The CPU tests need only torch (CI); the GPU tests compare with float64 references."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import igemm.nn as inn  # noqa: E402
+
+from helpers import TOL, rel_err  # noqa: E402
+
+CL = torch.channels_last
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet bottleneck, as it is written there (``out += identity``)."""
+
+    def __init__(self, cin, mid, stride=1):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, mid * 4, 1, bias=False), nn.BatchNorm2d(mid * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or cin != mid * 4:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, mid * 4, 1, stride, bias=False), nn.BatchNorm2d(mid * 4))
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class Toy(nn.Module):
+    """A stem (conv-BN-ReLU in a Sequential), two bottlenecks, a lone conv with bias, and what igemm leaves:
+    a grouped conv, a depthwise conv, a transposed conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.blocks = nn.Sequential(Bottleneck(16, 8), Bottleneck(32, 8, stride=2))
+        self.head = nn.Conv2d(32, 24, 3, padding="same")
+        self.grouped = nn.Conv2d(24, 24, 3, padding=1, groups=4)
+        self.depthwise = nn.Conv2d(24, 24, 3, padding=1, groups=24)
+        self.up = nn.ConvTranspose2d(24, 8, 2, 2)
+
+    def forward(self, x):
+        return self.up(self.depthwise(self.grouped(self.head(self.blocks(self.stem(x))))))
+
+
+class Untraceable(Toy):
+    def forward(self, x):
+        if x.sum() > 0:                      # data-dependent control flow: symbolic_trace fails
+            x = x * 1.0
+        return super().forward(x)
+
+
+def _settle(model, x):
+    """BN running statistics from one train-mode forward (no pretrained weights), then eval."""
+    model.train()
+    with torch.no_grad():
+        model(x)
+    return model.eval()
+
+
+def _ref(x, w, b, bn, residual, stride, padding, dilation, relu):
+    """float64 reference of the op."""
+    d = lambda t: None if t is None else t.double()           # noqa: E731
+    y = F.conv2d(d(x), d(w), d(b), stride, padding, dilation)
+    if bn is not None:
+        g, be, m, v, eps = bn
+        y = F.batch_norm(y, d(m), d(v), d(g), d(be), False, 0.0, eps)
+    if residual is not None:
+        y = y + d(residual)
+    return torch.relu(y) if relu else y
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+def test_op_is_registered_with_a_fake_implementation():
+    """The op's schema, and its fake implementation's shapes and memory format (FakeTensorMode: no data)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    assert "igemm::conv2d" in str(torch.ops.igemm.conv2d.default._schema)
+    with FakeTensorMode() as mode:
+        for fmt, (stride, padding, dilation) in [(torch.contiguous_format, ((1, 1), (1, 1), (1, 1))),
+                                                 (CL, ((2, 2), (3, 1), (1, 2)))]:
+            x = mode.from_tensor(torch.empty(2, 8, 17, 19).contiguous(memory_format=fmt))
+            w = mode.from_tensor(torch.empty(16, 8, 3, 5))
+            y = torch.ops.igemm.conv2d(x, w, None, None, None, None, None, 1e-5, None, list(stride), list(padding),
+                                       list(dilation), True)
+            want = F.conv2d(torch.empty(2, 8, 17, 19), torch.empty(16, 8, 3, 5), None, stride, padding, dilation)
+            assert y.shape == want.shape
+            assert y.is_contiguous(memory_format=fmt), (fmt, y.stride())
+
+
+@pytest.mark.parametrize("fmt", ["NCHW", "channels_last"])
+def test_cpu_op_matches_the_reference(fmt):
+    """The CPU implementation (the op's semantics) against float64, every epilogue combination."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 11, 9, generator=g)
+    if fmt == "channels_last":
+        x = x.contiguous(memory_format=CL)
+    w = torch.randn(10, 6, 3, 3, generator=g) / 5
+    b = torch.randn(10, generator=g)
+    bn = (torch.rand(10, generator=g) + .5, torch.randn(10, generator=g), torch.randn(10, generator=g),
+          torch.rand(10, generator=g) + .5, 1e-3)
+    for stride, padding, dilation in [((1, 1), (1, 1), (1, 1)), ((2, 1), (0, 2), (1, 2))]:
+        N, K = 2, 10
+        P = (11 + 2 * padding[0] - dilation[0] * 2 - 1) // stride[0] + 1
+        Q = (9 + 2 * padding[1] - dilation[1] * 2 - 1) // stride[1] + 1
+        r = torch.randn(N, K, P, Q, generator=g)
+        for bias, use_bn, res, relu in [(None, False, None, False), (b, False, None, True), (None, True, None, True),
+                                        (b, True, r, True), (b, True, r, False)]:
+            bnv = bn if use_bn else (None,) * 4 + (1e-5,)
+            y = inn.conv2d(x, w, bias, *bnv, residual=res, stride=stride, padding=padding, dilation=dilation,
+                           relu=relu)
+            want = _ref(x, w, bias, bn if use_bn else None, res, stride, padding, dilation, relu)
+            assert rel_err(y.double().numpy(), want.numpy()) <= TOL["float32"]
+            assert y.is_contiguous(memory_format=CL if fmt == "channels_last" else torch.contiguous_format)
+
+
+def test_op_bad_arguments_raise_named():
+    x, w = torch.randn(1, 4, 8, 8), torch.randn(8, 4, 3, 3)
+    cases = [((x[0], w), {}, ValueError, "x: expected a 4-D"), ((x, w[0]), {}, ValueError, "weight: expected"),
+             ((x, torch.randn(8, 2, 3, 3)), {}, NotImplementedError, "groups=1"),
+             ((x, w, torch.randn(7)), {}, ValueError, "bias: expected a vector of 8"),
+             ((x, w), {"bn_mean": torch.randn(8)}, ValueError, "bn_mean, bn_var"),
+             ((x, w), {"residual": torch.randn(1, 8, 8, 8)}, ValueError, "residual: expected the output's shape"),
+             ((x, w), {"stride": (0, 1)}, ValueError, "stride")]
+    for args, kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            inn.conv2d(*args, **kw)
+
+
+def _convert_report(model):
+    return inn.convert(model, return_report=True)
+
+
+def test_convert_rewrites_the_graph_and_keeps_outputs():
+    """Traced: the stem, every bottleneck conv (the third with its add and ReLU) and the lone conv become igemm
+    modules; the grouped, depthwise and transposed convs stay, named in the report. On the CPU the modules run
+    PyTorch's ops, so the outputs equal the original's; the original model is untouched."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    model = _settle(Toy(), x)
+    conv, rep = _convert_report(model)
+    assert rep["traced"]
+    kinds = rep["converted"]
+    assert kinds["stem.0"] == "Conv2dBNReLU" and kinds["blocks.0.conv1"] == "Conv2dBNReLU"
+    assert kinds["blocks.0.conv3"] == "Conv2dBNAddReLU" and kinds["blocks.1.conv3"] == "Conv2dBNAddReLU"
+    assert kinds["blocks.1.downsample.0"] == "Conv2dBN" and kinds["head"] == "Conv2d"
+    assert set(rep["left"]) == {"grouped", "depthwise", "up"}, rep["left"]
+    assert len(kinds) == 10 and "converted 1 Conv2d" in str(rep)
+    mods = [type(m).__name__ for m in conv.modules()]
+    assert mods.count("Conv2dBNAddReLU") == 2 and "BatchNorm2d" in mods        # (inside the fused modules)
+    assert not any(isinstance(m, inn.Conv2dBN) for m in model.modules())       # a copy was converted
+    with torch.no_grad():
+        assert torch.allclose(conv(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_convert_walks_a_model_that_does_not_trace():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    model = _settle(Untraceable(), x)
+    conv, rep = _convert_report(model)
+    assert not rep["traced"] and rep["converted"]["stem.0"] == "Conv2dBNReLU"
+    assert rep["converted"]["blocks.0.conv1"] == "Conv2d" and set(rep["left"]) == {"grouped", "depthwise", "up"}
+    with torch.no_grad():
+        assert torch.allclose(conv(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_fullgraph_and_export_on_the_cpu():
+    """torch.compile(fullgraph=True) traces the converted model with no graph break (the op is opaque, its fake
+    implementation gives shapes); torch.export exports it with the op in its graph."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    conv = inn.convert(_settle(Toy(), x))
+    with torch.no_grad():
+        want = conv(x)
+        got = torch.compile(conv, fullgraph=True, backend="eager")(x)
+        assert torch.equal(got, want)
+        ep = torch.export.export(conv, (x,))
+    assert "igemm.conv2d" in str(ep.graph)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x), want)
+
+
+def test_modules_in_training_run_pytorch_and_say_so_once():
+    from igemm.nn import _modules
+    _modules._warned.clear()
+    conv, bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+    m = inn.Conv2dBNReLU(conv, bn).train()
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        y1, _ = m(x), m(x)
+    assert len([i for i in w if "igemm.nn" in str(i.message)]) == 1
+    assert torch.allclose(y1, torch.relu(bn(conv(x))))
+    m.eval()                      # eval, but gradients wanted: PyTorch's ops, so that backward is right
+    y = m(x)
+    y.sum().backward()
+    assert conv.weight.grad is not None and conv.weight.grad.abs().sum() > 0
+    assert any(k.startswith("Conv2dBNReLU: gradients needed") for k in _modules._warned)
+    with pytest.raises(TypeError, match="conv, bn"):
+        inn.Conv2dBN(bn, conv)
+
+
+@pytest.mark.compile
+def test_precompile_compiles_what_the_forward_launches(tmp_path, monkeypatch):
+    """precompile runs the converted model on fake tensors (no GPU) and compiles each distinct kernel once; the
+    plans the forward would build find them in the cache."""
+    from igemm import _build
+    from igemm.nn import _ops
+    monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    conv = inn.convert(_settle(Toy(), torch.randn(2, 3, 32, 32))).half().to(memory_format=CL)
+    x = torch.randn(4, 3, 32, 32).half().contiguous(memory_format=CL)
+    calls = []
+    monkeypatch.setattr(_build, "compile_many", lambda items, arch, jobs=None: calls.append((list(items), arch))
+                        or len({stub for _, stub in items}))
+    n = inn.precompile(conv, x, arch="sm_90a", sms=132)
+    (items, arch), = calls
+    assert arch == "sm_90a" and len(items) == 10 and 1 <= n <= 10      # ten convs, some sharing a kernel
+    stem = _ops._make_plan(((4, 32, 32, 3), (16, 3, 3, 3), "float16", "NHWC", (2, 2), (1, 1), (1, 1), True, True,
+                            None, True), "numpy", arch="sm_90a", sms=132)
+    assert stem.kernel() in items
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gpu_op_matches_the_reference(dtype):
+    """The CUDA kernel against float64: NCHW and channels_last x (weights in either format), every epilogue
+    combination; the output's memory format follows x's."""
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for N, C, H, W, K, R, stride, padding in [(2, 32, 14, 14, 64, 3, 1, 1), (3, 16, 9, 11, 32, 1, 2, 0),
+                                               (1, 3, 32, 32, 16, 7, 2, 3)]:
+        x = torch.randn(N, C, H, W, device="cuda", generator=g).to(dt)
+        w = (torch.randn(K, C, R, R, device="cuda", generator=g) / (C * R * R) ** 0.5).to(dt)
+        b = torch.randn(K, device="cuda", generator=g).to(dt)
+        bn = (torch.rand(K, device="cuda") + .5, torch.randn(K, device="cuda"), torch.randn(K, device="cuda"),
+              torch.rand(K, device="cuda") + .5, 1e-5)
+        P = (H + 2 * padding - R) // stride + 1
+        Q = (W + 2 * padding - R) // stride + 1
+        r = torch.randn(N, K, P, Q, device="cuda", generator=g).to(dt)
+        for fmt in (torch.contiguous_format, CL):
+            xf, wf, rf = (t.contiguous(memory_format=fmt) for t in (x, w, r))
+            for bias, use_bn, res, relu in [(None, False, None, False), (b, False, None, True),
+                                            (None, True, None, True), (b, True, rf, True)]:
+                bnv = bn if use_bn else (None,) * 4 + (1e-5,)
+                y = inn.conv2d(xf, wf, bias, *bnv, residual=res, stride=(stride,) * 2, padding=(padding,) * 2,
+                               relu=relu)
+                want = _ref(x, w, bias, bn if use_bn else None, res, (stride,) * 2, (padding,) * 2, (1, 1), relu)
+                label = (dtype, N, C, K, R, fmt, bias is not None, use_bn, res is not None, relu)
+                assert y.dtype == dt and y.is_contiguous(memory_format=fmt), label
+                assert rel_err(y.double().cpu().numpy(), want.cpu().numpy()) <= TOL[dtype], label
+
+
+@pytest.mark.gpu
+def test_gpu_channels_last_runs_one_kernel_and_sees_in_place_updates():
+    """A channels_last call with a channels_last weight launches the conv kernel alone (no copy, no fold: the
+    folded vectors are cached); an in-place change of a BN statistic or the weight is seen at the next call."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64)
+    x = torch.randn(8, 64, 28, 28)
+    m = _settle(inn.Conv2dBNReLU(conv, bn), x).cuda().half().to(memory_format=CL)
+    xc = x.cuda().half().contiguous(memory_format=CL)
+    with torch.no_grad():
+        y0 = m(xc)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            y1 = m(xc)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert len(kernels) == 1 and "igemm" in kernels[0], kernels
+        assert torch.equal(y0, y1) and y1.is_contiguous(memory_format=CL)
+        bn.running_mean.add_(0.5)
+        y2 = m(xc)
+        want = torch.relu(F.batch_norm(F.conv2d(xc.double(), m.conv.weight.double(), None, 1, 1),
+                                       bn.running_mean.double(), bn.running_var.double(), bn.weight.double(),
+                                       bn.bias.double(), False, 0.0, bn.eps))
+        assert rel_err(y2.double().cpu().numpy(), want.cpu().numpy()) <= TOL["float16"]
+        m.conv.weight.mul_(-1)
+        y3 = m(xc)
+        assert not torch.equal(y3, y2)
+
+
+@pytest.mark.gpu
+def test_gpu_converted_model_compiles_exports_and_captures():
+    """The converted toy model on the GPU (fp16, channels_last): eager against float64; torch.compile
+    (fullgraph, inductor), torch.export and a CUDA graph replay give eager's outputs bit for bit. The graph
+    holds the BN folded at capture (no fold kernels in it); an eager call sees a later update at once."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 32, 32)
+    model = _settle(Toy(), x)
+    want = model.double()(x.double())
+    model = model.float()
+    conv = inn.convert(model).cuda().half().to(memory_format=CL)
+    xc = x.cuda().half().contiguous(memory_format=CL)
+    with torch.no_grad():
+        y = conv(xc)
+        assert rel_err(y.double().cpu().numpy(), want.detach().numpy()) <= 2 * TOL["float16"]
+        assert torch.equal(torch.compile(conv, fullgraph=True)(xc), y)
+        ep = torch.export.export(conv, (xc,))
+        assert torch.equal(ep.module()(xc), y)
+        static = xc.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            conv(static)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = conv(static)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, y)
+        conv.stem_0_igemm.bn.running_mean.add_(1.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, y) and not torch.equal(conv(xc), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2", "resnext50_32x4d"])
+def test_gpu_torchvision_models(name):
+    """Converted torchvision models (random weights, BN statistics from one train-mode forward), fp16
+    channels_last: the error against the fp32 model is at most PyTorch fp16's own (with a margin of 25%);
+    grouped and depthwise convs stay PyTorch's."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)(num_classes=100).cuda()
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    _settle(model, x)
+    with torch.no_grad():
+        ref = model(x).double()
+        half = model.half().to(memory_format=CL)
+        xc = x.half().contiguous(memory_format=CL)
+        err_torch = rel_err(half(xc).double().cpu().numpy(), ref.cpu().numpy())
+        conv, rep = inn.convert(half, return_report=True)
+        inn.precompile(conv, xc)                         # (its kernels, in parallel, before the first forward)
+        err_igemm = rel_err(conv(xc).double().cpu().numpy(), ref.cpu().numpy())
+    assert rep["converted"] and err_igemm <= 1.25 * err_torch + 1e-4, (name, err_igemm, err_torch, str(rep))
+    if name in ("mobilenet_v2", "resnext50_32x4d"):
+        assert rep["left"], rep
+    print(f"{name}: converted {len(rep['converted'])}, left {len(rep['left'])}; rel err vs fp32: igemm "
+          f"{err_igemm:.2e}, torch fp16 {err_torch:.2e}")

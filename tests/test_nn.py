@@ -298,6 +298,43 @@ def test_gpu_channels_last_runs_one_kernel_and_sees_in_place_updates():
 
 
 @pytest.mark.gpu
+def test_gpu_module_eager_path_equals_the_op():
+    """A module's eager forward (igemm called directly, no dispatcher) gives the op's bits in every case it
+    handles itself (x channels_last or NCHW, the identity in x's format) and in those it hands to the op's
+    general path (an identity in the other format, a misaligned x); a replaced or updated parameter is seen."""
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(32, 64, 3, padding=1, bias=True), nn.BatchNorm2d(64)
+    x = torch.randn(4, 32, 16, 16)
+    m = _settle(inn.Conv2dBNAddReLU(conv, bn), x).cuda().half()
+    c, b = m.conv, m.bn
+
+    def op(x, r):
+        return inn.conv2d(x, c.weight, c.bias, b.weight, b.bias, b.running_mean, b.running_var, b.eps, r,
+                          c.stride, c.padding, c.dilation, True)
+    base = torch.randn(4 * 32 * 16 * 16 + 8, device="cuda").half()
+    cases = []
+    for fmt in (CL, torch.contiguous_format):
+        xc = x.cuda().half().contiguous(memory_format=fmt)
+        for rfmt in (fmt, CL if fmt is torch.contiguous_format else torch.contiguous_format):
+            cases.append((xc, torch.randn(4, 64, 16, 16, device="cuda").half().contiguous(memory_format=rfmt)))
+    cases.append((base[1:1 + x.numel()].view(4, 32, 16, 16), cases[2][1]))        # misaligned NCHW x
+    with torch.no_grad():
+        for i, (xi, r) in enumerate(cases):
+            for _ in range(2):                                                     # (the second: cached)
+                got, want = m(xi, r), op(xi, r)
+                assert torch.equal(got, want) and got.stride() == want.stride(), i
+            ref = _ref(xi.float(), c.weight.float(), c.bias.float(),
+                       (b.weight, b.bias, b.running_mean, b.running_var, b.eps), r.float(), (1, 1), (1, 1), (1, 1),
+                       True)
+            assert rel_err(got.double().cpu().numpy(), ref.cpu().numpy()) <= TOL["float16"], i
+        y0 = m(*cases[0])
+        c.weight = nn.Parameter(c.weight * 2)                                      # another object
+        assert torch.equal(m(*cases[0]), op(*cases[0])) and not torch.equal(m(*cases[0]), y0)
+        b.weight.mul_(0.5)                                                         # the same object, updated
+        assert torch.equal(m(*cases[0]), op(*cases[0]))
+
+
+@pytest.mark.gpu
 def test_gpu_converted_model_compiles_exports_and_captures():
     """The converted toy model on the GPU (fp16, channels_last): eager against float64; torch.compile
     (fullgraph, inductor), torch.export and a CUDA graph replay give eager's outputs bit for bit. The graph

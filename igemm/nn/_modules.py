@@ -76,6 +76,9 @@ class Conv2d(nn.Conv2d):
         if why is not None:
             _say_once(f"Conv2d: {why}")
             return super().forward(x)
+        if _ops.eager(x):
+            return _ops.fast(self, x, None, (self.weight, self.bias, None, None, None, None), 1e-5, self.stride,
+                             _padding(self), self.dilation, False)
         return _ops.conv2d(x, self.weight, self.bias, stride=self.stride, padding=_padding(self),
                            dilation=self.dilation)
 
@@ -110,8 +113,12 @@ class _ConvBN(nn.Module):
             _say_once(f"{type(self).__name__}: {why}")
             return self._torch(x, identity)
         c = self.conv
+        res = identity if self.add else None
+        if _ops.eager(x):
+            return _ops.fast(self, x, res, (c.weight, c.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var),
+                             bn.eps, c.stride, _padding(c), c.dilation, self.relu)
         return _ops.conv2d(x, c.weight, c.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps,
-                           identity if self.add else None, c.stride, _padding(c), c.dilation, self.relu)
+                           res, c.stride, _padding(c), c.dilation, self.relu)
 
 
 class Conv2dBN(_ConvBN):

@@ -21,6 +21,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .. import _runtime
+
 __all__ = ["conv2d", "precompile", "SCHEMA", "supported"]
 
 SCHEMA = ("conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor? bn_mean, "
@@ -264,3 +266,80 @@ def precompile(model, *inputs, arch: str | None = None, sms: int | None = None, 
         _recording = None
     items = [_make_plan(key, "numpy", arch=arch, sms=sms).kernel() for key in dict.fromkeys(calls)]
     return _build.compile_many(items, arch, jobs)
+
+
+# ------------------------------------------------------------------------------------------- the eager path
+def eager(x) -> bool:
+    """Whether a module's forward may call igemm directly (a plain CUDA tensor, not under torch.compile or
+    export, which see the op): the dispatcher's cost per call skipped (docs/performance.md: nn-eager-path)."""
+    return type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+
+
+_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # module -> {input geometry: FastCall}
+
+
+def fast(owner, x, residual, tensors: tuple, eps: float, stride, padding, dilation, relu: bool):
+    """A module's eager forward: the op's result, computed by the module's :class:`FastCall` for this input
+    geometry. ``tensors``: (weight, bias, bn_weight, bn_bias, bn_mean, bn_var)."""
+    per = _calls.get(owner)
+    if per is None:
+        per = _calls[owner] = {}
+    key = (x.shape, x.stride(), x.dtype, x.get_device(),
+           None if residual is None else (residual.shape, residual.stride(), residual.dtype))
+    fc = per.get(key)
+    if fc is None:
+        fc = per[key] = FastCall(x, residual, tensors, eps, tuple(stride), tuple(padding), tuple(dilation), relu)
+    return fc(x, residual, tensors)
+
+
+class FastCall:
+    """One module's calls with one input geometry (x's shape, strides, dtype, device; the residual's): the
+    arguments checked and the plan found once; the weight's kernel view and the folded vectors derived again
+    only when one of the tensors is another object or at another version; then pointers, an output from a
+    template, and the plan's launch record."""
+
+    __slots__ = ("plan", "nhwc", "args", "tensors", "stamp", "wv", "vectors", "template", "res_ok", "stream_of")
+
+    def __init__(self, x, residual, tensors, eps, stride, padding, dilation, relu):
+        w, b, *bn = tensors
+        _check(x, w, b, bn, residual, stride, padding, dilation)
+        self.args = (eps, stride, padding, dilation, relu)
+        self.nhwc = _nhwc(x)
+        self.plan = _plan(_plan_key(x, w, b, bn[2], residual, stride, padding, dilation, relu), x.device.index)
+        fmt = _CL if self.nhwc else torch.contiguous_format
+        self.res_ok = residual is None or residual.is_contiguous(memory_format=fmt)
+        ys = self.plan.y_shape
+        self.template = torch.empty((1,) * 4, dtype=x.dtype, device=x.device).expand(ys)
+        self.stream_of = torch._C._cuda_getCurrentRawStream
+        self.tensors, self.stamp = None, None
+
+    def _derive(self, tensors) -> None:
+        w, b, *bn = tensors
+        scale, shift = _fold(w.dtype, b, bn, self.args[0], w.shape[0], w.device)
+        if self.nhwc:
+            wv = w.permute(0, 2, 3, 1)
+            if not wv.is_contiguous():
+                wv = wv.contiguous()
+        else:
+            wv = w.contiguous()
+        derived = (wv, _Vectors(scale, shift))
+        if torch.cuda.is_current_stream_capturing():     # (values that exist only at replay: not kept)
+            return derived
+        self.wv, self.vectors = derived
+        self.tensors, self.stamp = tensors, tuple(t._version for t in tensors if t is not None)
+        return derived
+
+    def __call__(self, x, residual, tensors):
+        if (self.tensors is None or any(a is not b for a, b in zip(tensors, self.tensors))
+                or tuple(t._version for t in tensors if t is not None) != self.stamp):
+            wv, vectors = self._derive(tensors)
+        else:
+            wv, vectors = self.wv, self.vectors
+        plan, xp, wp = self.plan, x.data_ptr(), wv.data_ptr()
+        rp = residual.data_ptr() if residual is not None else 0
+        if (xp & 15 or rp & 15 or wp & 15 or not self.res_ok
+                or _runtime.current_context() != plan._ctx_id):      # the general path: copies, checks, context
+            return _conv2d_cuda(x, tensors[0], tensors[1], *tensors[2:], self.args[0], residual, *self.args[1:])
+        y = torch.empty_like(self.template)
+        plan._launch(self.stream_of(plan.device_id), True, True, xp, wp, y.data_ptr(), rp, 0, vectors, False)
+        return y.permute(0, 3, 1, 2) if self.nhwc else y

@@ -305,7 +305,12 @@ def test_gpu_module_eager_path_equals_the_op():
     torch.manual_seed(0)
     conv, bn = nn.Conv2d(32, 64, 3, padding=1, bias=True), nn.BatchNorm2d(64)
     x = torch.randn(4, 32, 16, 16)
-    m = _settle(inn.Conv2dBNAddReLU(conv, bn), x).cuda().half()
+    with torch.no_grad():                   # (BN statistics of some data; the module is a block's last conv)
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 1.5)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.normal_()
+    m = inn.Conv2dBNAddReLU(conv, bn).eval().cuda().half()
     c, b = m.conv, m.bn
 
     def op(x, r):

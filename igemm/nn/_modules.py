@@ -40,16 +40,16 @@ def _padding(conv: nn.Conv2d) -> tuple | None:
     return tuple(p)
 
 
-def _why_not(conv: nn.Conv2d, x: torch.Tensor, module: nn.Module) -> str | None:
-    """Why this forward cannot run igemm's kernel (None: it can)."""
+def _why_not(conv: nn.Conv2d, x: torch.Tensor, module: nn.Module, padding) -> str | None:
+    """Why this forward cannot run igemm's kernel (None: it can); ``padding``: ``_padding(conv)``."""
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())):
         return ("training (igemm has no convolution backward yet)" if module.training else
                 "gradients needed (igemm has no convolution backward yet; run inference under torch.no_grad())")
-    if conv.groups != 1:
-        return f"groups={conv.groups} (igemm runs groups=1)"
-    if conv.padding_mode != "zeros":
-        return f"padding_mode={conv.padding_mode!r}"
-    if _padding(conv) is None:
+    if padding is None:
+        if conv.groups != 1:
+            return f"groups={conv.groups} (igemm runs groups=1)"
+        if conv.padding_mode != "zeros":
+            return f"padding_mode={conv.padding_mode!r}"
         return f"padding={conv.padding!r} with an even kernel extent (asymmetric)"
     if x.dim() != 4:
         return f"a {x.dim()}-D input"
@@ -72,15 +72,16 @@ class Conv2d(nn.Conv2d):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        why = _why_not(self, x, self)
+        pad = _padding(self)
+        why = _why_not(self, x, self, pad)
         if why is not None:
             _say_once(f"Conv2d: {why}")
             return super().forward(x)
+        p = self._parameters
         if _ops.eager(x):
-            return _ops.fast(self, x, None, (self.weight, self.bias, None, None, None, None), 1e-5, self.stride,
-                             _padding(self), self.dilation, False)
-        return _ops.conv2d(x, self.weight, self.bias, stride=self.stride, padding=_padding(self),
-                           dilation=self.dilation)
+            return _ops.fast(self, x, None, (p["weight"], p["bias"], None, None, None, None), 1e-5, self.stride, pad,
+                             self.dilation, False)
+        return _ops.conv2d(x, p["weight"], p["bias"], stride=self.stride, padding=pad, dilation=self.dilation)
 
 
 class _ConvBN(nn.Module):
@@ -105,20 +106,20 @@ class _ConvBN(nn.Module):
         return torch.relu(y) if self.relu else y
 
     def _forward(self, x: torch.Tensor, identity) -> torch.Tensor:
-        bn = self.bn
-        why = _why_not(self.conv, x, self)
-        if why is None and (self.training or not bn.track_running_stats or bn.running_mean is None):
+        c, bn = self._modules["conv"], self._modules["bn"]       # (not nn.Module.__getattr__: per-call cost)
+        cp, bp, bb = c._parameters, bn._parameters, bn._buffers
+        pad = _padding(c)
+        why = _why_not(c, x, self, pad)
+        if why is None and (self.training or bb.get("running_mean") is None):
             why = "BatchNorm in training mode (batch statistics)"
         if why is not None:
             _say_once(f"{type(self).__name__}: {why}")
             return self._torch(x, identity)
-        c = self.conv
         res = identity if self.add else None
+        tensors = (cp["weight"], cp["bias"], bp["weight"], bp["bias"], bb["running_mean"], bb["running_var"])
         if _ops.eager(x):
-            return _ops.fast(self, x, res, (c.weight, c.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var),
-                             bn.eps, c.stride, _padding(c), c.dilation, self.relu)
-        return _ops.conv2d(x, c.weight, c.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps,
-                           res, c.stride, _padding(c), c.dilation, self.relu)
+            return _ops.fast(self, x, res, tensors, bn.eps, c.stride, pad, c.dilation, self.relu)
+        return _ops.conv2d(x, *tensors, bn.eps, res, c.stride, pad, c.dilation, self.relu)
 
 
 class Conv2dBN(_ConvBN):

@@ -298,7 +298,8 @@ class FastCall:
     only when one of the tensors is another object or at another version; then pointers, an output from a
     template, and the plan's launch record."""
 
-    __slots__ = ("plan", "nhwc", "args", "tensors", "stamp", "wv", "vectors", "template", "res_ok", "stream_of")
+    __slots__ = ("plan", "nhwc", "args", "tensors", "ids", "stamp", "wv", "vectors", "template", "res_ok",
+                 "stream_of")
 
     def __init__(self, x, residual, tensors, eps, stride, padding, dilation, relu):
         w, b, *bn = tensors
@@ -311,7 +312,7 @@ class FastCall:
         ys = self.plan.y_shape
         self.template = torch.empty((1,) * 4, dtype=x.dtype, device=x.device).expand(ys)
         self.stream_of = torch._C._cuda_getCurrentRawStream
-        self.tensors, self.stamp = None, None
+        self.tensors, self.ids, self.stamp = None, None, None
 
     def _derive(self, tensors) -> None:
         w, b, *bn = tensors
@@ -326,12 +327,12 @@ class FastCall:
         if torch.cuda.is_current_stream_capturing():     # (values that exist only at replay: not kept)
             return derived
         self.wv, self.vectors = derived
-        self.tensors, self.stamp = tensors, tuple(t._version for t in tensors if t is not None)
+        # (the tensors are held: no other object can take one's id while it is compared against)
+        self.tensors, self.ids, self.stamp = tensors, list(map(id, tensors)), [t._version for t in tensors if t is not None]
         return derived
 
     def __call__(self, x, residual, tensors):
-        if (self.tensors is None or any(a is not b for a, b in zip(tensors, self.tensors))
-                or tuple(t._version for t in tensors if t is not None) != self.stamp):
+        if list(map(id, tensors)) != self.ids or [t._version for t in tensors if t is not None] != self.stamp:
             wv, vectors = self._derive(tensors)
         else:
             wv, vectors = self.wv, self.vectors

@@ -76,3 +76,16 @@ def test_demo_gpu_without_torch(tmp_path):
     rows = _rows(r.stdout)
     assert rows[0][0] == "conv1 7x7/2 3->64 @224" and "TFLOP/s" in r.stdout
     assert all(float(row[2]) > 0 and "FAIL" not in row[-1] for row in rows), r.stdout
+
+
+def test_readme_quickstarts():
+    """The README's quickstart without a GPU runs as written (numpy backend); the PyTorch one compiles."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 2, len(blocks)
+    import igemm
+    try:
+        exec(compile(blocks[0], "README quickstart (numpy)", "exec"), {})
+    finally:
+        igemm.set_backend(None)
+    compile(blocks[1], "README quickstart (PyTorch)", "exec")

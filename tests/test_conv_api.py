@@ -175,3 +175,69 @@ def test_item10_conv_one_exception_type_per_failure(numpy_backend, rng):
         igemm.conv2d(x, w, padding=1, out=np.empty((2, 3, 8, 7), np.float32))
     with pytest.raises(TypeError, match="^stream:"):
         igemm.Conv2dPlan(x.shape, w.shape, "float32", padding=1)(x, w, stream="default")
+
+
+# --------------------------------------------------------------------------- PyTorch's conv2d arguments
+def _ref_conv(x, w, b, stride, padding, dilation):
+    y = reference.conv2d_direct(np.asarray(x, np.float64), np.asarray(w, np.float64), stride, padding, dilation,
+                                "NCHW")
+    return y + np.asarray(b, np.float64).reshape(1, -1, 1, 1) if b is not None else y
+
+
+def test_conv2d_bias_and_string_padding(numpy_backend, rng):
+    """``bias=`` (added before the epilogue) and ``padding="same"``/``"valid"`` as in PyTorch; ``groups`` != 1,
+    strided or asymmetric "same", and unknown strings raise, naming the argument."""
+    x = rng.standard_normal((2, 4, 7, 9)).astype(np.float32)
+    w = rng.standard_normal((5, 4, 3, 5)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    y = igemm.conv2d(x, w, padding="same", bias=b)
+    assert y.shape == (2, 5, 7, 9) and rel_err(y, _ref_conv(x, w, b, 1, (1, 2), 1)) <= 1e-6
+    y = igemm.conv2d(x, w, padding="same", dilation=2, bias=b, epilogue=ep.ReLU())
+    assert rel_err(y, np.maximum(_ref_conv(x, w, b, 1, (2, 4), 2), 0)) <= 1e-6
+    assert igemm.conv2d(x, w, padding="valid").shape == (2, 5, 5, 5)
+    for kw, exc, msg in [(dict(groups=2), NotImplementedError, "groups"), (dict(groups=1.0), TypeError, "groups"),
+                         (dict(padding="same", stride=2), ValueError, "padding"),
+                         (dict(padding="full"), ValueError, "padding"),
+                         (dict(bias=b[:4]), ValueError, "bias")]:
+        with pytest.raises(exc, match=msg):
+            igemm.conv2d(x, w, **kw)
+    with pytest.raises(NotImplementedError, match="padding"):
+        igemm.conv2d(x, w[:, :, :2, :2], padding="same")
+
+
+@pytest.mark.gpu
+def test_conv2d_channels_last_and_cached_folds_gpu(rng):
+    """A channels_last torch x with layout="NCHW": the NHWC kernel on its memory, a channels_last y equal to the
+    NCHW call's; the residual, out and mask as in an NHWC call. Torch BN vectors are folded once and folded
+    again after an in-place update or when another tensor is given."""
+    torch = pytest.importorskip("torch")
+    cl = torch.channels_last
+    x = torch.randn(2, 32, 12, 12, device="cuda").half()
+    w = (torch.randn(64, 32, 3, 3, device="cuda") / 17).half()
+    b = torch.randn(64, device="cuda")
+    g, be, m, v = (torch.rand(64, device="cuda") + .5, torch.randn(64, device="cuda"),
+                   torch.randn(64, device="cuda"), torch.rand(64, device="cuda") + .5)
+    r = torch.randn(2, 64, 12, 12, device="cuda").half()
+    chain = ep.chain(ep.BatchNorm(g, be, m, v), ep.Add(), ep.ReLU(mask=True))
+    y0, m0 = igemm.conv2d(x, w, padding=1, bias=b, epilogue=chain, residual=r)
+    xc, wc, rc = (t.contiguous(memory_format=cl) for t in (x, w, r))
+    y1, m1 = igemm.conv2d(xc, wc, padding=1, bias=b, epilogue=chain, residual=rc)
+    assert y1.is_contiguous(memory_format=cl) and y1.shape == y0.shape
+    assert rel_err(y1.float().cpu().numpy(), y0.float().cpu().numpy()) <= 5e-3
+    assert torch.equal(m1, igemm.relu_mask(y1.permute(0, 2, 3, 1).contiguous()))       # memory (NHWC) order
+    out = torch.full_like(y0, float("nan")).contiguous(memory_format=cl)
+    y2, _ = igemm.conv2d(xc, w, padding=1, bias=b, epilogue=chain, residual=rc, out=out)   # w copied to KRSC
+    assert y2 is out and torch.equal(out, y1)
+    with pytest.raises(ValueError, match="out"):
+        igemm.conv2d(xc, wc, padding=1, epilogue=chain, residual=rc, out=torch.empty_like(y0))
+    # the fold cache: the same vectors twice, then updated in place, then other tensors
+    ya = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m, v), ep.ReLU()))
+    yb = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m, v), ep.ReLU()))
+    m.add_(1.0)
+    yc = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m, v), ep.ReLU()))
+    want = torch.relu(torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x.double(), w.double(), padding=1),
+                                                     m.double(), v.double(), g.double(), be.double(), False, 0, 1e-5))
+    assert torch.equal(ya, yb) and not torch.equal(yb, yc)
+    assert rel_err(yc.double().cpu().numpy(), want.cpu().numpy()) <= 1e-2
+    yd = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m.clone() - 1.0, v), ep.ReLU()))
+    assert torch.equal(yd, ya)

@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 from .. import _runtime
 from .._runtime import as_tensor, keeps_current_context
-from ._launch import FoldedVectors
+from ._launch import DerivedCache, FoldedVectors
 from ._plan import Conv2dPlan, as_epilogue
 from ._problem import DTYPES, geometry, pair
 
@@ -41,15 +41,72 @@ def _plan_for(xt, wt, layout, stride, padding, dilation, chain, precision, resid
     return plan
 
 
+def _padding_arg(padding, w, layout: str, stride, dilation):
+    """``padding`` as PyTorch takes it (an int, a pair, ``"valid"``, ``"same"``) as a symmetric pair."""
+    if not isinstance(padding, str):
+        return padding
+    if padding == "valid":
+        return 0
+    if padding != "same":
+        raise ValueError(f"padding: expected an int, a pair, 'same' or 'valid', got {padding!r}")
+    if pair(stride, "stride") != (1, 1):
+        raise ValueError("padding: 'same' is not supported for strided convolutions (as in PyTorch)")
+    shape = tuple(as_tensor(w, "w").shape)
+    if len(shape) != 4:
+        return 0                                  # (the geometry check names w's shape)
+    rs = shape[2:] if layout == "NCHW" else shape[1:3]
+    tot = [d * (k - 1) for d, k in zip(pair(dilation, "dilation"), rs)]
+    if any(t % 2 for t in tot):
+        raise NotImplementedError(f"padding: 'same' for a {rs[0]}x{rs[1]} kernel (dilation {dilation}) pads one side "
+                                  f"more than the other; igemm pads symmetrically")
+    return tot[0] // 2, tot[1] // 2
+
+
+def _channels_last(x) -> bool:
+    """A torch 4-D (N, C, H, W) tensor in channels_last memory format (NHWC memory), not also contiguous."""
+    if not type(x).__module__.startswith("torch") or x.dim() != 4 or x.is_contiguous():
+        return False
+    import torch
+    return x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _nhwc_view(t, name: str, copy: bool = True):
+    v = t.permute(0, 2, 3, 1)
+    if v.is_contiguous():
+        return v
+    if not copy:
+        raise ValueError(f"{name}: x is channels_last, so {name} must be a channels_last (N, C, H, W) tensor too")
+    return v.contiguous()
+
+
+def _conv2d_channels_last(x, w, stride, padding, dilation, bias, chain, residual, out, mask_out, precision, stream):
+    """layout="NCHW" on channels_last torch tensors: the NHWC kernel on their NHWC memory (views, no copy of x),
+    the output channels_last too."""
+    res_op = chain.residual_op
+    if residual is None and res_op is not None:
+        residual = res_op.residual
+    r = conv2d(x.permute(0, 2, 3, 1), _nhwc_view(w, "w"), stride, padding, dilation, bias=bias, layout="NHWC",
+               epilogue=chain, residual=_nhwc_view(residual, "residual") if residual is not None else None,
+               out=_nhwc_view(out, "out", copy=False) if out is not None else None, mask_out=mask_out,
+               precision=precision, stream=stream)
+    y, m = r if isinstance(r, tuple) else (r, None)
+    y = out if out is not None else y.permute(0, 3, 1, 2)
+    return (y, m) if isinstance(r, tuple) else y
+
+
 @keeps_current_context
-def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilogue=None, residual=None,
-           out=None, mask_out=None, precision: str = "strict", stream=None):
+def conv2d(x, w, stride=1, padding=0, dilation=1, *, bias=None, groups: int = 1, layout: str = "NCHW",
+           epilogue=None, residual=None, out=None, mask_out=None, precision: str = "strict", stream=None):
     """2-D convolution (cross-correlation, as ``torch.nn.functional.conv2d``) by implicit GEMM.
 
     Args:
-        x: ``(N, C, H, W)`` (NCHW) or ``(N, H, W, C)`` (NHWC): torch/cupy/jax CUDA tensor or numpy array.
+        x: ``(N, C, H, W)`` (NCHW) or ``(N, H, W, C)`` (NHWC): torch/cupy/jax CUDA tensor or numpy array. A torch
+            ``channels_last`` x with layout ``"NCHW"`` runs the NHWC kernel on its memory (no copy); y is
+            channels_last too (w, residual and out are read as channels_last, w copied if it is not).
         w: ``(K, C, R, S)`` (NCHW) or ``(K, R, S, C)`` (NHWC), same dtype as x (fp16, bf16 or fp32).
-        stride, padding, dilation: int or pair.
+        stride, dilation: int or pair. padding: int, pair, ``"valid"`` or ``"same"`` (stride 1, symmetric).
+        bias: per-output-channel vector added before the epilogue (as ``torch.nn.functional.conv2d``'s).
+        groups: 1 (other values raise ``NotImplementedError``).
         layout: ``"NCHW"`` or ``"NHWC"`` (x, w and y alike).
         epilogue: ``igemm.epilogues`` op or chain fused into the store (BatchNorm, Bias, Add, ReLU, PReLU); its
             vectors are read at every call.
@@ -66,7 +123,8 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
     >>> igemm.conv2d(x, w, padding=1).shape
     (1, 3, 5, 5)
     """
-    if type(x) is _TORCH_TENSOR and epilogue is None and residual is None and mask_out is None:
+    if (type(x) is _TORCH_TENSOR and epilogue is None and residual is None and mask_out is None and bias is None
+            and groups == 1 and x.is_contiguous()):
         # a repeated plain call on torch tensors: the cached plan checks what it relies on itself and falls
         # back to its general path, which raises the precise error (docs/performance.md: host-conv2d-fast-path)
         try:
@@ -79,7 +137,18 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
     for name, a in (("x", x), ("w", w)):
         if a is None:
             raise TypeError(f"{name}: expected an array, got None")
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise TypeError(f"groups: expected an int, got {groups!r}")
+    if groups != 1:
+        raise NotImplementedError(f"groups: igemm runs groups=1 convolutions, got groups={groups}")
+    padding = _padding_arg(padding, w, layout, stride, dilation)
     chain = as_epilogue(epilogue)
+    if layout == "NCHW" and _channels_last(x):
+        return _conv2d_channels_last(x, w, stride, padding, dilation, bias, chain, residual, out, mask_out,
+                                     precision, stream)
+    if bias is not None:
+        from ..epilogues import Bias, chain as make_chain
+        chain = make_chain(Bias(bias), *chain.ops)
     xt, wt = as_tensor(x, "x"), as_tensor(w, "w")
     host = xt.kind == "numpy"
     device_id = None if (host and _runtime.get_backend() == "numpy") else max(xt.device_id, 0)
@@ -97,8 +166,20 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", epilo
     if device_id is not None and (chain.affine_ops or chain.prelu_op):
         # fold on the launch stream, so the vectors are ordered before the kernel that reads them
         sh = _runtime.stream_handle(stream, xt.kind, device_id)
-        folded = FoldedVectors(chain, plan.problem.K, device_id, sh, snapshot=False)   # (read at this call)
+        K = plan.problem.K
+        if xt.kind == "torch" and chain.torch_foldable():
+            # torch vectors: folded again only when one is replaced or updated (docs/performance.md: nn-fold-cache)
+            ops = [o for o in chain.ops if o.affine or o is chain.prelu_op]
+            tag = (sh, K, tuple((type(o).__name__, getattr(o, "eps", None),
+                                 o.alpha if o is chain.prelu_op and not o.per_channel else None) for o in ops))
+            folded = _FOLDS.get(tag, tuple(a for o in ops for a in o.arrays().values()),
+                                lambda: FoldedVectors(chain, K, device_id, sh, snapshot=False))
+        else:
+            folded = FoldedVectors(chain, K, device_id, sh, snapshot=False)   # (read at this call)
     return plan.run(x, w, out, residual, mask_out, stream, chain, folded)
+
+
+_FOLDS = DerivedCache()
 
 
 _TORCH_TENSOR = None        # torch.Tensor, once a torch call has been seen

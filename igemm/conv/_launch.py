@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
+import weakref
 
 import numpy as np
 
@@ -18,7 +20,7 @@ from .._kernel import PackedArgs
 from .._runtime import DTYPE_SIZES
 from ._spec import KernelSpec
 
-__all__ = ["LaunchRecord", "FoldedVectors", "TorchCall", "TwoPreps"]
+__all__ = ["LaunchRecord", "FoldedVectors", "DerivedCache", "TorchCall", "TwoPreps"]
 
 
 class FoldedVectors:
@@ -80,6 +82,37 @@ class FoldedVectors:
     def _set(self, name: str, t) -> None:
         self._keep.append(t)
         setattr(self, name, t.data_ptr())
+
+
+class DerivedCache:
+    """Values derived from torch tensors (folded epilogue vectors, a weight's kernel view), kept while every source
+    tensor is the same object at the same version counter (``_version`` counts in-place updates): an update is
+    seen at the next call. A CUDA graph captured on a hit reads the kept values (it runs with the tensors as
+    they were at capture); a miss during a capture is computed inside the graph and not kept (its values exist
+    only at replays)."""
+
+    def __init__(self, size: int = 512):
+        self._d: dict = {}
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, tag, tensors: tuple, make):
+        """``make()``, or its value from an earlier call with the same ``tag`` on the same tensors (None
+        allowed) at the same versions."""
+        key = (tag, *(id(t) for t in tensors))
+        stamp = tuple(t._version if t is not None else -1 for t in tensors)
+        e = self._d.get(key)
+        if e is not None and e[0] == stamp and all(r is None or r() is t for r, t in zip(e[1], tensors)):
+            return e[2]
+        v = make()
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return v
+        with self._lock:
+            if len(self._d) >= self._size:
+                self._d.clear()
+            self._d[key] = (stamp, [weakref.ref(t) if t is not None else None for t in tensors], v)
+        return v
 
 
 class TwoPreps:

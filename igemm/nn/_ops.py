@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _runtime
+from ..conv._launch import DerivedCache
 
 __all__ = ["conv2d", "precompile", "SCHEMA", "supported"]
 
@@ -95,36 +96,8 @@ def _fold(weight_dtype, bias, bn, eps, K, device):
     return s.contiguous(), shift.contiguous()
 
 
-class _Cache:
-    """Values derived from tensors (folded vectors, a weight's KRSC copy), valid while every source tensor is the
-    same object at the same version (``_version`` counts in-place updates). A CUDA graph captured on a hit reads
-    the cached values: it runs with the parameters as they were at capture (capture again after changing them);
-    a miss during a capture is computed inside the graph and not kept (its values exist only at replay)."""
-
-    def __init__(self, size: int = 512):
-        self._d: dict = {}
-        self._size = size
-        self._lock = threading.Lock()
-
-    def get(self, tag, tensors, make):
-        """``make()``, or its value from an earlier call on the same tensors (by identity) at the same versions."""
-        key = (tag, *(id(t) for t in tensors))
-        stamp = tuple(t._version if t is not None else -1 for t in tensors)
-        e = self._d.get(key)
-        if e is not None and e[0] == stamp and all(r is None or r() is t for r, t in zip(e[1], tensors)):
-            return e[2]
-        v = make()
-        if torch.cuda.is_current_stream_capturing():
-            return v
-        with self._lock:
-            if len(self._d) >= self._size:
-                self._d.clear()
-            self._d[key] = (stamp, [weakref.ref(t) if t is not None else None for t in tensors], v)
-        return v
-
-
-_vectors = _Cache()
-_weights = _Cache()
+_vectors = DerivedCache()
+_weights = DerivedCache()
 _plans: dict = {}
 _plans_lock = threading.Lock()
 

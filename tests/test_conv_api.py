@@ -241,3 +241,30 @@ def test_conv2d_channels_last_and_cached_folds_gpu(rng):
     assert rel_err(yc.double().cpu().numpy(), want.cpu().numpy()) <= 1e-2
     yd = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m.clone() - 1.0, v), ep.ReLU()))
     assert torch.equal(yd, ya)
+
+
+@pytest.mark.gpu
+def test_conv2d_bn_relu_repeated_calls_gpu(rng):
+    """conv2d_bn_relu's repeated-call path (the plan and the fold reused) gives the first call's bits, sees an
+    in-place update of a statistic and other tensors, and still checks what changed (a wrong-length vector)."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 10, 10, 32, device="cuda").half()
+    w = (torch.randn(48, 3, 3, 32, device="cuda") / 17).half()
+    r = torch.randn(2, 10, 10, 48, device="cuda").half()
+    g, b, m, v = (torch.rand(48, device="cuda") + .5, torch.randn(48, device="cuda"),
+                  torch.randn(48, device="cuda"), torch.rand(48, device="cuda") + .5)
+
+    def call(*vec, **kw):
+        return igemm.conv2d_bn_relu(x, w, *vec, 1e-5, 1, 1, layout="NHWC", residual=r, return_mask=True, **kw)
+    y0, m0 = call(g, b, m, v)
+    y1, m1 = call(g, b, m, v)
+    assert torch.equal(y0, y1) and torch.equal(m0, m1)
+    v.mul_(2.0)
+    y2, _ = call(g, b, m, v)
+    y3, _ = igemm.conv2d(x, w, padding=1, layout="NHWC", residual=r,
+                         epilogue=ep.chain(ep.BatchNorm(g, b, m, v.clone()), ep.Add(), ep.ReLU(mask=True)))
+    assert torch.equal(y2, y3) and not torch.equal(y2, y0)
+    y4, _ = call(g.clone(), b, m, v)
+    assert torch.equal(y4, y2)
+    with pytest.raises(ValueError, match="gamma"):
+        call(g[:40], b, m, v)

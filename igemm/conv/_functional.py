@@ -206,12 +206,61 @@ def conv2d_bn_relu(x, w, gamma, beta, mean, var, eps: float = 1e-5, stride=1, pa
                    precision: str = "strict", stream=None):
     """``relu(batch_norm(conv2d(x, w)) [+ residual])`` in one kernel (inference BatchNorm).
 
-    Returns ``y``, or ``(y, mask)`` with ``return_mask=True`` (for :func:`igemm.relu_backward`).
+    Returns ``y``, or ``(y, mask)`` with ``return_mask=True`` (for :func:`igemm.relu_backward`). A repeated call
+    on torch tensors reuses its plan and, while gamma, beta, mean and var are the same tensors at the same
+    versions, their fold (docs/performance.md: nn-fold-cache).
     """
+    T = _TORCH_TENSOR
+    if (type(x) is T and out is None and stream is None and type(gamma) is T and type(beta) is T
+            and type(mean) is T and type(var) is T):
+        key = (x.shape, w.shape, x.dtype, x.get_device(), layout, stride, padding, dilation, eps, precision,
+               return_mask, None if residual is None else getattr(residual, "dtype", None))
+        try:
+            plan = _BN_PLANS.get(key)
+        except TypeError:           # (an unhashable argument: the general path)
+            plan = None
+        if plan is not None and x.is_contiguous():
+            sh, K = plan._torch.stream_of(plan.device_id), plan.problem.K
+            folded = _FOLDS.get((sh, K, (("BatchNorm", eps, None),)), (gamma, beta, mean, var),
+                                lambda: _bn_fold(gamma, beta, mean, var, eps, K, plan.device_id, sh))
+            return plan.run(x, w, None, residual, None, None, None, folded)
+    chain = _bn_chain(gamma, beta, mean, var, eps, residual is not None, return_mask)
+    r = conv2d(x, w, stride, padding, dilation, layout=layout, epilogue=chain, residual=residual, out=out,
+               precision=precision, stream=stream)
+    if type(x).__module__ == "torch" and type(x).__name__ == "Tensor" and x.is_contiguous():
+        _remember_bn(x, w, layout, stride, padding, dilation, chain, precision, residual, key_args=(
+            eps, precision, return_mask, None if residual is None else getattr(residual, "dtype", None)))
+    return r
+
+
+_BN_PLANS: dict = {}
+
+
+def _bn_chain(gamma, beta, mean, var, eps, add: bool, mask: bool):
     from .. import epilogues as ep
-    ops = [ep.BatchNorm(gamma, beta, mean, var, eps)]
-    if residual is not None:
-        ops.append(ep.Add())
-    ops.append(ep.ReLU(mask=return_mask))
-    return conv2d(x, w, stride, padding, dilation, layout=layout, epilogue=ep.chain(*ops), residual=residual,
-                  out=out, precision=precision, stream=stream)
+    ops = [ep.BatchNorm(gamma, beta, mean, var, eps)] + ([ep.Add()] if add else []) + [ep.ReLU(mask=mask)]
+    return ep.chain(*ops)
+
+
+def _bn_fold(gamma, beta, mean, var, eps, K: int, device_id: int, sh: int) -> FoldedVectors:
+    """(a fold-cache miss of the repeated-call path: other vectors, or updated ones) checked, then folded."""
+    c = _bn_chain(gamma, beta, mean, var, eps, False, False)
+    c.validate(K)
+    return FoldedVectors(c, K, device_id, sh, snapshot=False)
+
+
+def _remember_bn(x, w, layout, stride, padding, dilation, chain, precision, residual, key_args) -> None:
+    """The plan the general call used, for the repeated-call path of conv2d_bn_relu."""
+    global _TORCH_TENSOR
+    _TORCH_TENSOR = type(x)
+    xt, wt = as_tensor(x, "x"), as_tensor(w, "w")
+    try:
+        plan = _plan_for(xt, wt, layout, pair(stride, "stride"), pair(_padding_arg(padding, w, layout, stride,
+                         dilation), "padding"), pair(dilation, "dilation"), chain, precision, residual, xt.device_id)
+        key = (x.shape, w.shape, x.dtype, x.get_device(), layout, stride, padding, dilation, *key_args)
+        hash(key)
+    except (TypeError, ValueError):
+        return
+    if len(_BN_PLANS) >= _CACHE_SIZE:
+        _BN_PLANS.clear()
+    _BN_PLANS[key] = plan

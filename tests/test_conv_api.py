@@ -203,6 +203,10 @@ def test_conv2d_bias_and_string_padding(numpy_backend, rng):
             igemm.conv2d(x, w, **kw)
     with pytest.raises(NotImplementedError, match="padding"):
         igemm.conv2d(x, w[:, :, :2, :2], padding="same")
+    # an (N, C, H, W) array with NHWC memory (torch's channels_last): the NHWC call, y with NHWC memory too
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    yl = igemm.conv2d(xl, w, padding="same", bias=b)
+    assert yl.transpose(0, 2, 3, 1).flags.c_contiguous and rel_err(yl, _ref_conv(x, w, b, 1, (1, 2), 1)) <= 1e-6
 
 
 @pytest.mark.gpu
@@ -231,6 +235,7 @@ def test_conv2d_channels_last_and_cached_folds_gpu(rng):
     with pytest.raises(ValueError, match="out"):
         igemm.conv2d(xc, wc, padding=1, epilogue=chain, residual=rc, out=torch.empty_like(y0))
     # the fold cache: the same vectors twice, then updated in place, then other tensors
+    m_before = m.clone()
     ya = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m, v), ep.ReLU()))
     yb = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m, v), ep.ReLU()))
     m.add_(1.0)
@@ -239,7 +244,7 @@ def test_conv2d_channels_last_and_cached_folds_gpu(rng):
                                                      m.double(), v.double(), g.double(), be.double(), False, 0, 1e-5))
     assert torch.equal(ya, yb) and not torch.equal(yb, yc)
     assert rel_err(yc.double().cpu().numpy(), want.cpu().numpy()) <= 1e-2
-    yd = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m.clone() - 1.0, v), ep.ReLU()))
+    yd = igemm.conv2d(x, w, padding=1, epilogue=ep.chain(ep.BatchNorm(g, be, m_before, v), ep.ReLU()))
     assert torch.equal(yd, ya)
 
 

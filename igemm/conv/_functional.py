@@ -63,34 +63,43 @@ def _padding_arg(padding, w, layout: str, stride, dilation):
 
 
 def _channels_last(x) -> bool:
-    """A torch 4-D (N, C, H, W) tensor in channels_last memory format (NHWC memory), not also contiguous."""
-    if not type(x).__module__.startswith("torch") or x.dim() != 4 or x.is_contiguous():
-        return False
-    import torch
-    return x.is_contiguous(memory_format=torch.channels_last)
+    """A 4-D (N, C, H, W) torch, numpy or CuPy array whose memory is NHWC (torch's channels_last), and not also
+    contiguous."""
+    if type(x).__module__.startswith("torch"):
+        if x.dim() != 4 or x.is_contiguous():
+            return False
+        import torch
+        return x.is_contiguous(memory_format=torch.channels_last)
+    flags = getattr(x, "flags", None)
+    return (flags is not None and getattr(x, "ndim", 0) == 4 and not flags.c_contiguous
+            and x.transpose(0, 2, 3, 1).flags.c_contiguous)
+
+
+def _permute(t, axes):
+    return t.permute(*axes) if hasattr(t, "permute") else t.transpose(axes)
 
 
 def _nhwc_view(t, name: str, copy: bool = True):
-    v = t.permute(0, 2, 3, 1)
-    if v.is_contiguous():
+    v = _permute(t, (0, 2, 3, 1))
+    if (v.is_contiguous() if hasattr(v, "is_contiguous") else v.flags.c_contiguous):
         return v
     if not copy:
-        raise ValueError(f"{name}: x is channels_last, so {name} must be a channels_last (N, C, H, W) tensor too")
-    return v.contiguous()
+        raise ValueError(f"{name}: x is channels_last, so {name} must be a channels_last (N, C, H, W) array too")
+    return v.contiguous() if hasattr(v, "contiguous") else v.copy()        # (numpy, CuPy: copy() is C order)
 
 
 def _conv2d_channels_last(x, w, stride, padding, dilation, bias, chain, residual, out, mask_out, precision, stream):
-    """layout="NCHW" on channels_last torch tensors: the NHWC kernel on their NHWC memory (views, no copy of x),
-    the output channels_last too."""
+    """layout="NCHW" on channels_last arrays: the NHWC kernel on their NHWC memory (views, no copy of x), the
+    output channels_last too."""
     res_op = chain.residual_op
     if residual is None and res_op is not None:
         residual = res_op.residual
-    r = conv2d(x.permute(0, 2, 3, 1), _nhwc_view(w, "w"), stride, padding, dilation, bias=bias, layout="NHWC",
+    r = conv2d(_permute(x, (0, 2, 3, 1)), _nhwc_view(w, "w"), stride, padding, dilation, bias=bias, layout="NHWC",
                epilogue=chain, residual=_nhwc_view(residual, "residual") if residual is not None else None,
                out=_nhwc_view(out, "out", copy=False) if out is not None else None, mask_out=mask_out,
                precision=precision, stream=stream)
     y, m = r if isinstance(r, tuple) else (r, None)
-    y = out if out is not None else y.permute(0, 3, 1, 2)
+    y = out if out is not None else _permute(y, (0, 3, 1, 2))
     return (y, m) if isinstance(r, tuple) else y
 
 
@@ -100,9 +109,10 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, bias=None, groups: int = 1,
     """2-D convolution (cross-correlation, as ``torch.nn.functional.conv2d``) by implicit GEMM.
 
     Args:
-        x: ``(N, C, H, W)`` (NCHW) or ``(N, H, W, C)`` (NHWC): torch/cupy/jax CUDA tensor or numpy array. A torch
-            ``channels_last`` x with layout ``"NCHW"`` runs the NHWC kernel on its memory (no copy); y is
-            channels_last too (w, residual and out are read as channels_last, w copied if it is not).
+        x: ``(N, C, H, W)`` (NCHW) or ``(N, H, W, C)`` (NHWC): torch/cupy/jax CUDA tensor or numpy array. An x
+            with layout ``"NCHW"`` whose memory is NHWC (torch ``channels_last``; numpy/CuPy strides alike) runs
+            the NHWC kernel on it (no copy); y is channels_last too (w and residual are read as channels_last,
+            copied if they are not; ``out`` must be).
         w: ``(K, C, R, S)`` (NCHW) or ``(K, R, S, C)`` (NHWC), same dtype as x (fp16, bf16 or fp32).
         stride, dilation: int or pair. padding: int, pair, ``"valid"`` or ``"same"`` (stride 1, symmetric).
         bias: per-output-channel vector added before the epilogue (as ``torch.nn.functional.conv2d``'s).

@@ -100,7 +100,8 @@ ROWS = [
         "input channels", anywhere=True),
     Row("conv/x-noncontiguous", conv_row(None, lambda A, x: x[:, :, ::2], out_fn=lambda A: _conv_out(A, (2, 3, 2, 6))),
         V, "x", "contiguous"),
-    Row("conv/x-channels-last-strides", conv_row(None, lambda A, x: A.channels_last(x)), V, "x", "contiguous"),
+    # (a channels_last x is accepted as NHWC memory; then out must be channels_last too)
+    Row("conv/x-channels-last-out-nchw", conv_row(None, lambda A, x: A.channels_last(x)), V, "out", "channels_last"),
     Row("conv/out-shape", conv_row(out_fn=lambda A: _conv_out(A, (2, 3, 7, 7))), V, "out", "out: expected shape"),
     Row("conv/out-dtype", conv_row(out_fn=lambda A: _conv_out(A, dtype="float16")), T, "out"),
     Row("conv/out-noncontiguous", conv_row(out_fn=lambda A: _conv_out(A, (2, 3, 6, 12))[..., ::2]), V, "out",

@@ -5,8 +5,8 @@
 torchvision models with random weights and BN running statistics from one train-mode forward (no network
 needed). Peers, timed in the same run, each one CUDA graph of a forward replayed (benchmarks/_harness.py):
   - igemm: ``igemm.nn.convert(model)``; also its eager time (no graph, CUDA events around each forward);
-  - cuDNN fused: the same rewrite with each pattern on ``torch.cudnn_convolution_relu`` /
-    ``torch.cudnn_convolution_add_relu`` (plain convs on ``F.conv2d``), BN folded into w and b;
+  - cuDNN fused: ``igemm.baselines.cudnn_fused`` -- the same rewrite with each pattern on
+    ``torch.cudnn_convolution_relu`` / ``torch.cudnn_convolution_add_relu``, BN folded into w and b;
   - PyTorch: the model itself (eager modules, cuDNN convolutions, separate BN and ReLU kernels);
   - with --compile: ``torch.compile(model)`` (inductor, default mode), graph-captured like the others.
 Errors: relative to the fp32 model on the same input, for igemm and for PyTorch fp16.
@@ -22,49 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import Bench, geomean, parser  # noqa: E402
 
 
-class CudnnFused:
-    """The cuDNN peer's modules (made by the same graph rewrite as igemm.nn.convert)."""
-
-    @staticmethod
-    def make(kind, conv, bn):
-        import torch
-        import torch.nn.functional as F
-        from torch import nn
-
-        from igemm.nn._modules import _padding
-
-        class Fused(nn.Module):
-            def __init__(self):
-                super().__init__()
-                w = conv.weight.detach().float()
-                b = conv.bias.detach().float() if conv.bias is not None else torch.zeros(w.shape[0], device=w.device)
-                if bn is not None:
-                    s = bn.weight.float() * torch.rsqrt(bn.running_var.float() + bn.eps)
-                    w = w * s.view(-1, 1, 1, 1)
-                    b = (b - bn.running_mean.float()) * s + bn.bias.float()
-                dt = conv.weight.dtype
-                self.register_buffer("w", w.to(dt).contiguous(memory_format=torch.channels_last))
-                self.register_buffer("b", b.to(dt))
-                self.args = (list(conv.stride), list(_padding(conv)), list(conv.dilation), 1)
-
-            def forward(self, x, identity=None):
-                if kind == "Conv2dBNAddReLU":
-                    return torch.cudnn_convolution_add_relu(x, self.w, identity, 1.0, self.b, *self.args)
-                if kind == "Conv2dBNReLU":
-                    return torch.cudnn_convolution_relu(x, self.w, self.b, *self.args)
-                return F.conv2d(x, self.w, self.b, *self.args)
-        return Fused()
-
-
-def _convert_with(model, make):
-    import torch
-
-    from igemm.nn._convert import Report, _rewrite
-    gm = torch.fx.symbolic_trace(copy.deepcopy(model))
-    _rewrite(gm, Report(converted={}, left={}, traced=True), make)
-    return gm.eval()
-
-
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--models", default="resnet50,resnet18,resnet101,wide_resnet50_2,vgg16_bn")
@@ -75,6 +32,7 @@ def main() -> int:
     import torchvision
 
     import igemm.nn as inn
+    from igemm.baselines.cudnn_fused import cudnn_fused
     bench = Bench("bench_nn", args)
     ratios = []
     for name in args.models.split(","):
@@ -93,7 +51,7 @@ def main() -> int:
                 x = x32.half().contiguous(memory_format=torch.channels_last)
                 ig, rep = inn.convert(half, return_report=True)
                 inn.precompile(ig, x)                  # (its kernels in parallel, before the first forward)
-                dnn = _convert_with(half, CudnnFused.make)
+                dnn = cudnn_fused(half)
                 peers = {"igemm": ig, "cudnn_fused": dnn, "pytorch": half}
                 if args.compile:
                     peers["compile"] = torch.compile(half)

@@ -100,7 +100,46 @@ def demo(args) -> int:
         flag = "" if err <= tol else "  FAIL"
         bad += err > tol
         print(f"| {name:24s} | {us:10.1f} | {rate / div:{fmt}} | {err:11.2e} |{flag}")
+    if gpu and args.network:
+        bad += _network(N)
     return 1 if bad else 0
+
+
+def _network(N: int) -> int:
+    """A whole torchvision ResNet-50 through igemm.nn.convert (fp16 channels_last inference) against PyTorch and
+    cuDNN's fused calls: time per forward (one CUDA graph each) and error against the fp32 model. Skipped, with
+    a line saying why, without torch or torchvision."""
+    try:
+        import torch
+        import torchvision
+    except ImportError as e:
+        print(f"\n(whole network skipped: {e.name} is not installed; the layers above are the demo)")
+        return 0
+    import igemm.nn as inn
+    from igemm._timing import GpuTimer
+    from igemm.baselines.cudnn_fused import cudnn_fused
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().cuda()
+    with torch.no_grad():
+        model(torch.randn(16, 3, 224, 224, device="cuda"))          # BN statistics (train mode), then eval
+        model.eval()
+        x32 = torch.randn(N, 3, 224, 224, device="cuda")
+        ref = model(x32).double()
+        half = model.half().to(memory_format=torch.channels_last)
+        x = x32.half().contiguous(memory_format=torch.channels_last)
+        conv = inn.convert(half)
+        inn.precompile(conv, x)
+        peers = {"igemm.nn.convert": conv, "cuDNN fused (BN folded)": cudnn_fused(half), "PyTorch": half}
+        timer = GpuTimer()
+        print(f"\nigemm demo: torchvision ResNet-50, N={N}, fp16 channels_last, inference (one CUDA graph a forward)\n")
+        print(f"| {'model':24s} | {'ms':>8s} | {'rel err vs fp32':>15s} |")
+        print(f"|{'-' * 26}|{'-' * 10}|{'-' * 17}|")
+        errs = {}
+        for name, m in peers.items():
+            t = timer.time(lambda i, m=m: m(x), graph=True)["median"]
+            errs[name] = float(((m(x).double() - ref).norm() / ref.norm()).item())
+            print(f"| {name:24s} | {t * 1e3:8.3f} | {errs[name]:15.2e} |")
+    return int(errs["igemm.nn.convert"] > 2 * errs["PyTorch"] + 1e-3)
 
 
 def precompile(args) -> int:
@@ -172,6 +211,8 @@ def main(argv=None) -> int:
     d.add_argument("--batch", type=int, default=None, help="images per layer (default: 32 on a GPU, 1 without)")
     d.add_argument("--scale", type=int, default=None,
                    help="divide the spatial size by this (default: 1 on a GPU, 8 without)")
+    d.add_argument("--no-network", dest="network", action="store_false",
+                   help="skip the whole-network run (a GPU with torch and torchvision: ResNet-50 via igemm.nn)")
     d.set_defaults(fn=demo)
     p = sub.add_parser("precompile", help="fill the kernel cache for the ResNet-50 benchmark set")
     p.add_argument("--arch", default="sm_90a")

@@ -282,13 +282,6 @@ def current_context() -> int:
     return _ctx_int(api[0]()[1]) if api else 0
 
 
-def _ctx_or_null(c):
-    if c is not None:
-        return c
-    from cuda.bindings import driver
-    return driver.CUcontext(0)
-
-
 def device(device_id: int):
     """The cuda.core Device, with its primary context current on this thread.
 
@@ -321,13 +314,13 @@ def keeps_current_context(fn):
         api = _CTX_API if _CTX_API is not False else _ctx_api()
         if not api:
             return fn(*args, **kwargs)
-        get, put = api
-        prev = get()[1]
+        prev = current_context()            # (an int: through the C launch step where it is built)
         try:
             return fn(*args, **kwargs)
         finally:
-            if _ctx_int(get()[1]) != _ctx_int(prev):
-                put(_ctx_or_null(prev))      # no context before (a fresh thread): none after either
+            if current_context() != prev:   # no context before (a fresh thread): none after either
+                from cuda.bindings import driver
+                api[1](driver.CUcontext(prev))
     return wrapper
 
 

@@ -146,12 +146,12 @@ _PROVIDERS = {
     "cuda.bindings": {"cuda-python", "cuda-bindings"}, "cuda.core": {"cuda-core"},
     "torch": {"torch"}, "cupy": {"cupy-cuda13x"}, "jax": {"jax"}, "nvmath": {"nvmath-python"},
     "tqdm": {"tqdm"}, "matplotlib": {"matplotlib"}, "pytest": {"pytest"}, "hypothesis": {"hypothesis"},
-    "setuptools": {"setuptools"},
+    "setuptools": {"setuptools"}, "torchvision": {"torchvision"},
 }
-#: declared but never imported, and why
 # subpackages that need an extra at import (``import igemm`` never imports them: test_extra_packages_stay_apart)
 _EXTRA_PACKAGES = {"igemm/nn": "torch"}
 
+#: declared but never imported, and why
 _NOT_IMPORTED = {
     "nvidia-cuda-nvcc": "toolkit: nvcc found on disk by igemm/_build.py",
     "nvidia-cuda-nvrtc": "toolkit: loaded by cuda.bindings.nvrtc",

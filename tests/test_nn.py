@@ -342,7 +342,8 @@ def test_gpu_module_eager_path_equals_the_op():
 @pytest.mark.gpu
 def test_gpu_converted_model_compiles_exports_and_captures():
     """The converted toy model on the GPU (fp16, channels_last): eager against float64; torch.compile
-    (fullgraph, inductor), torch.export and a CUDA graph replay give eager's outputs bit for bit. The graph
+    (fullgraph, inductor; mode="reduce-overhead"), torch.export and a CUDA graph replay give eager's outputs bit
+    for bit. The graph
     holds the BN folded at capture (no fold kernels in it); an eager call sees a later update at once."""
     torch.manual_seed(0)
     x = torch.randn(4, 3, 32, 32)
@@ -355,6 +356,10 @@ def test_gpu_converted_model_compiles_exports_and_captures():
         y = conv(xc)
         assert rel_err(y.double().cpu().numpy(), want.detach().numpy()) <= 2 * TOL["float16"]
         assert torch.equal(torch.compile(conv, fullgraph=True)(xc), y)
+        ro = torch.compile(conv, mode="reduce-overhead")                # (inductor's CUDA graphs)
+        for _ in range(3):                                              # warm-up, record, replay
+            yr = ro(xc).clone()
+        assert torch.equal(yr, y)
         ep = torch.export.export(conv, (xc,))
         assert torch.equal(ep.module()(xc), y)
         static = xc.clone()

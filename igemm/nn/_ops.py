@@ -80,7 +80,7 @@ def _check(x, weight, bias, bn, residual, stride, padding, dilation) -> None:
                          f"{_out_size(x, weight, stride, padding, dilation)}, got {tuple(residual.shape)}")
 
 
-def _fold(bias, bn, eps):
+def _fold(weight_dtype, bias, bn, eps, K, device):
     """(scale or None, shift or None) in fp32: ``y * scale + shift`` = BN(y + bias)."""
     g, b, mean, var = bn
     if mean is None:
@@ -160,16 +160,15 @@ def _conv2d_cuda(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, resi
     if not supported(x, weight):
         return _conv2d_torch(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, residual, stride, padding,
                              dilation, relu)
-    # (derived values are kept per stream: one made on another stream may not be complete yet)
-    h = torch._C._cuda_getCurrentRawStream(x.get_device())
-    scale, shift = _vectors.get((eps, h), (bias, *bn), lambda: _fold(bias, bn, eps))
+    K = weight.shape[0]
+    scale, shift = _vectors.get(eps, (bias, *bn), lambda: _fold(weight.dtype, bias, bn, eps, K, x.device))
     plan = _plan(_plan_key(x, weight, bias, bn_mean, residual, stride, padding, dilation, relu), x.device.index)
     if _nhwc(x):
         xv = x.permute(0, 2, 3, 1)
         if weight.is_contiguous(memory_format=_CL):
             wv = weight.permute(0, 2, 3, 1)
         else:          # (a model whose weights stay NCHW-contiguous: one KRSC copy, kept while the weight is)
-            wv = _weights.get(("krsc", h), (weight,), lambda: weight.permute(0, 2, 3, 1).contiguous())
+            wv = _weights.get("krsc", (weight,), lambda: weight.permute(0, 2, 3, 1).contiguous())
         rv = None
         if residual is not None:
             rv = residual.permute(0, 2, 3, 1)
@@ -272,8 +271,8 @@ class FastCall:
     only when one of the tensors is another object or at another version; then pointers, an output from a
     template, and the plan's launch record."""
 
-    __slots__ = ("plan", "nhwc", "args", "tensors", "ids", "stamp", "stream", "wv", "vectors", "template",
-                 "res_ok", "stream_of")
+    __slots__ = ("plan", "nhwc", "args", "tensors", "ids", "stamp", "wv", "vectors", "template", "res_ok",
+                 "stream_of")
 
     def __init__(self, x, residual, tensors, eps, stride, padding, dilation, relu):
         w, b, *bn = tensors
@@ -286,12 +285,11 @@ class FastCall:
         ys = self.plan.y_shape
         self.template = torch.empty((1,) * 4, dtype=x.dtype, device=x.device).expand(ys)
         self.stream_of = torch._C._cuda_getCurrentRawStream
-        self.tensors, self.ids, self.stamp, self.stream = None, None, None, None
+        self.tensors, self.ids, self.stamp = None, None, None
 
-    def _derive(self, tensors, stream: int) -> tuple:
-        """The weight's kernel view and the folded vectors, made on ``stream`` (kept for calls on it)."""
+    def _derive(self, tensors) -> None:
         w, b, *bn = tensors
-        scale, shift = _fold(b, bn, self.args[0])
+        scale, shift = _fold(w.dtype, b, bn, self.args[0], w.shape[0], w.device)
         if self.nhwc:
             wv = w.permute(0, 2, 3, 1)
             if not wv.is_contiguous():
@@ -303,23 +301,19 @@ class FastCall:
             return derived
         self.wv, self.vectors = derived
         # (the tensors are held: no other object can take one's id while it is compared against)
-        self.tensors, self.ids, self.stream = tensors, list(map(id, tensors)), stream
-        self.stamp = [t._version for t in tensors if t is not None]
+        self.tensors, self.ids, self.stamp = tensors, list(map(id, tensors)), [t._version for t in tensors if t is not None]
         return derived
 
     def __call__(self, x, residual, tensors):
-        plan = self.plan
-        h = self.stream_of(plan.device_id)
-        if (list(map(id, tensors)) != self.ids or [t._version for t in tensors if t is not None] != self.stamp
-                or h != self.stream):
-            wv, vectors = self._derive(tensors, h)
+        if list(map(id, tensors)) != self.ids or [t._version for t in tensors if t is not None] != self.stamp:
+            wv, vectors = self._derive(tensors)
         else:
             wv, vectors = self.wv, self.vectors
-        xp, wp = x.data_ptr(), wv.data_ptr()
+        plan, xp, wp = self.plan, x.data_ptr(), wv.data_ptr()
         rp = residual.data_ptr() if residual is not None else 0
         if (xp & 15 or rp & 15 or wp & 15 or not self.res_ok
                 or _runtime.current_context() != plan._ctx_id):      # the general path: copies, checks, context
             return _conv2d_cuda(x, tensors[0], tensors[1], *tensors[2:], self.args[0], residual, *self.args[1:])
         y = torch.empty_like(self.template)
-        plan._launch(h, True, True, xp, wp, y.data_ptr(), rp, 0, vectors, False)
+        plan._launch(self.stream_of(plan.device_id), True, True, xp, wp, y.data_ptr(), rp, 0, vectors, False)
         return y.permute(0, 3, 1, 2) if self.nhwc else y

@@ -117,10 +117,11 @@ def geometry(x_shape, w_shape, layout: str, stride, padding, dilation, names=("x
         N, H, W, C = x_shape
         K, R, S, Cw = w_shape
     if Cw != C:
-        raise ValueError(f"w: has {Cw} input channels but x has {C} ({layout}: x {x_shape}, w {w_shape}); "
+        raise ValueError(f"{names[1]}: has {Cw} input channels but {names[0]} has {C} ({layout}: x {x_shape}, "
+                         f"w {w_shape}); "
                          f"grouped convolution is not supported")
     if min(N, C, H, W, K, R, S) < 1:
-        raise ValueError(f"{'x' if min(N, C, H, W) < 1 else 'w'}: empty tensors are not supported "
+        raise ValueError(f"{names[0] if min(N, C, H, W) < 1 else names[1]}: empty tensors are not supported "
                          f"(x {x_shape}, w {w_shape})")
     s, p, d = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
     if min(s) < 1:
@@ -132,7 +133,8 @@ def geometry(x_shape, w_shape, layout: str, stride, padding, dilation, names=("x
     P = (H + 2 * p[0] - d[0] * (R - 1) - 1) // s[0] + 1
     Q = (W + 2 * p[1] - d[1] * (S - 1) - 1) // s[1] + 1
     if P < 1 or Q < 1:
-        raise ValueError(f"w: the (dilated) filter {R}x{S} (dilation {d}) does not fit x's padded input "
+        raise ValueError(f"{names[1]}: the (dilated) filter {R}x{S} (dilation {d}) does not fit {names[0]}'s "
+                         f"padded input "
                          f"{H}x{W} (padding {p}): the output would be {P}x{Q}")
     return N, C, H, W, K, R, S, P, Q, s, p, d
 

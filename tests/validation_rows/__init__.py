@@ -32,7 +32,7 @@ import numpy as np
 
 NAN, INF = float("nan"), float("inf")
 POISON_WORD = 0xAAAAAAAA
-FAMILIES = ("conv", "relu", "index_add", "prelu", "norm", "syncbn")
+FAMILIES = ("conv", "relu", "index_add", "prelu", "norm", "syncbn", "backward")
 
 
 class Call:

@@ -1,0 +1,191 @@
+"""The convolution backward: ``Conv2dGradInputPlan`` (dgrad) and ``Conv2dGradWeightPlan`` (wgrad).
+
+Both run on the forward's kernels (:class:`Conv2dPlan`, so its tile rules, wgmma/TMA mainloops and split-K),
+with the operands moved by :mod:`._moves`:
+
+- **dgrad** is a stride-1 convolution of dy with the filter flipped and its K and C swapped. A strided problem
+  is split by output phase (h mod stride, w mod stride): phase (ph, pw) of dx reads only the taps r with
+  ``(ph + pad - r·dil) % stride == 0``, so each phase is a stride-1 convolution of dy with that sub-filter and
+  no multiply is spent on the zeros a stride puts in the transposed problem; its output is interleaved into
+  dx. A phase no tap reaches is zero.
+- **wgrad** ``dw[k, r, s, c] = Σ_{n,p,q} dy[n,p,q,k]·x[n, p·st + r·dil − pad, …, c]`` is a forward convolution
+  with the roles turned: x as a batch of C images of N channels (zero-padded by the move), dy as K filters of
+  P x Q taps, stride ``dil``, dilation ``st``; its output (C, R, S, K) is permuted into dw.
+
+The ReLU mask (``bit ? dy : 0``) and the BN-backward prologue (``a[k]·g + b[k]·z + c[k]``) are applied where dy
+is moved: in the wgrad's transpose of dy at no extra pass, before dgrad as one elementwise pass.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ._moves import Move, contiguous
+from ._problem import geometry
+
+__all__ = ["GradInputProblem", "GradWeightProblem", "Phase", "Phase1D", "phases_1d"]
+
+
+
+@dataclass(frozen=True)
+class Phase1D:
+    """One output phase of dgrad along one dim: dx rows ``ph + st·i`` (i < rows) are rows ``crop + i`` of a
+    stride-1 convolution of dy (padding ``pad``, dilation ``dil``) with the filter taps ``last, last − step,
+    …`` (``taps`` of them; 0: no tap reaches these rows, they are zero)."""
+    ph: int
+    rows: int
+    taps: int
+    last: int = 0
+    step: int = 1
+    dil: int = 1
+    pad: int = 0
+    crop: int = 0
+    out: int = 0          # the sub-convolution's output length
+
+
+def phases_1d(st: int, pad: int, dil: int, R: int, H: int, P: int) -> list[Phase1D]:
+    """dgrad's phases along one dim, one per ``ph < min(st, H)``."""
+    out = []
+    g = math.gcd(st, dil)
+    step, sdil = st // g, dil // g
+    for ph in range(min(st, H)):
+        rows = (H - ph + st - 1) // st
+        first = next((r for r in range(min(R, step)) if (ph + pad - r * dil) % st == 0), None)
+        if first is None:
+            out.append(Phase1D(ph, rows, 0))
+            continue
+        taps = len(range(first, R, step))
+        last = first + (taps - 1) * step
+        o_last = (ph + pad - last * dil) // st      # dy row of dx row ph through the last tap
+        p = max(0, -o_last)
+        while o_last + p + rows > P + 2 * p - sdil * (taps - 1):
+            p += 1
+        out.append(Phase1D(ph, rows, taps, last, step, sdil, p, o_last + p, P + 2 * p - sdil * (taps - 1)))
+    return out
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One 2-D phase of dgrad."""
+    h: Phase1D
+    w: Phase1D
+
+    @property
+    def zero(self) -> bool:
+        return self.h.taps == 0 or self.w.taps == 0
+
+
+class GradInputProblem:
+    """dgrad of one forward problem: its phases, their sub-filters, sub-convolutions and interleaves."""
+
+    def __init__(self, x_shape, w_shape, layout: str, stride, padding, dilation):
+        (self.N, self.C, self.H, self.W, self.K, self.R, self.S, self.P, self.Q, self.stride, self.padding,
+         self.dilation) = geometry(x_shape, w_shape, layout, stride, padding, dilation)
+        self.layout = layout
+        self.x_shape, self.w_shape = tuple(x_shape), tuple(w_shape)
+        N, K, P, Q = self.N, self.K, self.P, self.Q
+        self.dy_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
+        hs = phases_1d(self.stride[0], self.padding[0], self.dilation[0], self.R, self.H, P)
+        ws = phases_1d(self.stride[1], self.padding[1], self.dilation[1], self.S, self.W, Q)
+        self.phases = [Phase(h, w) for h in hs for w in ws]
+        one = self.phases[0]
+        #: one phase whose sub-convolution's output is dx itself (stride 1, no crop)
+        self.direct = (len(self.phases) == 1 and not one.zero and one.h.crop == 0 and one.w.crop == 0
+                       and one.h.out == self.H and one.w.out == self.W)
+
+    def sub_w_shape(self, ph: Phase) -> tuple:
+        return ((self.C, self.K, ph.h.taps, ph.w.taps) if self.layout == "NCHW"
+                else (self.C, ph.h.taps, ph.w.taps, self.K))
+
+    def sub_y_shape(self, ph: Phase) -> tuple:
+        return ((self.N, self.C, ph.h.out, ph.w.out) if self.layout == "NCHW"
+                else (self.N, ph.h.out, ph.w.out, self.C))
+
+    def sub_plan_args(self, ph: Phase) -> dict:
+        """Conv2dPlan arguments of the phase's sub-convolution (x: dy)."""
+        return dict(x_shape=self.dy_shape, w_shape=self.sub_w_shape(ph), layout=self.layout, stride=1,
+                    padding=(ph.h.pad, ph.w.pad), dilation=(ph.h.dil, ph.w.dil))
+
+    def filter_move(self, ph: Phase) -> Move:
+        """w -> the phase's sub-filter: its taps flipped, K and C swapped."""
+        if self.layout == "NCHW":     # w[K][C][R][S] -> f[C][K][Tr][Ts]
+            sK, sC, sR, sS = contiguous(self.w_shape)
+            src = (sC, sK, -ph.h.step * sR, -ph.w.step * sS)
+        else:                         # w[K][R][S][C] -> f[C][Tr][Ts][K]
+            sK, sR, sS, sC = contiguous(self.w_shape)
+            src = (sC, -ph.h.step * sR, -ph.w.step * sS, sK)
+        shape = self.sub_w_shape(ph)
+        return Move(shape, src, contiguous(shape), base=ph.h.last * sR + ph.w.last * sS)
+
+    def interleave_move(self, ph: Phase) -> tuple[Move, int]:
+        """(move, dx element offset): the phase's sub-convolution output (zeros for a zero phase) -> its rows
+        and columns of dx."""
+        dxs = contiguous(self.x_shape)
+        sth, stw = self.stride
+        ih, iw = (2, 3) if self.layout == "NCHW" else (1, 2)
+        shape = list(self.x_shape)
+        shape[ih], shape[iw] = ph.h.rows, ph.w.rows
+        dst = list(dxs)
+        dst[ih], dst[iw] = sth * dxs[ih], stw * dxs[iw]
+        off = [0, 0, 0, 0]
+        if ph.zero:
+            lim = (0, 0, 0, 0)
+            src = (0, 0, 0, 0)
+        else:
+            sy = self.sub_y_shape(ph)
+            src, lim = contiguous(sy), sy
+            off[ih], off[iw] = ph.h.crop, ph.w.crop
+        return (Move(tuple(shape), tuple(src), tuple(dst), tuple(off), tuple(lim)),
+                ph.h.ph * dxs[ih] + ph.w.ph * dxs[iw])
+
+
+class GradWeightProblem:
+    """wgrad of one forward problem as a forward convolution with the roles turned (module doc)."""
+
+    def __init__(self, x_shape, w_shape, layout: str, stride, padding, dilation):
+        (self.N, self.C, self.H, self.W, self.K, self.R, self.S, self.P, self.Q, self.stride, self.padding,
+         self.dilation) = geometry(x_shape, w_shape, layout, stride, padding, dilation)
+        self.layout = layout
+        self.x_shape, self.w_shape = tuple(x_shape), tuple(w_shape)
+        N, C, K, P, Q = self.N, self.C, self.K, self.P, self.Q
+        self.dy_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
+        (sth, stw), (dh, dw) = self.stride, self.dilation
+        #: x turned: C images of N channels, the rows the taps reach (zero-padded), so the output is R x S
+        self.Hx = (self.R - 1) * dh + (P - 1) * sth + 1
+        self.Wx = (self.S - 1) * dw + (Q - 1) * stw + 1
+        self.xt_shape = (C, self.Hx, self.Wx, N)
+        self.dyt_shape = (K, P, Q, N)
+        self.yt_shape = (C, self.R, self.S, K)
+
+    def sub_plan_args(self) -> dict:
+        return dict(x_shape=self.xt_shape, w_shape=self.dyt_shape, layout="NHWC", stride=self.dilation,
+                    padding=0, dilation=self.stride)
+
+    def x_move(self) -> Move:
+        """x -> xt[c][h'][w'][n] = x[n][h' − pad_h][w' − pad_w][c] (zero outside x)."""
+        ph, pw = self.padding
+        if self.layout == "NCHW":
+            sN, sC, sH, sW = contiguous(self.x_shape)
+            tb = 2
+        else:
+            sN, sH, sW, sC = contiguous(self.x_shape)
+            tb = 0
+        return Move(self.xt_shape, (sC, sH, sW, sN), contiguous(self.xt_shape), off=(0, -ph, -pw, 0),
+                    lim=(self.C, self.H, self.W, self.N), tb=tb)
+
+    def dy_move(self) -> Move:
+        """dy -> dyt[k][p][q][n] (the mask / BN prologue applied on the way: channel dim 0)."""
+        if self.layout == "NCHW":
+            sN, sK, sP, sQ = contiguous(self.dy_shape)
+            tb = 2
+        else:
+            sN, sP, sQ, sK = contiguous(self.dy_shape)
+            tb = 0
+        return Move(self.dyt_shape, (sK, sP, sQ, sN), contiguous(self.dyt_shape), tb=tb, cdim=0, K=self.K)
+
+    def w_move(self) -> Move:
+        """yt[c][r][s][k] -> dw (w's layout)."""
+        sC, sR, sS, sK = contiguous(self.yt_shape)
+        if self.layout == "NCHW":     # dw[K][C][R][S]
+            return Move(self.w_shape, (sK, sC, sR, sS), contiguous(self.w_shape), tb=0)
+        return Move(self.w_shape, (sK, sR, sS, sC), contiguous(self.w_shape), tb=0)

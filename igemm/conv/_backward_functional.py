@@ -1,0 +1,176 @@
+"""The backward's function forms: ``conv2d_grad_input``, ``conv2d_grad_weight`` (a plan from an LRU cache per
+problem) and ``conv2d_grad_prologue`` (the BN-backward reduction and the prologue's coefficients)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from .. import _runtime, reference
+from .._checks import check_flag, check_layout, check_shape_arg, check_stream, require_array
+from .._dispatch import CallContext
+from .._runtime import as_tensor, keeps_current_context
+from ._backward_plan import Conv2dGradInputPlan, Conv2dGradWeightPlan, GradPrologue
+from ._problem import DTYPES, geometry, pair
+
+__all__ = ["conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_prologue"]
+
+_PLANS: OrderedDict = OrderedDict()
+_CACHE_SIZE = 256
+
+
+def _device_of(t) -> int | None:
+    return None if (t.kind == "numpy" and _runtime.get_backend() == "numpy") else max(t.device_id, 0)
+
+
+def _cached(cls, key: tuple, make):
+    plan = _PLANS.get((cls, key))
+    if plan is None:
+        plan = _PLANS[(cls, key)] = make()
+        while len(_PLANS) > _CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end((cls, key))
+    return plan
+
+
+def _problem(shape_arg, shape_name, other, other_name, dy, layout, stride, padding, dilation, grad_input: bool):
+    """Validate the forward problem the call's arrays describe; returns (dtype, the plan's shapes, args)."""
+    check_layout(layout)
+    s = check_shape_arg(tuple(shape_arg) if hasattr(shape_arg, "__len__") else shape_arg, shape_name, 4)
+    ot, dt = as_tensor(other, other_name), as_tensor(dy, "dy")
+    if dt.dtype not in DTYPES:
+        raise TypeError(f"dy: dtype {dt.dtype} is not supported (expected float16, bfloat16 or float32)")
+    if ot.dtype != dt.dtype:
+        raise TypeError(f"{other_name}: dtype {ot.dtype} differs from dy's {dt.dtype}")
+    st, pd, dl = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    x_shape, w_shape = (s, tuple(ot.shape)) if grad_input else (tuple(ot.shape), s)
+    names = (shape_name, other_name) if grad_input else (other_name, shape_name)
+    N, C, H, W, K, R, S, P, Q, *_ = geometry(x_shape, w_shape, layout, st, pd, dl, names=names)
+    want = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
+    if tuple(dt.shape) != want:
+        raise ValueError(f"dy: shape {tuple(dt.shape)} is not the output of the forward problem (x {x_shape}, "
+                         f"w {w_shape}, stride {st}, padding {pd}, dilation {dl}, {layout}): expected {want}")
+    return dt, x_shape, w_shape, (st, pd, dl)
+
+
+@keeps_current_context
+def conv2d_grad_input(dy, w, x_shape, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", mask=None,
+                      prologue=None, precision: str = "strict", out=None, stream=None):
+    """The gradient of ``conv2d`` with respect to its input (``torch.nn.grad.conv2d_input``), by implicit GEMM.
+
+    Args:
+        dy: the gradient of the forward output, ``(N, K, P, Q)`` (NCHW) or ``(N, P, Q, K)`` (NHWC).
+        w: the forward filter (``(K, C, R, S)`` / ``(K, R, S, C)``), dy's dtype (fp16, bf16, fp32).
+        x_shape: the forward input's shape; stride, padding, dilation: the forward's (ints or pairs).
+        mask: the forward's ReLU bit mask of y (``ReLU(mask=True)``): dy is read as ``bit ? dy : 0``.
+        prologue: a :class:`GradPrologue` from :func:`conv2d_grad_prologue` (conv -> BN -> [+res] -> ReLU in
+            training): dy is read as ``a[k]·g + b[k]·z + c[k]``.
+        precision: fp32 ``"strict"`` (default) or ``"tf32"``. out: preallocated dx. stream: CUDA stream.
+
+    >>> import numpy as np, igemm
+    >>> dy = np.ones((1, 3, 5, 5), np.float32)
+    >>> igemm.conv2d_grad_input(dy, np.ones((3, 2, 3, 3), np.float32), (1, 2, 5, 5), padding=1)[0, 0, 0]
+    array([12., 18., 18., 18., 12.], dtype=float32)
+    """
+    require_array(dy, "dy")
+    require_array(w, "w")
+    check_stream(stream)
+    dt, x_shape, w_shape, (st, pd, dl) = _problem(x_shape, "x_shape", w, "w", dy, layout, stride, padding,
+                                                  dilation, True)
+    dev = _device_of(dt)
+    key = (x_shape, w_shape, dt.dtype, layout, st, pd, dl, precision, mask is not None, prologue is not None, dev)
+    plan = _cached(Conv2dGradInputPlan, key, lambda: Conv2dGradInputPlan(
+        x_shape, w_shape, dt.dtype, layout, st, pd, dl, precision=precision, mask=mask is not None,
+        prologue=prologue is not None, device=dev if dev is not None else "numpy"))
+    return plan(dy, w, mask=mask, prologue=prologue, out=out, stream=stream)
+
+
+@keeps_current_context
+def conv2d_grad_weight(x, dy, w_shape, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", mask=None,
+                       prologue=None, precision: str = "strict", out=None, accumulate: bool = False, stream=None):
+    """The gradient of ``conv2d`` with respect to its filter (``torch.nn.grad.conv2d_weight``), by implicit GEMM.
+
+    Args:
+        x: the forward input; dy: the forward output's gradient (x's dtype); w_shape: the filter's shape.
+        mask, prologue, precision, stream: as :func:`conv2d_grad_input`.
+        out: preallocated dw, in x's dtype or float32 (the fp32 gradient of a 16-bit problem).
+        accumulate: add the gradient into ``out`` (gradient accumulation) instead of overwriting it.
+
+    >>> import numpy as np, igemm
+    >>> x, dy = np.ones((1, 2, 4, 4), np.float32), np.ones((1, 3, 4, 4), np.float32)
+    >>> igemm.conv2d_grad_weight(x, dy, (3, 2, 3, 3), padding=1)[0, 0]
+    array([[ 9., 12.,  9.],
+           [12., 16., 12.],
+           [ 9., 12.,  9.]], dtype=float32)
+    """
+    require_array(x, "x")
+    require_array(dy, "dy")
+    check_stream(stream)
+    dt, x_shape, w_shape, (st, pd, dl) = _problem(w_shape, "w_shape", x, "x", dy, layout, stride, padding,
+                                                  dilation, False)
+    out_dtype = as_tensor(out, "out").dtype if out is not None else dt.dtype
+    if out_dtype not in (dt.dtype, "float32"):
+        raise TypeError(f"out: expected dtype {dt.dtype} or float32, got {out_dtype}")
+    dev = _device_of(dt)
+    accumulate = check_flag(accumulate, "accumulate")
+    key = (x_shape, w_shape, dt.dtype, layout, st, pd, dl, precision, mask is not None, prologue is not None,
+           out_dtype, accumulate, dev)
+    plan = _cached(Conv2dGradWeightPlan, key, lambda: Conv2dGradWeightPlan(
+        x_shape, w_shape, dt.dtype, layout, st, pd, dl, precision=precision, mask=mask is not None,
+        prologue=prologue is not None, out_dtype=out_dtype, accumulate=accumulate,
+        device=dev if dev is not None else "numpy"))
+    return plan(x, dy, mask=mask, prologue=prologue, out=out, stream=stream)
+
+
+@keeps_current_context
+def conv2d_grad_prologue(dy, z, mean, invstd, gamma=None, *, mask=None, layout: str = "NCHW",
+                         stream=None) -> GradPrologue:
+    """The BN-backward reduction of conv -> BatchNorm (training statistics) [-> + residual] -> ReLU, as the
+    prologue the grad kernels apply to dy: ``dz = a[k]·g + b[k]·z + c[k]`` (``g = bit ? dy : 0`` with ``mask``),
+    which is PyTorch's ``batch_norm_backward`` of BN's input written per channel.
+
+    Args:
+        dy: the gradient of the block's output; z: the conv's output (BN's input), dy's shape and dtype.
+        mean, invstd: BN's batch statistics of z (fp32, K); gamma: BN's weight (fp32, K; None: ones).
+        mask: the forward's ReLU bit mask (of the BN(+residual) output).
+
+    Returns:
+        a :class:`GradPrologue`: ``z``, ``coef`` (fp32, 3 x K: a, b, c), ``grad_weight`` (dgamma) and
+        ``grad_bias`` (dbeta), in dy's framework.
+    """
+    from ..norm import batch_norm_backward_reduce
+    require_array(dy, "dy")
+    require_array(z, "z")
+    check_stream(stream)
+    check_layout(layout)
+    t = as_tensor(dy, "dy")
+    if t.ndim != 4:
+        raise ValueError(f"dy: expected a 4-D {layout} tensor, got shape {tuple(t.shape)}")
+    K = t.shape[1] if layout == "NCHW" else t.shape[3]
+    count = t.numel // K if K else 0
+    if gamma is not None:
+        g = as_tensor(gamma, "gamma")
+        if g.dtype != "float32":
+            raise TypeError(f"gamma: expected float32, got {g.dtype}")
+        if tuple(g.shape) != (K,):
+            raise ValueError(f"gamma: expected a float32 vector of {K} channels, got {g.dtype} {tuple(g.shape)}")
+    sum_dy, sum_dy_xmu, grad_weight, grad_bias = batch_norm_backward_reduce(
+        dy, z, mean, invstd, None, True, True, True, mask=mask, layout=layout, stream=stream)
+    ctx = CallContext({"gamma": gamma, "mean": mean, "invstd": invstd, "sum_dy": sum_dy,
+                       "sum_dy_xmu": sum_dy_xmu}, stream)
+    if ctx.backend == "numpy" or ctx.host:
+        v = {k: (np.ones(K) if k == "gamma" and gamma is None else np.asarray(ctx.views[k].obj, np.float64))
+             for k in ("gamma", "mean", "invstd", "sum_dy", "sum_dy_xmu")}
+        coef = np.stack(reference.bn_grad_coefficients_ref(v["sum_dy"], v["sum_dy_xmu"], v["mean"], v["invstd"],
+                                                           v["gamma"], count)).astype(np.float32)
+        return GradPrologue(z, coef, grad_weight, grad_bias)
+    from ._moves import launch_coefficients
+    c_obj, c_dev = ctx.empty((3, K), "float32")
+    if K:
+        launch_coefficients(ctx.device_id, ctx.stream.handle, K, count,
+                            gamma=ctx.device_view("gamma").ptr if gamma is not None else 0,
+                            invstd=ctx.device_view("invstd").ptr, mean=ctx.device_view("mean").ptr,
+                            sum_dy=ctx.device_view("sum_dy").ptr, sum_dy_xmu=ctx.device_view("sum_dy_xmu").ptr,
+                            coef=c_dev.ptr)
+    return GradPrologue(z, ctx.finish(c_obj), grad_weight, grad_bias)

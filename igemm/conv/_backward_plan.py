@@ -1,0 +1,295 @@
+"""``Conv2dGradInputPlan`` and ``Conv2dGradWeightPlan``: the convolution backward, compiled once per problem.
+
+Each holds the forward plans of its problem (:mod:`._backward`: dgrad's phases, wgrad's turned convolution), the
+operand moves around them and their scratch; a call checks the tensors, then launches moves and convolutions in
+stream order. The numpy backend runs the float64 references (``igemm.reference``) on the same arguments.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .. import _runtime, reference
+from .._checks import check_aligned, check_flag, check_mask, check_output, check_stream, require_array
+from .._dispatch import CallContext
+from .._runtime import DTYPE_SIZES, keeps_current_context
+from ._backward import GradInputProblem, GradWeightProblem
+from ._moves import Move, contiguous
+from ._plan import Conv2dPlan, _dtype_arg, _tf32, resolve_device
+from ._problem import PRECISIONS
+
+__all__ = ["Conv2dGradInputPlan", "Conv2dGradWeightPlan", "GradPrologue"]
+
+
+class GradPrologue:
+    """The BN-backward prologue of a conv followed by BatchNorm (training statistics) [+ residual] and ReLU:
+    the gradient reaching the conv is ``dz = a[k]·g + b[k]·z + c[k]`` with ``g = bit ? dy : 0`` (``mask=``) or
+    ``dy``, ``z`` the conv's output and ``coef = [a; b; c]`` (fp32, 3 x K). Made by
+    :func:`igemm.conv2d_grad_prologue`, which also gives BN's own gradients ``grad_weight`` (dgamma) and
+    ``grad_bias`` (dbeta)."""
+
+    __slots__ = ("z", "coef", "grad_weight", "grad_bias")
+
+    def __init__(self, z, coef, grad_weight=None, grad_bias=None):
+        self.z, self.coef, self.grad_weight, self.grad_bias = z, coef, grad_weight, grad_bias
+
+    def __repr__(self) -> str:
+        return f"GradPrologue(z={getattr(self.z, 'shape', None)}, coef={getattr(self.coef, 'shape', None)})"
+
+
+class _GradPlan:
+    """What both plans share: arguments, the forward plans' device, scratch, the prologue's checks."""
+
+    kind = ""
+
+    def _setup(self, dtype, layout, precision, mask, prologue, device):
+        self.dtype = _dtype_arg(dtype)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: expected 'strict' or 'tf32', got {precision!r}")
+        self.layout, self.precision = layout, precision
+        self.mask, self.prologue = check_flag(mask, "mask"), check_flag(prologue, "prologue")
+        self.device_id = resolve_device(device)
+        self.backend = "numpy" if self.device_id is None else "cuda"
+        self._scratch: dict[str, _runtime.DeviceArray] = {}
+        self._lock = threading.Lock()
+
+    def _sub_plan(self, args: dict, options, arch, sms) -> Conv2dPlan:
+        return Conv2dPlan(args["x_shape"], args["w_shape"], self.dtype, args["layout"], args["stride"],
+                          args["padding"], args["dilation"], precision=self.precision,
+                          device="numpy" if self.device_id is None else self.device_id, options=options,
+                          arch=arch if self.device_id is None else None, sms=sms if self.device_id is None else None)
+
+    def _buf(self, name: str, shape, dtype: str) -> int:
+        b = self._scratch.get(name)
+        if b is None:
+            b = self._scratch[name] = _runtime.DeviceArray(tuple(shape), dtype, self.device_id)
+        return b.ptr
+
+    def _check(self, t, name: str, shape, dtype) -> None:
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)} ({self.layout}), got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous in {self.layout} order (shape {tuple(t.shape)}, strides "
+                             f"{t.strides}); call .contiguous() first")
+
+    def _check_fused(self, v: dict, dy_shape, K: int, mask, prologue) -> None:
+        """mask= and prologue= against the plan and dy."""
+        numel = int(np.prod(dy_shape))
+        if (mask is not None) != self.mask:
+            raise ValueError(f"mask: {'given' if mask is not None else 'missing'}, but the plan was built with "
+                             f"mask={self.mask}")
+        if (prologue is not None) != self.prologue:
+            raise ValueError(f"prologue: {'given' if prologue is not None else 'missing'}, but the plan was built "
+                             f"with prologue={self.prologue}")
+        if mask is not None:
+            check_mask(v["mask"], "mask", numel)
+        if prologue is not None:
+            if not isinstance(prologue, GradPrologue):
+                raise TypeError(f"prologue: expected igemm.GradPrologue (from igemm.conv2d_grad_prologue), got "
+                                f"{type(prologue).__name__}")
+            self._check(v["z"], "prologue.z", dy_shape, self.dtype)
+            c = v["coef"]
+            if c.dtype != "float32":
+                raise TypeError(f"prologue.coef: expected float32, got {c.dtype}")
+            if tuple(c.shape) != (3, K) or not c.is_contiguous():
+                raise ValueError(f"prologue.coef: expected a contiguous float32 array of shape (3, {K}), got "
+                                 f"{c.dtype} {tuple(c.shape)}")
+
+    @staticmethod
+    def _arrays(mask, prologue) -> dict:
+        d = {"mask": mask}
+        if isinstance(prologue, GradPrologue):
+            d.update(z=prologue.z, coef=prologue.coef)
+        return d
+
+    def _numpy_dy(self, v: dict, dy) -> np.ndarray:
+        """The gradient reaching the conv, float64 (the mask and prologue applied)."""
+        pro = None
+        if "z" in v:
+            c = np.asarray(v["coef"].obj, np.float64)
+            pro = (np.asarray(v["z"].obj), c[0], c[1], c[2])
+        m = np.asarray(v["mask"].obj).view(np.uint32) if "mask" in v else None
+        return reference.grad_prologue_ref(np.asarray(dy), m, pro, self.layout)
+
+    def _fused_move(self, dy_shape, K: int) -> Move:
+        """dgrad's pre-pass: dy -> dz in place of order (the mask / prologue applied)."""
+        cdim = 1 if self.layout == "NCHW" else 3
+        st = contiguous(dy_shape)
+        return Move(tuple(dy_shape), st, st, cdim=cdim, K=K)
+
+    def _mode(self, v: dict) -> str:
+        return "bn" if "z" in v else ("mask" if "mask" in v else "plain")
+
+
+class Conv2dGradInputPlan(_GradPlan):
+    """dgrad compiled for one forward problem: ``plan(dy, w)`` returns dx (``x_shape``, dy's dtype).
+
+    Args follow :class:`igemm.Conv2dPlan` (``x_shape``, ``w_shape`` of the forward problem); ``mask``,
+    ``prologue``: whether calls pass the forward's ReLU mask of y / a :class:`GradPrologue`.
+    """
+
+    kind = "grad_input"
+
+    @keeps_current_context
+    def __init__(self, x_shape, w_shape, dtype, layout: str = "NCHW", stride=1, padding=0, dilation=1, *,
+                 precision: str = "strict", mask: bool = False, prologue: bool = False, device=None, options=None,
+                 arch: str | None = None, sms: int | None = None):
+        self.problem = g = GradInputProblem(x_shape, w_shape, layout, stride, padding, dilation)
+        self._setup(dtype, layout, precision, mask, prologue, device)
+        self.x_shape, self.w_shape, self.dy_shape = g.x_shape, g.w_shape, g.dy_shape
+        self.plans = {i: self._sub_plan(g.sub_plan_args(ph), options, arch, sms)
+                      for i, ph in enumerate(g.phases) if not ph.zero}
+        self.sms = next(iter(self.plans.values())).sms if self.plans else (sms or 132)
+
+    def __call__(self, dy, w, *, mask=None, prologue=None, out=None, stream=None):
+        """dx for ``dy`` (the forward output's gradient) and the filter ``w``. ``out``: a preallocated dx."""
+        require_array(dy, "dy")
+        require_array(w, "w")
+        check_stream(stream)
+        ctx = CallContext({"dy": dy, "w": w, **self._arrays(mask, prologue), "out": out}, stream)
+        v = ctx.views
+        g = self.problem
+        self._check(v["dy"], "dy", g.dy_shape, self.dtype)
+        self._check(v["w"], "w", g.w_shape, self.dtype)
+        self._check_fused(v, g.dy_shape, g.K, mask, prologue)
+        if out is not None:
+            check_output(v["out"], "out", shape=g.x_shape, dtypes=(self.dtype,),
+                         inputs={k: t for k, t in v.items() if k != "out"})
+            if v["out"].kind != "numpy":
+                check_aligned(v["out"], "out", 16)
+        if self.backend == "numpy":
+            return self._numpy(v, out)
+        if ctx.device_id != self.device_id:
+            raise ValueError(f"dy: on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
+        o_obj, d_out = (out, ctx.device_view("out")) if out is not None else ctx.empty(g.x_shape, self.dtype)
+        with self._lock:
+            self._run(ctx, ctx.device_view("dy").ptr, ctx.device_view("w").ptr, d_out.ptr)
+        if out is not None:
+            ctx.copy_back("out", d_out)
+            return out
+        return ctx.finish(o_obj)
+
+    def _numpy(self, v: dict, out):
+        g = self.problem
+        d = self._numpy_dy(v, v["dy"].obj)
+        wt = np.asarray(v["w"].obj)
+        if self.dtype == "float32" and self.precision == "tf32":
+            d, wt = _tf32(d), _tf32(wt)
+        res = reference.conv2d_grad_input_ref(d, wt, g.x_shape, g.stride, g.padding, g.dilation, self.layout)
+        return _numpy_out(res, out, np.asarray(v["dy"].obj).dtype)
+
+    def _run(self, ctx, dy: int, w: int, dx: int) -> None:
+        g, dev, h, es = self.problem, self.device_id, ctx.stream.handle, DTYPE_SIZES[self.dtype]
+        mode = self._mode(ctx.views)
+        if mode != "plain" or dy % 16:        # (an unaligned dy is moved too: the phases read aligned rows)
+            dz = self._buf("dz", g.dy_shape, self.dtype)
+            self._fused_move(g.dy_shape, g.K).launch(
+                dev, h, self.dtype, self.dtype, dy, dz, mode=mode, sms=self.sms,
+                mask=ctx.device_view("mask").ptr if "mask" in ctx.views else 0,
+                z=ctx.device_view("z").ptr if "z" in ctx.views else 0,
+                coef=ctx.device_view("coef").ptr if "coef" in ctx.views else 0)
+            dy = dz
+        if any(ph.zero for ph in g.phases):       # rows no tap reaches: zero at memset speed first
+            _runtime.memset_d8(dx, 0, int(np.prod(g.x_shape)) * es, ctx.stream)
+        ymax = max((int(np.prod(g.sub_y_shape(ph))) for ph in g.phases if not ph.zero), default=1)
+        for i, ph in enumerate(g.phases):
+            plan = self.plans.get(i)
+            if plan is None:
+                continue
+            f = self._buf(f"w{i}", g.sub_w_shape(ph), self.dtype)
+            g.filter_move(ph).launch(dev, h, self.dtype, self.dtype, w, f, sms=self.sms)
+            y = dx if g.direct else self._buf("y", (ymax,), self.dtype)
+            plan._launch(h, True, True, dy, f, y, 0, 0, plan._folded)
+            if not g.direct:
+                mv, off = g.interleave_move(ph)
+                mv.launch(dev, h, self.dtype, self.dtype, y, dx + off * es, sms=self.sms)
+
+
+class Conv2dGradWeightPlan(_GradPlan):
+    """wgrad compiled for one forward problem: ``plan(x, dy)`` returns dw (``w_shape``, ``out_dtype``).
+
+    ``out_dtype``: dw's dtype (default: x's; ``"float32"`` for fp32 gradients of a 16-bit problem);
+    ``accumulate``: add into ``out`` (gradient accumulation) instead of overwriting it.
+    """
+
+    kind = "grad_weight"
+
+    @keeps_current_context
+    def __init__(self, x_shape, w_shape, dtype, layout: str = "NCHW", stride=1, padding=0, dilation=1, *,
+                 precision: str = "strict", mask: bool = False, prologue: bool = False, out_dtype=None,
+                 accumulate: bool = False, device=None, options=None, arch: str | None = None,
+                 sms: int | None = None):
+        self.problem = g = GradWeightProblem(x_shape, w_shape, layout, stride, padding, dilation)
+        self._setup(dtype, layout, precision, mask, prologue, device)
+        self.out_dtype = _dtype_arg(out_dtype, "out_dtype") if out_dtype is not None else self.dtype
+        if self.out_dtype not in (self.dtype, "float32"):
+            raise ValueError(f"out_dtype: expected {self.dtype!r} or 'float32', got {self.out_dtype!r}")
+        self.accumulate = check_flag(accumulate, "accumulate")
+        self.x_shape, self.w_shape, self.dy_shape = g.x_shape, g.w_shape, g.dy_shape
+        self.plan = self._sub_plan(g.sub_plan_args(), options, arch, sms)
+        self.sms = self.plan.sms
+
+    def __call__(self, x, dy, *, mask=None, prologue=None, out=None, stream=None):
+        """dw for the forward input ``x`` and the output gradient ``dy``; ``out`` (required with
+        ``accumulate=True``): dw's array (``w_shape``, ``out_dtype``)."""
+        require_array(x, "x")
+        require_array(dy, "dy")
+        check_stream(stream)
+        if self.accumulate and out is None:
+            raise ValueError("out: required with accumulate=True (the array the gradient is added to)")
+        ctx = CallContext({"x": x, "dy": dy, **self._arrays(mask, prologue), "out": out}, stream)
+        v = ctx.views
+        g = self.problem
+        self._check(v["x"], "x", g.x_shape, self.dtype)
+        self._check(v["dy"], "dy", g.dy_shape, self.dtype)
+        self._check_fused(v, g.dy_shape, g.K, mask, prologue)
+        if out is not None:
+            check_output(v["out"], "out", shape=g.w_shape, dtypes=(self.out_dtype,),
+                         inputs={k: t for k, t in v.items() if k != "out"})
+        if self.backend == "numpy":
+            return self._numpy(v, out)
+        if ctx.device_id != self.device_id:
+            raise ValueError(f"x: on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
+        o_obj, d_out = (out, ctx.device_view("out")) if out is not None else ctx.empty(g.w_shape, self.out_dtype)
+        with self._lock:
+            self._run(ctx, ctx.device_view("x").ptr, ctx.device_view("dy").ptr, d_out.ptr)
+        if out is not None:
+            ctx.copy_back("out", d_out)
+            return out
+        return ctx.finish(o_obj)
+
+    def _numpy(self, v: dict, out):
+        g = self.problem
+        d = self._numpy_dy(v, v["dy"].obj)
+        xt = np.asarray(v["x"].obj)
+        if self.dtype == "float32" and self.precision == "tf32":
+            d, xt = _tf32(d), _tf32(xt)
+        res = reference.conv2d_grad_weight_ref(xt, d, g.w_shape, g.stride, g.padding, g.dilation, self.layout)
+        if self.accumulate:
+            res = res + np.asarray(out, np.float64)
+        return _numpy_out(res, out, np.dtype(self.out_dtype) if self.out_dtype != "bfloat16"
+                          else np.asarray(v["x"].obj).dtype)
+
+    def _run(self, ctx, x: int, dy: int, dw: int) -> None:
+        g, dev, h = self.problem, self.device_id, ctx.stream.handle
+        xt = self._buf("xt", g.xt_shape, self.dtype)
+        dyt = self._buf("dyt", g.dyt_shape, self.dtype)
+        yt = self._buf("yt", g.yt_shape, self.dtype)
+        g.x_move().launch(dev, h, self.dtype, self.dtype, x, xt, sms=self.sms)
+        mode = self._mode(ctx.views)
+        g.dy_move().launch(dev, h, self.dtype, self.dtype, dy, dyt, mode=mode, sms=self.sms,
+                           mask=ctx.device_view("mask").ptr if "mask" in ctx.views else 0,
+                           z=ctx.device_view("z").ptr if "z" in ctx.views else 0,
+                           coef=ctx.device_view("coef").ptr if "coef" in ctx.views else 0)
+        self.plan._launch(h, True, True, xt, dyt, yt, 0, 0, self.plan._folded)
+        g.w_move().launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
+
+
+def _numpy_out(res: np.ndarray, out, dtype):
+    if out is not None:
+        np.asarray(out)[...] = res
+        return out
+    return res.astype(dtype)

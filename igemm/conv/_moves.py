@@ -1,0 +1,177 @@
+"""The backward's operand moves (csrc/conv/backward.cuh: ``grad_copy``, ``grad_coefficients``).
+
+A :class:`Move` is one 4-D copy ``dst[i] = f(src[base + Σ (i_d + off_d)·ss_d])`` with zero outside the source
+bounds: the filter flips of dgrad, its phase interleave, the activations' transposes of wgrad, the final dw
+permute (with a dtype change and ``accumulate``), and the ReLU-mask / BN-backward prologue applied on the way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .. import _kernel
+from .._kernel import ParamSpec
+from .._runtime import DTYPE_CTYPE
+
+__all__ = ["Move", "MODES", "launch_coefficients", "contiguous", "precompile", "all_variants"]
+
+MODES = {"plain": 0, "mask": 1, "bn": 2}
+
+_PARAMS = [*(ParamSpec(n, "ptr") for n in ("src", "dst", "mask", "z", "coef")),
+           *(ParamSpec(f"d{i}", "int32") for i in range(4)),
+           *(ParamSpec(f"off{i}", "int32") for i in range(4)),
+           *(ParamSpec(f"lim{i}", "int32") for i in range(4)),
+           *(ParamSpec(f"ss{i}", "int64") for i in range(4)), ParamSpec("base", "int64"),
+           *(ParamSpec(f"ds{i}", "int64") for i in range(4)),
+           ParamSpec("cdim", "int32"), ParamSpec("tb", "int32"), ParamSpec("K", "int32"),
+           *(ParamSpec(f"fd{i}", "fastdiv") for i in (1, 2, 3))]
+_COEF_PARAMS = [*(ParamSpec(n, "ptr") for n in ("gamma", "invstd", "mean", "sum_dy", "sum_dy_xmu", "coef")),
+                ParamSpec("K", "int32"), ParamSpec("count", "float32")]
+_THREADS = 256
+
+
+def contiguous(shape) -> tuple:
+    """Element strides of a contiguous array of ``shape``."""
+    st, acc = [], 1
+    for n in reversed(tuple(shape)):
+        st.append(acc)
+        acc *= n
+    return tuple(reversed(st))
+
+
+@dataclass(frozen=True)
+class Move:
+    """One copy over the destination dims ``shape`` (``dst_strides``: its element strides). Source element of
+    destination index i: ``base + Σ (i_d + off_d)·src_strides_d``, read only where every
+    ``0 <= i_d + off_d < lim_d`` (else 0). ``tb``: the source's contiguous dim, for the tiled kernel (None: one
+    element a thread); ``cdim``: the dim that indexes the BN prologue's channel vectors."""
+    shape: tuple
+    src_strides: tuple
+    dst_strides: tuple
+    off: tuple = (0, 0, 0, 0)
+    lim: tuple | None = None        # None: the shape (no bounds beyond it)
+    base: int = 0
+    tb: int | None = None
+    cdim: int = 0
+    K: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for v in self.shape:
+            n *= v
+        return n
+
+    def args(self, src: int, dst: int, mask: int = 0, z: int = 0, coef: int = 0) -> _kernel.PackedArgs:
+        v = {"src": src, "dst": dst, "mask": mask, "z": z, "coef": coef, "base": self.base, "cdim": self.cdim,
+             "tb": self.tb or 0, "K": self.K}
+        lim = self.lim if self.lim is not None else self.shape
+        for i in range(4):
+            v.update({f"d{i}": self.shape[i], f"off{i}": self.off[i], f"lim{i}": lim[i],
+                      f"ss{i}": self.src_strides[i], f"ds{i}": self.dst_strides[i]})
+            if i:
+                v[f"fd{i}"] = max(1, self.shape[i])
+        return _kernel.pack_args(_PARAMS, v)
+
+    def launcher(self, device_id: int, ts: str, td: str, mode: str = "plain", accumulate: bool = False,
+                 sms: int = 132) -> _kernel.Launcher:
+        tiled = self.tb is not None and self.tb != 3
+        if tiled:
+            s = self.shape
+            tiles = -(-s[self.tb] // 32) * -(-s[3] // 32) * (self.numel // (s[self.tb] * s[3]) if self.numel else 0)
+            grid, block = max(1, min(sms * 16, tiles)), (32, 8)
+        else:
+            grid, block = max(1, min(sms * 8, -(-self.numel // _THREADS))), _THREADS
+        return _launcher(ts, td, MODES[mode], bool(accumulate), tiled, device_id, grid, block)
+
+    def run_numpy(self, src, dst, *, mode: str = "plain", accumulate: bool = False, mask=None, z=None,
+                  coef=None) -> None:
+        """The same move on flat numpy arrays (float64 arithmetic; the CPU tests check the GPU's moves with it).
+        ``dst`` is written through its flat view at the destination strides."""
+        import numpy as np
+        idx = np.indices(self.shape, dtype=np.int64).reshape(4, -1)
+        lim = self.lim if self.lim is not None else self.shape
+        j = idx + np.asarray(self.off, np.int64)[:, None]
+        ok = np.all((j >= 0) & (j < np.asarray(lim, np.int64)[:, None]), axis=0)
+        so = self.base + (j * np.asarray(self.src_strides, np.int64)[:, None]).sum(0)
+        so = np.where(ok, so, 0)
+        v = np.where(ok, np.asarray(src, np.float64).ravel()[so] if src is not None and np.asarray(src).size
+                     else 0.0, 0.0)
+        if mode != "plain" and mask is not None:
+            bits = (np.asarray(mask).view(np.uint32)[so >> 5] >> (so & 31)) & 1
+            v = np.where(ok & (bits == 1), v, 0.0)
+        if mode == "bn":
+            k = j[self.cdim]
+            c = np.asarray(coef, np.float64).reshape(3, -1)
+            zz = np.asarray(z, np.float64).ravel()[so]
+            v = np.where(ok, c[0][np.where(ok, k, 0)] * v + c[1][np.where(ok, k, 0)] * zz
+                         + c[2][np.where(ok, k, 0)], 0.0)
+        do = (idx * np.asarray(self.dst_strides, np.int64)[:, None]).sum(0)
+        flat = dst.reshape(-1)
+        if accumulate:
+            v = v + flat[do].astype(np.float64)
+        flat[do] = v.astype(flat.dtype)
+
+    def launch(self, device_id: int, stream: int, ts: str, td: str, src: int, dst: int, *, mode: str = "plain",
+               accumulate: bool = False, mask: int = 0, z: int = 0, coef: int = 0, sms: int = 132) -> None:
+        if self.numel:
+            self.launcher(device_id, ts, td, mode, accumulate, sms)(stream, self.args(src, dst, mask, z, coef))
+
+
+def _stub(ts: str, td: str, mode: int, accumulate: bool, tiled: bool) -> str:
+    threads = 256
+    body = (f"igemm::backward::grad_copy<{mode}, {str(accumulate).lower()}, {str(tiled).lower()}, "
+            f"{DTYPE_CTYPE[ts]}, {DTYPE_CTYPE[td]}>(p);")
+    return _kernel.render_kernel(include="conv/backward.cuh", entry="igemm_grad_copy", params=_PARAMS,
+                                 threads=threads, body=body)
+
+
+def _name(ts: str, td: str, mode: int, accumulate: bool, tiled: bool) -> str:
+    return f"grad_copy_{ts}_{td}_m{mode}{'_acc' if accumulate else ''}{'_tiled' if tiled else ''}"
+
+
+@lru_cache(maxsize=512)
+def _launcher(ts, td, mode, accumulate, tiled, device_id, grid, block):
+    k = _kernel.load(_stub(ts, td, mode, accumulate, tiled), _name(ts, td, mode, accumulate, tiled),
+                     "igemm_grad_copy", device_id)
+    return _kernel.Launcher(k, grid, block)
+
+
+def _coef_stub() -> str:
+    return _kernel.render_kernel(include="conv/backward.cuh", entry="igemm_grad_coefficients", params=_COEF_PARAMS,
+                                 threads=_THREADS, body="igemm::backward::grad_coefficients(p);")
+
+
+@lru_cache(maxsize=64)
+def _coef_launcher(device_id: int, grid: int):
+    k = _kernel.load(_coef_stub(), "grad_coefficients", "igemm_grad_coefficients", device_id)
+    return _kernel.Launcher(k, grid, _THREADS)
+
+
+def launch_coefficients(device_id: int, stream: int, K: int, count: int, *, gamma: int, invstd: int, mean: int,
+                        sum_dy: int, sum_dy_xmu: int, coef: int) -> None:
+    """coef[3, K] = [a; b; c] of the BN-backward prologue (csrc/conv/backward.cuh: grad_coefficients)."""
+    _coef_launcher(device_id, -(-K // _THREADS))(stream, _kernel.pack_args(_COEF_PARAMS, dict(
+        gamma=gamma, invstd=invstd, mean=mean, sum_dy=sum_dy, sum_dy_xmu=sum_dy_xmu, coef=coef, K=K,
+        count=float(count))))
+
+
+def all_variants() -> list[tuple[str, str]]:
+    """Every (name, stub) the backward's moves can launch."""
+    out = [("grad_coefficients", _coef_stub())]
+    dts = ("float16", "bfloat16", "float32")
+    for ts in dts:
+        for td in dts:
+            for mode in MODES.values():
+                for acc in (False, True):
+                    for tiled in (False, True):
+                        if (td != ts and td != "float32") or (mode and (acc or td != ts)):
+                            continue
+                        out.append((_name(ts, td, mode, acc, tiled), _stub(ts, td, mode, acc, tiled)))
+    return out
+
+
+def precompile(arch: str, jobs: int | None = None) -> int:
+    """Compile every move kernel for ``arch`` (dev machine: fills the kernel cache)."""
+    from .. import _build
+    return _build.compile_many(all_variants(), arch, jobs)

@@ -1,0 +1,345 @@
+"""The convolution backward (``conv2d_grad_input``, ``conv2d_grad_weight``, ``conv2d_grad_prologue`` and their
+plans) against the float64 references (``igemm.reference.grad``; the references themselves are checked in
+``tests/test_backward_ref.py``).
+
+* CPU: the numpy backend's semantics; the GPU path's decomposition (phases, moves, turned convolution) run in
+  numpy on the reference convolution, for random problems, with the mask and BN prologue; the phase rules.
+* GPU: random problems per op x dtype x layout through the kernels (outputs NaN-poisoned), the mask and the BN
+  prologue against PyTorch's unfused chain, fp32 gradients and accumulation, torch/CuPy/numpy inputs.
+  ``python tests/test_backward.py precompile [arch]`` compiles every kernel these tests launch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import igemm
+from igemm import reference
+from igemm.conv._backward import GradInputProblem, GradWeightProblem, phases_1d
+
+from helpers import TOL, poison, rel_err, to_numpy, to_torch
+
+#: problems per op x dtype x layout of the GPU's random test (the fuzz stage sets 300)
+GPU_PROBLEMS = int(os.environ.get("IGEMM_GRAD_PROBLEMS", "24"))
+
+
+def random_problem(rng, small: bool = True) -> dict:
+    """A random valid forward problem (NCHW shapes): strides 1-3, dilation 1-2, 1x1 to 7x7, odd C and K, N=1."""
+    while True:
+        R = int(rng.choice([1, 1, 2, 3, 3, 5, 7]))
+        S = R if rng.random() < 0.8 else int(rng.integers(1, 6))
+        st = (int(rng.integers(1, 4)),) * 2 if rng.random() < 0.8 else tuple(int(v) for v in rng.integers(1, 4, 2))
+        dil = (1, 1) if rng.random() < 0.7 else tuple(int(v) for v in rng.integers(1, 3, 2))
+        pad = tuple(int(v) for v in rng.integers(0, 4, 2))
+        N = int(rng.choice([1, 2, 3]))
+        C = int(rng.choice([1, 3, 8, 16, 24, 64] if small else [8, 32, 64, 128]))
+        K = int(rng.choice([1, 5, 8, 16, 32, 40] if small else [8, 32, 64, 128]))
+        H, W = (int(v) for v in rng.integers(1, 20, 2))
+        P = (H + 2 * pad[0] - dil[0] * (R - 1) - 1) // st[0] + 1
+        Q = (W + 2 * pad[1] - dil[1] * (S - 1) - 1) // st[1] + 1
+        if P >= 1 and Q >= 1:
+            return dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=st, padding=pad, dilation=dil, P=P, Q=Q)
+
+
+def shapes(p: dict, layout: str) -> tuple:
+    N, C, H, W, K, R, S, P, Q = (p[k] for k in "N C H W K R S P Q".split())
+    if layout == "NCHW":
+        return (N, C, H, W), (K, C, R, S), (N, K, P, Q)
+    return (N, H, W, C), (K, R, S, C), (N, P, Q, K)
+
+
+def geom(p: dict) -> tuple:
+    return p["stride"], p["padding"], p["dilation"]
+
+
+# ================================================================================================ CPU
+def test_phases_multiply_no_zero():
+    """Every filter tap is used by exactly one phase, and every phase's taps meet its congruence."""
+    for st in range(1, 5):
+        for dil in range(1, 4):
+            for R in range(1, 8):
+                for pad in range(0, 4):
+                    H = 23
+                    P = (H + 2 * pad - dil * (R - 1) - 1) // st + 1
+                    if P < 1:
+                        continue
+                    used = []
+                    for ph in phases_1d(st, pad, dil, R, H, P):
+                        taps = [ph.last - i * ph.step for i in range(ph.taps)]
+                        assert all((ph.ph + pad - r * dil) % st == 0 for r in taps), (st, dil, R, pad, ph)
+                        used += taps
+                    assert sorted(used) == list(range(R)), (st, dil, R, pad, used)
+
+
+def emulate_grad_input(dy, w, x_shape, layout, stride, padding, dilation, mode="plain", mask=None, z=None,
+                       coef=None):
+    """The GPU dgrad's steps in numpy: the pre-pass move, each phase's filter move, its stride-1 convolution
+    (the reference) and its interleave."""
+    g = GradInputProblem(x_shape, w.shape, layout, stride, padding, dilation)
+    dx = np.full(int(np.prod(x_shape)), np.nan)
+    if mode != "plain":
+        d = np.full(dy.size, np.nan)
+        cdim = 1 if layout == "NCHW" else 3
+        from igemm.conv._moves import Move, contiguous
+        Move(dy.shape, contiguous(dy.shape), contiguous(dy.shape), cdim=cdim, K=dy.shape[cdim]).run_numpy(
+            dy, d, mode=mode, mask=mask, z=z, coef=coef)
+        dy = d.reshape(dy.shape)
+    for ph in g.phases:
+        mv, off = g.interleave_move(ph)
+        if ph.zero:
+            mv.run_numpy(np.zeros(1), dx[off:])
+            continue
+        f = np.full(g.sub_w_shape(ph), np.nan)
+        g.filter_move(ph).run_numpy(w, f.reshape(-1))
+        a = g.sub_plan_args(ph)
+        y = reference.conv2d_direct(dy, f, 1, a["padding"], a["dilation"], layout)
+        assert y.shape == g.sub_y_shape(ph)
+        if g.direct:
+            return y
+        mv.run_numpy(y, dx[off:])
+    return dx.reshape(x_shape)
+
+
+def emulate_grad_weight(x, dy, w_shape, layout, stride, padding, dilation, mode="plain", mask=None, z=None,
+                        coef=None):
+    """The GPU wgrad's steps in numpy: x and dy turned (the mask / prologue applied to dy), the forward
+    convolution of the turned problem (the reference), the permute into dw."""
+    g = GradWeightProblem(x.shape, w_shape, layout, stride, padding, dilation)
+    xt = np.full(g.xt_shape, np.nan)
+    g.x_move().run_numpy(x, xt.reshape(-1))
+    dyt = np.full(g.dyt_shape, np.nan)
+    g.dy_move().run_numpy(dy, dyt.reshape(-1), mode=mode, mask=mask, z=z, coef=coef)
+    a = g.sub_plan_args()
+    yt = reference.conv2d_direct(xt, dyt, a["stride"], a["padding"], a["dilation"], "NHWC")
+    assert yt.shape == g.yt_shape
+    dw = np.full(w_shape, np.nan)
+    g.w_move().run_numpy(yt, dw.reshape(-1))
+    return dw
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_gpu_decomposition_emulated(layout, rng):
+    """The GPU path's arithmetic (phases, moves, the turned wgrad) equals the references, with the mask and the
+    BN prologue applied by the moves."""
+    for i in range(60):
+        p = random_problem(rng)
+        xs, ws, ys = shapes(p, layout)
+        x, w, dy = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ys)
+        K = p["K"]
+        mode = ("plain", "mask", "bn")[i % 3]
+        mask = reference.pack_mask(rng.random(dy.size) > 0.4) if mode != "plain" else None
+        z, coef = (rng.standard_normal(ys), rng.standard_normal((3, K))) if mode == "bn" else (None, None)
+        g = reference.grad_prologue_ref(dy, mask, (z, *coef) if mode == "bn" else None, layout)
+        ex = reference.conv2d_grad_input_ref(g, w, xs, *geom(p), layout)
+        ew = reference.conv2d_grad_weight_ref(x, g, ws, *geom(p), layout)
+        gx = emulate_grad_input(dy, w, xs, layout, *geom(p), mode, mask, z, coef)
+        gw = emulate_grad_weight(x, dy, ws, layout, *geom(p), mode, mask, z, coef)
+        np.testing.assert_allclose(gx, ex, rtol=1e-10, atol=1e-10, err_msg=str(p))
+        np.testing.assert_allclose(gw, ew, rtol=1e-10, atol=1e-10, err_msg=str(p))
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_numpy_backend(numpy_backend, layout, rng):
+    """The function forms on the numpy backend: the references, in the input's dtype; out=, accumulate."""
+    p = dict(N=2, C=3, H=7, W=6, K=5, R=3, S=3, stride=(2, 2), padding=(1, 1), dilation=(1, 1), P=4, Q=3)
+    xs, ws, ys = shapes(p, layout)
+    x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in (xs, ws, ys))
+    dx = igemm.conv2d_grad_input(dy, w, xs, 2, 1, layout=layout)
+    assert dx.dtype == np.float32 and dx.shape == xs
+    np.testing.assert_allclose(dx, reference.conv2d_grad_input_ref(dy, w, xs, 2, 1, 1, layout), rtol=1e-5,
+                               atol=1e-5)
+    dw = igemm.conv2d_grad_weight(x, dy, ws, 2, 1, layout=layout)
+    ref = reference.conv2d_grad_weight_ref(x, dy, ws, 2, 1, 1, layout)
+    np.testing.assert_allclose(dw, ref, rtol=1e-5, atol=1e-5)
+    acc = np.ones(ws, np.float32)
+    igemm.conv2d_grad_weight(x, dy, ws, 2, 1, layout=layout, out=acc, accumulate=True)
+    np.testing.assert_allclose(acc, ref + 1, rtol=1e-5, atol=1e-5)
+    mask = reference.pack_mask(rng.random(dy.size) > 0.5)
+    m = reference.unpack_mask(mask, dy.size).reshape(dy.shape)
+    dx = igemm.conv2d_grad_input(dy, w, xs, 2, 1, layout=layout, mask=mask)
+    np.testing.assert_allclose(dx, reference.conv2d_grad_input_ref(np.where(m, dy, 0), w, xs, 2, 1, 1, layout),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_prologue_numpy_matches_bn_backward(numpy_backend, rng):
+    """conv2d_grad_prologue's coefficients give batch_norm_backward_elemt's gradient."""
+    z = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
+    dy = rng.standard_normal(z.shape).astype(np.float32)
+    mean = z.mean((0, 2, 3)).astype(np.float32)
+    invstd = (1 / np.sqrt(z.var((0, 2, 3)) + 1e-5)).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, 4).astype(np.float32)
+    mask = reference.pack_mask(rng.random(z.size) > 0.5)
+    pro = igemm.conv2d_grad_prologue(dy, z, mean, invstd, gamma, mask=mask)
+    a, b, c = pro.coef.astype(np.float64)
+    got = reference.grad_prologue_ref(dy, mask, (z, a, b, c), "NCHW")
+    sums = reference.batch_norm_backward_reduce_ref(dy, z, mean, invstd, "NCHW", mask)
+    want = reference.batch_norm_backward_elemt_ref(dy, z, mean, invstd, gamma, sums[0], sums[1], z.size // 4,
+                                                   mask=mask)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(pro.grad_bias, sums[0], rtol=1e-5)
+
+
+def test_move_kernels_compile():
+    """The move kernels compile (nvcc; CI has it)."""
+    from igemm import _build
+    from igemm.conv import _moves
+    v = [s for s in _moves.all_variants() if s[0] in ("grad_copy_float16_float16_m2_tiled",
+                                                       "grad_copy_float16_float32_m0_acc", "grad_coefficients")]
+    assert len(v) == 3
+    try:
+        _build.find_toolchain()
+    except Exception as e:          # (no toolchain: nothing to compile with)
+        pytest.skip(f"no CUDA toolchain: {e}")
+    assert _build.compile_many(v, "sm_90a", 2) == 3
+
+
+# ================================================================================================ GPU
+def _run_case(torch, p: dict, layout: str, dtype: str, rng, op: str, mode: str = "plain") -> float:
+    """One problem through the GPU plan (poisoned output) against the float64 reference; the relative error."""
+    xs, ws, ys = shapes(p, layout)
+    x, w, dy = (to_torch(rng.standard_normal(s), dtype) for s in (xs, ws, ys))
+    K = p["K"]
+    mask = pro = None
+    if mode != "plain":
+        mask = igemm.relu_mask(to_torch(rng.standard_normal(ys), dtype))
+    if mode == "bn":
+        z = to_torch(rng.standard_normal(ys), dtype)
+        coef = torch.tensor(rng.standard_normal((3, K)), dtype=torch.float32, device="cuda")
+        pro = igemm.GradPrologue(z, coef)
+    m_np = to_numpy(mask).view(np.uint32) if mask is not None else None
+    g = reference.grad_prologue_ref(to_numpy(dy), m_np, (to_numpy(pro.z), *to_numpy(pro.coef)) if pro else None,
+                                    layout)
+    if op == "dgrad":
+        plan = igemm.Conv2dGradInputPlan(xs, ws, dtype, layout, *geom(p), mask=mask is not None,
+                                         prologue=pro is not None)
+        out = poison(torch.empty(xs, dtype=getattr(torch, dtype), device="cuda"))
+        plan(dy, w, mask=mask, prologue=pro, out=out)
+        ref = reference.conv2d_grad_input_ref(g, to_numpy(w), xs, *geom(p), layout)
+    else:
+        plan = igemm.Conv2dGradWeightPlan(xs, ws, dtype, layout, *geom(p), mask=mask is not None,
+                                          prologue=pro is not None)
+        out = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
+        plan(x, dy, mask=mask, prologue=pro, out=out)
+        ref = reference.conv2d_grad_weight_ref(to_numpy(x), g, ws, *geom(p), layout)
+    torch.cuda.synchronize()
+    return rel_err(to_numpy(out), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["dgrad", "wgrad"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_gpu_random_problems(op, dtype, layout):
+    """GPU_PROBLEMS random problems (a fixed seed per item: tools precompile them), every third with the mask,
+    every third with the BN prologue."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng([("dgrad", "wgrad").index(op), len(dtype), len(layout)])
+    worst = []
+    for i in range(GPU_PROBLEMS):
+        p = random_problem(np.random.default_rng([i, 7]))
+        mode = ("plain", "mask", "bn")[i % 3]
+        err = _run_case(torch, p, layout, dtype, rng, op, mode)
+        worst.append((err, p, mode))
+        assert err <= TOL[dtype], (op, dtype, layout, mode, p, err)
+    print(f"{op} {dtype} {layout}: {len(worst)} problems, max rel err {max(worst, key=lambda t: t[0])[0]:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_gpu_bn_relu_chain_against_torch(layout, rng):
+    """conv -> BN (training) -> ReLU: conv2d_grad_prologue + dgrad + wgrad with mask and prologue equal
+    autograd's gradients of PyTorch's unfused chain (float64)."""
+    torch = pytest.importorskip("torch")
+    N, C, H, K = 4, 16, 10, 24
+    x = torch.randn(N, C, H, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(K, C, 3, 3, dtype=torch.float64, requires_grad=True)
+    gamma = torch.rand(K, dtype=torch.float64) + 0.5
+    beta = torch.randn(K, dtype=torch.float64)
+    z = torch.nn.functional.conv2d(x, w, padding=1)
+    zb = z.detach().requires_grad_(True)
+    y = torch.relu(torch.nn.functional.batch_norm(zb, None, None, gamma, beta, training=True, eps=1e-5))
+    dy = torch.randn_like(y)
+    (dzb,) = torch.autograd.grad(y, zb, dy)
+    dx_ref, dw_ref = torch.autograd.grad(z, (x, w), dzb)
+    perm = (lambda t: t.permute(0, 2, 3, 1).contiguous()) if layout == "NHWC" else (lambda t: t.contiguous())
+    dev = dict(device="cuda", dtype=torch.float32)
+    zc, dyc, xc, wc = (perm(t.detach()).to(**dev) for t in (z, dy, x, w))
+    mean = z.mean((0, 2, 3)).to(**dev)
+    invstd = (1 / torch.sqrt(z.var((0, 2, 3), unbiased=False) + 1e-5)).to(**dev)
+    ybn = perm(torch.nn.functional.batch_norm(z.detach(), None, None, gamma, beta, training=True,
+                                              eps=1e-5)).to(**dev)
+    mask = igemm.relu_mask(ybn)
+    pro = igemm.conv2d_grad_prologue(dyc, zc, mean, invstd, gamma.to(**dev), mask=mask, layout=layout)
+    dx = igemm.conv2d_grad_input(dyc, wc, tuple(xc.shape), padding=1, layout=layout, mask=mask, prologue=pro)
+    dw = igemm.conv2d_grad_weight(xc, dyc, tuple(wc.shape), padding=1, layout=layout, mask=mask, prologue=pro)
+    torch.cuda.synchronize()
+    assert rel_err(to_numpy(dx), to_numpy(perm(dx_ref))) < 1e-4
+    assert rel_err(to_numpy(dw), to_numpy(perm(dw_ref))) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_gradient_and_accumulate(rng):
+    """dw into an fp32 out from fp16 operands, and accumulate=True adding into it."""
+    torch = pytest.importorskip("torch")
+    p = dict(N=4, C=32, H=14, W=14, K=48, R=3, S=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1), P=14, Q=14)
+    xs, ws, ys = shapes(p, "NHWC")
+    x, dy = to_torch(rng.standard_normal(xs), "float16"), to_torch(rng.standard_normal(ys), "float16")
+    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, 1, 1, 1, "NHWC")
+    out = poison(torch.empty(ws, dtype=torch.float32, device="cuda"))
+    igemm.conv2d_grad_weight(x, dy, ws, 1, 1, layout="NHWC", out=out)
+    assert rel_err(to_numpy(out), ref) < TOL["float16"]
+    base = torch.randn(ws, dtype=torch.float32, device="cuda")
+    acc = base.clone()
+    igemm.conv2d_grad_weight(x, dy, ws, 1, 1, layout="NHWC", out=acc, accumulate=True)
+    assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL["float16"]
+
+
+@pytest.mark.gpu
+def test_gpu_array_kinds(rng):
+    """numpy arrays (copied), CuPy arrays and torch tensors give the same dx."""
+    torch = pytest.importorskip("torch")
+    p = dict(N=2, C=8, H=9, W=9, K=16, R=3, S=3, stride=(2, 2), padding=(1, 1), dilation=(1, 1), P=5, Q=5)
+    xs, ws, ys = shapes(p, "NCHW")
+    dy, w = rng.standard_normal(ys).astype(np.float32), rng.standard_normal(ws).astype(np.float32)
+    ref = reference.conv2d_grad_input_ref(dy, w, xs, 2, 1, 1, "NCHW")
+    got = [igemm.conv2d_grad_input(dy, w, xs, 2, 1)]
+    got.append(to_numpy(igemm.conv2d_grad_input(torch.from_numpy(dy).cuda(), torch.from_numpy(w).cuda(), xs, 2, 1)))
+    try:
+        import cupy
+        got.append(to_numpy(igemm.conv2d_grad_input(cupy.asarray(dy), cupy.asarray(w), xs, 2, 1)))
+    except ImportError:
+        pass
+    for g in got:
+        assert rel_err(g, ref) < TOL["float32"]
+
+
+# ================================================================================================ precompile
+def stubs(n: int = GPU_PROBLEMS) -> dict:
+    """{stub: name} of every kernel the GPU tests here launch (sm_90a, 132 SMs)."""
+    from igemm.conv import _moves
+    out = {s: name for name, s in _moves.all_variants()}
+    for op in ("dgrad", "wgrad"):
+        for dtype in ("float16", "bfloat16", "float32"):
+            for layout in ("NCHW", "NHWC"):
+                for i in range(n):
+                    p = random_problem(np.random.default_rng([i, 7]))
+                    xs, ws, _ = shapes(p, layout)
+                    cls = igemm.Conv2dGradInputPlan if op == "dgrad" else igemm.Conv2dGradWeightPlan
+                    plan = cls(xs, ws, dtype, layout, *geom(p), device="numpy", arch="sm_90a", sms=132)
+                    for sub in (plan.plans.values() if op == "dgrad" else [plan.plan]):
+                        name, s = sub.kernel(True, True)
+                        out[s] = name
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "precompile":
+        from igemm import _build
+        todo = stubs(int(sys.argv[3]) if len(sys.argv) > 3 else GPU_PROBLEMS)
+        print(f"compiling {len(todo)} kernels", flush=True)
+        print(_build.compile_many([(n, s) for s, n in todo.items()], sys.argv[2] if len(sys.argv) > 2 else "sm_90a"))
+    else:
+        print("usage: python tests/test_backward.py precompile [arch] [problems]")

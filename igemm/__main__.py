@@ -175,6 +175,20 @@ def precompile(args) -> int:
                         name, src = plan.with_options(igemm.Conv2dOptions(
                             nchw_path=path, unfold=unfold, config={"load_a": "vec", "load_b": "vec"})).kernel()
                         kernels[src] = name
+    if args.backward:                                       # bench_backward's plans
+        from igemm.conv import _moves
+        from igemm.layers import RESNET50_MORE
+        kernels.update({src: name for name, src in _moves.all_variants()})
+        for dtype, layout, precision in configs:
+            for _, C, K, H, R, st, pd in RESNET50 + RESNET50_MORE:
+                xs, ws = _shapes(layout, args.batch, C, K, H, R)
+                for cls in (igemm.Conv2dGradInputPlan, igemm.Conv2dGradWeightPlan):
+                    for fused in (False, True):        # (wgrad's GEMM form reads another operand in place)
+                        plan = cls(xs, ws, dtype, layout, st, pd, precision=precision, mask=fused, device="numpy",
+                                   arch=args.arch)
+                        for sub in plan.sub_plans():
+                            name, src = sub.kernel()
+                            kernels[src] = name
     t0 = time.time()
     n = _build.compile_many(((name, src) for src, name in kernels.items()), args.arch, args.jobs)
     n += _transpose.precompile(args.arch, args.jobs)      # the NCHW transpose path's kernels
@@ -219,6 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--configs", default="float16:NHWC:strict,float16:NCHW:strict,float32:NCHW:strict")
     p.add_argument("--epilogues", action="store_true", help="also the fused BN-ReLU(-Add) variants")
+    p.add_argument("--backward", action="store_true", help="also the backward's (bench_backward's layers)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.set_defaults(fn=precompile)
     i = sub.add_parser("info", help="toolchain, backend and cache")

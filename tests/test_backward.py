@@ -44,6 +44,14 @@ def random_problem(rng, small: bool = True) -> dict:
             return dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=st, padding=pad, dilation=dil, P=P, Q=Q)
 
 
+def one_by_one(p: dict) -> dict:
+    """``p`` made a 1x1 unpadded problem (wgrad's GEMM form on NHWC)."""
+    p = dict(p, R=1, S=1, padding=(0, 0))
+    p["P"] = (p["H"] - 1) // p["stride"][0] + 1
+    p["Q"] = (p["W"] - 1) // p["stride"][1] + 1
+    return p
+
+
 def shapes(p: dict, layout: str) -> tuple:
     N, C, H, W, K, R, S, P, Q = (p[k] for k in "N C H W K R S P Q".split())
     if layout == "NCHW":
@@ -53,6 +61,12 @@ def shapes(p: dict, layout: str) -> tuple:
 
 def geom(p: dict) -> tuple:
     return p["stride"], p["padding"], p["dilation"]
+
+
+def problem(i: int) -> dict:
+    """The GPU tests' i-th problem (fixed: their kernels are precompiled); every fourth 1x1 unpadded."""
+    p = random_problem(np.random.default_rng([i, 7]))
+    return one_by_one(p) if i % 4 == 3 else p
 
 
 # ================================================================================================ CPU
@@ -74,6 +88,16 @@ def test_phases_multiply_no_zero():
                     assert sorted(used) == list(range(R)), (st, dil, R, pad, used)
 
 
+def _prepass(dy, layout, mode, mask, z, coef):
+    """The mask / prologue applied to dy by its own move (dgrad, and wgrad's GEMM form reading dy in place)."""
+    from igemm.conv._moves import Move, contiguous
+    d = np.full(dy.size, np.nan)
+    cdim = 1 if layout == "NCHW" else 3
+    Move(dy.shape, contiguous(dy.shape), contiguous(dy.shape), cdim=cdim, K=dy.shape[cdim]).run_numpy(
+        dy, d, mode=mode, mask=mask, z=z, coef=coef)
+    return d.reshape(dy.shape)
+
+
 def emulate_grad_input(dy, w, x_shape, layout, stride, padding, dilation, mode="plain", mask=None, z=None,
                        coef=None):
     """The GPU dgrad's steps in numpy: the pre-pass move, each phase's filter move, its stride-1 convolution
@@ -81,12 +105,7 @@ def emulate_grad_input(dy, w, x_shape, layout, stride, padding, dilation, mode="
     g = GradInputProblem(x_shape, w.shape, layout, stride, padding, dilation)
     dx = np.full(int(np.prod(x_shape)), np.nan)
     if mode != "plain":
-        d = np.full(dy.size, np.nan)
-        cdim = 1 if layout == "NCHW" else 3
-        from igemm.conv._moves import Move, contiguous
-        Move(dy.shape, contiguous(dy.shape), contiguous(dy.shape), cdim=cdim, K=dy.shape[cdim]).run_numpy(
-            dy, d, mode=mode, mask=mask, z=z, coef=coef)
-        dy = d.reshape(dy.shape)
+        dy = _prepass(dy, layout, mode, mask, z, coef)
     for ph in g.phases:
         mv, off = g.interleave_move(ph)
         if ph.zero:
@@ -108,6 +127,21 @@ def emulate_grad_weight(x, dy, w_shape, layout, stride, padding, dilation, mode=
     """The GPU wgrad's steps in numpy: x and dy turned (the mask / prologue applied to dy), the forward
     convolution of the turned problem (the reference), the permute into dw."""
     g = GradWeightProblem(x.shape, w_shape, layout, stride, padding, dilation)
+    role = g.gemm_role(mode != "plain")
+    if role is not None:                  # the GEMM form: one operand in place, the other moved
+        a = g.gemm_plan_args(role)
+        if role == "dy":
+            xin = dy if mode == "plain" else _prepass(dy, layout, mode, mask, z, coef)
+            wt = np.full(a["w_shape"], np.nan)
+            g.gemm_operand_move(role).run_numpy(x, wt.reshape(-1))
+        else:
+            xin = x
+            wt = np.full(a["w_shape"], np.nan)
+            g.gemm_operand_move(role).run_numpy(dy, wt.reshape(-1), mode=mode, mask=mask, z=z, coef=coef)
+        yt = reference.conv2d_direct(xin.reshape(a["x_shape"]), wt, 1, 0, 1, "NCHW")
+        dw = np.full(w_shape, np.nan)
+        g.gemm_out_move(role).run_numpy(yt, dw.reshape(-1))
+        return dw
     xt = np.full(g.xt_shape, np.nan)
     g.x_move().run_numpy(x, xt.reshape(-1))
     dyt = np.full(g.dyt_shape, np.nan)
@@ -124,8 +158,8 @@ def emulate_grad_weight(x, dy, w_shape, layout, stride, padding, dilation, mode=
 def test_gpu_decomposition_emulated(layout, rng):
     """The GPU path's arithmetic (phases, moves, the turned wgrad) equals the references, with the mask and the
     BN prologue applied by the moves."""
-    for i in range(60):
-        p = random_problem(rng)
+    for i in range(80):
+        p = random_problem(rng) if i % 4 else one_by_one(random_problem(rng))
         xs, ws, ys = shapes(p, layout)
         x, w, dy = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ys)
         K = p["K"]
@@ -186,14 +220,14 @@ def test_move_kernels_compile():
     """The move kernels compile (nvcc; CI has it)."""
     from igemm import _build
     from igemm.conv import _moves
-    v = [s for s in _moves.all_variants() if s[0] in ("grad_copy_float16_float16_m2_tiled",
-                                                       "grad_copy_float16_float32_m0_acc", "grad_coefficients")]
-    assert len(v) == 3
+    v = [s for s in _moves.all_variants() if s[0] in ("grad_copy_float16_float16_m2_t0", "grad_copy_float16_float16_m1_v8",
+                                                       "grad_copy_float16_float32_m0_acc_v4", "grad_coefficients")]
+    assert len(v) == 4
     try:
         _build.find_toolchain()
     except Exception as e:          # (no toolchain: nothing to compile with)
         pytest.skip(f"no CUDA toolchain: {e}")
-    assert _build.compile_many(v, "sm_90a", 2) == 3
+    assert _build.compile_many(v, "sm_90a", 2) == 4
 
 
 # ================================================================================================ GPU
@@ -239,7 +273,7 @@ def test_gpu_random_problems(op, dtype, layout):
     rng = np.random.default_rng([("dgrad", "wgrad").index(op), len(dtype), len(layout)])
     worst = []
     for i in range(GPU_PROBLEMS):
-        p = random_problem(np.random.default_rng([i, 7]))
+        p = problem(i)
         mode = ("plain", "mask", "bn")[i % 3]
         err = _run_case(torch, p, layout, dtype, rng, op, mode)
         worst.append((err, p, mode))
@@ -298,6 +332,19 @@ def test_gpu_fp32_gradient_and_accumulate(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("C, K, st, role", [(64, 128, 1, "dy"), (128, 64, 1, "x"), (64, 128, 2, "dy")])
+@pytest.mark.parametrize("mode", ["plain", "mask", "bn"])
+def test_gpu_wgrad_gemm_form(C, K, st, role, mode, rng):
+    """wgrad's GEMM form (1x1 unpadded NHWC; N·P·Q % 64 == 0 for its MN-major TMA tiles): either operand read in
+    place, strided, with the mask / prologue."""
+    torch = pytest.importorskip("torch")
+    p = one_by_one(dict(N=2, C=C, H=16, W=16, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
+    xs, ws, _ = shapes(p, "NHWC")
+    assert igemm.Conv2dGradWeightPlan(xs, ws, "float16", "NHWC", st, mask=mode != "plain").role == role
+    assert _run_case(torch, p, "NHWC", "float16", rng, "wgrad", mode) <= TOL["float16"]
+
+
+@pytest.mark.gpu
 def test_gpu_array_kinds(rng):
     """numpy arrays (copied), CuPy arrays and torch tensors give the same dx."""
     torch = pytest.importorskip("torch")
@@ -321,17 +368,27 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
     """{stub: name} of every kernel the GPU tests here launch (sm_90a, 132 SMs)."""
     from igemm.conv import _moves
     out = {s: name for name, s in _moves.all_variants()}
+    for C, K, st in ((64, 128, 1), (128, 64, 1), (64, 128, 2)):
+        p = one_by_one(dict(N=2, C=C, H=16, W=16, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
+        xs, ws, _ = shapes(p, "NHWC")
+        for fused in (False, True):
+            for sub in igemm.Conv2dGradWeightPlan(xs, ws, "float16", "NHWC", st, mask=fused, device="numpy",
+                                                  arch="sm_90a", sms=132).sub_plans():
+                name, s = sub.kernel(True, True)
+                out[s] = name
     for op in ("dgrad", "wgrad"):
         for dtype in ("float16", "bfloat16", "float32"):
             for layout in ("NCHW", "NHWC"):
                 for i in range(n):
-                    p = random_problem(np.random.default_rng([i, 7]))
+                    p = problem(i)
                     xs, ws, _ = shapes(p, layout)
                     cls = igemm.Conv2dGradInputPlan if op == "dgrad" else igemm.Conv2dGradWeightPlan
-                    plan = cls(xs, ws, dtype, layout, *geom(p), device="numpy", arch="sm_90a", sms=132)
-                    for sub in (plan.plans.values() if op == "dgrad" else [plan.plan]):
-                        name, s = sub.kernel(True, True)
-                        out[s] = name
+                    for fused in (False, True):
+                        plan = cls(xs, ws, dtype, layout, *geom(p), mask=fused, device="numpy", arch="sm_90a",
+                                   sms=132)
+                        for sub in plan.sub_plans():
+                            name, s = sub.kernel(True, True)
+                            out[s] = name
     return out
 
 

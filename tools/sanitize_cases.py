@@ -2,7 +2,7 @@
 """Small cases of every kernel family and config kind, for tools/sanitize.sh (compute-sanitizer).
 
     python tools/sanitize_cases.py FAMILY [--case SUBSTRING] [--list]
-    FAMILY: conv | relu | norm | syncbn | index_add | prelu | compare | all
+    FAMILY: conv | relu | norm | syncbn | index_add | prelu | compare | backward | all
 
 Each case calls one igemm function once (one launch, or the two or three kernels that function is made of)
 on a small problem and checks the result on the host against igemm.reference. Inputs are made on the host
@@ -474,8 +474,48 @@ COMPARE = {
     "im2col_nchw_fp32": lambda: _im2col("NCHW", "float32"),
 }
 
+# ------------------------------------------------------------------------------------------ backward
+def _backward(op, layout, dtype, xs, ws, stride, padding, mode="plain", out_dtype=None, accumulate=False):
+    """One grad call (its moves and forward kernels) against the float64 reference."""
+    x, w = dev(randn(*xs), dtype), dev(randn(*ws), dtype)
+    nchw = layout == "NCHW"
+    N, C, H, W = xs if nchw else (xs[0], xs[3], xs[1], xs[2])
+    K, R, S = ws[0], (ws[2] if nchw else ws[1]), (ws[3] if nchw else ws[2])
+    P = (H + 2 * padding - R) // stride + 1
+    Q = (W + 2 * padding - S) // stride + 1
+    ys = (N, K, P, Q) if nchw else (N, P, Q, K)
+    dy = dev(randn(*ys), dtype)
+    mask = igemm.relu_mask(dev(randn(*ys), dtype)) if mode != "plain" else None
+    pro = igemm.GradPrologue(dev(randn(*ys), dtype), dev(randn(3, K))) if mode == "bn" else None
+    g = reference.grad_prologue_ref(host(dy), host(mask).view(np.uint32) if mask is not None else None,
+                                    (host(pro.z), *host(pro.coef)) if pro is not None else None, layout)
+    if op == "dgrad":
+        got = igemm.conv2d_grad_input(dy, w, xs, stride, padding, layout=layout, mask=mask, prologue=pro)
+        ref = reference.conv2d_grad_input_ref(g, host(w), xs, stride, padding, 1, layout)
+    else:
+        out = None
+        if out_dtype or accumulate:
+            out = dev(np.zeros(ws), out_dtype or dtype)
+        got = igemm.conv2d_grad_weight(x, dy, ws, stride, padding, layout=layout, mask=mask, prologue=pro,
+                                       out=out, accumulate=accumulate)
+        ref = reference.conv2d_grad_weight_ref(host(x), g, ws, stride, padding, 1, layout)
+    close(host(got), ref, TOL[dtype], f"{op} {layout} {dtype}")
+    return f"{op} {layout} {dtype} x {xs} w {ws} stride {stride} {mode}"
+
+
+BACKWARD = {
+    "dgrad_strided_nhwc_fp16_mask": lambda: _backward("dgrad", "NHWC", "float16", (2, 9, 11, 16), (24, 3, 3, 16),
+                                                      2, 1, "mask"),
+    "dgrad_nchw_fp32_bn": lambda: _backward("dgrad", "NCHW", "float32", (2, 5, 7, 6), (3, 5, 3, 3), 1, 1, "bn"),
+    "wgrad_turned_nhwc_bf16": lambda: _backward("wgrad", "NHWC", "bfloat16", (3, 10, 9, 8), (16, 3, 3, 8), 2, 1,
+                                                out_dtype="float32", accumulate=True),
+    "wgrad_gemm_nhwc_fp16_bn": lambda: _backward("wgrad", "NHWC", "float16", (2, 8, 8, 64), (128, 1, 1, 64), 1, 0,
+                                                 "bn"),
+    "wgrad_nchw_fp32_mask": lambda: _backward("wgrad", "NCHW", "float32", (2, 3, 8, 7), (5, 3, 2, 2), 3, 2, "mask"),
+}
+
 FAMILIES = {"conv": CONV, "relu": RELU, "norm": NORM, "syncbn": SYNCBN, "index_add": INDEX_ADD, "prelu": PRELU,
-            "compare": COMPARE}
+            "compare": COMPARE, "backward": BACKWARD}
 
 
 def main(argv=None) -> int:

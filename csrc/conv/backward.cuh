@@ -6,8 +6,9 @@
 //                a[k]·select + b[k]·z + c[k] (k = i_cdim + off_cdim; z read at the source offset). Signed source
 //                strides express permutes, flips and subsampling; the bounds express crops and zero padding.
 //                The destination may accumulate (dst += v) and have another type (fp32 dw from 16-bit parts).
-//                kTiled: a 32 x 32 tile over dims 3 (destination-contiguous) and `tb` (source-contiguous) goes
-//                through shared memory, so both sides are coalesced (the activations' transposes of wgrad).
+//                Tiled: a 32 x 32 tile over dims 3 (destination-contiguous) and TB (source-contiguous) goes
+//                through shared memory, so both sides are coalesced (the activations' transposes of wgrad);
+//                vectorised: 16 bytes a thread where dim 3 is contiguous on both sides (the pre-pass, interleave).
 //   grad_coefficients   a, b, c of the BN-backward prologue from the BN-backward reduction's sums.
 #pragma once
 #include "common.cuh"
@@ -32,6 +33,14 @@ IGEMM_DEVICE float grad_value(const P& p, const TS* src, int64_t so, int k) {
   return v;
 }
 
+// The BN prologue's channel of destination index i (a select chain: no dynamic index into i, which would put it
+// in local memory).
+template <class P>
+IGEMM_DEVICE int channel(const P& p, const int (&i)[4]) {
+  const int c = p.cdim;
+  return c == 0 ? i[0] + p.off0 : c == 1 ? i[1] + p.off1 : c == 2 ? i[2] + p.off2 : i[3] + p.off3;
+}
+
 // Element (i0, i1, i2, i3): its value, 0 outside the source bounds.
 template <int Mode, class TS, class P>
 IGEMM_DEVICE float grad_element(const P& p, const int (&i)[4]) {
@@ -48,7 +57,7 @@ IGEMM_DEVICE float grad_element(const P& p, const int (&i)[4]) {
     so += int64_t(j) * ss[d];
   }
   if (!ok) return 0.f;
-  return grad_value<Mode, TS>(p, src, so, i[p.cdim] + off[p.cdim]);
+  return grad_value<Mode, TS>(p, src, so, Mode == kBn ? channel(p, i) : 0);
 }
 
 template <bool Accum, class TD, class P>
@@ -59,11 +68,64 @@ IGEMM_DEVICE void grad_store(const P& p, const int (&i)[4], float v) {
   dst[o] = from_float<TD>(v);
 }
 
-// Untiled: one element a thread, grid-stride over the destination in (i0, i1, i2, i3) order; the index split by
-// magic-number division below 2^31 elements (igemm/fastdiv.py), by 64-bit division above.
-template <int Mode, bool Accum, class TS, class TD, class P>
+// V consecutive dim-3 elements (unit stride on both sides, in bounds along dim 3): 16-byte loads and stores.
+template <int Mode, bool Accum, int V, class TS, class TD, class P>
+IGEMM_DEVICE void grad_vector(const P& p, int (&i)[4]) {
+  struct alignas(sizeof(TS) * V) VS { TS v[V]; };
+  struct alignas(sizeof(TD) * V) VD { TD v[V]; };
+  const int off[4] = {p.off0, p.off1, p.off2, p.off3};
+  const int lim[4] = {p.lim0, p.lim1, p.lim2, p.lim3};
+  const int64_t ss[4] = {p.ss0, p.ss1, p.ss2, p.ss3};
+  int64_t so = p.base;
+  bool ok = true;
+#pragma unroll
+  for (int d = 0; d < 3; ++d) {
+    const int j = i[d] + off[d];
+    ok = ok && unsigned(j) < unsigned(lim[d]);
+    so += int64_t(j) * ss[d];
+  }
+  so += i[3];
+  float v[V];
+  if (ok) {
+    const VS in = *reinterpret_cast<const VS*>(static_cast<const TS*>(p.src) + so);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = to_float(in.v[e]);
+    if constexpr (Mode != kPlain) {
+      if (p.mask) {                                  // V | 32 and so % V == 0: one word holds the V bits
+        const uint32_t bits = __ldg(static_cast<const uint32_t*>(p.mask) + (so >> 5)) >> (so & 31);
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[e] = ((bits >> e) & 1u) ? v[e] : 0.f;
+      }
+    }
+    if constexpr (Mode == kBn) {
+      const VS zin = *reinterpret_cast<const VS*>(static_cast<const TS*>(p.z) + so);
+      const float* coef = static_cast<const float*>(p.coef);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const int k = channel(p, i) + (p.cdim == 3 ? e : 0);
+        v[e] = coef[k] * v[e] + coef[p.K + k] * to_float(zin.v[e]) + coef[2 * p.K + k];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = 0.f;
+  }
+  VD* dst = reinterpret_cast<VD*>(static_cast<TD*>(const_cast<void*>(p.dst)) + int64_t(i[0]) * p.ds0 +
+                                  int64_t(i[1]) * p.ds1 + int64_t(i[2]) * p.ds2 + i[3]);
+  VD o;
+  if constexpr (Accum) o = *dst;
+#pragma unroll
+  for (int e = 0; e < V; ++e) o.v[e] = from_float<TD>(Accum ? v[e] + to_float(o.v[e]) : v[e]);
+  *dst = o;
+}
+
+// Untiled: V elements a thread (V > 1: dim 3 unit-stride on both sides, d3 % V == 0, 16-byte aligned rows),
+// grid-stride over the destination in (i0, i1, i2, i3) order; the index split by magic-number division below
+// 2^31 vectors (igemm/fastdiv.py; fd3 divides by d3 / V), by 64-bit division above.
+template <int Mode, bool Accum, int V, class TS, class TD, class P>
 IGEMM_DEVICE void grad_copy_flat(const P& p) {
-  const int64_t n = int64_t(p.d0) * p.d1 * p.d2 * p.d3;
+  const int d3 = p.d3 / V;
+  const int64_t n = int64_t(p.d0) * p.d1 * p.d2 * d3;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
     int i[4];
@@ -74,52 +136,57 @@ IGEMM_DEVICE void grad_copy_flat(const P& p) {
       p.fd1.divmod(i[0], i[1], r);
     } else {
       int64_t r = e;
-      i[3] = int(r % p.d3); r /= p.d3;
+      i[3] = int(r % d3); r /= d3;
       i[2] = int(r % p.d2); r /= p.d2;
       i[1] = int(r % p.d1);
       i[0] = int(r / p.d1);
     }
-    grad_store<Accum, TD>(p, i, grad_element<Mode, TS>(p, i));
+    if constexpr (V == 1) {
+      grad_store<Accum, TD>(p, i, grad_element<Mode, TS>(p, i));
+    } else {
+      i[3] *= V;
+      grad_vector<Mode, Accum, V, TS, TD>(p, i);
+    }
   }
 }
 
-// Tiled: block (32, 8); tile (tile_b, tile_3) of dims tb and 3; the other two dims, flattened, index the
-// remaining tiles. Read along tb (the source's contiguous dim), written along dim 3 (the destination's).
-template <int Mode, bool Accum, class TS, class TD, class P>
+// Tiled: block (32, 8); tile (tile_b, tile_3) of dims TB and 3; the other two dims, flattened, index the
+// remaining tiles. Read along TB (the source's contiguous dim), written along dim 3 (the destination's).
+template <int Mode, bool Accum, int TB, class TS, class TD, class P>
 IGEMM_DEVICE void grad_copy_tiled(const P& p) {
+  static_assert(TB >= 0 && TB < 3, "the tile's source dim");
+  constexpr int O0 = TB == 0 ? 1 : 0, O1 = TB == 2 ? 1 : 2;     // the two other dims
   __shared__ float tile[32][33];
   const int dims[4] = {p.d0, p.d1, p.d2, p.d3};
-  const int tb = p.tb;
-  int o0 = -1, o1 = -1;                    // the two other dims
-  for (int d = 0; d < 3; ++d) if (d != tb) { if (o0 < 0) o0 = d; else o1 = d; }
-  const int nb = (dims[tb] + 31) / 32, n3 = (dims[3] + 31) / 32;
-  const int64_t tiles = int64_t(nb) * n3 * dims[o0] * dims[o1];
+  const int nb = (dims[TB] + 31) / 32, n3 = (dims[3] + 31) / 32;
+  const int64_t tiles = int64_t(nb) * n3 * dims[O0] * dims[O1];
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     int64_t r = t;
     const int b3 = int(r % n3); r /= n3;
     const int bb = int(r % nb); r /= nb;
     int i[4];
-    i[o1] = int(r % dims[o1]);
-    i[o0] = int(r / dims[o1]);
+    i[O1] = int(r % dims[O1]);
+    i[O0] = int(r / dims[O1]);
     __syncthreads();
-    for (int y = threadIdx.y; y < 32; y += blockDim.y) {      // read: tb fastest across the warp
+    for (int y = threadIdx.y; y < 32; y += blockDim.y) {      // read: TB fastest across the warp
       i[3] = b3 * 32 + y;
-      i[tb] = bb * 32 + threadIdx.x;
-      if (i[3] < dims[3] && i[tb] < dims[tb]) tile[y][threadIdx.x] = grad_element<Mode, TS>(p, i);
+      i[TB] = bb * 32 + threadIdx.x;
+      if (i[3] < dims[3] && i[TB] < dims[TB]) tile[y][threadIdx.x] = grad_element<Mode, TS>(p, i);
     }
     __syncthreads();
     for (int y = threadIdx.y; y < 32; y += blockDim.y) {      // write: dim 3 fastest across the warp
-      i[tb] = bb * 32 + y;
+      i[TB] = bb * 32 + y;
       i[3] = b3 * 32 + threadIdx.x;
-      if (i[3] < dims[3] && i[tb] < dims[tb]) grad_store<Accum, TD>(p, i, tile[threadIdx.x][y]);
+      if (i[3] < dims[3] && i[TB] < dims[TB]) grad_store<Accum, TD>(p, i, tile[threadIdx.x][y]);
     }
   }
 }
 
-template <int Mode, bool Accum, bool Tiled, class TS, class TD, class P>
+// Vec 0: tiled over dims TB and 3; 1: one element a thread; > 1: that many a thread (grad_vector).
+template <int Mode, bool Accum, int Vec, int TB, class TS, class TD, class P>
 __device__ void grad_copy(const P& p) {
-  if constexpr (Tiled) grad_copy_tiled<Mode, Accum, TS, TD>(p);
-  else grad_copy_flat<Mode, Accum, TS, TD>(p);
+  if constexpr (Vec == 0) grad_copy_tiled<Mode, Accum, TB, TS, TD>(p);
+  else grad_copy_flat<Mode, Accum, Vec, TS, TD>(p);
 }
 
 // a = gamma·invstd, b = -gamma·invstd³·sum_dy_xmu/count, c = gamma·invstd·(mean·invstd²·sum_dy_xmu - sum_dy)/count:

@@ -115,7 +115,8 @@ class GradInputProblem:
             sK, sR, sS, sC = contiguous(self.w_shape)
             src = (sC, -ph.h.step * sR, -ph.w.step * sS, sK)
         shape = self.sub_w_shape(ph)
-        return Move(shape, src, contiguous(shape), base=ph.h.last * sR + ph.w.last * sS)
+        return Move(shape, src, contiguous(shape), base=ph.h.last * sR + ph.w.last * sS,
+                    tb=0 if self.layout == "NHWC" else None)     # (NHWC: read along c, written along k)
 
     def interleave_move(self, ph: Phase) -> tuple[Move, int]:
         """(move, dx element offset): the phase's sub-convolution output (zeros for a zero phase) -> its rows
@@ -160,6 +161,43 @@ class GradWeightProblem:
     def sub_plan_args(self) -> dict:
         return dict(x_shape=self.xt_shape, w_shape=self.dyt_shape, layout="NHWC", stride=self.dilation,
                     padding=0, dilation=self.stride)
+
+    # ---- a 1x1, unpadded NHWC problem: one GEMM over N·P·Q, one operand read in place
+    def gemm_role(self, fused: bool) -> str | None:
+        """Which operand the GEMM form reads in place: ``"dy"`` (x moved, subsampled by the stride), ``"x"``
+        (stride 1: dy moved, the mask / prologue applied on the way), or None (not a 1x1 unpadded NHWC problem).
+        The smaller of the two is moved; ``fused`` (a mask or prologue) does not change that."""
+        if not (self.R == self.S == 1 and self.padding == (0, 0) and self.layout == "NHWC"):
+            return None
+        if self.stride != (1, 1):
+            return "dy"
+        # moving dy costs a transpose, its pre-pass (the mask / prologue) a streaming copy: measured, the
+        # smaller operand moved wins either way (docs/performance.md: wgrad-gemm-form)
+        return "x" if self.C > self.K else "dy"
+
+    def gemm_plan_args(self, role: str) -> dict:
+        """The NCHW 1x1 forward that is the GEMM: x' = the in-place operand as (1, N·P·Q, M, 1) (its rows are the
+        reduction, read as MN-major tiles), w' = the moved one, (cols, N·P·Q); y' = (1, cols, M, 1)."""
+        npq = self.N * self.P * self.Q
+        m, n = (self.K, self.C) if role == "dy" else (self.C, self.K)
+        return dict(x_shape=(1, npq, m, 1), w_shape=(n, npq, 1, 1), layout="NCHW", stride=1, padding=0, dilation=1)
+
+    def gemm_operand_move(self, role: str) -> Move:
+        """The moved operand, as w' rows: x subsampled (role "dy"), or dy (role "x": channel dim 0)."""
+        N, P, Q, C, K = self.N, self.P, self.Q, self.C, self.K
+        if role == "dy":
+            sN, sH, sW, sC = contiguous(self.x_shape)
+            shape, src = (C, N, P, Q), (sC, sN, self.stride[0] * sH, self.stride[1] * sW)
+        else:
+            sN, sP, sQ, sK = contiguous(self.dy_shape)
+            shape, src = (K, N, P, Q), (sK, sN, sP, sQ)
+        return Move(shape, src, contiguous(shape), tb=0, cdim=0, K=K)
+
+    def gemm_out_move(self, role: str) -> Move:
+        """y' -> dw (K, 1, 1, C): a transpose for role "dy" (y' is (C, K)), a copy for role "x"."""
+        K, C = self.K, self.C
+        src = (1, 0, 0, K) if role == "dy" else (C, 0, 0, 1)
+        return Move((K, 1, 1, C), src, contiguous((K, 1, 1, C)), tb=0 if role == "dy" else None)
 
     def x_move(self) -> Move:
         """x -> xt[c][h'][w'][n] = x[n][h' − pad_h][w' − pad_w][c] (zero outside x)."""

@@ -60,6 +60,10 @@ class _GradPlan:
                           device="numpy" if self.device_id is None else self.device_id, options=options,
                           arch=arch if self.device_id is None else None, sms=sms if self.device_id is None else None)
 
+    def sub_plans(self) -> list[Conv2dPlan]:
+        """The forward plans this plan launches (e.g. to compile their kernels ahead of time)."""
+        return list(self.plans.values()) if hasattr(self, "plans") else [self.plan]
+
     def _buf(self, name: str, shape, dtype: str) -> int:
         b = self._scratch.get(name)
         if b is None:
@@ -186,11 +190,8 @@ class Conv2dGradInputPlan(_GradPlan):
         mode = self._mode(ctx.views)
         if mode != "plain" or dy % 16:        # (an unaligned dy is moved too: the phases read aligned rows)
             dz = self._buf("dz", g.dy_shape, self.dtype)
-            self._fused_move(g.dy_shape, g.K).launch(
-                dev, h, self.dtype, self.dtype, dy, dz, mode=mode, sms=self.sms,
-                mask=ctx.device_view("mask").ptr if "mask" in ctx.views else 0,
-                z=ctx.device_view("z").ptr if "z" in ctx.views else 0,
-                coef=ctx.device_view("coef").ptr if "coef" in ctx.views else 0)
+            self._fused_move(g.dy_shape, g.K).launch(dev, h, self.dtype, self.dtype, dy, dz, mode=mode,
+                                                     sms=self.sms, **_fused_ptrs(ctx))
             dy = dz
         if any(ph.zero for ph in g.phases):       # rows no tap reaches: zero at memset speed first
             _runtime.memset_d8(dx, 0, int(np.prod(g.x_shape)) * es, ctx.stream)
@@ -229,7 +230,14 @@ class Conv2dGradWeightPlan(_GradPlan):
             raise ValueError(f"out_dtype: expected {self.dtype!r} or 'float32', got {self.out_dtype!r}")
         self.accumulate = check_flag(accumulate, "accumulate")
         self.x_shape, self.w_shape, self.dy_shape = g.x_shape, g.w_shape, g.dy_shape
-        self.plan = self._sub_plan(g.sub_plan_args(), options, arch, sms)
+        #: the GEMM form's in-place operand ("dy", "x"), or None: the turned convolution (module doc)
+        self.role = g.gemm_role(self.mask or self.prologue)
+        if self.role is not None:
+            self.plan = self._sub_plan(g.gemm_plan_args(self.role), options, arch, sms)
+            if self.plan.path != "native" or self.plan.spec().load_a != "tmamn":
+                self.role = None               # (no MN-major TMA kernel for it here: the turned convolution)
+        if self.role is None:
+            self.plan = self._sub_plan(g.sub_plan_args(), options, arch, sms)
         self.sms = self.plan.sms
 
     def __call__(self, x, dy, *, mask=None, prologue=None, out=None, stream=None):
@@ -274,18 +282,40 @@ class Conv2dGradWeightPlan(_GradPlan):
                           else np.asarray(v["x"].obj).dtype)
 
     def _run(self, ctx, x: int, dy: int, dw: int) -> None:
+        if self.role is not None:
+            return self._run_gemm(ctx, x, dy, dw)
         g, dev, h = self.problem, self.device_id, ctx.stream.handle
         xt = self._buf("xt", g.xt_shape, self.dtype)
         dyt = self._buf("dyt", g.dyt_shape, self.dtype)
         yt = self._buf("yt", g.yt_shape, self.dtype)
         g.x_move().launch(dev, h, self.dtype, self.dtype, x, xt, sms=self.sms)
         mode = self._mode(ctx.views)
-        g.dy_move().launch(dev, h, self.dtype, self.dtype, dy, dyt, mode=mode, sms=self.sms,
-                           mask=ctx.device_view("mask").ptr if "mask" in ctx.views else 0,
-                           z=ctx.device_view("z").ptr if "z" in ctx.views else 0,
-                           coef=ctx.device_view("coef").ptr if "coef" in ctx.views else 0)
+        g.dy_move().launch(dev, h, self.dtype, self.dtype, dy, dyt, mode=mode, sms=self.sms, **_fused_ptrs(ctx))
         self.plan._launch(h, True, True, xt, dyt, yt, 0, 0, self.plan._folded)
         g.w_move().launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
+
+    def _run_gemm(self, ctx, x: int, dy: int, dw: int) -> None:
+        """The GEMM form (1x1 unpadded NHWC): the in-place operand read as MN-major tiles, the other moved."""
+        g, dev, h, role = self.problem, self.device_id, ctx.stream.handle, self.role
+        mode, fp = self._mode(ctx.views), _fused_ptrs(ctx)
+        a = g.gemm_plan_args(role)
+        wt = self._buf("wt", a["w_shape"], self.dtype)
+        if role == "dy":
+            g.gemm_operand_move(role).launch(dev, h, self.dtype, self.dtype, x, wt, sms=self.sms)
+            src = dy
+            if mode != "plain" or dy % 16:       # dy read in place: the mask / prologue need their own pass
+                src = self._buf("dz", g.dy_shape, self.dtype)
+                self._fused_move(g.dy_shape, g.K).launch(dev, h, self.dtype, self.dtype, dy, src, mode=mode,
+                                                         sms=self.sms, **fp)
+        else:
+            g.gemm_operand_move(role).launch(dev, h, self.dtype, self.dtype, dy, wt, mode=mode, sms=self.sms, **fp)
+            src = x
+        direct = role == "x" and not self.accumulate and self.out_dtype == self.dtype
+        yt = dw if direct else self._buf("yt", (g.K * g.C,), self.dtype)
+        self.plan._launch(h, src % 16 == 0, True, src, wt, yt, 0, 0, self.plan._folded)
+        if not direct:
+            g.gemm_out_move(role).launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate,
+                                         sms=self.sms)
 
 
 def _numpy_out(res: np.ndarray, out, dtype):
@@ -293,3 +323,8 @@ def _numpy_out(res: np.ndarray, out, dtype):
         np.asarray(out)[...] = res
         return out
     return res.astype(dtype)
+
+
+def _fused_ptrs(ctx) -> dict:
+    v = ctx.views
+    return {k: ctx.device_view(k).ptr if k in v else 0 for k in ("mask", "z", "coef")}

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from .. import _kernel
 from .._kernel import ParamSpec
-from .._runtime import DTYPE_CTYPE
+from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
 __all__ = ["Move", "MODES", "launch_coefficients", "contiguous", "precompile", "all_variants"]
 
@@ -23,7 +23,7 @@ _PARAMS = [*(ParamSpec(n, "ptr") for n in ("src", "dst", "mask", "z", "coef")),
            *(ParamSpec(f"lim{i}", "int32") for i in range(4)),
            *(ParamSpec(f"ss{i}", "int64") for i in range(4)), ParamSpec("base", "int64"),
            *(ParamSpec(f"ds{i}", "int64") for i in range(4)),
-           ParamSpec("cdim", "int32"), ParamSpec("tb", "int32"), ParamSpec("K", "int32"),
+           ParamSpec("cdim", "int32"), ParamSpec("K", "int32"),
            *(ParamSpec(f"fd{i}", "fastdiv") for i in (1, 2, 3))]
 _COEF_PARAMS = [*(ParamSpec(n, "ptr") for n in ("gamma", "invstd", "mean", "sum_dy", "sum_dy_xmu", "coef")),
                 ParamSpec("K", "int32"), ParamSpec("count", "float32")]
@@ -62,27 +62,42 @@ class Move:
             n *= v
         return n
 
-    def args(self, src: int, dst: int, mask: int = 0, z: int = 0, coef: int = 0) -> _kernel.PackedArgs:
+    def args(self, src: int, dst: int, mask: int = 0, z: int = 0, coef: int = 0, vec: int = 1) -> _kernel.PackedArgs:
         v = {"src": src, "dst": dst, "mask": mask, "z": z, "coef": coef, "base": self.base, "cdim": self.cdim,
-             "tb": self.tb or 0, "K": self.K}
+             "K": self.K}
         lim = self.lim if self.lim is not None else self.shape
         for i in range(4):
             v.update({f"d{i}": self.shape[i], f"off{i}": self.off[i], f"lim{i}": lim[i],
                       f"ss{i}": self.src_strides[i], f"ds{i}": self.dst_strides[i]})
             if i:
-                v[f"fd{i}"] = max(1, self.shape[i])
+                v[f"fd{i}"] = max(1, self.shape[i] // (vec if i == 3 and vec > 1 else 1))
         return _kernel.pack_args(_PARAMS, v)
 
-    def launcher(self, device_id: int, ts: str, td: str, mode: str = "plain", accumulate: bool = False,
+    def vec(self, ts: str, td: str, src: int, dst: int, z: int = 0) -> int:
+        """Elements a thread: 0 tiled (``tb``: 0 or 2), V > 1 where dim 3 is unit-stride and unbounded on both sides and
+        every row starts 16-byte aligned (:func:`grad_vector`), else 1."""
+        if self.tb is not None and self.tb != 3:
+            assert self.tb in (0, 2), "the tiled kernel's source dim: 0 or 2"
+            return 0
+        es = max(DTYPE_SIZES[ts], DTYPE_SIZES[td])
+        v = 16 // es
+        lim = self.lim if self.lim is not None else self.shape
+        ok = (self.src_strides[3] == 1 and self.dst_strides[3] == 1 and self.off[3] == 0 and lim[3] >= self.shape[3]
+              and self.shape[3] % v == 0 and self.base % v == 0
+              and all(s % v == 0 for s in (*self.src_strides[:3], *self.dst_strides[:3]))
+              and (src + self.base * DTYPE_SIZES[ts]) % 16 == 0 and dst % 16 == 0 and z % 16 == 0)
+        return v if ok else 1
+
+    def launcher(self, device_id: int, ts: str, td: str, vec: int, mode: str = "plain", accumulate: bool = False,
                  sms: int = 132) -> _kernel.Launcher:
-        tiled = self.tb is not None and self.tb != 3
-        if tiled:
+        if vec == 0:
             s = self.shape
             tiles = -(-s[self.tb] // 32) * -(-s[3] // 32) * (self.numel // (s[self.tb] * s[3]) if self.numel else 0)
             grid, block = max(1, min(sms * 16, tiles)), (32, 8)
         else:
-            grid, block = max(1, min(sms * 8, -(-self.numel // _THREADS))), _THREADS
-        return _launcher(ts, td, MODES[mode], bool(accumulate), tiled, device_id, grid, block)
+            grid, block = max(1, min(sms * 8, -(-self.numel // (_THREADS * vec)))), _THREADS
+        return _launcher(ts, td, MODES[mode], bool(accumulate), vec, self.tb if vec == 0 else 0, device_id, grid,
+                         block)
 
     def run_numpy(self, src, dst, *, mode: str = "plain", accumulate: bool = False, mask=None, z=None,
                   coef=None) -> None:
@@ -115,24 +130,25 @@ class Move:
     def launch(self, device_id: int, stream: int, ts: str, td: str, src: int, dst: int, *, mode: str = "plain",
                accumulate: bool = False, mask: int = 0, z: int = 0, coef: int = 0, sms: int = 132) -> None:
         if self.numel:
-            self.launcher(device_id, ts, td, mode, accumulate, sms)(stream, self.args(src, dst, mask, z, coef))
+            vec = self.vec(ts, td, src, dst, z)
+            self.launcher(device_id, ts, td, vec, mode, accumulate, sms)(
+                stream, self.args(src, dst, mask, z, coef, vec))
 
 
-def _stub(ts: str, td: str, mode: int, accumulate: bool, tiled: bool) -> str:
-    threads = 256
-    body = (f"igemm::backward::grad_copy<{mode}, {str(accumulate).lower()}, {str(tiled).lower()}, "
+def _stub(ts: str, td: str, mode: int, accumulate: bool, vec: int, tb: int) -> str:
+    body = (f"igemm::backward::grad_copy<{mode}, {str(accumulate).lower()}, {vec}, {tb}, "
             f"{DTYPE_CTYPE[ts]}, {DTYPE_CTYPE[td]}>(p);")
     return _kernel.render_kernel(include="conv/backward.cuh", entry="igemm_grad_copy", params=_PARAMS,
-                                 threads=threads, body=body)
+                                 threads=_THREADS, body=body)
 
 
-def _name(ts: str, td: str, mode: int, accumulate: bool, tiled: bool) -> str:
-    return f"grad_copy_{ts}_{td}_m{mode}{'_acc' if accumulate else ''}{'_tiled' if tiled else ''}"
+def _name(ts: str, td: str, mode: int, accumulate: bool, vec: int, tb: int) -> str:
+    return f"grad_copy_{ts}_{td}_m{mode}{'_acc' if accumulate else ''}_" + (f"t{tb}" if vec == 0 else f"v{vec}")
 
 
 @lru_cache(maxsize=512)
-def _launcher(ts, td, mode, accumulate, tiled, device_id, grid, block):
-    k = _kernel.load(_stub(ts, td, mode, accumulate, tiled), _name(ts, td, mode, accumulate, tiled),
+def _launcher(ts, td, mode, accumulate, vec, tb, device_id, grid, block):
+    k = _kernel.load(_stub(ts, td, mode, accumulate, vec, tb), _name(ts, td, mode, accumulate, vec, tb),
                      "igemm_grad_copy", device_id)
     return _kernel.Launcher(k, grid, block)
 
@@ -157,17 +173,18 @@ def launch_coefficients(device_id: int, stream: int, K: int, count: int, *, gamm
 
 
 def all_variants() -> list[tuple[str, str]]:
-    """Every (name, stub) the backward's moves can launch."""
+    """Every (name, stub) the backward's moves can launch: plain moves between any two types (accumulating
+    into fp32), the mask / BN modes within one type; tiled, one element or 16 bytes a thread."""
     out = [("grad_coefficients", _coef_stub())]
     dts = ("float16", "bfloat16", "float32")
     for ts in dts:
         for td in dts:
             for mode in MODES.values():
                 for acc in (False, True):
-                    for tiled in (False, True):
-                        if (td != ts and td != "float32") or (mode and (acc or td != ts)):
-                            continue
-                        out.append((_name(ts, td, mode, acc, tiled), _stub(ts, td, mode, acc, tiled)))
+                    if (td != ts and td != "float32") or (mode and (acc or td != ts)):
+                        continue
+                    for vec, tb in ((0, 0), (0, 2), (1, 0), (16 // max(DTYPE_SIZES[ts], DTYPE_SIZES[td]), 0)):
+                        out.append((_name(ts, td, mode, acc, vec, tb), _stub(ts, td, mode, acc, vec, tb)))
     return out
 
 

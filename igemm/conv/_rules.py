@@ -31,11 +31,14 @@ def use_tma(pb: ConvProblem, arch: str, bm: int) -> bool:
 
 
 def choose_splits(pb: ConvProblem, bm: int, bn: int, bk: int, sms: int) -> int:
-    """Split K when the output tiles cannot fill the GPU: aim at ~2 CTAs per SM, >= 8 k-tiles each."""
+    """Split K when the output tiles cannot fill the GPU: a CTA an SM, >= 8 k-tiles each (at most 16 splits);
+    ~2 CTAs an SM, >= 32 k-tiles each, for reductions >= 256 k-tiles deep (docs/performance.md: wgrad-splits)."""
     tiles = -(-pb.M // bm) * -(-pb.K // bn)
     kt = -(-pb.Kred // bk)
     if 2 * tiles >= sms or kt < 16:
         return 1
+    if kt >= 256:   # a reduction hundreds of k-tiles deep (the turned wgrad problems): ~2 CTAs an SM, >= 32 each
+        return max(1, min(-(-2 * sms // tiles), kt // 32, 128))
     return max(1, min(-(-sms // tiles), kt // 8, 16))
 
 

@@ -5,7 +5,8 @@
 #
 #   tools/gpu_check.sh STAGE...
 #     tests      the GPU suite: pytest -m "gpu and not slow and not multigpu" (N workers)
-#     fuzz       the hypothesis fuzz on the GPU ($FUZZ_EXAMPLES examples per item; prints the problem count)
+#     fuzz       the hypothesis fuzz on the GPU ($FUZZ_EXAMPLES examples per item; prints the problem count), then
+#                $GRAD_PROBLEMS (300) random backward problems per op x dtype x layout
 #     bgfuzz     the fuzz in the background (with $FUZZ_N workers) until `wait`
 #     sanitize   tools/sanitize.sh, every family, in the background until `wait`
 #     wait       wait for the background stages; print the sanitizer's table and the fuzz count
@@ -53,6 +54,11 @@ fuzz() {   # the GPU fuzz with $1 workers
   stage fuzz "${T_fuzz:-420}" python3 -m pytest tests/test_fuzz.py -m "gpu" -q -n "$1" -rfE --tb=short \
     -p no:cacheprovider
   echo "fuzz problems run: $(awk '{s += $2} END {print s + 0}' "$L/fuzz-count.txt" 2>/dev/null)"
+  # the convolution backward: $GRAD_PROBLEMS random problems per op x dtype x layout (12 items)
+  IGEMM_GRAD_PROBLEMS=${GRAD_PROBLEMS:-300} stage fuzz-backward "${T_fuzz:-420}" python3 -m pytest \
+    tests/test_backward.py -k random_problems -m gpu -q -n "$1" -rfE --tb=short -p no:cacheprovider
+  local items; items=$(grep -oE "[0-9]+ passed" "$L/fuzz-backward.log" 2>/dev/null | grep -oE "[0-9]+")
+  echo "backward problems run: $(( ${items:-0} * ${GRAD_PROBLEMS:-300} )) (passed items x problems an item)"
 }
 BG=()
 for s in "$@"; do

@@ -9,7 +9,7 @@ ARCH=${1:-sm_90a}; SMS=${2:-132}; JOBS=${JOBS:-$(nproc)}
 export IGEMM_CACHE_DIR=${IGEMM_CACHE_DIR:-$PWD/.cache/igemm}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() { local t0=$(date +%s); echo "== $1"; shift; "$@"; echo "   $(( $(date +%s) - t0 )) s"; }
-step "conv (bench/test configs) + epilogues" python3 -m igemm precompile --epilogues \
+step "conv (bench/test configs) + epilogues + backward" python3 -m igemm precompile --epilogues --backward \
   --configs float16:NHWC:strict,float16:NCHW:strict,float32:NCHW:strict,bfloat16:NHWC:strict --jobs "$JOBS" --arch "$ARCH"
 step "index_add + prelu" python3 -c "import importlib,sys;[importlib.import_module(m).precompile('$ARCH',$JOBS) for m in ('igemm.index_add','igemm.prelu')]"
 step "norm" python3 -c "import igemm.norm as n; n.precompile('$ARCH', jobs=$JOBS)"
@@ -20,4 +20,5 @@ step "conv, batch 8 and 1 (bench_conv --batch)" bash -c "python3 -m igemm precom
 step "the GPU tests' non-default conv kernels" python3 tools/precompile_tests.py "$ARCH"
 step "compare" python3 -m igemm compare --precompile --arch "$ARCH"
 step "fuzz" python3 tests/test_fuzz.py precompile "$ARCH"
+step "backward tests and fuzz" python3 tests/test_backward.py precompile "$ARCH" 300
 echo "cache: $(ls "$IGEMM_CACHE_DIR" | grep -c cubin) cubins, $(du -sh "$IGEMM_CACHE_DIR" | cut -f1)"

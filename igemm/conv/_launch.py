@@ -9,6 +9,7 @@ need no :class:`~igemm._dispatch.CallContext`.
 from __future__ import annotations
 
 import math
+import operator
 import struct
 import threading
 import weakref
@@ -98,12 +99,22 @@ class DerivedCache:
 
     def get(self, tag, tensors: tuple, make):
         """``make()``, or its value from an earlier call with the same ``tag`` on the same tensors (None
-        allowed) at the same versions."""
-        key = (tag, *(id(t) for t in tensors))
-        stamp = tuple(t._version if t is not None else -1 for t in tensors)
+        allowed) at the same versions. A hit is C-level maps only (the repeated-call paths' host time:
+        docs/performance.md: nn-fold-cache)."""
+        ids = tuple(map(id, tensors))
+        key = (tag, ids)
         e = self._d.get(key)
-        if e is not None and e[0] == stamp and all(r is None or r() is t for r, t in zip(e[1], tensors)):
-            return e[2]
+        if e is not None:
+            try:
+                stamp = tuple(map(_VERSION, tensors))
+            except AttributeError:                          # (a None among them)
+                stamp = _stamp(tensors)
+            if e[0] == stamp:
+                for r, t in zip(e[1], tensors):   # the same objects still: an id may be reused after a collection
+                    if r() is not t:
+                        break
+                else:
+                    return e[2]
         v = make()
         import torch
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -111,8 +122,20 @@ class DerivedCache:
         with self._lock:
             if len(self._d) >= self._size:
                 self._d.clear()
-            self._d[key] = (stamp, [weakref.ref(t) if t is not None else None for t in tensors], v)
+            self._d[key] = (_stamp(tensors), tuple(weakref.ref(t) if t is not None else _none for t in tensors),
+                            v)
         return v
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _none():
+    return None
+
+
+def _stamp(tensors) -> tuple:
+    return tuple(t._version if t is not None else -1 for t in tensors)
 
 
 class TwoPreps:
@@ -312,17 +335,19 @@ class TorchCall:
                 return None
         mp = 0
         if self.want_mask:
-            if mask_out is None:
+            if mask_out is None:                   # (a fresh allocation overlaps nothing)
                 if self.mask_template is None:
                     self._templates()
                 mask_out = self.empty_like(self.mask_template)
+                mp = mask_out.data_ptr()
             elif (type(mask_out) is not T or mask_out.dtype is not self.int32
                   or mask_out.get_device() != self.device_index or mask_out.dim() != 1
                   or mask_out.shape[0] < self.mask_words or not mask_out.is_contiguous()):
                 return None
-            mp = mask_out.data_ptr()
-            if not _apart(mp, self.mask_words * 4, extents + [(yp, self.y_nbytes)]):
-                return None
+            else:
+                mp = mask_out.data_ptr()
+                if not _apart(mp, self.mask_words * 4, extents + [(yp, self.y_nbytes)]):
+                    return None
         elif mask_out is not None:
             return None
         return out, mask_out, xp, wp, yp, rp, mp

@@ -63,15 +63,18 @@ class Move:
         return n
 
     def args(self, src: int, dst: int, mask: int = 0, z: int = 0, coef: int = 0, vec: int = 1) -> _kernel.PackedArgs:
-        v = {"src": src, "dst": dst, "mask": mask, "z": z, "coef": coef, "base": self.base, "cdim": self.cdim,
-             "K": self.K}
+        """The launch arguments: the move's own packed once (:func:`_template`), the pointers bound per call."""
+        return _template(self, vec).bind({"src": src, "dst": dst, "mask": mask, "z": z, "coef": coef})
+
+    def _values(self, vec: int) -> dict:
+        v = {"base": self.base, "cdim": self.cdim, "K": self.K}
         lim = self.lim if self.lim is not None else self.shape
         for i in range(4):
             v.update({f"d{i}": self.shape[i], f"off{i}": self.off[i], f"lim{i}": lim[i],
                       f"ss{i}": self.src_strides[i], f"ds{i}": self.dst_strides[i]})
             if i:
                 v[f"fd{i}"] = max(1, self.shape[i] // (vec if i == 3 and vec > 1 else 1))
-        return _kernel.pack_args(_PARAMS, v)
+        return v
 
     def vec(self, ts: str, td: str, src: int, dst: int, z: int = 0) -> int:
         """Elements a thread: 0 tiled (``tb``: 0 or 2), V > 1 where dim 3 is unit-stride and unbounded on both sides and
@@ -133,6 +136,12 @@ class Move:
             vec = self.vec(ts, td, src, dst, z)
             self.launcher(device_id, ts, td, vec, mode, accumulate, sms)(
                 stream, self.args(src, dst, mask, z, coef, vec))
+
+
+@lru_cache(maxsize=1024)
+def _template(move: Move, vec: int) -> _kernel.PackedArgs:
+    """A move's packed arguments, pointers zero (never written: ``bind`` fills a per-thread copy)."""
+    return _kernel.pack_args(_PARAMS, move._values(vec))
 
 
 def _stub(ts: str, td: str, mode: int, accumulate: bool, vec: int, tb: int) -> str:

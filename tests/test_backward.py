@@ -198,6 +198,24 @@ def test_numpy_backend(numpy_backend, layout, rng):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_channels_last_numpy(numpy_backend, rng):
+    """layout="NCHW" arrays with NHWC memory (numpy strides, as torch's channels_last): the NHWC path on views,
+    outputs with NHWC memory, the NCHW semantics."""
+    xs, ws, ys = (2, 5, 9, 7), (4, 5, 3, 3), (2, 4, 5, 4)
+    nhwc = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)   # noqa: E731
+    x, w, dy = (nhwc(rng.standard_normal(sh).astype(np.float32)) for sh in (xs, ws, ys))
+    assert not dy.flags.c_contiguous and dy.transpose(0, 2, 3, 1).flags.c_contiguous
+    mask = reference.pack_mask(rng.random(dy.size) > 0.5)            # bits in dy's memory order (NHWC)
+    g = np.where(reference.unpack_mask(mask, dy.size).reshape(2, 5, 4, 4).transpose(0, 3, 1, 2), dy, 0)
+    dx = igemm.conv2d_grad_input(dy, w, xs, 2, 1, layout="NCHW", mask=mask)
+    assert dx.shape == xs and dx.transpose(0, 2, 3, 1).flags.c_contiguous
+    np.testing.assert_allclose(dx, reference.conv2d_grad_input_ref(g, w, xs, 2, 1, 1, "NCHW"), rtol=1e-5, atol=1e-5)
+    dw = igemm.conv2d_grad_weight(x, dy, ws, 2, 1, layout="NCHW", mask=mask)
+    assert dw.shape == ws and dw.transpose(0, 2, 3, 1).flags.c_contiguous
+    np.testing.assert_allclose(dw, reference.conv2d_grad_weight_ref(x, g, ws, 2, 1, 1, "NCHW"), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_prologue_numpy_matches_bn_backward(numpy_backend, rng):
     """conv2d_grad_prologue's coefficients give batch_norm_backward_elemt's gradient."""
     z = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
@@ -251,14 +269,17 @@ def _run_case(torch, p: dict, layout: str, dtype: str, rng, op: str, mode: str =
                                          prologue=pro is not None)
         out = poison(torch.empty(xs, dtype=getattr(torch, dtype), device="cuda"))
         plan(dy, w, mask=mask, prologue=pro, out=out)
+        again = plan(dy, w, mask=mask, prologue=pro)          # (the torch fast path: no out)
         ref = reference.conv2d_grad_input_ref(g, to_numpy(w), xs, *geom(p), layout)
     else:
         plan = igemm.Conv2dGradWeightPlan(xs, ws, dtype, layout, *geom(p), mask=mask is not None,
                                           prologue=pro is not None)
         out = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
         plan(x, dy, mask=mask, prologue=pro, out=out)
+        again = plan(x, dy, mask=mask, prologue=pro)          # (the torch fast path: no out)
         ref = reference.conv2d_grad_weight_ref(to_numpy(x), g, ws, *geom(p), layout)
     torch.cuda.synchronize()
+    assert torch.equal(again, out), "the torch fast path and the general path differ"
     return rel_err(to_numpy(out), ref)
 
 
@@ -345,6 +366,36 @@ def test_gpu_wgrad_gemm_form(C, K, st, role, mode, rng):
 
 
 @pytest.mark.gpu
+def test_gpu_channels_last(rng):
+    """torch channels_last dy and x with layout="NCHW": no copy of them (the NHWC plan reads their memory), dx and
+    dw channels_last, NCHW values; the mask and the BN prologue over the same memory."""
+    torch = pytest.importorskip("torch")
+    cl = torch.channels_last
+    x = torch.randn(4, 16, 12, 12, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
+    w = torch.randn(24, 16, 3, 3, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
+    dy = torch.randn(4, 24, 6, 6, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
+    z = torch.randn_like(dy)
+    y = torch.randn_like(dy)
+    mask = igemm.relu_mask(y.permute(0, 2, 3, 1))                      # dy's memory order
+    mean, invstd = z.float().mean((0, 2, 3)), 1 / (z.float().var((0, 2, 3), unbiased=False) + 1e-5).sqrt()
+    gamma = torch.rand(24, device="cuda") + 0.5
+    pro = igemm.conv2d_grad_prologue(dy, z, mean, invstd, gamma, mask=mask)
+    dx = igemm.conv2d_grad_input(dy, w, tuple(x.shape), 2, 1, mask=mask, prologue=pro)
+    dw = igemm.conv2d_grad_weight(x, dy, tuple(w.shape), 2, 1, mask=mask, prologue=pro)
+    assert dx.is_contiguous(memory_format=cl) and dw.is_contiguous(memory_format=cl)
+    # the reference on plain NCHW copies (the mask unpacked from NHWC order)
+    bits = torch.from_numpy(reference.unpack_mask(to_numpy(mask).view(np.uint32), dy.numel()).reshape(4, 6, 6, 24))
+    g = torch.where(bits.permute(0, 3, 1, 2).cuda(), dy.float(), 0.)
+    zf = z.float()
+    dz = gamma[:, None, None] * invstd[:, None, None] * (
+        g - g.mean((0, 2, 3), keepdim=True) - (zf - mean[:, None, None]) * invstd[:, None, None] ** 2
+        * (g * (zf - mean[:, None, None])).mean((0, 2, 3), keepdim=True))
+    rx = reference.conv2d_grad_input_ref(to_numpy(dz), to_numpy(w), tuple(x.shape), 2, 1, 1, "NCHW")
+    rw = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dz), tuple(w.shape), 2, 1, 1, "NCHW")
+    assert rel_err(to_numpy(dx), rx) < TOL["float16"] and rel_err(to_numpy(dw), rw) < TOL["float16"]
+
+
+@pytest.mark.gpu
 def test_gpu_array_kinds(rng):
     """numpy arrays (copied), CuPy arrays and torch tensors give the same dx."""
     torch = pytest.importorskip("torch")
@@ -368,6 +419,11 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
     """{stub: name} of every kernel the GPU tests here launch (sm_90a, 132 SMs)."""
     from igemm.conv import _moves
     out = {s: name for name, s in _moves.all_variants()}
+    for cls in (igemm.Conv2dGradInputPlan, igemm.Conv2dGradWeightPlan):      # test_gpu_channels_last
+        for sub in cls((4, 12, 12, 16), (24, 3, 3, 16), "float16", "NHWC", 2, 1, mask=True, prologue=True,
+                       device="numpy", arch="sm_90a", sms=132).sub_plans():
+            name, s = sub.kernel(True, True)
+            out[s] = name
     for C, K, st in ((64, 128, 1), (128, 64, 1), (64, 128, 2)):
         p = one_by_one(dict(N=2, C=C, H=16, W=16, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
         xs, ws, _ = shapes(p, "NHWC")

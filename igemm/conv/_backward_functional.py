@@ -11,12 +11,22 @@ from .._checks import check_flag, check_layout, check_shape_arg, check_stream, r
 from .._dispatch import CallContext
 from .._runtime import as_tensor, keeps_current_context
 from ._backward_plan import Conv2dGradInputPlan, Conv2dGradWeightPlan, GradPrologue
+from ._functional import _channels_last, _nhwc_view, _permute
 from ._problem import DTYPES, geometry, pair
 
 __all__ = ["conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_prologue"]
 
 _PLANS: OrderedDict = OrderedDict()
 _CACHE_SIZE = 256
+
+
+def _nhwc_prologue(prologue):
+    """A prologue for the NHWC call of a channels_last one: its z as an NHWC view (a copy if z is not
+    channels_last)."""
+    if not isinstance(prologue, GradPrologue):
+        return prologue                          # (None, or wrong: the NHWC call raises)
+    return GradPrologue(_nhwc_view(prologue.z, "prologue.z"), prologue.coef, prologue.grad_weight,
+                        prologue.grad_bias)
 
 
 def _device_of(t) -> int | None:
@@ -63,7 +73,10 @@ def conv2d_grad_input(dy, w, x_shape, stride=1, padding=0, dilation=1, *, layout
         dy: the gradient of the forward output, ``(N, K, P, Q)`` (NCHW) or ``(N, P, Q, K)`` (NHWC).
         w: the forward filter (``(K, C, R, S)`` / ``(K, R, S, C)``), dy's dtype (fp16, bf16, fp32).
         x_shape: the forward input's shape; stride, padding, dilation: the forward's (ints or pairs).
-        mask: the forward's ReLU bit mask of y (``ReLU(mask=True)``): dy is read as ``bit ? dy : 0``.
+        layout: ``"NCHW"`` or ``"NHWC"``; an NCHW-shaped dy whose memory is NHWC (torch ``channels_last``) runs the
+            NHWC kernels on views and returns dx channels_last (w, prologue.z and out read as channels_last).
+        mask: the forward's ReLU bit mask of y (``ReLU(mask=True)``, over dy's memory order): dy is read as
+            ``bit ? dy : 0``.
         prologue: a :class:`GradPrologue` from :func:`conv2d_grad_prologue` (conv -> BN -> [+res] -> ReLU in
             training): dy is read as ``a[k]·g + b[k]·z + c[k]``.
         precision: fp32 ``"strict"`` (default) or ``"tf32"``. out: preallocated dx. stream: CUDA stream.
@@ -76,6 +89,14 @@ def conv2d_grad_input(dy, w, x_shape, stride=1, padding=0, dilation=1, *, layout
     require_array(dy, "dy")
     require_array(w, "w")
     check_stream(stream)
+    if layout == "NCHW" and _channels_last(dy):
+        # channels_last dy (NHWC memory): the NHWC plan on views, dx channels_last too (w, z, out: NHWC views)
+        xs = check_shape_arg(tuple(x_shape) if hasattr(x_shape, "__len__") else x_shape, "x_shape", 4)
+        dx = conv2d_grad_input(_permute(dy, (0, 2, 3, 1)), _nhwc_view(w, "w"), (xs[0], xs[2], xs[3], xs[1]), stride,
+                               padding, dilation, layout="NHWC", mask=mask, prologue=_nhwc_prologue(prologue),
+                               precision=precision, out=_nhwc_view(out, "out", copy=False) if out is not None else None,
+                               stream=stream)
+        return out if out is not None else _permute(dx, (0, 3, 1, 2))
     dt, x_shape, w_shape, (st, pd, dl) = _problem(x_shape, "x_shape", w, "w", dy, layout, stride, padding,
                                                   dilation, True)
     dev = _device_of(dt)
@@ -107,6 +128,15 @@ def conv2d_grad_weight(x, dy, w_shape, stride=1, padding=0, dilation=1, *, layou
     require_array(x, "x")
     require_array(dy, "dy")
     check_stream(stream)
+    if layout == "NCHW" and _channels_last(x):
+        # channels_last x (NHWC memory): the NHWC plan on views, dw channels_last too (dy, z, out: NHWC views)
+        ws = check_shape_arg(tuple(w_shape) if hasattr(w_shape, "__len__") else w_shape, "w_shape", 4)
+        dw = conv2d_grad_weight(_permute(x, (0, 2, 3, 1)), _nhwc_view(dy, "dy"), (ws[0], ws[2], ws[3], ws[1]),
+                                stride, padding, dilation, layout="NHWC", mask=mask,
+                                prologue=_nhwc_prologue(prologue), precision=precision,
+                                out=_nhwc_view(out, "out", copy=False) if out is not None else None,
+                                accumulate=accumulate, stream=stream)
+        return out if out is not None else _permute(dw, (0, 3, 1, 2))
     dt, x_shape, w_shape, (st, pd, dl) = _problem(w_shape, "w_shape", x, "x", dy, layout, stride, padding,
                                                   dilation, False)
     out_dtype = as_tensor(out, "out").dtype if out is not None else dt.dtype
@@ -144,6 +174,10 @@ def conv2d_grad_prologue(dy, z, mean, invstd, gamma=None, *, mask=None, layout: 
     require_array(z, "z")
     check_stream(stream)
     check_layout(layout)
+    if layout == "NCHW" and _channels_last(dy):      # channels_last: the NHWC reduction on views
+        p = conv2d_grad_prologue(_permute(dy, (0, 2, 3, 1)), _nhwc_view(z, "z"), mean, invstd, gamma, mask=mask,
+                                 layout="NHWC", stream=stream)
+        return GradPrologue(z, p.coef, p.grad_weight, p.grad_bias)
     t = as_tensor(dy, "dy")
     if t.ndim != 4:
         raise ValueError(f"dy: expected a 4-D {layout} tensor, got shape {tuple(t.shape)}")

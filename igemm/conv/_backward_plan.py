@@ -6,6 +6,8 @@ stream order. The numpy backend runs the float64 references (``igemm.reference``
 """
 from __future__ import annotations
 
+import math
+import sys
 import threading
 
 import numpy as np
@@ -124,8 +126,43 @@ class _GradPlan:
         st = contiguous(dy_shape)
         return Move(tuple(dy_shape), st, st, cdim=cdim, K=K)
 
-    def _mode(self, v: dict) -> str:
-        return "bn" if "z" in v else ("mask" if "mask" in v else "plain")
+    def _torch_fast(self, a, b, a_shape, b_shape, mask, prologue, out, stream):
+        """A call on torch CUDA tensors exactly as the plan wants them (on its device, its dtype and shapes,
+        contiguous; a fresh output; the current stream): ``(torch, stream handle, fused pointers)``, else None
+        (the general path, which raises the precise error). Skips the array views of the general path."""
+        t = _TORCH[0]
+        if t is None:
+            if "torch" not in sys.modules or self.backend != "cuda":
+                return None
+            import torch
+            t = _TORCH[0] = torch
+        T = t.Tensor
+        if (out is not None or stream is not None or type(a) is not T or type(b) not in (T, t.nn.Parameter)
+                or (mask is not None) != self.mask or (prologue is not None) != self.prologue):
+            return None
+        dt = getattr(t, self.dtype)
+        for v, shape in ((a, a_shape), (b, b_shape)):
+            if (v.dtype is not dt or v.get_device() != self.device_id or tuple(v.shape) != shape
+                    or not v.is_contiguous()):
+                return None
+        fp = {"mask": 0, "z": 0, "coef": 0}
+        numel = a.numel() if self.kind == "grad_input" else b.numel()         # (dy's)
+        dy_shape = a_shape if self.kind == "grad_input" else b_shape
+        if mask is not None:
+            if (type(mask) is not T or mask.dtype not in (t.int32, t.uint32) or mask.dim() != 1
+                    or mask.shape[0] < (numel + 31) // 32 or not mask.is_contiguous()
+                    or mask.get_device() != self.device_id or mask.data_ptr() % 4):
+                return None
+            fp["mask"] = mask.data_ptr()
+        if prologue is not None:
+            z, c = getattr(prologue, "z", None), getattr(prologue, "coef", None)
+            if (type(prologue) is not GradPrologue or type(z) is not T or type(c) is not T or z.dtype is not dt
+                    or tuple(z.shape) != dy_shape or not z.is_contiguous() or z.get_device() != self.device_id
+                    or c.dtype is not t.float32 or tuple(c.shape) != (3, self.problem.K) or not c.is_contiguous()
+                    or c.get_device() != self.device_id):
+                return None
+            fp["z"], fp["coef"] = z.data_ptr(), c.data_ptr()
+        return t, t._C._cuda_getCurrentRawStream(self.device_id), fp
 
 
 class Conv2dGradInputPlan(_GradPlan):
@@ -147,9 +184,23 @@ class Conv2dGradInputPlan(_GradPlan):
         self.plans = {i: self._sub_plan(g.sub_plan_args(ph), options, arch, sms)
                       for i, ph in enumerate(g.phases) if not ph.zero}
         self.sms = next(iter(self.plans.values())).sms if self.plans else (sms or 132)
+        # what a call launches, made once: the pre-pass, then per live phase its plan, filter move and interleave
+        self._pre = self._fused_move(g.dy_shape, g.K)
+        self._phases = [(i, self.plans[i], g.filter_move(ph), *g.interleave_move(ph), g.sub_w_shape(ph))
+                        for i, ph in enumerate(g.phases) if not ph.zero]
+        self._zero = any(ph.zero for ph in g.phases)
+        self._ymax = max((math.prod(g.sub_y_shape(ph)) for ph in g.phases if not ph.zero), default=1)
+        self._dx_bytes = math.prod(g.x_shape) * DTYPE_SIZES[self.dtype]
 
     def __call__(self, dy, w, *, mask=None, prologue=None, out=None, stream=None):
         """dx for ``dy`` (the forward output's gradient) and the filter ``w``. ``out``: a preallocated dx."""
+        g = self.problem
+        fast = self._torch_fast(dy, w, g.dy_shape, g.w_shape, mask, prologue, out, stream)
+        if fast is not None:
+            dx = fast[0].empty(g.x_shape, dtype=dy.dtype, device=dy.device)
+            with self._lock:
+                self._run(fast[1], dy.data_ptr(), w.data_ptr(), dx.data_ptr(), fast[2])
+            return dx
         require_array(dy, "dy")
         require_array(w, "w")
         check_stream(stream)
@@ -170,7 +221,8 @@ class Conv2dGradInputPlan(_GradPlan):
             raise ValueError(f"dy: on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
         o_obj, d_out = (out, ctx.device_view("out")) if out is not None else ctx.empty(g.x_shape, self.dtype)
         with self._lock:
-            self._run(ctx, ctx.device_view("dy").ptr, ctx.device_view("w").ptr, d_out.ptr)
+            self._run(ctx.stream.handle, ctx.device_view("dy").ptr, ctx.device_view("w").ptr, d_out.ptr,
+                      _fused_ptrs(ctx))
         if out is not None:
             ctx.copy_back("out", d_out)
             return out
@@ -185,28 +237,23 @@ class Conv2dGradInputPlan(_GradPlan):
         res = reference.conv2d_grad_input_ref(d, wt, g.x_shape, g.stride, g.padding, g.dilation, self.layout)
         return _numpy_out(res, out, np.asarray(v["dy"].obj).dtype)
 
-    def _run(self, ctx, dy: int, w: int, dx: int) -> None:
-        g, dev, h, es = self.problem, self.device_id, ctx.stream.handle, DTYPE_SIZES[self.dtype]
-        mode = self._mode(ctx.views)
+    def _run(self, h: int, dy: int, w: int, dx: int, fp: dict) -> None:
+        """The launches on stream ``h``; ``fp``: the mask / prologue pointers (0: none)."""
+        g, dev, es, dt = self.problem, self.device_id, DTYPE_SIZES[self.dtype], self.dtype
+        mode = _mode(fp)
         if mode != "plain" or dy % 16:        # (an unaligned dy is moved too: the phases read aligned rows)
-            dz = self._buf("dz", g.dy_shape, self.dtype)
-            self._fused_move(g.dy_shape, g.K).launch(dev, h, self.dtype, self.dtype, dy, dz, mode=mode,
-                                                     sms=self.sms, **_fused_ptrs(ctx))
+            dz = self._buf("dz", g.dy_shape, dt)
+            self._pre.launch(dev, h, dt, dt, dy, dz, mode=mode, sms=self.sms, **fp)
             dy = dz
-        if any(ph.zero for ph in g.phases):       # rows no tap reaches: zero at memset speed first
-            _runtime.memset_d8(dx, 0, int(np.prod(g.x_shape)) * es, ctx.stream)
-        ymax = max((int(np.prod(g.sub_y_shape(ph))) for ph in g.phases if not ph.zero), default=1)
-        for i, ph in enumerate(g.phases):
-            plan = self.plans.get(i)
-            if plan is None:
-                continue
-            f = self._buf(f"w{i}", g.sub_w_shape(ph), self.dtype)
-            g.filter_move(ph).launch(dev, h, self.dtype, self.dtype, w, f, sms=self.sms)
-            y = dx if g.direct else self._buf("y", (ymax,), self.dtype)
+        if self._zero:                        # rows no tap reaches: zero at memset speed first
+            _runtime.memset_d8(dx, 0, self._dx_bytes, _runtime.RawStream(h))
+        for i, plan, fmove, imove, off, f_shape in self._phases:
+            f = self._buf(f"w{i}", f_shape, dt)
+            fmove.launch(dev, h, dt, dt, w, f, sms=self.sms)
+            y = dx if g.direct else self._buf("y", (self._ymax,), dt)
             plan._launch(h, True, True, dy, f, y, 0, 0, plan._folded)
             if not g.direct:
-                mv, off = g.interleave_move(ph)
-                mv.launch(dev, h, self.dtype, self.dtype, y, dx + off * es, sms=self.sms)
+                imove.launch(dev, h, dt, dt, y, dx + off * es, sms=self.sms)
 
 
 class Conv2dGradWeightPlan(_GradPlan):
@@ -238,11 +285,24 @@ class Conv2dGradWeightPlan(_GradPlan):
                 self.role = None               # (no MN-major TMA kernel for it here: the turned convolution)
         if self.role is None:
             self.plan = self._sub_plan(g.sub_plan_args(), options, arch, sms)
+            self._moves = (g.x_move(), g.dy_move(), g.w_move())
+        else:
+            self._moves = (g.gemm_operand_move(self.role), self._fused_move(g.dy_shape, g.K),
+                           g.gemm_out_move(self.role))
         self.sms = self.plan.sms
 
     def __call__(self, x, dy, *, mask=None, prologue=None, out=None, stream=None):
         """dw for the forward input ``x`` and the output gradient ``dy``; ``out`` (required with
         ``accumulate=True``): dw's array (``w_shape``, ``out_dtype``)."""
+        g = self.problem
+        fast = None if self.accumulate else self._torch_fast(x, dy, g.x_shape, g.dy_shape, mask, prologue, out,
+                                                             stream)
+        if fast is not None:
+            torch = fast[0]
+            dw = torch.empty(g.w_shape, dtype=getattr(torch, self.out_dtype), device=x.device)
+            with self._lock:
+                self._run(fast[1], x.data_ptr(), dy.data_ptr(), dw.data_ptr(), fast[2])
+            return dw
         require_array(x, "x")
         require_array(dy, "dy")
         check_stream(stream)
@@ -263,7 +323,8 @@ class Conv2dGradWeightPlan(_GradPlan):
             raise ValueError(f"x: on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
         o_obj, d_out = (out, ctx.device_view("out")) if out is not None else ctx.empty(g.w_shape, self.out_dtype)
         with self._lock:
-            self._run(ctx, ctx.device_view("x").ptr, ctx.device_view("dy").ptr, d_out.ptr)
+            self._run(ctx.stream.handle, ctx.device_view("x").ptr, ctx.device_view("dy").ptr, d_out.ptr,
+                      _fused_ptrs(ctx))
         if out is not None:
             ctx.copy_back("out", d_out)
             return out
@@ -281,41 +342,41 @@ class Conv2dGradWeightPlan(_GradPlan):
         return _numpy_out(res, out, np.dtype(self.out_dtype) if self.out_dtype != "bfloat16"
                           else np.asarray(v["x"].obj).dtype)
 
-    def _run(self, ctx, x: int, dy: int, dw: int) -> None:
+    def _run(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
+        """The launches on stream ``h``; ``fp``: the mask / prologue pointers (0: none)."""
         if self.role is not None:
-            return self._run_gemm(ctx, x, dy, dw)
-        g, dev, h = self.problem, self.device_id, ctx.stream.handle
+            return self._run_gemm(h, x, dy, dw, fp)
+        g, dev = self.problem, self.device_id
         xt = self._buf("xt", g.xt_shape, self.dtype)
         dyt = self._buf("dyt", g.dyt_shape, self.dtype)
         yt = self._buf("yt", g.yt_shape, self.dtype)
-        g.x_move().launch(dev, h, self.dtype, self.dtype, x, xt, sms=self.sms)
-        mode = self._mode(ctx.views)
-        g.dy_move().launch(dev, h, self.dtype, self.dtype, dy, dyt, mode=mode, sms=self.sms, **_fused_ptrs(ctx))
+        xm, dym, wm = self._moves
+        xm.launch(dev, h, self.dtype, self.dtype, x, xt, sms=self.sms)
+        dym.launch(dev, h, self.dtype, self.dtype, dy, dyt, mode=_mode(fp), sms=self.sms, **fp)
         self.plan._launch(h, True, True, xt, dyt, yt, 0, 0, self.plan._folded)
-        g.w_move().launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
+        wm.launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
 
-    def _run_gemm(self, ctx, x: int, dy: int, dw: int) -> None:
+    def _run_gemm(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
         """The GEMM form (1x1 unpadded NHWC): the in-place operand read as MN-major tiles, the other moved."""
-        g, dev, h, role = self.problem, self.device_id, ctx.stream.handle, self.role
-        mode, fp = self._mode(ctx.views), _fused_ptrs(ctx)
+        g, dev, role = self.problem, self.device_id, self.role
+        mode = _mode(fp)
+        opm, prem, outm = self._moves
         a = g.gemm_plan_args(role)
         wt = self._buf("wt", a["w_shape"], self.dtype)
         if role == "dy":
-            g.gemm_operand_move(role).launch(dev, h, self.dtype, self.dtype, x, wt, sms=self.sms)
+            opm.launch(dev, h, self.dtype, self.dtype, x, wt, sms=self.sms)
             src = dy
             if mode != "plain" or dy % 16:       # dy read in place: the mask / prologue need their own pass
                 src = self._buf("dz", g.dy_shape, self.dtype)
-                self._fused_move(g.dy_shape, g.K).launch(dev, h, self.dtype, self.dtype, dy, src, mode=mode,
-                                                         sms=self.sms, **fp)
+                prem.launch(dev, h, self.dtype, self.dtype, dy, src, mode=mode, sms=self.sms, **fp)
         else:
-            g.gemm_operand_move(role).launch(dev, h, self.dtype, self.dtype, dy, wt, mode=mode, sms=self.sms, **fp)
+            opm.launch(dev, h, self.dtype, self.dtype, dy, wt, mode=mode, sms=self.sms, **fp)
             src = x
         direct = role == "x" and not self.accumulate and self.out_dtype == self.dtype
         yt = dw if direct else self._buf("yt", (g.K * g.C,), self.dtype)
         self.plan._launch(h, src % 16 == 0, True, src, wt, yt, 0, 0, self.plan._folded)
         if not direct:
-            g.gemm_out_move(role).launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate,
-                                         sms=self.sms)
+            outm.launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
 
 
 def _numpy_out(res: np.ndarray, out, dtype):
@@ -323,6 +384,13 @@ def _numpy_out(res: np.ndarray, out, dtype):
         np.asarray(out)[...] = res
         return out
     return res.astype(dtype)
+
+
+_TORCH = [None]          # torch, once a plan call has seen it imported
+
+
+def _mode(fp: dict) -> str:
+    return "bn" if fp["coef"] else ("mask" if fp["mask"] else "plain")
 
 
 def _fused_ptrs(ctx) -> dict:

@@ -39,7 +39,7 @@ def contiguous(shape) -> tuple:
     return tuple(reversed(st))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)         # (hashed by identity: a plan keeps its moves, their packed arguments cached)
 class Move:
     """One copy over the destination dims ``shape`` (``dst_strides``: its element strides). Source element of
     destination index i: ``base + Σ (i_d + off_d)·src_strides_d``, read only where every

@@ -150,34 +150,35 @@ IGEMM_DEVICE void grad_copy_flat(const P& p) {
   }
 }
 
-// Tiled: block (32, 8); tile (tile_b, tile_3) of dims TB and 3; the other two dims, flattened, index the
-// remaining tiles. Read along TB (the source's contiguous dim), written along dim 3 (the destination's).
+// Tiled: block (32, 8); tile (32 of dim TB, 32 of dim 3): blockIdx.x, its two indices split once (32-bit); the
+// other two dims O0, O1 by blockIdx.z, blockIdx.y, grid-stride (no 64-bit division anywhere). Read along TB (the
+// source's contiguous dim), written along dim 3 (the destination's). (A 64 x 64 tile, 16 loads a thread in
+// flight, measured slower: docs/performance.md: grad-moves-vectorised.)
 template <int Mode, bool Accum, int TB, class TS, class TD, class P>
 IGEMM_DEVICE void grad_copy_tiled(const P& p) {
   static_assert(TB >= 0 && TB < 3, "the tile's source dim");
   constexpr int O0 = TB == 0 ? 1 : 0, O1 = TB == 2 ? 1 : 2;     // the two other dims
   __shared__ float tile[32][33];
   const int dims[4] = {p.d0, p.d1, p.d2, p.d3};
-  const int nb = (dims[TB] + 31) / 32, n3 = (dims[3] + 31) / 32;
-  const int64_t tiles = int64_t(nb) * n3 * dims[O0] * dims[O1];
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    int64_t r = t;
-    const int b3 = int(r % n3); r /= n3;
-    const int bb = int(r % nb); r /= nb;
-    int i[4];
-    i[O1] = int(r % dims[O1]);
-    i[O0] = int(r / dims[O1]);
-    __syncthreads();
-    for (int y = threadIdx.y; y < 32; y += blockDim.y) {      // read: TB fastest across the warp
-      i[3] = b3 * 32 + y;
-      i[TB] = bb * 32 + threadIdx.x;
-      if (i[3] < dims[3] && i[TB] < dims[TB]) tile[y][threadIdx.x] = grad_element<Mode, TS>(p, i);
-    }
-    __syncthreads();
-    for (int y = threadIdx.y; y < 32; y += blockDim.y) {      // write: dim 3 fastest across the warp
-      i[TB] = bb * 32 + y;
-      i[3] = b3 * 32 + threadIdx.x;
-      if (i[3] < dims[3] && i[TB] < dims[TB]) grad_store<Accum, TD>(p, i, tile[threadIdx.x][y]);
+  const int n3 = (dims[3] + 31) / 32;
+  const int bb = int(blockIdx.x) / n3, b3 = int(blockIdx.x) % n3;
+  int i[4];
+  for (int o0 = blockIdx.z; o0 < dims[O0]; o0 += gridDim.z) {
+    for (int o1 = blockIdx.y; o1 < dims[O1]; o1 += gridDim.y) {
+      i[O0] = o0;
+      i[O1] = o1;
+      __syncthreads();
+      for (int y = threadIdx.y; y < 32; y += blockDim.y) {      // read: TB fastest across the warp
+        i[3] = b3 * 32 + y;
+        i[TB] = bb * 32 + threadIdx.x;
+        if (i[3] < dims[3] && i[TB] < dims[TB]) tile[y][threadIdx.x] = grad_element<Mode, TS>(p, i);
+      }
+      __syncthreads();
+      for (int y = threadIdx.y; y < 32; y += blockDim.y) {      // write: dim 3 fastest across the warp
+        i[TB] = bb * 32 + y;
+        i[3] = b3 * 32 + threadIdx.x;
+        if (i[3] < dims[3] && i[TB] < dims[TB]) grad_store<Accum, TD>(p, i, tile[threadIdx.x][y]);
+      }
     }
   }
 }

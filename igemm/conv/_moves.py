@@ -93,10 +93,11 @@ class Move:
 
     def launcher(self, device_id: int, ts: str, td: str, vec: int, mode: str = "plain", accumulate: bool = False,
                  sms: int = 132) -> _kernel.Launcher:
-        if vec == 0:
-            s = self.shape
-            tiles = -(-s[self.tb] // 32) * -(-s[3] // 32) * (self.numel // (s[self.tb] * s[3]) if self.numel else 0)
-            grid, block = max(1, min(sms * 16, tiles)), (32, 8)
+        if vec == 0:           # x: the (dim tb, dim 3) tiles; y, z: the other two dims (grid-stride past 65535)
+            s, tb = self.shape, self.tb
+            o0, o1 = [d for d in range(3) if d != tb]
+            grid = (-(-s[tb] // 32) * -(-s[3] // 32), min(s[o1], 65535), min(s[o0], 65535))
+            block = (32, 8)
         else:
             grid, block = max(1, min(sms * 8, -(-self.numel // (_THREADS * vec)))), _THREADS
         return _launcher(ts, td, MODES[mode], bool(accumulate), vec, self.tb if vec == 0 else 0, device_id, grid,

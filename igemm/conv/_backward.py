@@ -75,8 +75,8 @@ class Phase:
         return self.h.taps == 0 or self.w.taps == 0
 
 
-class GradInputProblem:
-    """dgrad of one forward problem: its phases, their sub-filters, sub-convolutions and interleaves."""
+class _Forward:
+    """The forward problem a gradient belongs to: its geometry and the three tensors' shapes."""
 
     def __init__(self, x_shape, w_shape, layout: str, stride, padding, dilation):
         (self.N, self.C, self.H, self.W, self.K, self.R, self.S, self.P, self.Q, self.stride, self.padding,
@@ -85,6 +85,14 @@ class GradInputProblem:
         self.x_shape, self.w_shape = tuple(x_shape), tuple(w_shape)
         N, K, P, Q = self.N, self.K, self.P, self.Q
         self.dy_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
+
+
+class GradInputProblem(_Forward):
+    """dgrad of one forward problem: its phases, their sub-filters, sub-convolutions and interleaves."""
+
+    def __init__(self, x_shape, w_shape, layout: str, stride, padding, dilation):
+        super().__init__(x_shape, w_shape, layout, stride, padding, dilation)
+        P, Q = self.P, self.Q
         hs = phases_1d(self.stride[0], self.padding[0], self.dilation[0], self.R, self.H, P)
         ws = phases_1d(self.stride[1], self.padding[1], self.dilation[1], self.S, self.W, Q)
         self.phases = [Phase(h, w) for h in hs for w in ws]
@@ -140,16 +148,12 @@ class GradInputProblem:
                 ph.h.ph * dxs[ih] + ph.w.ph * dxs[iw])
 
 
-class GradWeightProblem:
+class GradWeightProblem(_Forward):
     """wgrad of one forward problem as a forward convolution with the roles turned (module doc)."""
 
     def __init__(self, x_shape, w_shape, layout: str, stride, padding, dilation):
-        (self.N, self.C, self.H, self.W, self.K, self.R, self.S, self.P, self.Q, self.stride, self.padding,
-         self.dilation) = geometry(x_shape, w_shape, layout, stride, padding, dilation)
-        self.layout = layout
-        self.x_shape, self.w_shape = tuple(x_shape), tuple(w_shape)
+        super().__init__(x_shape, w_shape, layout, stride, padding, dilation)
         N, C, K, P, Q = self.N, self.C, self.K, self.P, self.Q
-        self.dy_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
         (sth, stw), (dh, dw) = self.stride, self.dilation
         #: x turned: C images of N channels, the rows the taps reach (zero-padded), so the output is R x S
         self.Hx = (self.R - 1) * dh + (P - 1) * sth + 1

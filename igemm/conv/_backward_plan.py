@@ -62,6 +62,36 @@ class _GradPlan:
                           device="numpy" if self.device_id is None else self.device_id, options=options,
                           arch=arch if self.device_id is None else None, sms=sms if self.device_id is None else None)
 
+    def _general(self, a: tuple, b: tuple, out_shape, out_dtype: str, mask, prologue, out, stream):
+        """The call for any array kind: ``a``, ``b`` = (name, array, shape); every check before any launch, the
+        numpy backend's references, or the views' pointers to :meth:`_run`."""
+        (na, a, sa), (nb, b, sb) = a, b
+        require_array(a, na)
+        require_array(b, nb)
+        check_stream(stream)
+        ctx = CallContext({na: a, nb: b, **self._arrays(mask, prologue), "out": out}, stream)
+        v = ctx.views
+        self._check(v[na], na, sa, self.dtype)
+        self._check(v[nb], nb, sb, self.dtype)
+        self._check_fused(v, self.problem.dy_shape, self.problem.K, mask, prologue)
+        if out is not None:
+            check_output(v["out"], "out", shape=out_shape, dtypes=(out_dtype,),
+                         inputs={k: t for k, t in v.items() if k != "out"})
+            if v["out"].kind != "numpy":
+                check_aligned(v["out"], "out", 16)    # (a convolution's epilogue may store into it)
+        if self.backend == "numpy":
+            return self._numpy(v, out)
+        if ctx.device_id != self.device_id:
+            raise ValueError(f"{na}: on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
+        o_obj, d_out = (out, ctx.device_view("out")) if out is not None else ctx.empty(out_shape, out_dtype)
+        with self._lock:
+            self._run(ctx.stream.handle, ctx.device_view(na).ptr, ctx.device_view(nb).ptr, d_out.ptr,
+                      _fused_ptrs(ctx))
+        if out is not None:
+            ctx.copy_back("out", d_out)
+            return out
+        return ctx.finish(o_obj)
+
     def sub_plans(self) -> list[Conv2dPlan]:
         """The forward plans this plan launches (e.g. to compile their kernels ahead of time)."""
         return list(self.plans.values()) if hasattr(self, "plans") else [self.plan]
@@ -201,32 +231,8 @@ class Conv2dGradInputPlan(_GradPlan):
             with self._lock:
                 self._run(fast[1], dy.data_ptr(), w.data_ptr(), dx.data_ptr(), fast[2])
             return dx
-        require_array(dy, "dy")
-        require_array(w, "w")
-        check_stream(stream)
-        ctx = CallContext({"dy": dy, "w": w, **self._arrays(mask, prologue), "out": out}, stream)
-        v = ctx.views
-        g = self.problem
-        self._check(v["dy"], "dy", g.dy_shape, self.dtype)
-        self._check(v["w"], "w", g.w_shape, self.dtype)
-        self._check_fused(v, g.dy_shape, g.K, mask, prologue)
-        if out is not None:
-            check_output(v["out"], "out", shape=g.x_shape, dtypes=(self.dtype,),
-                         inputs={k: t for k, t in v.items() if k != "out"})
-            if v["out"].kind != "numpy":
-                check_aligned(v["out"], "out", 16)
-        if self.backend == "numpy":
-            return self._numpy(v, out)
-        if ctx.device_id != self.device_id:
-            raise ValueError(f"dy: on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
-        o_obj, d_out = (out, ctx.device_view("out")) if out is not None else ctx.empty(g.x_shape, self.dtype)
-        with self._lock:
-            self._run(ctx.stream.handle, ctx.device_view("dy").ptr, ctx.device_view("w").ptr, d_out.ptr,
-                      _fused_ptrs(ctx))
-        if out is not None:
-            ctx.copy_back("out", d_out)
-            return out
-        return ctx.finish(o_obj)
+        return self._general(("dy", dy, g.dy_shape), ("w", w, g.w_shape), g.x_shape, self.dtype, mask, prologue,
+                             out, stream)
 
     def _numpy(self, v: dict, out):
         g = self.problem
@@ -303,32 +309,10 @@ class Conv2dGradWeightPlan(_GradPlan):
             with self._lock:
                 self._run(fast[1], x.data_ptr(), dy.data_ptr(), dw.data_ptr(), fast[2])
             return dw
-        require_array(x, "x")
-        require_array(dy, "dy")
-        check_stream(stream)
         if self.accumulate and out is None:
             raise ValueError("out: required with accumulate=True (the array the gradient is added to)")
-        ctx = CallContext({"x": x, "dy": dy, **self._arrays(mask, prologue), "out": out}, stream)
-        v = ctx.views
-        g = self.problem
-        self._check(v["x"], "x", g.x_shape, self.dtype)
-        self._check(v["dy"], "dy", g.dy_shape, self.dtype)
-        self._check_fused(v, g.dy_shape, g.K, mask, prologue)
-        if out is not None:
-            check_output(v["out"], "out", shape=g.w_shape, dtypes=(self.out_dtype,),
-                         inputs={k: t for k, t in v.items() if k != "out"})
-        if self.backend == "numpy":
-            return self._numpy(v, out)
-        if ctx.device_id != self.device_id:
-            raise ValueError(f"x: on cuda:{ctx.device_id} but the plan was built for cuda:{self.device_id}")
-        o_obj, d_out = (out, ctx.device_view("out")) if out is not None else ctx.empty(g.w_shape, self.out_dtype)
-        with self._lock:
-            self._run(ctx.stream.handle, ctx.device_view("x").ptr, ctx.device_view("dy").ptr, d_out.ptr,
-                      _fused_ptrs(ctx))
-        if out is not None:
-            ctx.copy_back("out", d_out)
-            return out
-        return ctx.finish(o_obj)
+        return self._general(("x", x, g.x_shape), ("dy", dy, g.dy_shape), g.w_shape, self.out_dtype, mask, prologue,
+                             out, stream)
 
     def _numpy(self, v: dict, out):
         g = self.problem

@@ -89,7 +89,7 @@ def conv2d_grad_input(dy, w, x_shape, stride=1, padding=0, dilation=1, *, layout
     require_array(dy, "dy")
     require_array(w, "w")
     check_stream(stream)
-    if layout == "NCHW" and _channels_last(dy):
+    if layout == "NCHW" and _channels_last(dy) and getattr(w, "ndim", 0) == 4:
         # channels_last dy (NHWC memory): the NHWC plan on views, dx channels_last too (w, z, out: NHWC views)
         xs = check_shape_arg(tuple(x_shape) if hasattr(x_shape, "__len__") else x_shape, "x_shape", 4)
         dx = conv2d_grad_input(_permute(dy, (0, 2, 3, 1)), _nhwc_view(w, "w"), (xs[0], xs[2], xs[3], xs[1]), stride,
@@ -128,7 +128,7 @@ def conv2d_grad_weight(x, dy, w_shape, stride=1, padding=0, dilation=1, *, layou
     require_array(x, "x")
     require_array(dy, "dy")
     check_stream(stream)
-    if layout == "NCHW" and _channels_last(x):
+    if layout == "NCHW" and _channels_last(x) and getattr(dy, "ndim", 0) == 4:
         # channels_last x (NHWC memory): the NHWC plan on views, dw channels_last too (dy, z, out: NHWC views)
         ws = check_shape_arg(tuple(w_shape) if hasattr(w_shape, "__len__") else w_shape, "w_shape", 4)
         dw = conv2d_grad_weight(_permute(x, (0, 2, 3, 1)), _nhwc_view(dy, "dy"), (ws[0], ws[2], ws[3], ws[1]),

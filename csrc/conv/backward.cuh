@@ -41,23 +41,30 @@ IGEMM_DEVICE int channel(const P& p, const int (&i)[4]) {
   return c == 0 ? i[0] + p.off0 : c == 1 ? i[1] + p.off1 : c == 2 ? i[2] + p.off2 : i[3] + p.off3;
 }
 
-// Element (i0, i1, i2, i3): its value, 0 outside the source bounds.
-template <int Mode, class TS, class P>
-IGEMM_DEVICE float grad_element(const P& p, const int (&i)[4]) {
-  const TS* src = static_cast<const TS*>(p.src);
+// The source offset of destination index i over its first D dims (base included), and whether those lie inside
+// the source bounds.
+template <int D, class P>
+IGEMM_DEVICE bool source_offset(const P& p, const int (&i)[4], int64_t& so) {
   const int off[4] = {p.off0, p.off1, p.off2, p.off3};
   const int lim[4] = {p.lim0, p.lim1, p.lim2, p.lim3};
   const int64_t ss[4] = {p.ss0, p.ss1, p.ss2, p.ss3};
-  int64_t so = p.base;
+  so = p.base;
   bool ok = true;
 #pragma unroll
-  for (int d = 0; d < 4; ++d) {
+  for (int d = 0; d < D; ++d) {
     const int j = i[d] + off[d];
     ok = ok && unsigned(j) < unsigned(lim[d]);
     so += int64_t(j) * ss[d];
   }
-  if (!ok) return 0.f;
-  return grad_value<Mode, TS>(p, src, so, Mode == kBn ? channel(p, i) : 0);
+  return ok;
+}
+
+// Element (i0, i1, i2, i3): its value, 0 outside the source bounds.
+template <int Mode, class TS, class P>
+IGEMM_DEVICE float grad_element(const P& p, const int (&i)[4]) {
+  int64_t so;
+  if (!source_offset<4>(p, i, so)) return 0.f;
+  return grad_value<Mode, TS>(p, static_cast<const TS*>(p.src), so, Mode == kBn ? channel(p, i) : 0);
 }
 
 template <bool Accum, class TD, class P>
@@ -73,17 +80,8 @@ template <int Mode, bool Accum, int V, class TS, class TD, class P>
 IGEMM_DEVICE void grad_vector(const P& p, int (&i)[4]) {
   struct alignas(sizeof(TS) * V) VS { TS v[V]; };
   struct alignas(sizeof(TD) * V) VD { TD v[V]; };
-  const int off[4] = {p.off0, p.off1, p.off2, p.off3};
-  const int lim[4] = {p.lim0, p.lim1, p.lim2, p.lim3};
-  const int64_t ss[4] = {p.ss0, p.ss1, p.ss2, p.ss3};
-  int64_t so = p.base;
-  bool ok = true;
-#pragma unroll
-  for (int d = 0; d < 3; ++d) {
-    const int j = i[d] + off[d];
-    ok = ok && unsigned(j) < unsigned(lim[d]);
-    so += int64_t(j) * ss[d];
-  }
+  int64_t so;
+  const bool ok = source_offset<3>(p, i, so);      // (dim 3: unit stride, no bounds)
   so += i[3];
   float v[V];
   if (ok) {

@@ -206,24 +206,14 @@ class GradWeightProblem(_Forward):
     def x_move(self) -> Move:
         """x -> xt[c][h'][w'][n] = x[n][h' − pad_h][w' − pad_w][c] (zero outside x)."""
         ph, pw = self.padding
-        if self.layout == "NCHW":
-            sN, sC, sH, sW = contiguous(self.x_shape)
-            tb = 2
-        else:
-            sN, sH, sW, sC = contiguous(self.x_shape)
-            tb = 0
-        return Move(self.xt_shape, (sC, sH, sW, sN), contiguous(self.xt_shape), off=(0, -ph, -pw, 0),
+        src, tb = _turned(self.x_shape, self.layout)
+        return Move(self.xt_shape, src, contiguous(self.xt_shape), off=(0, -ph, -pw, 0),
                     lim=(self.C, self.H, self.W, self.N), tb=tb)
 
     def dy_move(self) -> Move:
         """dy -> dyt[k][p][q][n] (the mask / BN prologue applied on the way: channel dim 0)."""
-        if self.layout == "NCHW":
-            sN, sK, sP, sQ = contiguous(self.dy_shape)
-            tb = 2
-        else:
-            sN, sP, sQ, sK = contiguous(self.dy_shape)
-            tb = 0
-        return Move(self.dyt_shape, (sK, sP, sQ, sN), contiguous(self.dyt_shape), tb=tb, cdim=0, K=self.K)
+        src, tb = _turned(self.dy_shape, self.layout)
+        return Move(self.dyt_shape, src, contiguous(self.dyt_shape), tb=tb, cdim=0, K=self.K)
 
     def w_move(self) -> Move:
         """yt[c][r][s][k] -> dw (w's layout)."""
@@ -231,3 +221,13 @@ class GradWeightProblem(_Forward):
         if self.layout == "NCHW":     # dw[K][C][R][S]
             return Move(self.w_shape, (sK, sC, sR, sS), contiguous(self.w_shape), tb=0)
         return Move(self.w_shape, (sK, sR, sS, sC), contiguous(self.w_shape), tb=0)
+
+
+def _turned(shape, layout: str) -> tuple:
+    """An activation (x or dy) read turned, as (channels, rows, columns, images): its element strides in that order,
+    and the dim its memory is contiguous along (the tiled move's ``tb``)."""
+    if layout == "NCHW":
+        sN, sC, sH, sW = contiguous(shape)
+        return (sC, sH, sW, sN), 2
+    sN, sH, sW, sC = contiguous(shape)
+    return (sC, sH, sW, sN), 0

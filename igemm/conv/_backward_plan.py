@@ -18,7 +18,7 @@ from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
 from ._backward import GradInputProblem, GradWeightProblem
 from ._moves import Move, contiguous
-from ._plan import Conv2dPlan, _dtype_arg, _tf32, resolve_device
+from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
 from ._problem import PRECISIONS
 
 __all__ = ["Conv2dGradInputPlan", "Conv2dGradWeightPlan", "GradPrologue"]
@@ -42,8 +42,6 @@ class GradPrologue:
 
 class _GradPlan:
     """What both plans share: arguments, the forward plans' device, scratch, the prologue's checks."""
-
-    kind = ""
 
     def _setup(self, dtype, layout, precision, mask, prologue, device):
         self.dtype = _dtype_arg(dtype)
@@ -92,10 +90,6 @@ class _GradPlan:
             return out
         return ctx.finish(o_obj)
 
-    def sub_plans(self) -> list[Conv2dPlan]:
-        """The forward plans this plan launches (e.g. to compile their kernels ahead of time)."""
-        return list(self.plans.values()) if hasattr(self, "plans") else [self.plan]
-
     def _buf(self, name: str, shape, dtype: str) -> int:
         b = self._scratch.get(name)
         if b is None:
@@ -103,13 +97,7 @@ class _GradPlan:
         return b.ptr
 
     def _check(self, t, name: str, shape, dtype) -> None:
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected shape {tuple(shape)} ({self.layout}), got {tuple(t.shape)}")
-        if t.dtype != dtype:
-            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: must be contiguous in {self.layout} order (shape {tuple(t.shape)}, strides "
-                             f"{t.strides}); call .contiguous() first")
+        check_tensor(t, name, shape, dtype, self.layout)
 
     def _check_fused(self, v: dict, dy_shape, K: int, mask, prologue) -> None:
         """mask= and prologue= against the plan and dy."""
@@ -176,11 +164,10 @@ class _GradPlan:
                     or not v.is_contiguous()):
                 return None
         fp = {"mask": 0, "z": 0, "coef": 0}
-        numel = a.numel() if self.kind == "grad_input" else b.numel()         # (dy's)
-        dy_shape = a_shape if self.kind == "grad_input" else b_shape
+        dy_shape = self.problem.dy_shape
         if mask is not None:
             if (type(mask) is not T or mask.dtype not in (t.int32, t.uint32) or mask.dim() != 1
-                    or mask.shape[0] < (numel + 31) // 32 or not mask.is_contiguous()
+                    or mask.shape[0] < (math.prod(dy_shape) + 31) // 32 or not mask.is_contiguous()
                     or mask.get_device() != self.device_id or mask.data_ptr() % 4):
                 return None
             fp["mask"] = mask.data_ptr()
@@ -202,8 +189,6 @@ class Conv2dGradInputPlan(_GradPlan):
     ``prologue``: whether calls pass the forward's ReLU mask of y / a :class:`GradPrologue`.
     """
 
-    kind = "grad_input"
-
     @keeps_current_context
     def __init__(self, x_shape, w_shape, dtype, layout: str = "NCHW", stride=1, padding=0, dilation=1, *,
                  precision: str = "strict", mask: bool = False, prologue: bool = False, device=None, options=None,
@@ -221,6 +206,10 @@ class Conv2dGradInputPlan(_GradPlan):
         self._zero = any(ph.zero for ph in g.phases)
         self._ymax = max((math.prod(g.sub_y_shape(ph)) for ph in g.phases if not ph.zero), default=1)
         self._dx_bytes = math.prod(g.x_shape) * DTYPE_SIZES[self.dtype]
+
+    def sub_plans(self) -> list[Conv2dPlan]:
+        """The forward plans this plan launches (e.g. to compile their kernels ahead of time)."""
+        return list(self.plans.values())
 
     def __call__(self, dy, w, *, mask=None, prologue=None, out=None, stream=None):
         """dx for ``dy`` (the forward output's gradient) and the filter ``w``. ``out``: a preallocated dx."""
@@ -269,8 +258,6 @@ class Conv2dGradWeightPlan(_GradPlan):
     ``accumulate``: add into ``out`` (gradient accumulation) instead of overwriting it.
     """
 
-    kind = "grad_weight"
-
     @keeps_current_context
     def __init__(self, x_shape, w_shape, dtype, layout: str = "NCHW", stride=1, padding=0, dilation=1, *,
                  precision: str = "strict", mask: bool = False, prologue: bool = False, out_dtype=None,
@@ -295,7 +282,12 @@ class Conv2dGradWeightPlan(_GradPlan):
         else:
             self._moves = (g.gemm_operand_move(self.role), self._fused_move(g.dy_shape, g.K),
                            g.gemm_out_move(self.role))
+            self._wt_shape = g.gemm_plan_args(self.role)["w_shape"]
         self.sms = self.plan.sms
+
+    def sub_plans(self) -> list[Conv2dPlan]:
+        """The forward plan this plan launches (e.g. to compile its kernels ahead of time)."""
+        return [self.plan]
 
     def __call__(self, x, dy, *, mask=None, prologue=None, out=None, stream=None):
         """dw for the forward input ``x`` and the output gradient ``dy``; ``out`` (required with
@@ -345,8 +337,7 @@ class Conv2dGradWeightPlan(_GradPlan):
         g, dev, role = self.problem, self.device_id, self.role
         mode = _mode(fp)
         opm, prem, outm = self._moves
-        a = g.gemm_plan_args(role)
-        wt = self._buf("wt", a["w_shape"], self.dtype)
+        wt = self._buf("wt", self._wt_shape, self.dtype)
         if role == "dy":
             opm.launch(dev, h, self.dtype, self.dtype, x, wt, sms=self.sms)
             src = dy

@@ -6,8 +6,9 @@ permute (with a dtype change and ``accumulate``), and the ReLU-mask / BN-backwar
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from .. import _kernel
 from .._kernel import ParamSpec
@@ -55,12 +56,23 @@ class Move:
     cdim: int = 0
     K: int = 0
 
-    @property
+    @cached_property
     def numel(self) -> int:
-        n = 1
-        for v in self.shape:
-            n *= v
-        return n
+        return math.prod(self.shape)
+
+    @cached_property
+    def _vector_layout(self) -> int:
+        """The widest V (8, 4; 0: none) whose rows this move's shape, strides and bounds allow (grad_vector);
+        the pointers' alignment is the call's to check."""
+        lim = self.lim if self.lim is not None else self.shape
+        if not (self.src_strides[3] == 1 and self.dst_strides[3] == 1 and self.off[3] == 0
+                and lim[3] >= self.shape[3]):
+            return 0
+        for v in (8, 4):
+            if (self.shape[3] % v == 0 and self.base % v == 0
+                    and all(s % v == 0 for s in (*self.src_strides[:3], *self.dst_strides[:3]))):
+                return v
+        return 0
 
     def args(self, src: int, dst: int, mask: int = 0, z: int = 0, coef: int = 0, vec: int = 1) -> _kernel.PackedArgs:
         """The launch arguments: the move's own packed once (:func:`_template`), the pointers bound per call."""
@@ -82,13 +94,9 @@ class Move:
         if self.tb is not None and self.tb != 3:
             assert self.tb in (0, 2), "the tiled kernel's source dim: 0 or 2"
             return 0
-        es = max(DTYPE_SIZES[ts], DTYPE_SIZES[td])
-        v = 16 // es
-        lim = self.lim if self.lim is not None else self.shape
-        ok = (self.src_strides[3] == 1 and self.dst_strides[3] == 1 and self.off[3] == 0 and lim[3] >= self.shape[3]
-              and self.shape[3] % v == 0 and self.base % v == 0
-              and all(s % v == 0 for s in (*self.src_strides[:3], *self.dst_strides[:3]))
-              and (src + self.base * DTYPE_SIZES[ts]) % 16 == 0 and dst % 16 == 0 and z % 16 == 0)
+        v = 16 // max(DTYPE_SIZES[ts], DTYPE_SIZES[td])
+        ok = (self._vector_layout >= v and (src + self.base * DTYPE_SIZES[ts]) % 16 == 0 and dst % 16 == 0
+              and z % 16 == 0)
         return v if ok else 1
 
     def launcher(self, device_id: int, ts: str, td: str, vec: int, mode: str = "plain", accumulate: bool = False,

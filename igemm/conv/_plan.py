@@ -25,7 +25,7 @@ from ._problem import DTYPES, PRECISIONS, ConvProblem, geometry, k_table
 from ._rules import FFMA_CONFIG, choose_splits, patch_config
 from ._spec import CONV_PARAMS, KernelSpec, min_blocks_for, one_consumer_stages, store_for, stub, validate_spec
 
-__all__ = ["Conv2dPlan", "as_epilogue", "resolve_device"]
+__all__ = ["Conv2dPlan", "as_epilogue", "resolve_device", "check_tensor"]
 
 
 def as_epilogue(epilogue):
@@ -411,13 +411,7 @@ class Conv2dPlan:
                 raise ValueError(f"mask_out: expected a 1-D array of >= {self.mask_words} words, got shape {mo.shape}")
 
     def _check(self, t: Tensor, name: str, shape, dtype) -> None:
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape} ({self.layout}), got {tuple(t.shape)}")
-        if t.dtype != dtype:
-            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: must be contiguous in {self.layout} order (shape {t.shape}, strides "
-                             f"{t.strides}); call .contiguous() first")
+        check_tensor(t, name, shape, dtype, self.layout)
 
     def _run_numpy(self, v: dict, out, mask_out, chain):
         """The numpy backend: the float64 reference with the plan's folded-at-build values (or the call's)."""
@@ -474,6 +468,17 @@ class Conv2dPlan:
         return (f"Conv2dPlan(x={self.x_shape}, w={self.w_shape}, {self.dtype}, {self.layout}, stride={pb.stride}, "
                 f"padding={pb.padding}, dilation={pb.dilation}, epilogue={self.chain!r}, "
                 f"device={'numpy' if self.device_id is None else f'cuda:{self.device_id}'}{path})")
+
+
+def check_tensor(t: Tensor, name: str, shape, dtype: str, layout: str) -> None:
+    """A plan's array argument: exactly ``shape`` (in ``layout``), ``dtype``, contiguous."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} ({layout}), got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous in {layout} order (shape {tuple(t.shape)}, strides "
+                         f"{t.strides}); call .contiguous() first")
 
 
 def _unaligned(spec: KernelSpec, kp: ConvProblem, x_aligned: bool, w_aligned: bool) -> KernelSpec:

@@ -1,16 +1,23 @@
 """igemm inside PyTorch models (needs ``torch``: ``pip install 'igemm[torch]'``).
 
 - ``torch.ops.igemm.conv2d``: the fused convolution as a custom op (fake implementation included:
-  ``torch.compile(fullgraph=True)``, ``torch.export`` and CUDA graphs take it); :func:`conv2d` calls it.
+  ``torch.compile(fullgraph=True)``, ``torch.export`` and CUDA graphs take it), differentiable through
+  ``torch.ops.igemm.conv2d_backward`` (igemm's dgrad and wgrad, the ReLU read as the 1-bit mask);
+  :func:`conv2d` calls it.
+- ``torch.ops.igemm.conv2d_bn_train`` (:func:`conv2d_bn_train`): conv -> BatchNorm with batch statistics
+  [-> + residual] [-> ReLU] for training (the running statistics updated as ``BatchNorm2d`` does), whose
+  backward fuses BN's backward into dgrad's and wgrad's load.
 - Modules: :class:`Conv2d` (a drop-in ``torch.nn.Conv2d``), :class:`Conv2dBN`, :class:`Conv2dBNReLU`,
-  :class:`Conv2dBNAddReLU` (BatchNorm folded into the kernel in inference).
+  :class:`Conv2dBNAddReLU` (inference: BatchNorm folded into the kernel; training: the training op).
 - :func:`convert`: a model's convolution patterns replaced by those modules; :func:`precompile`: their kernels
-  compiled ahead of the first forward (in parallel, no GPU needed).
+  (a training model's backward included) compiled ahead of the first step (in parallel, no GPU needed).
 
-channels_last inputs run igemm's NHWC kernel without a copy and give channels_last outputs.
+channels_last inputs run igemm's NHWC kernels without a copy and give channels_last outputs.
 """
 from ._ops import conv2d, precompile
+from . import _autograd  # noqa: F401  (conv2d's backward op and autograd formula)
+from ._train_ops import conv2d_bn_train
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU
 from ._convert import Report, convert
 
-__all__ = ["conv2d", "precompile", "Conv2d", "Conv2dBN", "Conv2dBNReLU", "Conv2dBNAddReLU", "convert", "Report"]
+__all__ = ["conv2d", "conv2d_bn_train", "precompile", "Conv2d", "Conv2dBN", "Conv2dBNReLU", "Conv2dBNAddReLU", "convert", "Report"]

@@ -1,11 +1,15 @@
 """``igemm.nn`` modules: a drop-in ``Conv2d`` and the fused ``Conv2dBN``, ``Conv2dBNReLU``, ``Conv2dBNAddReLU``.
 
-In inference (eval mode, no gradient needed: ``torch.no_grad()``) a forward is one ``torch.ops.igemm.conv2d``
-call: one igemm kernel on CUDA with the bias, the BatchNorm (folded, re-folded when a parameter or running
-statistic changes), the residual and the ReLU in its epilogue. A forward that needs gradients runs PyTorch's ops
-(igemm has no convolution backward yet) and says so once; so does anything the kernel does not run (groups != 1,
-a padding mode other than zeros, asymmetric ``padding="same"``). On the CPU, and for dtypes other than
-fp16/bf16/fp32, the op computes the same with PyTorch's ops.
+Inference (eval mode): a forward is one ``torch.ops.igemm.conv2d`` call, one igemm kernel on CUDA with the bias,
+the BatchNorm (folded, re-folded when a parameter or running statistic changes), the residual and the ReLU in
+its epilogue; it is differentiable (``torch.ops.igemm.conv2d_backward``: igemm's dgrad and wgrad).
+Training (BatchNorm with batch statistics): one ``torch.ops.igemm.conv2d_bn_train`` call (conv, statistics,
+BN-Add-ReLU writing the 1-bit mask) whose backward is igemm's BN-backward reduction and the dgrad and wgrad
+with the BN backward fused into their load of dy; the running statistics are updated as ``BatchNorm2d`` does.
+Under ``torch.autocast`` the convolution runs in the autocast dtype (BatchNorm's parameters stay fp32).
+What the kernels do not run (groups != 1, a padding mode other than zeros, asymmetric ``padding="same"``, a
+conv bias before a training-mode BatchNorm) runs PyTorch's ops and says so once. On the CPU, and for dtypes
+other than fp16/bf16/fp32, the ops compute the same with PyTorch's ops.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import _ops
+from . import _ops, _train_fast, _train_ops
 
 __all__ = ["Conv2d", "Conv2dBN", "Conv2dBNReLU", "Conv2dBNAddReLU"]
 
@@ -40,11 +44,8 @@ def _padding(conv: nn.Conv2d) -> tuple | None:
     return tuple(p)
 
 
-def _why_not(conv: nn.Conv2d, x: torch.Tensor, module: nn.Module, padding) -> str | None:
+def _why_not(conv: nn.Conv2d, x: torch.Tensor, padding) -> str | None:
     """Why this forward cannot run igemm's kernel (None: it can); ``padding``: ``_padding(conv)``."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())):
-        return ("training (igemm has no convolution backward yet)" if module.training else
-                "gradients needed (igemm has no convolution backward yet; run inference under torch.no_grad())")
     if padding is None:
         if conv.groups != 1:
             return f"groups={conv.groups} (igemm runs groups=1)"
@@ -54,6 +55,21 @@ def _why_not(conv: nn.Conv2d, x: torch.Tensor, module: nn.Module, padding) -> st
     if x.dim() != 4:
         return f"a {x.dim()}-D input"
     return None           # (the op itself runs PyTorch's ops on the CPU and for dtypes the kernel lacks)
+
+
+def _direct(x: torch.Tensor, module: nn.Module) -> bool:
+    """Whether the forward may skip the op (the eager path): no autograd graph to record, no autocast."""
+    return (_ops.eager(x) and not torch.is_autocast_enabled("cuda")
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))))
+
+
+def _autocast(*ts):
+    """The tensors in the autocast dtype where ``torch.autocast`` is on for CUDA (the conv's operands), else as
+    they are."""
+    if not torch.is_autocast_enabled("cuda"):
+        return ts
+    dt = torch.get_autocast_dtype("cuda")
+    return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.is_cuda else t for t in ts)
 
 
 class Conv2d(nn.Conv2d):
@@ -73,15 +89,16 @@ class Conv2d(nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pad = _padding(self)
-        why = _why_not(self, x, self, pad)
+        why = _why_not(self, x, pad)
         if why is not None:
             _say_once(f"Conv2d: {why}")
             return super().forward(x)
         p = self._parameters
-        if _ops.eager(x):
+        if _direct(x, self):
             return _ops.fast(self, x, None, (p["weight"], p["bias"], None, None, None, None), 1e-5, self.stride, pad,
                              self.dilation, False)
-        return _ops.conv2d(x, p["weight"], p["bias"], stride=self.stride, padding=pad, dilation=self.dilation)
+        x, w, b = _autocast(x, p["weight"], p["bias"])
+        return _ops.conv2d(x, w, b, stride=self.stride, padding=pad, dilation=self.dilation)
 
 
 class _ConvBN(nn.Module):
@@ -109,17 +126,44 @@ class _ConvBN(nn.Module):
         c, bn = self._modules["conv"], self._modules["bn"]       # (not nn.Module.__getattr__: per-call cost)
         cp, bp, bb = c._parameters, bn._parameters, bn._buffers
         pad = _padding(c)
-        why = _why_not(c, x, self, pad)
-        if why is None and (self.training or bb.get("running_mean") is None):
-            why = "BatchNorm in training mode (batch statistics)"
+        why = _why_not(c, x, pad)
+        batch_stats = self.training or bb.get("running_mean") is None
+        if why is None and batch_stats and cp["bias"] is not None:
+            why = "a conv bias before a training-mode BatchNorm"
         if why is not None:
             _say_once(f"{type(self).__name__}: {why}")
             return self._torch(x, identity)
         res = identity if self.add else None
+        if batch_stats:
+            return self._train(x, res, pad)
         tensors = (cp["weight"], cp["bias"], bp["weight"], bp["bias"], bb["running_mean"], bb["running_var"])
-        if _ops.eager(x):
+        if _direct(x, self) and (res is None or not res.requires_grad):
             return _ops.fast(self, x, res, tensors, bn.eps, c.stride, pad, c.dilation, self.relu)
-        return _ops.conv2d(x, *tensors, bn.eps, res, c.stride, pad, c.dilation, self.relu)
+        x, w, b, res = _autocast(x, cp["weight"], cp["bias"], res)
+        return _ops.conv2d(x, w, b, *tensors[2:], bn.eps, res, c.stride, pad, c.dilation, self.relu)
+
+    def _train(self, x, res, pad):
+        """BatchNorm with batch statistics: the training op, then BatchNorm2d's running-statistics update."""
+        c, bn = self._modules["conv"], self._modules["bn"]
+        x, w, res = _autocast(x, c.weight, res)
+        N, K, P, Q = _ops._out_size(x, w, c.stride, pad, c.dilation) if x.dim() == 4 else (0,) * 4
+        if self.training and N * P * Q <= 1:           # (BatchNorm2d's own check)
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                             f"{(N, K, P, Q)}")
+        rm = rv = None
+        f = 0.0
+        if self.training and bn.track_running_stats:     # (as BatchNorm2d.forward, momentum None included)
+            if bn.num_batches_tracked is not None:
+                bn.num_batches_tracked.add_(1)
+            f = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+            rm, rv = bn.running_mean, bn.running_var
+        if _ops.eager(x):
+            out = _train_fast.train(self, x, w, bn.weight, bn.bias, res, rm, rv, f, bn.eps, c.stride, pad, c.dilation,
+                                    self.relu)
+            if out is not None:
+                return out[0]
+        return _train_ops.conv2d_bn_train(x, w, bn.weight, bn.bias, bn.eps, res, c.stride, pad, c.dilation, self.relu,
+                                          running_mean=rm, running_var=rv, momentum=f)[0]
 
 
 class Conv2dBN(_ConvBN):

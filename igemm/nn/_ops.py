@@ -201,6 +201,7 @@ def _conv2d_fake(x, weight, bias, bn_weight, bn_bias, bn_mean, bn_var, eps, resi
                  relu):
     if _recording is not None and x.dtype in _DTYPES and weight.dtype == x.dtype:   # (any device: ahead of time)
         _recording.append(_plan_key(x, weight, bias, bn_mean, residual, stride, padding, dilation, relu))
+        _recording.append(grad_key(x, weight, stride, padding, dilation, relu, False))
     out = x.new_empty(_out_size(x, weight, stride, padding, dilation))
     return out.contiguous(memory_format=_CL) if _nhwc(x) else out
 
@@ -217,11 +218,13 @@ def conv2d(x, weight, bias=None, bn_weight=None, bn_bias=None, bn_mean=None, bn_
                                   list(stride), list(padding), list(dilation), bool(relu))
 
 
-def precompile(model, *inputs, arch: str | None = None, sms: int | None = None, jobs: int | None = None) -> int:
+def precompile(model, *inputs, arch: str | None = None, sms: int | None = None, jobs: int | None = None,
+               backward: bool | None = None) -> int:
     """Compile, in parallel, the kernels ``model`` (e.g. ``igemm.nn.convert(...)``'s result) launches for these
     inputs (example tensors: their shapes, dtypes and memory formats; they may be on the CPU), so that its first
     forward compiles nothing. Runs the model on fake tensors (no computation, no GPU needed). ``arch``/``sms``:
-    the target GPU (default: cuda:0's where there is one, else sm_90a with 132 SMs). Returns the kernel count."""
+    the target GPU (default: cuda:0's where there is one, else sm_90a with 132 SMs). ``backward`` (default: the
+    model is in training mode): also the dgrad and wgrad kernels of a training step. Returns the kernel count."""
     global _recording
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -230,15 +233,50 @@ def precompile(model, *inputs, arch: str | None = None, sms: int | None = None, 
         from .. import _runtime
         arch, sms = _runtime.device_arch(0), _runtime.device_props(0).multiprocessor_count
     arch, sms = arch or "sm_90a", 132 if sms is None else int(sms)
+    backward = getattr(model, "training", False) if backward is None else bool(backward)
     calls: list = []
+    # (a training forward counts num_batches_tracked on the real buffers: put them back)
+    kept = [(b, b.clone()) for b in model.buffers()] if isinstance(model, torch.nn.Module) else []
     _recording = calls
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
             model(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs])
     finally:
         _recording = None
-    items = [_make_plan(key, "numpy", arch=arch, sms=sms).kernel() for key in dict.fromkeys(calls)]
-    return _build.compile_many(items, arch, jobs)
+        with torch.no_grad():
+            for b, v in kept:
+                b.copy_(v)
+    items = {}
+    for key in dict.fromkeys(calls):
+        if key[0] == "grad":
+            if backward:
+                items.update(_grad_kernels(key[1:], arch, sms))
+        else:
+            name, src = _make_plan(key, "numpy", arch=arch, sms=sms).kernel()
+            items[src] = name
+    if backward and items:
+        from ..conv import _moves
+        items.update({src: name for name, src in _moves.all_variants()})
+    return _build.compile_many([(n, s) for s, n in items.items()], arch, jobs)
+
+
+def grad_key(x, weight, stride, padding, dilation, mask: bool, prologue: bool) -> tuple:
+    """What a call's dgrad and wgrad plans depend on (recorded by the fake implementations for precompile)."""
+    fwd = _plan_key(x, weight, None, None, None, stride, padding, dilation, False)
+    return ("grad", *fwd[:7], bool(mask), bool(prologue))
+
+
+def _grad_kernels(key: tuple, arch: str, sms: int) -> dict:
+    from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
+    xs, ws, dtype, layout, stride, padding, dilation, mask, prologue = key
+    out = {}
+    for cls in (Conv2dGradInputPlan, Conv2dGradWeightPlan):
+        plan = cls(xs, ws, dtype, layout, stride, padding, dilation, mask=mask, prologue=prologue, device="numpy",
+                   arch=arch, sms=sms)
+        for sub in plan.sub_plans():
+            name, src = sub.kernel()
+            out[src] = name
+    return out
 
 
 # ------------------------------------------------------------------------------------------- the eager path

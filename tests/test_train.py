@@ -1,0 +1,425 @@
+"""Training through igemm: the autograd formulas of ``torch.ops.igemm.conv2d`` and ``igemm.nn.conv2d_bn_train``, the
+training-mode modules (batch statistics, running statistics as ``BatchNorm2d``), torch.compile of a training
+step, and precompile of a training step's kernels. The CPU tests need only torch (CI): gradcheck in float64 on
+the ops' CPU implementations. The GPU tests compare igemm's gradients with float64 ones, allowing at most twice
+the error of PyTorch's own CUDA computation in the same dtype (plus a floor).
+
+    python tests/test_train.py precompile [arch]     compiles every kernel the GPU tests launch
+"""
+from __future__ import annotations
+
+import copy
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.autograd import gradcheck  # noqa: E402
+
+import igemm.nn as inn  # noqa: E402
+from igemm import reference  # noqa: E402
+from igemm.nn import _autograd  # noqa: E402
+
+CL = torch.channels_last
+TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+class Block(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU, conv-BN, + identity (or a strided 1x1 conv-BN), ReLU."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.c2, self.b2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + identity)
+
+
+def small_resnet(classes=10):
+    return nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), Block(16, 16),
+                         Block(16, 32, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, classes))
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+def test_ops_are_registered_with_fake_and_autograd():
+    for name in ("conv2d", "conv2d_backward", "conv2d_bn_train", "conv2d_bn_train_backward"):
+        op = getattr(torch.ops.igemm, name).default
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("igemm::conv2d", "Autograd")   # (the training op: an
+    # autograd.Function, since it mutates the running statistics)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(2, 8, 9, 9).contiguous(memory_format=CL)
+        y, z, mask, mean, invstd = inn.conv2d_bn_train(x, torch.empty(4, 8, 3, 3), stride=(2, 2), padding=(1, 1))
+        assert y.shape == z.shape == (2, 4, 5, 5) and y.is_contiguous(memory_format=CL)
+        assert mask.shape == ((2 * 4 * 25 + 31) // 32,) and mask.dtype == torch.int32 and mean.shape == (4,)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+def test_mask_packing_matches_igemms_format(fmt):
+    torch.manual_seed(0)
+    bits = (torch.randn(3, 5, 4, 7) > 0).contiguous(memory_format=fmt)
+    mem = bits.permute(0, 2, 3, 1) if fmt == CL else bits
+    want = reference.pack_mask(mem.numpy()).view(np.int32)
+    m = _autograd.pack_mask(bits)
+    assert np.array_equal(m.numpy(), want)
+    assert torch.equal(_autograd.unpack_mask(m, bits), bits)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("relu,residual", [(False, False), (True, False), (True, True), (False, True)])
+def test_train_op_gradcheck_float64(fmt, relu, residual):
+    torch.manual_seed(1)
+    d = torch.float64
+    x = torch.randn(2, 3, 7, 6, dtype=d).contiguous(memory_format=fmt).requires_grad_()
+    w = torch.randn(4, 3, 3, 3, dtype=d, requires_grad=True)
+    g, b = (torch.rand(4, dtype=d) + 0.5).requires_grad_(), torch.randn(4, dtype=d, requires_grad=True)
+    r = torch.randn(2, 4, 4, 6, dtype=d).contiguous(memory_format=fmt).requires_grad_() if residual else None
+    f = lambda x, w, g, b, r: inn.conv2d_bn_train(x, w, g, b, 1e-5, r, (2, 1), (1, 1), (1, 1), relu)[0]  # noqa: E731
+    assert gradcheck(f, (x, w, g, b, r))
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("relu,residual,bn", [(False, False, False), (True, True, True), (True, False, True)])
+def test_conv2d_op_gradcheck_float64(fmt, relu, residual, bn):
+    """Every input of the fused inference op has its gradient: x, w, bias, BN's four vectors, the residual."""
+    torch.manual_seed(2)
+    d = torch.float64
+    x = torch.randn(2, 3, 6, 5, dtype=d).contiguous(memory_format=fmt).requires_grad_()
+    w = torch.randn(4, 3, 3, 3, dtype=d, requires_grad=True)
+    bias = torch.randn(4, dtype=d, requires_grad=True)
+    vecs = [torch.rand(4, dtype=d) + 0.5, torch.randn(4, dtype=d), torch.randn(4, dtype=d),
+            torch.rand(4, dtype=d) + 0.5] if bn else [None] * 4
+    vecs = [v.requires_grad_() if v is not None else None for v in vecs]
+    r = torch.randn(2, 4, 3, 5, dtype=d).contiguous(memory_format=fmt).requires_grad_() if residual else None
+    f = lambda x, w, bias, g, b, m, v, r: inn.conv2d(x, w, bias, g, b, m, v, 1e-5, r, (2, 1), (1, 1), (1, 1),  # noqa
+                                                     relu)
+    assert gradcheck(f, (x, w, bias, *vecs, r))
+
+
+def _train_pair(dtype=torch.float64, fmt=torch.contiguous_format, device="cpu", setup=None):
+    """(igemm model, PyTorch model, the igemm model's parameters and buffers in the PyTorch model's order)."""
+    torch.manual_seed(3)
+    ref = small_resnet().to(device=device, dtype=dtype).to(memory_format=fmt)
+    if setup is not None:
+        setup(ref)
+    twin = copy.deepcopy(ref)
+    params, buffers = list(twin.parameters()), list(twin.buffers())      # (the converted model shares them)
+    return inn.convert(twin, inplace=True).train(), ref.train(), params, buffers
+
+
+@pytest.mark.parametrize("momentum,track", [(0.1, True), (None, True), (0.3, False)])
+def test_modules_train_as_pytorch_float64(momentum, track):
+    """Outputs, every gradient and BatchNorm's buffers after three steps equal PyTorch's (float64, CPU)."""
+    def setup(m):
+        for bn in m.modules():
+            if isinstance(bn, nn.BatchNorm2d):
+                bn.momentum, bn.track_running_stats = momentum, track
+                if not track:
+                    bn.running_mean = bn.running_var = bn.num_batches_tracked = None
+
+    ig, ref, params, buffers = _train_pair(setup=setup)
+    for _ in range(3):
+        x = torch.randn(4, 3, 12, 12, dtype=torch.float64)
+        y1, y2 = ig(x), ref(x)
+        assert _rel(y1, y2) < 1e-12
+        y1.square().sum().backward()
+        y2.square().sum().backward()
+    for (name, b), a in zip(ref.named_parameters(), params):
+        assert _rel(a.grad, b.grad) < 1e-12, name
+    for (name, b), a in zip(ref.named_buffers(), buffers):
+        assert torch.equal(a, b) if not a.is_floating_point() else _rel(a, b) < 1e-12, name
+    assert len(buffers) == (18 if track else 0)          # (six BatchNorms)
+    ig.eval(), ref.eval()
+    assert _rel(ig(x), ref(x)) < 1e-12
+
+
+def test_compile_fullgraph_training_step_on_the_cpu():
+    """torch.compile(fullgraph=True) traces the training ops (forward, autograd, running statistics)."""
+    ig, ref, params, buffers = _train_pair(torch.float32)
+    x = torch.randn(4, 3, 12, 12)
+    y1, y2 = torch.compile(ig, fullgraph=True)(x), ref(x)
+    assert _rel(y1, y2) < 1e-5
+    y1.sum().backward(), y2.sum().backward()
+    for a, b in zip(params, ref.parameters()):
+        assert _rel(a.grad, b.grad) < 1e-4
+    for a, b in zip(buffers, ref.buffers()):
+        assert torch.equal(a, b) if not a.is_floating_point() else _rel(a, b) < 1e-5
+
+
+def test_precompile_of_a_training_model_records_its_backward(monkeypatch):
+    from igemm import _build
+    from igemm.nn import _ops
+    ig = _train_pair(torch.float16, CL)[0]
+    x = torch.randn(4, 3, 12, 12).half().contiguous(memory_format=CL)
+    seen = []
+    monkeypatch.setattr(_build, "compile_many", lambda items, arch, jobs=None: seen.append(list(items)) or 0)
+    before = [b.clone() for b in ig.buffers()]
+    inn.precompile(ig, x, arch="sm_90a", sms=132)
+    assert all(torch.equal(a, b) for a, b in zip(ig.buffers(), before))      # (num_batches_tracked not counted)
+    inn.precompile(ig.eval(), x, arch="sm_90a", sms=132)
+    train, infer = ({n for n, _ in s} for s in seen)
+    assert len(infer) < len(train) and any(n.startswith("grad_copy") for n in train)
+    import igemm
+    dgrad = igemm.Conv2dGradInputPlan((4, 12, 12, 16), (16, 3, 3, 16), "float16", "NHWC", 1, 1, mask=True,
+                                      prologue=True, device="numpy", arch="sm_90a", sms=132)
+    assert all(sub.kernel()[0] in train for sub in dgrad.sub_plans())
+    assert _ops._recording is None
+
+
+@pytest.fixture
+def cuda_path_on_numpy(monkeypatch, numpy_backend):
+    """The ops' CUDA implementations run on CPU tensors: igemm's functions on the numpy backend (torch CPU tensors
+    passed as numpy views, results back as tensors) and PyTorch's conv for the forward kernel."""
+    import igemm
+    from igemm.conv._backward_plan import GradPrologue
+    from igemm.nn import _ops
+
+    def to_np(a):
+        if isinstance(a, GradPrologue):
+            return GradPrologue(*(to_np(getattr(a, k)) for k in ("z", "coef", "grad_weight", "grad_bias")))
+        return a.numpy() if isinstance(a, torch.Tensor) else a
+
+    def to_torch(a):
+        if isinstance(a, tuple):
+            return tuple(to_torch(v) for v in a)
+        if isinstance(a, GradPrologue):
+            return GradPrologue(*(to_torch(getattr(a, k)) for k in ("z", "coef", "grad_weight", "grad_bias")))
+        return torch.from_numpy(a.view(np.int32) if a.dtype == np.uint32 else a) if isinstance(a, np.ndarray) else a
+
+    for name in ("batch_norm_stats", "batch_norm_relu", "batch_norm_elemt", "conv2d_grad_input", "conv2d_grad_weight",
+                 "conv2d_grad_prologue", "relu_backward", "relu_mask"):
+        f = getattr(igemm, name)
+        monkeypatch.setattr(igemm, name, lambda *a, f=f, **k: to_torch(f(*map(to_np, a),
+                                                                          **{n: to_np(v) for n, v in k.items()})))
+    monkeypatch.setattr(_ops, "supported", lambda x, w: True)
+    monkeypatch.setattr(_ops, "_conv2d_cuda", _ops._conv2d_torch)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("relu,residual", [(True, True), (False, False), (True, False), (False, True)])
+def test_cuda_implementations_match_the_cpu_ones(cuda_path_on_numpy, fmt, relu, residual):
+    """The CUDA implementations' steps (statistics with the running update, BN-ReLU and its mask, the prologue,
+    dgrad and wgrad through the mask and prologue, the inference op's scale folded into w and dw), run through
+    igemm's numpy backend, equal the CPU implementations (fp32)."""
+    from igemm.nn import _autograd, _train_ops
+    torch.manual_seed(6)
+    x = torch.randn(2, 8, 7, 6).contiguous(memory_format=fmt)
+    w, g, b = torch.randn(16, 8, 3, 3), torch.rand(16) + 0.5, torch.randn(16)
+    r = torch.randn(2, 16, 4, 6).contiguous(memory_format=fmt) if residual else None
+    geo = ([2, 1], [1, 1], [1, 1])
+    rv = torch.rand(16) + 0.5
+    run = {k: (torch.zeros(16), rv.clone()) for k in ("cuda", "cpu")}
+    got = _train_ops._forward_cuda(x, w, g, b, *run["cuda"], 0.1, 1e-5, r, *geo, relu)
+    want = _train_ops._forward_torch(x, w, g, b, *run["cpu"], 0.1, 1e-5, r, *geo, relu)
+    assert got[0].is_contiguous(memory_format=fmt)
+    assert torch.equal(got[2], want[2])                                   # the mask, bit for bit
+    for a, e in [*zip(got[:2] + got[3:], want[:2] + want[3:]), *zip(run["cuda"], run["cpu"])]:
+        assert _rel(a, e) < 1e-6
+    dy, (y, z, mask, mean, invstd) = torch.randn_like(want[0]), want
+    args = (dy, x, w, z, mask, mean, invstd, g, *geo, relu, residual, [True] * 4)
+    for a, e in zip(_train_ops._backward_cuda(*args), _train_ops._backward_torch(*args)):
+        assert a.shape == e.shape and (a.numel() == 0 or _rel(a, e) < 1e-6)
+    y = torch.relu(torch.randn_like(want[0])) if relu else None
+    args = (dy, x, w, y, torch.rand(16) + 0.5, *geo, [True, True])
+    for a, e in zip(_autograd._backward_cuda(*args), _autograd._backward_torch(*args)):
+        assert _rel(a, e) < 1e-6
+
+
+def test_a_conv_bias_before_training_batchnorm_runs_pytorch_and_says_so():
+    from igemm.nn import _modules
+    _modules._warned.clear()
+    conv, bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+    m = inn.Conv2dBNReLU(conv, bn).train()
+    with pytest.warns(UserWarning, match="conv bias before a training-mode BatchNorm"):
+        y = m(torch.randn(2, 3, 8, 8))
+    y.sum().backward()
+    assert conv.bias.grad is not None
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+def _problem(seed, dtype, fmt, relu, residual, stride):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 24, 14, 13, generator=g)
+    w = torch.randn(40, 24, 3, 3, generator=g) / 15
+    gamma, beta = torch.rand(40, generator=g) + 0.5, torch.randn(40, generator=g)
+    P, Q = (14 - 1) // stride + 1, (13 - 1) // stride + 1
+    r = torch.randn(4, 40, P, Q, generator=g) if residual else None
+    dy = torch.randn(4, 40, P, Q, generator=g)
+    return x, w, gamma, beta, r, dy
+
+
+CASES = [(dt, fmt, relu, res, st) for dt in (torch.float16, torch.bfloat16, torch.float32) for fmt in ("NCHW", "CL")
+         for relu, res, st in ((True, False, 1), (True, True, 2), (False, False, 1))]
+
+
+def _grads(fn, inputs, dy):
+    ins = [t.detach().requires_grad_() if t is not None else None for t in inputs]
+    y = fn(*ins)
+    y.backward(dy)
+    return y.detach(), [t.grad if t is not None else None for t in ins]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,fmt,relu,residual,stride", CASES)
+def test_gpu_train_op_gradients(dtype, fmt, relu, residual, stride):
+    """y, dx, dw, dgamma, dbeta, d_residual of conv -> BN (batch statistics) [+ residual] [-> ReLU] against
+    float64; the error at most twice PyTorch's (cuDNN + BN in the same dtype) plus TOL."""
+    mf = CL if fmt == "CL" else torch.contiguous_format
+    x, w, gamma, beta, r, dy = _problem(len(fmt) + stride + relu * 3, dtype, fmt, relu, residual, stride)
+
+    def run(device, dt, impl):
+        c = lambda t: None if t is None else t.to(device=device, dtype=dt).contiguous(memory_format=mf) \
+            if t.dim() == 4 else t.to(device=device, dtype=torch.float64 if dt == torch.float64 else torch.float32)
+        return _grads(impl, [c(x), c(w), c(gamma), c(beta), c(r)], c(dy))
+
+    ours = lambda x, w, g, b, r: inn.conv2d_bn_train(x, w, g, b, 1e-5, r, (stride,) * 2, (1, 1), (1, 1), relu)[0]
+
+    def torch_chain(x, w, g, b, r):
+        y = torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x, w, None, stride, 1), None, None, g, b,
+                                           True, 0.0, 1e-5)
+        y = y + r if r is not None else y
+        return torch.relu(y) if relu else y
+
+    want = run("cpu", torch.float64, ours)
+    got = run("cuda", dtype, ours)
+    peer = run("cuda", dtype, torch_chain)
+    assert got[0].is_contiguous(memory_format=mf)
+    for name, a, b, p in zip(("y", "dx", "dw", "dgamma", "dbeta", "dres"), [got[0], *got[1]], [want[0], *want[1]],
+                             [peer[0], *peer[1]]):
+        if b is None:
+            continue
+        e, ep = _rel(a, b), _rel(p, b)
+        assert e <= 2 * ep + TOL[dtype], f"{name}: igemm {e:.2e}, PyTorch {ep:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,fmt,relu,residual,stride", [c for c in CASES if c[0] != torch.bfloat16])
+def test_gpu_conv2d_op_gradients(dtype, fmt, relu, residual, stride):
+    """The inference op's backward (BN folded: dx through scale·w, dw scaled after wgrad; the ReLU as igemm's
+    mask) against float64."""
+    mf = CL if fmt == "CL" else torch.contiguous_format
+    x, w, gamma, beta, r, dy = _problem(7 + stride + relu, dtype, fmt, relu, residual, stride)
+    mean, var = torch.randn(40) * 0.1, torch.rand(40) + 0.5
+
+    def run(device, dt):
+        c = lambda t: None if t is None else t.to(device=device, dtype=dt).contiguous(memory_format=mf)
+        v = lambda t: t.to(device=device, dtype=torch.float64 if dt == torch.float64 else torch.float32)
+        return _grads(lambda x, w, r: inn.conv2d(x, w, None, v(gamma), v(beta), v(mean), v(var), 1e-5, r,
+                                                 (stride,) * 2, (1, 1), (1, 1), relu), [c(x), c(w), c(r)], c(dy))
+
+    got, want = run("cuda", dtype), run("cpu", torch.float64)
+    for name, a, b in zip(("y", "dx", "dw", "dres"), [got[0], *got[1]], [want[0], *want[1]]):
+        if b is not None:
+            assert _rel(a, b) <= 2 * TOL[dtype], name
+
+
+@pytest.mark.gpu
+def test_gpu_gradcheck_fp32():
+    """torch.autograd.gradcheck of the training op on the GPU in fp32 (strict): finite differences in fp32,
+    so a step and tolerances of 1e-2."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 8, 6, 6, device="cuda", requires_grad=True)
+    w = (torch.randn(8, 8, 3, 3, device="cuda") / 5).requires_grad_()
+    g, b = (torch.rand(8, device="cuda") + 0.5).requires_grad_(), torch.randn(8, device="cuda", requires_grad=True)
+    f = lambda x, w, g, b: inn.conv2d_bn_train(x, w, g, b, 1e-5, None, (1, 1), (1, 1), (1, 1), False)[0]  # noqa
+    assert gradcheck(f, (x, w, g, b), eps=1e-2, atol=2e-2, rtol=2e-2, nondet_tol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_amp_training_step_matches_pytorch():
+    """A small ResNet, channels_last, fp16 autocast: one step's gradients against the fp32 model's, no worse
+    than twice PyTorch AMP's error (plus 1e-3); BN buffers after three steps equal PyTorch AMP's to 1e-3."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(5)
+    ref32 = small_resnet().cuda().to(memory_format=CL).train()
+    amp, twin = copy.deepcopy(ref32), copy.deepcopy(ref32)
+    params, buffers = list(twin.parameters()), list(twin.buffers())
+    ig = inn.convert(twin, inplace=True).train()
+    x = torch.randn(16, 3, 16, 16, device="cuda").contiguous(memory_format=CL)
+    t = torch.randint(0, 10, (16,), device="cuda")
+    for step in range(3):
+        for m, auto in ((ref32, False), (amp, True), (ig, True)):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", torch.float16, enabled=auto):
+                loss = nn.functional.cross_entropy(m(x), t)
+            loss.backward()
+        if step == 0:
+            for (name, c), a, b in zip(ref32.named_parameters(), params, amp.parameters()):
+                assert _rel(a.grad, c.grad) <= 2 * _rel(b.grad, c.grad) + 1e-3, name
+    for (name, b), a in zip(amp.named_buffers(), buffers):
+        assert torch.equal(a, b) if not a.is_floating_point() else _rel(a, b) < 1e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["NCHW", "CL"])
+def test_gpu_eager_path_equals_the_op_path(monkeypatch, fmt):
+    """The modules' eager path (TrainCall: plans found once, pointers and launches per step) gives what the op
+    path gives: outputs, every gradient, BN's buffers (fp16 autocast, three steps)."""
+    from igemm.nn import _train_fast
+    mf = CL if fmt == "CL" else torch.contiguous_format
+    torch.manual_seed(8)
+    base = small_resnet().cuda().to(memory_format=mf).train()
+    runs = []
+    for eager in (True, False):
+        twin = copy.deepcopy(base)
+        params, buffers = list(twin.parameters()), list(twin.buffers())
+        ig = inn.convert(twin, inplace=True).train()
+        with monkeypatch.context() as mp:
+            if not eager:
+                mp.setattr(_train_fast, "train", lambda *a, **k: None)
+            for step in range(3):
+                x = torch.randn(8, 3, 16, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+                ig.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", torch.float16):
+                    y = ig(x.contiguous(memory_format=mf))
+                y.float().square().sum().backward()
+        runs.append((y.detach(), [p.grad for p in params], [b.clone() for b in buffers]))
+        if eager:
+            assert sum(tc is not None for per in _train_fast._calls.values() for tc in per.values()) >= 6
+    (ye, ge, be), (yo, go, bo) = runs
+    assert _rel(ye, yo) < 1e-3
+    for a, b in zip(ge + be, go + bo):
+        assert _rel(a, b) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ precompile
+def precompile(arch: str = "sm_90a") -> int:
+    """Compile the kernels the GPU tests launch (fake tensors, no GPU)."""
+    n = 0
+    for dtype, fmt, relu, residual, stride in CASES:
+        mf = CL if fmt == "CL" else torch.contiguous_format
+        x, w, gamma, beta, r, _ = (t.to(dtype).contiguous(memory_format=mf) if t is not None and t.dim() == 4
+                                   else t for t in _problem(0, dtype, fmt, relu, residual, stride))
+        n += inn.precompile(lambda x, w, r: inn.conv2d_bn_train(x, w, gamma, beta, 1e-5, r, (stride,) * 2, (1, 1),
+                                                                (1, 1), relu),
+                            x, w, r, arch=arch, sms=132, backward=True)
+        n += inn.precompile(lambda x, w, r: inn.conv2d(x, w, None, gamma, beta, gamma, gamma, 1e-5, r, (stride,) * 2,
+                                                       (1, 1), (1, 1), relu), x, w, r, arch=arch, sms=132,
+                            backward=True)
+    x = torch.randn(2, 8, 6, 6)
+    n += inn.precompile(lambda x, w: inn.conv2d_bn_train(x, w, None, None, 1e-5, None, (1, 1), (1, 1), (1, 1), False),
+                        x, torch.randn(8, 8, 3, 3), arch=arch, sms=132, backward=True)
+    ig = inn.convert(small_resnet()).half().to(memory_format=CL).train()
+    n += inn.precompile(ig, torch.randn(16, 3, 16, 16).half().contiguous(memory_format=CL), arch=arch, sms=132)
+    return n
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "precompile":
+        print(precompile(*sys.argv[2:3]), "kernels")
+    else:
+        print("usage: python tests/test_train.py precompile [arch]")

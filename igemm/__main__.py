@@ -1,4 +1,4 @@
-"""``python -m igemm demo | precompile | compare | info``."""
+"""``python -m igemm demo | train-demo | precompile | compare | info``."""
 from __future__ import annotations
 
 import argparse
@@ -228,6 +228,10 @@ def main(argv=None) -> int:
     d.add_argument("--no-network", dest="network", action="store_false",
                    help="skip the whole-network run (a GPU with torch and torchvision: ResNet-50 via igemm.nn)")
     d.set_defaults(fn=demo)
+    from . import _train_demo            # (imports torch only when it runs)
+    t = sub.add_parser("train-demo", help="train a ResNet through igemm.nn next to PyTorch (synthetic data, AMP)")
+    _train_demo.add_arguments(t)
+    t.set_defaults(fn=_train_demo.train_demo)
     p = sub.add_parser("precompile", help="fill the kernel cache for the ResNet-50 benchmark set")
     p.add_argument("--arch", default="sm_90a")
     p.add_argument("--batch", type=int, default=32)

@@ -89,3 +89,21 @@ def test_readme_quickstarts():
     finally:
         igemm.set_backend(None)
     compile(blocks[1], "README quickstart (PyTorch)", "exec")
+
+
+def test_train_demo_runs_and_prints_both_trainings(tmp_path):
+    """``python -m igemm train-demo``: the converted model and PyTorch train side by side from the same weights
+    (on the CPU: a couple of steps; on a GPU: the timed run); both losses and images/s printed."""
+    pytest.importorskip("torch")
+    import igemm
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(Path(igemm.__file__).parent.parent),
+                                                                  os.environ.get("PYTHONPATH", "")) if p))
+    r = subprocess.run([sys.executable, "-m", "igemm", "train-demo", "--steps", "4", "--batch", "8", "--data",
+                        "cifar"], capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = ("igemm.nn.convert", "PyTorch eager")
+    rows = {row[0]: row for row in _rows(r.stdout) if row[0] in names}
+    assert set(rows) == set(names), r.stdout
+    first = [float(rows[k][3]) for k in names]
+    assert abs(first[0] - first[1]) <= 1e-2 * abs(first[1]), r.stdout        # same weights, same batch
+    assert all(float(rows[k][1]) > 0 for k in rows), r.stdout

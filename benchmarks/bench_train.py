@@ -73,14 +73,14 @@ def _setup(base, peer: str, x, lr: float = LR):
     return run, m, opt, torch.amp.GradScaler(DEV)
 
 
-def _stepper(model, opt, scaler, x, y):
-    """One training step as a callable (returns the loss tensor)."""
+def _stepper(model, opt, scaler, x, y, amp: bool = True):
+    """One training step as a callable (returns the loss tensor); ``amp``: fp16 autocast (else fp32)."""
     import torch
     import torch.nn.functional as F
 
     def step(i=0):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -173,15 +173,16 @@ def _grads(base, peer: str, x, y, amp: bool) -> dict:
     raise RuntimeError(f"{peer}: no finite gradients at any loss scale")
 
 
-def _train(base, peer: str, x, y, steps: int, stats_at: int = 5, lr: float = LR, benchmark: bool = True):
-    """(losses of ``steps`` full AMP steps, name -> BN running mean/var after step ``stats_at``);
-    ``benchmark``: cudnn.benchmark during these steps (PyTorch's algorithm choice)."""
+def _train(base, peer: str, x, y, steps: int, stats_at: int = 5, lr: float = LR, amp: bool = True):
+    """(losses of ``steps`` full steps (AMP, or fp32 with TF32 off), name -> BN running mean/var after step
+    ``stats_at``)."""
     import torch
-    was = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = benchmark
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    if not amp:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
         run, m, opt, scaler = _setup(base, peer, x, lr)
-        step = _stepper(run, opt, scaler, x, y)
+        step = _stepper(run, opt, scaler, x, y, amp)
         losses, stats = [], {}
         for i in range(1, steps + 1):
             losses.append(float(step().item()))
@@ -189,7 +190,7 @@ def _train(base, peer: str, x, y, steps: int, stats_at: int = 5, lr: float = LR,
                 stats = {n: b.detach().clone() for n, b in m.named_buffers()
                          if n.endswith(("running_mean", "running_var"))}
     finally:
-        torch.backends.cudnn.benchmark = was
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
     return losses, stats
 
 
@@ -228,40 +229,41 @@ def check(bench: Bench, base) -> list:
                f"{f'; no gradient from igemm for {missing}' if missing else ''} -> bar {'met' if ok else 'UNMET'}")
     del ref
     # (b) running statistics after 5 steps and (c) the loss over --loss-steps steps, at the linearly scaled
-    # learning rate (0.1 per 256 images) so that the fixed batch is learned rather than diverged from. Two
-    # trainings that differ only in summation order drift apart step by step; the floor is PyTorch AMP against
-    # itself with other cuDNN algorithms (cudnn.benchmark off), and (b0) checks the statistics alone (lr 0).
+    # learning rate (0.1 per 256 images) so that the fixed batch is learned rather than diverged from. Beside
+    # each, the floor: how far PyTorch AMP is from PyTorch fp32 (TF32 off) on the same measure; and (b0) the
+    # statistics alone (lr 0: no drift of the weights).
     n = bench.args.loss_steps
     lr = LR * CHECK_N / 256
-    runs = {name: _train(base, peer, x, y, max(5, n), lr=lr, benchmark=bm) for name, peer, bm in
-            (("igemm", "igemm", True), ("pytorch", "pytorch", True), ("pytorch_other", "pytorch", False))}
+    runs = {name: _train(base, peer, x, y, max(5, n), lr=lr, amp=amp) for name, peer, amp in
+            (("igemm", "igemm", True), ("pytorch", "pytorch", True), ("fp32", "pytorch", False))}
     _free()
-    (li, si), (lt, st), (lo, so) = runs["igemm"], runs["pytorch"], runs["pytorch_other"]
-    s0i, s0t = (_train(base, peer, x, y, 5, lr=0.0)[1] for peer in ("igemm", "pytorch"))
+    (li, si), (lt, st), (lf, sf) = runs["igemm"], runs["pytorch"], runs["fp32"]
+    s0i, s0t, s0f = (_train(base, peer, x, y, 5, lr=0.0, amp=amp)[1]
+                     for peer, amp in (("igemm", True), ("pytorch", True), ("pytorch", False)))
     _free()
-    e0 = _stat_errs(s0i, s0t)
-    errs, floor = _stat_errs(si, st), _stat_errs(so, st)
+    e0, f0 = _stat_errs(s0i, s0t), _stat_errs(s0t, s0f)
+    errs, floor = _stat_errs(si, st), _stat_errs(st, sf)
     wk, w0 = max(errs, key=errs.get), max(e0, key=e0.get)
     ok0 = e0[w0] <= 1e-3
     ok = errs[wk] <= 1e-3
     bars.append(("(b0) BN running stats after 5 steps at lr 0: max relative error <= 1e-3", ok0))
     bars.append(("(b) BN running stats after 5 steps: max relative error <= 1e-3", ok))
     bench.note(f"(b0) BN running mean/var after 5 steps at lr 0 (the weights fixed), igemm AMP vs PyTorch AMP over "
-               f"{len(e0)} buffers: max {e0[w0]:.3g} ({w0}), median {statistics.median(e0.values()):.3g} -> bar "
-               f"{'met' if ok0 else 'UNMET'}")
+               f"{len(e0)} buffers: max {e0[w0]:.3g} ({w0}), median {statistics.median(e0.values()):.3g}; the floor, "
+               f"PyTorch AMP vs PyTorch fp32: max {max(f0.values()):.3g}, median {statistics.median(f0.values()):.3g} "
+               f"-> bar {'met' if ok0 else 'UNMET'}")
     bench.note(f"(b) BN running mean/var after 5 steps at lr {lr:g}, igemm AMP vs PyTorch AMP over {len(errs)} "
                f"buffers: max {errs[wk]:.3g} ({wk}), median {statistics.median(errs.values()):.3g}; the floor, PyTorch "
-               f"AMP vs itself with cudnn.benchmark off: max {max(floor.values()):.3g}, median "
-               f"{statistics.median(floor.values()):.3g} -> bar {'met' if ok else 'UNMET'}")
+               f"AMP vs PyTorch fp32: max {max(floor.values()):.3g}, median {statistics.median(floor.values()):.3g} "
+               f"-> bar {'met' if ok else 'UNMET'}")
     if n >= 1:
         at = [s for s in LOSS_AT if s <= n] + ([n] if n not in LOSS_AT else [])
-        d, d0 = abs(li[-1] - lt[-1]) / abs(lt[-1]), abs(lo[-1] - lt[-1]) / abs(lt[-1])
+        d, d0 = abs(li[-1] - lt[-1]) / abs(lt[-1]), abs(lf[-1] - lt[-1]) / abs(lt[-1])
         ok = d <= 0.1
         bars.append((f"(c) loss at step {n} within 10% of PyTorch AMP's", ok))
-        bench.note(f"(c) loss on one fixed batch (N={CHECK_N}, lr {lr:g}), igemm AMP / PyTorch AMP / PyTorch AMP with "
-                   f"cudnn.benchmark off at steps " +
-                   ", ".join(f"{s}: {li[s - 1]:.4g} / {lt[s - 1]:.4g} / {lo[s - 1]:.4g}" for s in at) +
-                   f"; relative difference to PyTorch AMP at step {n}: igemm {d:.3g}, PyTorch's own floor {d0:.3g} -> "
+        bench.note(f"(c) loss on one fixed batch (N={CHECK_N}, lr {lr:g}), igemm AMP / PyTorch AMP / PyTorch fp32 at "
+                   f"steps " + ", ".join(f"{s}: {li[s - 1]:.4g} / {lt[s - 1]:.4g} / {lf[s - 1]:.4g}" for s in at) +
+                   f"; relative difference to PyTorch AMP at step {n}: igemm {d:.3g}, PyTorch fp32 {d0:.3g} -> "
                    f"bar {'met' if ok else 'UNMET'}")
     return bars
 

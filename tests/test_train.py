@@ -63,9 +63,11 @@ def test_ops_are_registered_with_fake_and_autograd():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         x = torch.empty(2, 8, 9, 9).contiguous(memory_format=CL)
-        y, z, mask, mean, invstd = inn.conv2d_bn_train(x, torch.empty(4, 8, 3, 3), stride=(2, 2), padding=(1, 1))
+        y, z, mask, mean, invstd, count = inn.conv2d_bn_train(x, torch.empty(4, 8, 3, 3), stride=(2, 2),
+                                                              padding=(1, 1))
         assert y.shape == z.shape == (2, 4, 5, 5) and y.is_contiguous(memory_format=CL)
         assert mask.shape == ((2 * 4 * 25 + 31) // 32,) and mask.dtype == torch.int32 and mean.shape == (4,)
+        assert count.shape == (0,)                # (no process group: the count is this batch's)
 
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
@@ -201,7 +203,8 @@ def cuda_path_on_numpy(monkeypatch, numpy_backend):
         return torch.from_numpy(a.view(np.int32) if a.dtype == np.uint32 else a) if isinstance(a, np.ndarray) else a
 
     for name in ("batch_norm_stats", "batch_norm_relu", "batch_norm_elemt", "conv2d_grad_input", "conv2d_grad_weight",
-                 "conv2d_grad_prologue", "relu_backward", "relu_mask"):
+                 "conv2d_grad_prologue", "relu_backward", "relu_mask", "sync_batch_norm_stats",
+                 "sync_batch_norm_backward_reduce"):
         f = getattr(igemm, name)
         monkeypatch.setattr(igemm, name, lambda *a, f=f, **k: to_torch(f(*map(to_np, a),
                                                                           **{n: to_np(v) for n, v in k.items()})))
@@ -210,11 +213,13 @@ def cuda_path_on_numpy(monkeypatch, numpy_backend):
 
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
-@pytest.mark.parametrize("relu,residual", [(True, True), (False, False), (True, False), (False, True)])
-def test_cuda_implementations_match_the_cpu_ones(cuda_path_on_numpy, fmt, relu, residual):
+@pytest.mark.parametrize("relu,residual,sync", [(True, True, False), (False, False, False), (True, False, True),
+                                                (False, True, True)])
+def test_cuda_implementations_match_the_cpu_ones(cuda_path_on_numpy, fmt, relu, residual, sync):
     """The CUDA implementations' steps (statistics with the running update, BN-ReLU and its mask, the prologue,
     dgrad and wgrad through the mask and prologue, the inference op's scale folded into w and dw), run through
-    igemm's numpy backend, equal the CPU implementations (fp32)."""
+    igemm's numpy backend, equal the CPU implementations (fp32). ``sync``: the SyncBatchNorm path (igemm's sync
+    functions, one process; the coefficients from the synced sums and count)."""
     from igemm.nn import _autograd, _train_ops
     torch.manual_seed(6)
     x = torch.randn(2, 8, 7, 6).contiguous(memory_format=fmt)
@@ -223,15 +228,19 @@ def test_cuda_implementations_match_the_cpu_ones(cuda_path_on_numpy, fmt, relu, 
     geo = ([2, 1], [1, 1], [1, 1])
     rv = torch.rand(16) + 0.5
     run = {k: (torch.zeros(16), rv.clone()) for k in ("cuda", "cpu")}
-    got = _train_ops._forward_cuda(x, w, g, b, *run["cuda"], 0.1, 1e-5, r, *geo, relu)
+    group = _train_ops.group_id(None) if sync else 0
+    got = _train_ops._forward_cuda(x, w, g, b, *run["cuda"], 0.1, 1e-5, r, *geo, relu, group)
     want = _train_ops._forward_torch(x, w, g, b, *run["cpu"], 0.1, 1e-5, r, *geo, relu)
     assert got[0].is_contiguous(memory_format=fmt)
     assert torch.equal(got[2], want[2])                                   # the mask, bit for bit
-    for a, e in [*zip(got[:2] + got[3:], want[:2] + want[3:]), *zip(run["cuda"], run["cpu"])]:
+    assert got[5].shape == ((16,) if sync else (0,)) and (not sync or torch.all(got[5] == 2 * 4 * 6))
+    for a, e in [*zip(got[:2] + got[3:5], want[:2] + want[3:5]), *zip(run["cuda"], run["cpu"])]:
         assert _rel(a, e) < 1e-6
-    dy, (y, z, mask, mean, invstd) = torch.randn_like(want[0]), want
-    args = (dy, x, w, z, mask, mean, invstd, g, *geo, relu, residual, [True] * 4)
-    for a, e in zip(_train_ops._backward_cuda(*args), _train_ops._backward_torch(*args)):
+    dy, (y, z, mask, mean, invstd, count) = torch.randn_like(want[0]), want
+    args = (dy, x, w, z, mask, mean, invstd)
+    rest = (g, *geo, relu, residual, [True] * 4)
+    for a, e in zip(_train_ops._backward_cuda(*args, got[5], *rest, group), _train_ops._backward_torch(*args, count,
+                                                                                                        *rest)):
         assert a.shape == e.shape and (a.numel() == 0 or _rel(a, e) < 1e-6)
     y = torch.relu(torch.randn_like(want[0])) if relu else None
     args = (dy, x, w, y, torch.rand(16) + 0.5, *geo, [True, True])
@@ -396,6 +405,58 @@ def test_gpu_eager_path_equals_the_op_path(monkeypatch, fmt):
         assert _rel(a, b) < 1e-3
 
 
+def _ddp(tmp_path, kind: str, bench_n: int = 0) -> list:
+    """Both ranks of tests/_train_ddp_worker.py (two processes, env://): their results."""
+    import os
+    import socket
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NCCL_NVLS_ENABLE="0",
+               PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(here), os.environ.get("PYTHONPATH", "")) if p))
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "_train_ddp_worker.py"), str(tmp_path), kind,
+                               str(bench_n)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+
+def _check_ddp(r0, r1, tol):
+    """DDP with igemm's SyncBatchNorm over uneven shares (5 and 3 images) equals one process over the batch."""
+    assert _rel(torch.cat([r0["out"], r1["out"]]), r0["ref_out"]) < tol
+    for a, b, ref in zip(r0["grads"], r1["grads"], r0["ref_grads"]):
+        assert torch.equal(a, b) and _rel(a, ref) < tol
+    for a, b, ref in zip(r0["buffers"], r1["buffers"], r0["ref_buffers"]):
+        assert _rel(a.double(), ref.double()) < tol and _rel(b.double(), ref.double()) < tol
+
+
+def test_ddp_sync_batchnorm_on_the_cpu(tmp_path):
+    """Two processes (gloo): the ops' CPU implementations sync the statistics and the backward's sums."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    _check_ddp(*_ddp(tmp_path, "cpu"), 1e-5)
+
+
+@pytest.mark.multigpu
+def test_gpu_ddp_sync_batchnorm_two_gpus(tmp_path):
+    """Two GPUs (NCCL): igemm's NCCL-merged Welford statistics and synced backward sums under DDP, uneven
+    batches; then a ResNet-50 AMP step beside PyTorch DDP + SyncBatchNorm (printed)."""
+    pytest.importorskip("torchvision")
+    r0, r1 = _ddp(tmp_path, "cuda", 64)
+    _check_ddp(r0, r1, 1e-4)
+    for r, res in enumerate((r0, r1)):
+        b = res["bench"]
+        print(f"rank {r}, ResNet-50 AMP DDP step at 64 images a rank: igemm {b['igemm']['ms']:.1f} ms "
+              f"({b['igemm']['images_s']:.0f} images/s), PyTorch SyncBatchNorm {b['pytorch']['ms']:.1f} ms "
+              f"({b['pytorch']['images_s']:.0f} images/s)")
+
+
 # ------------------------------------------------------------------------------------------------ precompile
 def precompile(arch: str = "sm_90a") -> int:
     """Compile the kernels the GPU tests launch (fake tensors, no GPU)."""
@@ -415,6 +476,9 @@ def precompile(arch: str = "sm_90a") -> int:
                         x, torch.randn(8, 8, 3, 3), arch=arch, sms=132, backward=True)
     ig = inn.convert(small_resnet()).half().to(memory_format=CL).train()
     n += inn.precompile(ig, torch.randn(16, 3, 16, 16).half().contiguous(memory_format=CL), arch=arch, sms=132)
+    ig = inn.convert(small_resnet()).to(memory_format=CL).train()           # the DDP test's shares (fp32)
+    for share in (5, 3):
+        n += inn.precompile(ig, torch.randn(share, 3, 16, 16).contiguous(memory_format=CL), arch=arch, sms=132)
     return n
 
 

@@ -24,6 +24,7 @@ log = logging.getLogger("igemm.nn")
 _RELU_FUNCS = (torch.relu, torch.nn.functional.relu, torch.relu_)
 _ADD_FUNCS = (operator.add, operator.iadd, torch.add)
 _OTHER_CONVS = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_BN = (nn.BatchNorm2d, nn.SyncBatchNorm)
 
 
 class Report(dict):
@@ -52,7 +53,7 @@ def _convertible(conv) -> str | None:
     return None
 
 
-def convert(model: nn.Module, *, inplace: bool = False, return_report: bool = False):
+def convert(model: nn.Module, *, inplace: bool = False, return_report: bool = False, sync_bn=False):
     """Replace ``model``'s convolutions (and the BN, residual add and ReLU after them) with igemm modules.
 
     Args:
@@ -60,6 +61,11 @@ def convert(model: nn.Module, *, inplace: bool = False, return_report: bool = Fa
             (``inplace=False``, the default, converts a deep copy).
         inplace: convert ``model`` itself (with a traced graph, the result is still a new ``GraphModule``).
         return_report: also return the :class:`Report` (it is logged on the ``igemm.nn`` logger either way).
+        sync_bn: a ``torch.distributed`` process group (None: the default group) to make every BatchNorm a
+            SyncBatchNorm first (``torch.nn.SyncBatchNorm.convert_sync_batchnorm``); False (default): as they are.
+            A fused module over a SyncBatchNorm trains with the statistics and backward sums of every rank's batch
+            (igemm's NCCL-merged Welford statistics; uneven batches too); ``SyncBatchNorm`` layers already in the
+            model are fused the same way.
 
     Returns:
         The converted module (an ``fx.GraphModule`` when the model traced), or ``(module, report)``.
@@ -67,6 +73,8 @@ def convert(model: nn.Module, *, inplace: bool = False, return_report: bool = Fa
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     m = model if inplace else copy.deepcopy(model)
+    if sync_bn is not False:
+        m = nn.SyncBatchNorm.convert_sync_batchnorm(m, sync_bn)
     report = Report(converted={}, left={}, traced=False)
     try:
         gm = torch.fx.symbolic_trace(m)
@@ -134,7 +142,7 @@ def _rewrite(gm, report: Report, make=igemm_module) -> None:
         bn_node = _single_user(node)
         bn = modules.get(bn_node.target) if bn_node is not None and bn_node.op == "call_module" else None
         identity, kind = None, "Conv2d"
-        if isinstance(bn, nn.BatchNorm2d) and bn.num_features == conv.out_channels:
+        if isinstance(bn, _BN) and bn.num_features == conv.out_channels:
             chain.append(bn_node)
             nxt, kind = _single_user(bn_node), "Conv2dBN"
             if _is_relu(nxt, modules):
@@ -170,7 +178,7 @@ def _walk(module: nn.Module, prefix: str, report: Report) -> None:
         while i < len(names):
             c = module._modules[names[i]]
             nxt = module._modules[names[i + 1]] if i + 1 < len(names) else None
-            if (type(c) is nn.Conv2d and _convertible(c) is None and isinstance(nxt, nn.BatchNorm2d)
+            if (type(c) is nn.Conv2d and _convertible(c) is None and isinstance(nxt, _BN)
                     and nxt.num_features == c.out_channels):
                 relu = i + 2 < len(names) and isinstance(module._modules[names[i + 2]], nn.ReLU)
                 module._modules[names[i]] = (Conv2dBNReLU if relu else Conv2dBN)(c, nxt)

@@ -101,6 +101,17 @@ class Conv2d(nn.Conv2d):
         return _ops.conv2d(x, w, b, stride=self.stride, padding=pad, dilation=self.dilation)
 
 
+def _sync_group(bn):
+    """A SyncBatchNorm's process group when its statistics are synced (as ``SyncBatchNorm.forward`` decides:
+    torch.distributed initialised, more than one rank), else False."""
+    if not isinstance(bn, nn.SyncBatchNorm) or not torch.distributed.is_available():
+        return False
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size(bn.process_group or dist.group.WORLD) <= 1:
+        return False
+    return bn.process_group
+
+
 class _ConvBN(nn.Module):
     """conv -> BN (-> + identity) (-> ReLU), holding the original ``conv`` and ``bn`` modules."""
 
@@ -109,8 +120,9 @@ class _ConvBN(nn.Module):
 
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d):
         super().__init__()
-        if not isinstance(conv, nn.Conv2d) or not isinstance(bn, nn.BatchNorm2d):
-            raise TypeError(f"conv, bn: expected torch.nn.Conv2d and BatchNorm2d, got {type(conv).__name__} and "
+        if not isinstance(conv, nn.Conv2d) or not isinstance(bn, (nn.BatchNorm2d, nn.SyncBatchNorm)):
+            raise TypeError(f"conv, bn: expected torch.nn.Conv2d and BatchNorm2d (or SyncBatchNorm), got "
+                            f"{type(conv).__name__} and "
                             f"{type(bn).__name__}")
         if bn.num_features != conv.out_channels:
             raise ValueError(f"bn: {bn.num_features} features for the conv's {conv.out_channels} output channels")
@@ -157,13 +169,14 @@ class _ConvBN(nn.Module):
                 bn.num_batches_tracked.add_(1)
             f = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
             rm, rv = bn.running_mean, bn.running_var
-        if _ops.eager(x):
+        group = _sync_group(bn) if self.training else False
+        if _ops.eager(x) and group is False:
             out = _train_fast.train(self, x, w, bn.weight, bn.bias, res, rm, rv, f, bn.eps, c.stride, pad, c.dilation,
                                     self.relu)
             if out is not None:
                 return out[0]
         return _train_ops.conv2d_bn_train(x, w, bn.weight, bn.bias, bn.eps, res, c.stride, pad, c.dilation, self.relu,
-                                          running_mean=rm, running_var=rv, momentum=f)[0]
+                                          running_mean=rm, running_var=rv, momentum=f, process_group=group)[0]
 
 
 class Conv2dBN(_ConvBN):

@@ -24,10 +24,25 @@ __all__ = ["conv2d_bn_train"]
 
 _ops._lib.define("conv2d_bn_train(Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, "
                  "Tensor(a!)? running_mean, Tensor(b!)? running_var, float momentum, float eps, Tensor? residual, "
-                 "int[2] stride, int[2] padding, int[2] dilation, bool relu) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+                 "int[2] stride, int[2] padding, int[2] dilation, bool relu, int group=0) "
+                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _ops._lib.define("conv2d_bn_train_backward(Tensor grad, Tensor x, Tensor weight, Tensor z, Tensor mask, Tensor mean, "
-                 "Tensor invstd, Tensor? bn_weight, int[2] stride, int[2] padding, int[2] dilation, bool relu, "
-                 "bool residual, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+                 "Tensor invstd, Tensor count, Tensor? bn_weight, int[2] stride, int[2] padding, int[2] dilation, "
+                 "bool relu, bool residual, bool[4] output_mask, int group=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_GROUPS: list = [None]          # group ids of the ops' ``group`` argument (0: none); torch.distributed process groups
+
+
+def group_id(process_group) -> int:
+    """The ``group`` argument naming ``process_group`` (None: the default group) for SyncBatchNorm statistics."""
+    for i, g in enumerate(_GROUPS[1:], 1):
+        if g[0] is process_group:
+            return i
+    _GROUPS.append((process_group,))
+    return len(_GROUPS) - 1
+
+
+def _group(group: int):
+    return _GROUPS[group][0]
 _DIMS = (0, 2, 3)
 
 
@@ -45,11 +60,11 @@ def _f32(v):
 
 # ------------------------------------------------------------------------------------------------ forward
 def _forward_cuda(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, residual, stride, padding,
-                  dilation, relu):
-    from .. import batch_norm_elemt, batch_norm_relu, batch_norm_stats
+                  dilation, relu, group=0):
+    from .. import batch_norm_elemt, batch_norm_relu, batch_norm_stats, sync_batch_norm_stats
     if not _ops.supported(x, weight):
         return _forward_torch(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, residual,
-                              stride, padding, dilation, relu)
+                              stride, padding, dilation, relu, group)
     _check(x, weight, bn_weight, bn_bias, residual, stride, padding, dilation)
     z = _ops._conv2d_cuda(x, weight, None, None, None, None, None, eps, None, stride, padding, dilation, False)
     fmt = memory_format(x)
@@ -60,29 +75,50 @@ def _forward_cuda(x, weight, bn_weight, bn_bias, running_mean, running_var, mome
         r = residual.contiguous(memory_format=fmt)
         rv = _nhwc(r) if nhwc else r
     fused = running_mean is not None and all(_fp32_vector(t) for t in (running_mean, running_var))
-    if fused:                                # (the running update in the statistics kernel)
-        mean, invstd = batch_norm_stats(zv, eps, layout, running_mean=running_mean, running_var=running_var,
-                                        momentum=momentum)
-    else:
-        mean, invstd = batch_norm_stats(zv, eps, layout)
-        _update(running_mean, running_var, mean, invstd, momentum, eps, z)
+    run = dict(running_mean=running_mean, running_var=running_var, momentum=momentum) if fused else {}
+    count = x.new_empty(0, dtype=torch.float32)
+    if group:                                # SyncBatchNorm: the statistics of every rank's batch (NCCL)
+        mean, invstd, count = sync_batch_norm_stats(zv, eps, _group(group), layout=layout, return_count=True, **run)
+    else:                                    # (the running update in the statistics kernel)
+        mean, invstd = batch_norm_stats(zv, eps, layout, **run)
+    if not fused:
+        _update(running_mean, running_var, mean, invstd, momentum, eps, _count(z, count))
     g, b = _f32(bn_weight), _f32(bn_bias)
     if relu:
         y, mask = batch_norm_relu(zv, mean, invstd, g, b, rv, True, layout=layout)
     else:
         y, mask = batch_norm_elemt(zv, mean, invstd, g, b, residual=rv, layout=layout), x.new_empty(0, dtype=torch.int32)
-    return (y.permute(0, 3, 1, 2) if nhwc else y), z, mask, mean, invstd
+    return (y.permute(0, 3, 1, 2) if nhwc else y), z, mask, mean, invstd, count
+
+
+def _count(z, count) -> float:
+    """Values per channel of the statistics: this batch's, or the synced batches' (``count``, device)."""
+    return float(count[0]) if count.numel() else z.numel() // max(z.shape[1], 1)
+
+
+def _all_reduce(t, group: int):
+    import torch.distributed as dist
+    dist.all_reduce(t, group=_group(group))
+    return t
 
 
 def _forward_torch(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, residual, stride, padding,
-                   dilation, relu):
+                   dilation, relu, group=0):
     _check(x, weight, bn_weight, bn_bias, residual, stride, padding, dilation)
     fmt = memory_format(x)
     z = F.conv2d(x, weight, None, list(stride), list(padding), list(dilation)).contiguous(memory_format=fmt)
     zs = z.to(_stat_dtype(z))
     var, mean = torch.var_mean(zs, dim=_DIMS, unbiased=False)
+    count = x.new_empty(0, dtype=torch.float32)
+    if group:                                # (sums of n, n·mean, n·E[z²] over the ranks, float64)
+        n = z.numel() // max(z.shape[1], 1)
+        m64, v64 = mean.double(), var.double()
+        tot = _all_reduce(torch.stack([torch.full_like(m64, n), n * m64, n * (v64 + m64 * m64)]), group)
+        mean64 = tot[1] / tot[0]
+        var, mean = (tot[2] / tot[0] - mean64 * mean64).clamp_min(0).to(mean.dtype), mean64.to(mean.dtype)
+        count = tot[0].float()
     invstd = torch.rsqrt(var + eps)
-    _update(running_mean, running_var, mean, invstd, momentum, eps, z)
+    _update(running_mean, running_var, mean, invstd, momentum, eps, _count(z, count))
     y = (zs - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
     if bn_weight is not None:
         y = y * bn_weight.to(y.dtype).view(1, -1, 1, 1)
@@ -95,11 +131,11 @@ def _forward_torch(x, weight, bn_weight, bn_bias, running_mean, running_var, mom
     if relu:
         y = torch.relu(y)
         mask = pack_mask((y > 0).contiguous(memory_format=fmt))
-    return y.contiguous(memory_format=fmt), z, mask, mean, invstd
+    return y.contiguous(memory_format=fmt), z, mask, mean, invstd, count
 
 
 def _forward_fake(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, residual, stride, padding,
-                  dilation, relu):
+                  dilation, relu, group=0):
     if _ops._recording is not None and x.dtype in _ops._DTYPES and weight.dtype == x.dtype:   # (precompile)
         _ops._recording.append(_ops._plan_key(x, weight, None, None, None, stride, padding, dilation, False))
         _ops._recording.append(_ops.grad_key(x, weight, stride, padding, dilation, relu, True))
@@ -111,7 +147,8 @@ def _forward_fake(x, weight, bn_weight, bn_bias, running_mean, running_var, mome
         n *= s
     mask = x.new_empty(((n + 31) // 32) if relu else 0, dtype=torch.int32)
     st = _stat_dtype(x)
-    return y, torch.empty_like(y), mask, x.new_empty(shape[1], dtype=st), x.new_empty(shape[1], dtype=st)
+    return (y, torch.empty_like(y), mask, x.new_empty(shape[1], dtype=st), x.new_empty(shape[1], dtype=st),
+            x.new_empty(shape[1] if group else 0, dtype=torch.float32))
 
 
 def _check(x, weight, bn_weight, bn_bias, residual, stride, padding, dilation):
@@ -123,11 +160,10 @@ def _fp32_vector(t) -> bool:
 
 
 @torch.no_grad()
-def _update(running_mean, running_var, mean, invstd, momentum, eps, z) -> None:
+def _update(running_mean, running_var, mean, invstd, momentum, eps, count: float) -> None:
     """``BatchNorm2d``'s running update with PyTorch ops (the CPU; running statistics that are not fp32)."""
     if running_mean is None:
         return
-    count = z.numel() // max(z.shape[1], 1)
     var = (invstd.double().reciprocal().square() - eps).clamp_min(0) * (count / max(count - 1, 1))
     running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
     running_var.mul_(1 - momentum).add_(var.to(running_var.dtype), alpha=momentum)
@@ -139,18 +175,27 @@ torch.library.register_fake("igemm::conv2d_bn_train", _forward_fake, lib=_ops._l
 
 
 # ------------------------------------------------------------------------------------------------ backward
-def _backward_cuda(grad, x, weight, z, mask, mean, invstd, bn_weight, stride, padding, dilation, relu, residual,
-                   output_mask):
-    from .. import conv2d_grad_input, conv2d_grad_prologue, conv2d_grad_weight, relu_backward
+def _backward_cuda(grad, x, weight, z, mask, mean, invstd, count, bn_weight, stride, padding, dilation, relu,
+                   residual, output_mask, group=0):
+    from .. import (conv2d_grad_input, conv2d_grad_prologue, conv2d_grad_weight, relu_backward,
+                    sync_batch_norm_backward_reduce)
+    from ..conv._backward_plan import GradPrologue
     if not _ops.supported(x, weight):
-        return _backward_torch(grad, x, weight, z, mask, mean, invstd, bn_weight, stride, padding, dilation, relu,
-                               residual, output_mask)
+        return _backward_torch(grad, x, weight, z, mask, mean, invstd, count, bn_weight, stride, padding, dilation,
+                               relu, residual, output_mask, group)
     fmt = memory_format(z)
     if not x.is_contiguous(memory_format=fmt):
         x = x.contiguous(memory_format=fmt)
     dy = grad.contiguous(memory_format=fmt)              # (the mask is over z's memory order)
     m = mask if relu else None
-    p = conv2d_grad_prologue(dy, z, mean, invstd, _f32(bn_weight), mask=m)
+    if group:                  # SyncBatchNorm: the sums of every rank (NCCL), the coefficients with their count
+        nhwc = fmt == torch.channels_last
+        sdy, sdx, gw, gb = sync_batch_norm_backward_reduce(
+            _nhwc(dy) if nhwc else dy, _nhwc(z) if nhwc else z, mean, invstd, _f32(bn_weight), _group(group),
+            mask=m, layout="NHWC" if nhwc else "NCHW")
+        p = GradPrologue(z, _coefficients(sdy, sdx, mean, invstd, bn_weight, count), gw, gb)
+    else:
+        p = conv2d_grad_prologue(dy, z, mean, invstd, _f32(bn_weight), mask=m)
     st, pd, dl = tuple(stride), tuple(padding), tuple(dilation)
     empty = x.new_empty(0)
     dx = conv2d_grad_input(dy, weight.contiguous(memory_format=fmt), tuple(x.shape), st, pd, dl, mask=m,
@@ -167,19 +212,30 @@ def _nhwc_back(t):
     return t.permute(0, 3, 1, 2)
 
 
-def _backward_torch(grad, x, weight, z, mask, mean, invstd, bn_weight, stride, padding, dilation, relu, residual,
-                    output_mask):
+def _coefficients(sum_dy, sum_dy_xmu, mean, invstd, bn_weight, count):
+    """[a; b; c] of ``dz = a·g + b·z + c`` (BatchNorm's backward with these sums and count), fp32 (3, K)."""
+    a = invstd * (bn_weight.to(invstd.dtype) if bn_weight is not None else 1.0)
+    b = -a * invstd * invstd * (sum_dy_xmu / count)
+    return torch.stack([a, b, -a * (sum_dy / count) - b * mean]).contiguous()
+
+
+def _backward_torch(grad, x, weight, z, mask, mean, invstd, count, bn_weight, stride, padding, dilation, relu,
+                    residual, output_mask, group=0):
     fmt = memory_format(z)
     st = _stat_dtype(z)
     g = grad.to(st)
     if relu:
         g = torch.where(unpack_mask(mask, z), g, torch.zeros((), dtype=st, device=g.device))
     xhat = (z.to(st) - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
-    count = z.numel() // max(z.shape[1], 1)
     dbeta, dgamma = g.sum(_DIMS), (g * xhat).sum(_DIMS)
+    sums = (dbeta, dgamma)
+    n = z.numel() // max(z.shape[1], 1)
+    if group:                                # (the sums and the count over the ranks; dgamma, dbeta stay local)
+        sums = _all_reduce(torch.stack(sums).double(), group).to(st)
+        n = count.to(st)
     gam = bn_weight.to(st) if bn_weight is not None else torch.ones_like(mean)
-    dz = (gam * invstd).view(1, -1, 1, 1) * (g - (dbeta / count).view(1, -1, 1, 1)
-                                             - xhat * (dgamma / count).view(1, -1, 1, 1))
+    dz = (gam * invstd).view(1, -1, 1, 1) * (g - (sums[0] / n).view(1, -1, 1, 1)
+                                             - xhat * (sums[1] / n).view(1, -1, 1, 1))
     dx, dw, _ = torch.ops.aten.convolution_backward(dz.to(x.dtype), x, weight, None, list(stride), list(padding),
                                                     list(dilation), False, [0, 0], 1,
                                                     [output_mask[0], output_mask[1], False])
@@ -189,8 +245,8 @@ def _backward_torch(grad, x, weight, z, mask, mean, invstd, bn_weight, stride, p
             dgamma, dbeta, dres)
 
 
-def _backward_fake(grad, x, weight, z, mask, mean, invstd, bn_weight, stride, padding, dilation, relu, residual,
-                   output_mask):
+def _backward_fake(grad, x, weight, z, mask, mean, invstd, count, bn_weight, stride, padding, dilation, relu,
+                   residual, output_mask, group=0):
     empty = x.new_empty(0)
     fmt = memory_format(z)
     return (torch.empty_like(x, memory_format=fmt) if output_mask[0] else empty,
@@ -209,37 +265,40 @@ class _Train(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bn_weight, bn_bias, residual, running_mean, running_var, momentum, eps, stride,
-                padding, dilation, relu):
-        y, z, mask, mean, invstd = torch.ops.igemm.conv2d_bn_train(x, weight, bn_weight, bn_bias, running_mean,
-                                                                   running_var, momentum, eps, residual, stride,
-                                                                   padding, dilation, relu)
-        ctx.save_for_backward(x, weight, z, mask, mean, invstd, bn_weight)
-        ctx.args = (stride, padding, dilation, relu, residual is not None)
+                padding, dilation, relu, group):
+        y, z, mask, mean, invstd, count = torch.ops.igemm.conv2d_bn_train(
+            x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, residual, stride, padding,
+            dilation, relu, group)
+        ctx.save_for_backward(x, weight, z, mask, mean, invstd, count, bn_weight)
+        ctx.args = (stride, padding, dilation, relu, residual is not None, group)
         ctx.dtypes = (bn_weight.dtype if bn_weight is not None else None,
                       bn_bias.dtype if bn_bias is not None else None)
-        ctx.mark_non_differentiable(z, mask, mean, invstd)
-        return y, z, mask, mean, invstd
+        ctx.mark_non_differentiable(z, mask, mean, invstd, count)
+        return y, z, mask, mean, invstd, count
 
     @staticmethod
-    def backward(ctx, dy, _dz, _dmask, _dmean, _dinvstd):
-        x, weight, z, mask, mean, invstd, bn_weight = ctx.saved_tensors
-        stride, padding, dilation, relu, residual = ctx.args
+    def backward(ctx, dy, _dz, _dmask, _dmean, _dinvstd, _dcount):
+        x, weight, z, mask, mean, invstd, count, bn_weight = ctx.saved_tensors
+        stride, padding, dilation, relu, residual, group = ctx.args
         need = ctx.needs_input_grad
         dx, dw, dg, db, dres = torch.ops.igemm.conv2d_bn_train_backward(
-            dy, x, weight, z, mask, mean, invstd, bn_weight, stride, padding, dilation, relu, residual,
-            [need[0], need[1], need[2] or need[3], need[4]])
+            dy, x, weight, z, mask, mean, invstd, count, bn_weight, stride, padding, dilation, relu, residual,
+            [need[0], need[1], need[2] or need[3], need[4]], group)
         return (dx if need[0] else None, dw if need[1] else None,
                 dg.to(ctx.dtypes[0]) if need[2] else None, db.to(ctx.dtypes[1]) if need[3] else None,
-                dres if need[4] else None, None, None, None, None, None, None, None, None)
+                dres if need[4] else None, None, None, None, None, None, None, None, None, None)
 
 
 def conv2d_bn_train(x, weight, bn_weight=None, bn_bias=None, eps: float = 1e-5, residual=None, stride=(1, 1),
                     padding=(0, 0), dilation=(1, 1), relu: bool = True, *, running_mean=None, running_var=None,
-                    momentum: float = 0.1) -> tuple:
-    """``(y, z, mask, mean, invstd)`` of ``relu?(BN(conv(x, w)) [+ residual])`` with BatchNorm in training mode
-    (batch statistics, biased variance), differentiable in x, weight, bn_weight, bn_bias and residual; z (the
+                    momentum: float = 0.1, process_group=False) -> tuple:
+    """``(y, z, mask, mean, invstd, count)`` of ``relu?(BN(conv(x, w)) [+ residual])`` with BatchNorm in training
+    mode (batch statistics, biased variance), differentiable in x, weight, bn_weight, bn_bias and residual; z (the
     conv output), the mask and the statistics are what the backward reads. ``running_mean``/``running_var``,
     when given, get ``BatchNorm2d``'s update in place: ``r = (1 - momentum)·r + momentum·stat``, the variance
-    unbiased."""
+    unbiased. ``process_group`` (a torch.distributed group; None: the default group; False: none): SyncBatchNorm,
+    the statistics and the backward's sums over every rank's batch (uneven batches too; ``count``: their size
+    per channel, else empty)."""
+    group = 0 if process_group is False else group_id(process_group)
     return _Train.apply(x, weight, bn_weight, bn_bias, residual, running_mean, running_var, float(momentum),
-                        float(eps), list(stride), list(padding), list(dilation), bool(relu))
+                        float(eps), list(stride), list(padding), list(dilation), bool(relu), group)

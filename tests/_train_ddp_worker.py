@@ -84,6 +84,7 @@ def _bench(rank, world, device, n: int) -> dict:
 def main(out_dir: str, kind: str, bench_n: int = 0) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if kind == "cuda":
+        torch.backends.cudnn.allow_tf32 = False          # (the reference's convolutions in fp32, as igemm's)
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)

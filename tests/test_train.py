@@ -112,6 +112,21 @@ def test_conv2d_op_gradcheck_float64(fmt, relu, residual, bn):
     assert gradcheck(f, (x, w, bias, *vecs, r))
 
 
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("channels", [1, 5])
+def test_prelu_and_index_add_ops_gradcheck_float64(fmt, channels):
+    torch.manual_seed(9)
+    d = torch.float64
+    x = torch.randn(2, 5, 4, 3, dtype=d).contiguous(memory_format=fmt).requires_grad_()
+    w = (torch.rand(channels, dtype=d) * 0.5).requires_grad_()
+    assert gradcheck(inn.prelu, (x, w))
+    assert torch.equal(inn.prelu(x, w), torch.nn.functional.prelu(x, w))
+    src = torch.randn(2, 3, 4, 3, dtype=d, requires_grad=True)
+    idx = torch.tensor([4, 0, 4])
+    assert gradcheck(lambda x, s: inn.index_add(x, 1, idx, s, 0.5), (x, src))
+    assert torch.equal(inn.index_add(x, 1, idx, src, 0.5), torch.index_add(x, 1, idx, src, alpha=0.5))
+
+
 def _train_pair(dtype=torch.float64, fmt=torch.contiguous_format, device="cpu", setup=None):
     """(igemm model, PyTorch model, the igemm model's parameters and buffers in the PyTorch model's order)."""
     torch.manual_seed(3)
@@ -334,6 +349,30 @@ def test_gpu_conv2d_op_gradients(dtype, fmt, relu, residual, stride):
     for name, a, b in zip(("y", "dx", "dw", "dres"), [got[0], *got[1]], [want[0], *want[1]]):
         if b is not None:
             assert _rel(a, b) <= 2 * TOL[dtype], name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+def test_gpu_prelu_and_index_add_gradients(dtype, fmt):
+    """igemm's PReLU and index_add ops (forward and backward kernels) against float64 autograd."""
+    torch.manual_seed(10)
+    x = torch.randn(4, 16, 9, 7).contiguous(memory_format=fmt)
+    w, dy = torch.rand(16) * 0.5, torch.randn(4, 16, 9, 7)
+    src, idx = torch.randn(4, 6, 9, 7), torch.tensor([3, 0, 15, 3, 7, 0])
+
+    def run(device, dt, fn, *ins):
+        ins = [t.to(device=device, dtype=dt if t.dim() == 4 else (torch.float64 if dt == torch.float64
+                                                                  else torch.float32)).requires_grad_()
+               for t in ins]
+        y = fn(*ins)
+        y.backward(dy.to(device=device, dtype=dt).contiguous(memory_format=fmt))
+        return [y.detach(), *(t.grad for t in ins)]
+
+    for fn, ins in ((inn.prelu, (x, w)), (lambda a, s: inn.index_add(a, 1, idx.to(a.device), s, 0.5), (x, src))):
+        got, want = run("cuda", dtype, fn, *ins), run("cpu", torch.float64, fn, *ins)
+        for a, b in zip(got, want):
+            assert _rel(a, b) <= 2 * TOL[dtype]
 
 
 @pytest.mark.gpu

@@ -182,12 +182,17 @@ def _coef_launcher(device_id: int, grid: int):
     return _kernel.Launcher(k, grid, _THREADS)
 
 
+@lru_cache(maxsize=256)
+def _coef_template(K: int, count: float) -> _kernel.PackedArgs:
+    """The coefficient kernel's packed arguments for (K, count), pointers zero (``bind`` fills a copy)."""
+    return _kernel.pack_args(_COEF_PARAMS, dict(K=K, count=count))
+
+
 def launch_coefficients(device_id: int, stream: int, K: int, count: int, *, gamma: int, invstd: int, mean: int,
                         sum_dy: int, sum_dy_xmu: int, coef: int) -> None:
     """coef[3, K] = [a; b; c] of the BN-backward prologue (csrc/conv/backward.cuh: grad_coefficients)."""
-    _coef_launcher(device_id, -(-K // _THREADS))(stream, _kernel.pack_args(_COEF_PARAMS, dict(
-        gamma=gamma, invstd=invstd, mean=mean, sum_dy=sum_dy, sum_dy_xmu=sum_dy_xmu, coef=coef, K=K,
-        count=float(count))))
+    _coef_launcher(device_id, -(-K // _THREADS))(stream, _coef_template(K, float(count)).bind(dict(
+        gamma=gamma, invstd=invstd, mean=mean, sum_dy=sum_dy, sum_dy_xmu=sum_dy_xmu, coef=coef)))
 
 
 def all_variants() -> list[tuple[str, str]]:

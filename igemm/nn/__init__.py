@@ -7,6 +7,8 @@
 - ``torch.ops.igemm.conv2d_bn_train`` (:func:`conv2d_bn_train`): conv -> BatchNorm with batch statistics
   [-> + residual] [-> ReLU] for training (the running statistics updated as ``BatchNorm2d`` does), whose
   backward fuses BN's backward into dgrad's and wgrad's load.
+- ``torch.ops.igemm.prelu`` (:func:`prelu`) and ``torch.ops.igemm.index_add`` (:func:`index_add`, out of place),
+  differentiable.
 - Modules: :class:`Conv2d` (a drop-in ``torch.nn.Conv2d``), :class:`Conv2dBN`, :class:`Conv2dBNReLU`,
   :class:`Conv2dBNAddReLU` (inference: BatchNorm folded into the kernel; training: the training op).
 - :func:`convert`: a model's convolution patterns replaced by those modules; :func:`precompile`: their kernels
@@ -17,7 +19,8 @@ channels_last inputs run igemm's NHWC kernels without a copy and give channels_l
 from ._ops import conv2d, precompile
 from . import _autograd  # noqa: F401  (conv2d's backward op and autograd formula)
 from ._train_ops import conv2d_bn_train
+from ._more_ops import index_add, prelu
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU
 from ._convert import Report, convert
 
-__all__ = ["conv2d", "conv2d_bn_train", "precompile", "Conv2d", "Conv2dBN", "Conv2dBNReLU", "Conv2dBNAddReLU", "convert", "Report"]
+__all__ = ["conv2d", "conv2d_bn_train", "prelu", "index_add", "precompile", "Conv2d", "Conv2dBN", "Conv2dBNReLU", "Conv2dBNAddReLU", "convert", "Report"]

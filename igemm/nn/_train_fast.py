@@ -131,14 +131,14 @@ class TrainCall:
         fmt = _CL if self.nhwc else torch.contiguous_format
         dyv = self._view(dy.contiguous(memory_format=fmt))
         zv = self._view(z)
-        sums = torch.empty((4, self.K), dtype=torch.float32, device=dev)
-        ptr = [s.data_ptr() for s in sums]
+        sums = torch.empty((7, self.K), dtype=torch.float32, device=dev)     # 4 sums, then the coefficients
+        ptr = [s.data_ptr() for s in sums[:4]]
+        coef = sums[4:]
         mp = mask.data_ptr() if self.relu else 0
         dt = str(self.dtype)[6:]
         launch_reduction(_Ctx(dev, h), grad=True, dtype=dt, layout=self.layout, N=self.N, C=self.K, HW=self.HW,
                          ptrs=dict(dy=dyv.data_ptr(), x=zv.data_ptr(), mask=mp, mean=mean.data_ptr(),
                                    invstd=invstd.data_ptr(), out0=ptr[0], out1=ptr[1], out2=ptr[2], out3=ptr[3]))
-        coef = torch.empty((3, self.K), dtype=torch.float32, device=dev)
         launch_coefficients(dev.index, h, self.K, max(self.N * self.HW, 1),
                             gamma=gamma.data_ptr() if gamma is not None else 0, invstd=invstd.data_ptr(),
                             mean=mean.data_ptr(), sum_dy=ptr[0], sum_dy_xmu=ptr[1], coef=coef.data_ptr())
@@ -171,12 +171,15 @@ class _FastTrain(torch.autograd.Function):
     def forward(ctx, tc, x, w, gamma, beta, residual, rm, rv, momentum):
         y, z, mask, mean, invstd = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum)
         ctx.tc = tc
+        ctx.set_materialize_grads(False)          # (no zero tensors for the outputs that have no gradient)
         ctx.save_for_backward(x, w, z, mask, mean, invstd, gamma)
         ctx.mark_non_differentiable(z, mask, mean, invstd)
         return y, z, mask, mean, invstd
 
     @staticmethod
     def backward(ctx, dy, _dz, _dmask, _dmean, _dinvstd):
+        if dy is None:                            # (y took no part in what was differentiated)
+            return (None,) * 9
         x, w, z, mask, mean, invstd, gamma = ctx.saved_tensors
         n = ctx.needs_input_grad
         dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, z, mask, mean, invstd, gamma, n[1:])

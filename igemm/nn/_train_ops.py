@@ -269,6 +269,7 @@ class _Train(torch.autograd.Function):
         y, z, mask, mean, invstd, count = torch.ops.igemm.conv2d_bn_train(
             x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, residual, stride, padding,
             dilation, relu, group)
+        ctx.set_materialize_grads(False)          # (no zero tensors for the outputs that have no gradient)
         ctx.save_for_backward(x, weight, z, mask, mean, invstd, count, bn_weight)
         ctx.args = (stride, padding, dilation, relu, residual is not None, group)
         ctx.dtypes = (bn_weight.dtype if bn_weight is not None else None,
@@ -278,6 +279,8 @@ class _Train(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, _dz, _dmask, _dmean, _dinvstd, _dcount):
+        if dy is None:                            # (y took no part in what was differentiated)
+            return (None,) * 14
         x, weight, z, mask, mean, invstd, count, bn_weight = ctx.saved_tensors
         stride, padding, dilation, relu, residual, group = ctx.args
         need = ctx.needs_input_grad

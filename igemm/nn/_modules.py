@@ -6,7 +6,9 @@ its epilogue; it is differentiable (``torch.ops.igemm.conv2d_backward``: igemm's
 Training (BatchNorm with batch statistics): one ``torch.ops.igemm.conv2d_bn_train`` call (conv, statistics,
 BN-Add-ReLU writing the 1-bit mask) whose backward is igemm's BN-backward reduction and the dgrad and wgrad
 with the BN backward fused into their load of dy; the running statistics are updated as ``BatchNorm2d`` does.
-Under ``torch.autocast`` the convolution runs in the autocast dtype (BatchNorm's parameters stay fp32).
+Under ``torch.autocast`` the convolution runs in the autocast dtype (BatchNorm's parameters stay fp32). Over a
+``torch.nn.SyncBatchNorm`` (``convert(model, sync_bn=group)``) training syncs the statistics and the backward's
+sums across the process group's ranks.
 What the kernels do not run (groups != 1, a padding mode other than zeros, asymmetric ``padding="same"``, a
 conv bias before a training-mode BatchNorm) runs PyTorch's ops and says so once. On the CPU, and for dtypes
 other than fp16/bf16/fp32, the ops compute the same with PyTorch's ops.

@@ -23,4 +23,5 @@ from ._more_ops import index_add, prelu
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU
 from ._convert import Report, convert
 
-__all__ = ["conv2d", "conv2d_bn_train", "prelu", "index_add", "precompile", "Conv2d", "Conv2dBN", "Conv2dBNReLU", "Conv2dBNAddReLU", "convert", "Report"]
+__all__ = ["conv2d", "conv2d_bn_train", "prelu", "index_add", "precompile", "Conv2d", "Conv2dBN", "Conv2dBNReLU",
+           "Conv2dBNAddReLU", "convert", "Report"]

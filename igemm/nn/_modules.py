@@ -62,7 +62,8 @@ def _why_not(conv: nn.Conv2d, x: torch.Tensor, padding) -> str | None:
 def _direct(x: torch.Tensor, module: nn.Module) -> bool:
     """Whether the forward may skip the op (the eager path): no autograd graph to record, no autocast."""
     return (_ops.eager(x) and not torch.is_autocast_enabled("cuda")
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))))
+            and not (torch.is_grad_enabled()
+                     and (x.requires_grad or any(p.requires_grad for p in module.parameters()))))
 
 
 def _autocast(*ts):

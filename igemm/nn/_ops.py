@@ -339,7 +339,8 @@ class FastCall:
             return derived
         self.wv, self.vectors = derived
         # (the tensors are held: no other object can take one's id while it is compared against)
-        self.tensors, self.ids, self.stamp = tensors, list(map(id, tensors)), [t._version for t in tensors if t is not None]
+        self.tensors, self.ids = tensors, list(map(id, tensors))
+        self.stamp = [t._version for t in tensors if t is not None]
         return derived
 
     def __call__(self, x, residual, tensors):

@@ -49,8 +49,8 @@ def _f32(v) -> bool:
 class TrainCall:
     """conv -> BN (batch statistics) [-> + residual] [-> ReLU] for one input geometry: the plans found once."""
 
-    __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "layout", "dtype", "relu", "res", "eps", "geo", "z_shape",
-                 "N", "K", "HW", "stream_of")
+    __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "layout", "dtype", "relu", "eps", "z_shape", "N", "K", "HW",
+                 "stream_of")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu):
         from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
@@ -63,7 +63,7 @@ class TrainCall:
         self.plan = _ops._plan(key, dev)
         xs, ws, dt = key[0], key[1], key[2]
         st, pd, dl = (tuple(v) for v in (stride, padding, dilation))
-        self.dtype, self.relu, self.res, self.eps, self.geo = x.dtype, bool(relu), residual is not None, eps, (st, pd, dl)
+        self.dtype, self.relu, self.eps = x.dtype, bool(relu), eps
         self.dgrad, self.wgrad = (_cached(cls, (xs, ws, dt, self.layout, st, pd, dl, "strict", self.relu, True, *extra,
                                                 dev),
                                           lambda cls=cls: cls(xs, ws, dt, self.layout, st, pd, dl, mask=self.relu,

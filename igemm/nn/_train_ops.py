@@ -28,7 +28,8 @@ _ops._lib.define("conv2d_bn_train(Tensor x, Tensor weight, Tensor? bn_weight, Te
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _ops._lib.define("conv2d_bn_train_backward(Tensor grad, Tensor x, Tensor weight, Tensor z, Tensor mask, Tensor mean, "
                  "Tensor invstd, Tensor count, Tensor? bn_weight, int[2] stride, int[2] padding, int[2] dilation, "
-                 "bool relu, bool residual, bool[4] output_mask, int group=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+                 "bool relu, bool residual, bool[4] output_mask, int group=0) "
+                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _GROUPS: list = [None]          # group ids of the ops' ``group`` argument (0: none); torch.distributed process groups
 
 
@@ -87,7 +88,8 @@ def _forward_cuda(x, weight, bn_weight, bn_bias, running_mean, running_var, mome
     if relu:
         y, mask = batch_norm_relu(zv, mean, invstd, g, b, rv, True, layout=layout)
     else:
-        y, mask = batch_norm_elemt(zv, mean, invstd, g, b, residual=rv, layout=layout), x.new_empty(0, dtype=torch.int32)
+        y = batch_norm_elemt(zv, mean, invstd, g, b, residual=rv, layout=layout)
+        mask = x.new_empty(0, dtype=torch.int32)
     return (y.permute(0, 3, 1, 2) if nhwc else y), z, mask, mean, invstd, count
 
 

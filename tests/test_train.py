@@ -263,6 +263,48 @@ def test_cuda_implementations_match_the_cpu_ones(cuda_path_on_numpy, fmt, relu, 
         assert _rel(a, e) < 1e-6
 
 
+def test_train_op_bad_arguments_raise_named_before_anything_changes():
+    x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    cases = [(dict(bn_weight=torch.ones(5)), ValueError, "bn_weight"),
+             (dict(bn_bias=torch.ones(3)), ValueError, "bn_bias"),
+             (dict(residual=torch.randn(2, 4, 5, 5)), ValueError, "residual"),
+             (dict(stride=(0, 1)), ValueError, "stride"),
+             (dict(padding=(-1, 0)), ValueError, "padding")]
+    for kw, err, name in cases:
+        with pytest.raises(err, match=name):
+            inn.conv2d_bn_train(x, w, running_mean=rm, running_var=rv, **kw)
+        assert torch.equal(rm, torch.zeros(4)) and torch.equal(rv, torch.ones(4))
+    with pytest.raises(NotImplementedError, match="groups=1"):
+        inn.conv2d_bn_train(x, torch.randn(4, 1, 3, 3))
+    with pytest.raises(ValueError, match="x: expected a 4-D"):
+        inn.conv2d_bn_train(x[0], w)
+
+
+def test_convert_sync_bn_without_distributed_trains_as_batchnorm():
+    """``convert(model, sync_bn=None)`` makes the BatchNorms SyncBatchNorms; with no process group initialised
+    (or one rank) they train on the local batch, as PyTorch's SyncBatchNorm does: outputs, gradients and
+    buffers equal the BatchNorm model's (float64)."""
+    from igemm.nn import _modules
+    torch.manual_seed(3)
+    ref = small_resnet().double().train()
+    twin = copy.deepcopy(ref)
+    params, buffers = list(twin.parameters()), list(twin.buffers())
+    ig = inn.convert(twin, inplace=True, sync_bn=None).train()
+    fused = [m for m in ig.modules() if isinstance(m, _modules._ConvBN)]
+    assert len(fused) == 6 and all(isinstance(m.bn, nn.SyncBatchNorm) for m in fused)
+    assert all(_modules._sync_group(m.bn) is False for m in fused)
+    x = torch.randn(4, 3, 12, 12, dtype=torch.float64)
+    y1, y2 = ig(x), ref(x)
+    assert _rel(y1, y2) < 1e-12
+    y1.square().sum().backward()
+    y2.square().sum().backward()
+    for a, (name, b) in zip(params, ref.named_parameters()):
+        assert _rel(a.grad, b.grad) < 1e-12, name
+    for a, b in zip(buffers, ref.buffers()):
+        assert _rel(a.double(), b.double()) < 1e-12
+
+
 def test_a_conv_bias_before_training_batchnorm_runs_pytorch_and_says_so():
     from igemm.nn import _modules
     _modules._warned.clear()

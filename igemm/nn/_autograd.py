@@ -17,7 +17,7 @@ import torch
 
 from . import _ops
 
-__all__ = ["BACKWARD_SCHEMA", "pack_mask", "unpack_mask", "memory_format"]
+__all__ = ["BACKWARD_SCHEMA", "conv2d_backward", "pack_mask", "unpack_mask", "memory_format"]
 
 BACKWARD_SCHEMA = ("conv2d_backward(Tensor grad, Tensor x, Tensor weight, Tensor? y, Tensor? scale, int[2] stride, "
                    "int[2] padding, int[2] dilation, bool[2] output_mask) -> (Tensor, Tensor)")

@@ -125,8 +125,7 @@ class _ConvBN(nn.Module):
         super().__init__()
         if not isinstance(conv, nn.Conv2d) or not isinstance(bn, (nn.BatchNorm2d, nn.SyncBatchNorm)):
             raise TypeError(f"conv, bn: expected torch.nn.Conv2d and BatchNorm2d (or SyncBatchNorm), got "
-                            f"{type(conv).__name__} and "
-                            f"{type(bn).__name__}")
+                            f"{type(conv).__name__} and {type(bn).__name__}")
         if bn.num_features != conv.out_channels:
             raise ValueError(f"bn: {bn.num_features} features for the conv's {conv.out_channels} output channels")
         self.conv, self.bn = conv, bn

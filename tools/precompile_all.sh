@@ -21,4 +21,5 @@ step "the GPU tests' non-default conv kernels" python3 tools/precompile_tests.py
 step "compare" python3 -m igemm compare --precompile --arch "$ARCH"
 step "fuzz" python3 tests/test_fuzz.py precompile "$ARCH"
 step "backward tests and fuzz" python3 tests/test_backward.py precompile "$ARCH" 300
+step "training tests (igemm.nn)" python3 tests/test_train.py precompile "$ARCH"
 echo "cache: $(ls "$IGEMM_CACHE_DIR" | grep -c cubin) cubins, $(du -sh "$IGEMM_CACHE_DIR" | cut -f1)"

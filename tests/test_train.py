@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 from torch.autograd import gradcheck  # noqa: E402
 
 import igemm.nn as inn  # noqa: E402
-from igemm import reference  # noqa: E402
+from igemm import Conv2dGradInputPlan, reference  # noqa: E402
 from igemm.nn import _autograd  # noqa: E402
 
 CL = torch.channels_last
@@ -190,9 +190,8 @@ def test_precompile_of_a_training_model_records_its_backward(monkeypatch):
     inn.precompile(ig.eval(), x, arch="sm_90a", sms=132)
     train, infer = ({n for n, _ in s} for s in seen)
     assert len(infer) < len(train) and any(n.startswith("grad_copy") for n in train)
-    import igemm
-    dgrad = igemm.Conv2dGradInputPlan((4, 12, 12, 16), (16, 3, 3, 16), "float16", "NHWC", 1, 1, mask=True,
-                                      prologue=True, device="numpy", arch="sm_90a", sms=132)
+    dgrad = Conv2dGradInputPlan((4, 12, 12, 16), (16, 3, 3, 16), "float16", "NHWC", 1, 1, mask=True,
+                                prologue=True, device="numpy", arch="sm_90a", sms=132)
     assert all(sub.kernel()[0] in train for sub in dgrad.sub_plans())
     assert _ops._recording is None
 

@@ -7,7 +7,7 @@ torchvision resnet50, random weights (``torch.manual_seed(0)``), channels_last m
 ``torch.backends.cudnn.benchmark = True``. A step: ``zero_grad(set_to_none=True)``, the forward and the cross
 entropy under ``torch.autocast("cuda", dtype=torch.float16)``, ``scaler.scale(loss).backward()``,
 ``scaler.step(opt)``, ``scaler.update()`` (``torch.amp.GradScaler``; SGD lr 0.1, momentum 0.9, weight decay 1e-4);
-synthetic data: one fixed random batch (N, 3, 224, 224) and random labels. Peers, timed in the same run, each a
+synthetic data: one fixed random batch (N, 3, 224, 224) and random labels. Peers, timed in the same process, each a
 deep copy of the same initial model with its own optimizer and scaler, one at a time (the previous one freed):
   - igemm: ``igemm.nn.convert(model)`` in train mode (conv -> BN (-> + identity) -> ReLU as
     ``torch.ops.igemm.conv2d_bn_train``, igemm's fused backward), its kernels compiled first by

@@ -13,8 +13,10 @@ Mask helpers shared with the training op (:mod:`._train_ops`): igemm's 1-bit mas
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from .. import reference
 from . import _ops
 
 __all__ = ["BACKWARD_SCHEMA", "conv2d_backward", "pack_mask", "unpack_mask", "memory_format"]
@@ -32,19 +34,14 @@ def memory_format(t: torch.Tensor) -> torch.memory_format:
 
 def pack_mask(bits: torch.Tensor) -> torch.Tensor:
     """igemm's 1-bit mask (int32 words; bit ``i % 32`` of word ``i // 32`` is element ``i`` in memory order) of a
-    bool tensor, with torch ops (the CPU path)."""
-    flat = _memory_order(bits).reshape(-1)
-    n = flat.numel()
-    words = torch.zeros(((n + 31) // 32) * 32, dtype=torch.int64, device=bits.device)
-    words[:n] = flat.to(torch.int64)
-    v = (words.view(-1, 32) << torch.arange(32, device=bits.device)).sum(1)
-    return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
+    bool tensor: ``igemm.reference.pack_mask`` on the host (the CPU path; a CUDA tensor makes a round trip)."""
+    words = reference.pack_mask(_memory_order(bits).detach().cpu().numpy()).view(np.int32)
+    return torch.from_numpy(words).to(bits.device)
 
 
 def unpack_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The bool tensor (``like``'s shape; bits in ``like``'s memory order) of a mask."""
-    w = mask.to(torch.int64) & 0xFFFFFFFF
-    bits = ((w[:, None] >> torch.arange(32, device=mask.device)) & 1).reshape(-1)[:like.numel()].bool()
+    bits = torch.from_numpy(reference.unpack_mask(mask.detach().cpu().numpy(), like.numel())).to(mask.device)
     if memory_format(like) == torch.channels_last:
         N, C, H, W = like.shape
         return bits.view(N, H, W, C).permute(0, 3, 1, 2)

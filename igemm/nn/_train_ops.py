@@ -14,6 +14,8 @@ computation in PyTorch ops (float64 too: ``gradcheck``); the mask in igemm's for
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -144,10 +146,7 @@ def _forward_fake(x, weight, bn_weight, bn_bias, running_mean, running_var, mome
     fmt = memory_format(x)
     shape = _ops._out_size(x, weight, stride, padding, dilation)
     y = x.new_empty(shape).contiguous(memory_format=fmt)
-    n = 1
-    for s in shape:
-        n *= s
-    mask = x.new_empty(((n + 31) // 32) if relu else 0, dtype=torch.int32)
+    mask = x.new_empty(((math.prod(shape) + 31) // 32) if relu else 0, dtype=torch.int32)
     st = _stat_dtype(x)
     return (y, torch.empty_like(y), mask, x.new_empty(shape[1], dtype=st), x.new_empty(shape[1], dtype=st),
             x.new_empty(shape[1] if group else 0, dtype=torch.float32))

@@ -14,6 +14,11 @@ import weakref
 import torch
 
 from .. import _runtime
+from .._norm_kernels import launch_elemt, launch_reduction
+from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
+from ..conv._backward_functional import _cached
+from ..conv._moves import launch_coefficients
+from ..relu import relu_backward
 from . import _ops
 
 __all__ = ["train"]
@@ -53,8 +58,6 @@ class TrainCall:
                  "stream_of")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu):
-        from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
-        from ..conv._backward_functional import _cached
         _ops._check(x, w, None, (None, None, None, None), residual, stride, padding, dilation)
         self.nhwc = _ops._nhwc(x)
         self.layout = "NHWC" if self.nhwc else "NCHW"
@@ -91,7 +94,6 @@ class TrainCall:
                 and _runtime.current_context() == self.plan._ctx_id)
 
     def forward(self, x, w, gamma, beta, residual, rm, rv, momentum):
-        from .._norm_kernels import launch_elemt, launch_reduction
         dev = x.device
         h = self.stream_of(dev.index)
         wv = self._view(w)
@@ -123,9 +125,6 @@ class TrainCall:
         return self._back(y), self._back(z), mask, mean, invstd
 
     def backward(self, dy, x, w, z, mask, mean, invstd, gamma, need):
-        from .._norm_kernels import launch_reduction
-        from ..conv._moves import launch_coefficients
-        from ..relu import relu_backward
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = _CL if self.nhwc else torch.contiguous_format

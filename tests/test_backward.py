@@ -234,6 +234,45 @@ def test_prologue_numpy_matches_bn_backward(numpy_backend, rng):
     np.testing.assert_allclose(pro.grad_bias, sums[0], rtol=1e-5)
 
 
+def test_wgrad_native_choice():
+    """wgrad's native kernel where it can run (sm_90a, 16-bit NHWC, C % 64 == 0, K % 8 == 0), the reason where not;
+    its split of the reduction fills the GPU, and one split stores dw directly."""
+    from igemm.conv import _wgrad
+    g = GradWeightProblem((2, 12, 12, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)
+    assert _wgrad.unsupported(g, "float16", "NHWC", "sm_90a") is None
+    for args, why in ((("float16", "NHWC", "sm_80"), "sm_90a"), (("float32", "NHWC", "sm_90a"), "16-bit"),
+                      (("float16", "NCHW", "sm_90a"), "NHWC")):
+        assert why in _wgrad.unsupported(g, *args)
+    assert "C % 64" in _wgrad.unsupported(GradWeightProblem((2, 12, 12, 32), (64, 3, 3, 32), "NHWC", 1, 1, 1),
+                                          "float16", "NHWC", "sm_90a")
+    assert "K % 8" in _wgrad.unsupported(GradWeightProblem((2, 12, 12, 64), (60, 3, 3, 64), "NHWC", 1, 1, 1),
+                                         "float16", "NHWC", "sm_90a")
+    big = GradWeightProblem((32, 56, 56, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)      # 9 tiles, 1568 k-tiles
+    s = _wgrad.choose_spec(big, "float16", "float16", False, 132)
+    assert s.splits > 1 and s.out == "float32" and abs(s.splits - 2 * 132 / 9) < 2
+    wide = GradWeightProblem((32, 7, 7, 512), (512, 3, 3, 512), "NHWC", 1, 1, 1)     # 144 tiles
+    s = _wgrad.choose_spec(wide, "float16", "float16", False, 132)
+    assert s.splits == 1
+    assert s.out == "float16" and _wgrad.choose_spec(wide, "float16", "float16", True, 132).out == "float32"
+    plan = igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
+    assert plan.role == "native" and [k.kernel()[0] for k in plan.sub_plans()] == [
+        plan.native.spec.name(), "split_sum_float16"]
+    assert igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy",
+                                      arch="sm_80").role is None
+
+
+def test_wgrad_native_kernels_compile():
+    """wgrad's native kernel and its split sum compile (nvcc; CI has it)."""
+    from igemm import _build
+    try:
+        _build.find_toolchain()
+    except Exception as e:          # (no toolchain: nothing to compile with)
+        pytest.skip(f"no CUDA toolchain: {e}")
+    plan = igemm.Conv2dGradWeightPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
+    ks = [k.kernel() for k in plan.sub_plans()]
+    assert len(ks) == 2 and _build.compile_many(ks, "sm_90a", 2) == 2
+
+
 def test_move_kernels_compile():
     """The move kernels compile (nvcc; CI has it)."""
     from igemm import _build
@@ -352,12 +391,48 @@ def test_gpu_fp32_gradient_and_accumulate(rng):
     assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL["float16"]
 
 
+def _geometry(N, C, H, W, K, R, S, st, pad, dil) -> dict:
+    P = (H + 2 * pad - dil * (R - 1) - 1) // st + 1
+    Q = (W + 2 * pad - dil * (S - 1) - 1) // st + 1
+    return dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=(st, st), padding=(pad, pad), dilation=(dil, dil), P=P, Q=Q)
+
+
+#: wgrad's native kernel (16-bit NHWC, C % 64 == 0, K % 8 == 0): partial tiles in M and N, N·P·Q not a multiple of
+#: 64, strides, dilation, 1x1 to 7x7, one split and many (N, C, H, W, K, R, S, stride, padding, dilation)
+NATIVE_WGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1, 1), (3, 128, 9, 11, 40, 3, 3, 2, 1, 1),
+                (1, 64, 15, 15, 136, 1, 1, 1, 0, 1), (2, 64, 20, 20, 24, 7, 7, 2, 3, 1),
+                (2, 192, 10, 10, 256, 3, 3, 1, 2, 2), (4, 64, 28, 28, 64, 1, 1, 2, 0, 1),
+                (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("C, K, st, role", [(64, 128, 1, "dy"), (128, 64, 1, "x"), (64, 128, 2, "dy")])
+@pytest.mark.parametrize("case", NATIVE_WGRAD, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_wgrad_native(case, dtype, rng):
+    """wgrad's native kernel (x and dy read in place) against float64, plain, with the mask and with the prologue;
+    dw into an fp32 out and accumulated there."""
+    torch = pytest.importorskip("torch")
+    p = _geometry(*case)
+    xs, ws, ys = shapes(p, "NHWC")
+    assert igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NHWC", *geom(p)).role == "native"
+    for mode in ("plain", "mask", "bn"):
+        assert _run_case(torch, p, "NHWC", dtype, rng, "wgrad", mode) <= TOL[dtype], mode
+    x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal(ys), dtype)
+    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, *geom(p), "NHWC")
+    base = torch.randn(ws, dtype=torch.float32, device="cuda")
+    out, acc = poison(torch.empty(ws, dtype=torch.float32, device="cuda")), base.clone()
+    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=out)
+    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=acc, accumulate=True)
+    assert rel_err(to_numpy(out), ref) < TOL[dtype]
+    assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C, K, st, role", [(32, 128, 1, "dy"), (128, 60, 1, "x"), (32, 128, 2, "dy")])
 @pytest.mark.parametrize("mode", ["plain", "mask", "bn"])
 def test_gpu_wgrad_gemm_form(C, K, st, role, mode, rng):
-    """wgrad's GEMM form (1x1 unpadded NHWC; N·P·Q % 64 == 0 for its MN-major TMA tiles): either operand read in
-    place, strided, with the mask / prologue."""
+    """wgrad's GEMM form (1x1 unpadded NHWC where the native kernel cannot run: C % 64 or K % 8; N·P·Q % 64 == 0 for
+    its MN-major TMA tiles): either operand read in place, strided, with the mask / prologue."""
     torch = pytest.importorskip("torch")
     p = one_by_one(dict(N=2, C=C, H=16, W=16, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
     xs, ws, _ = shapes(p, "NHWC")
@@ -424,7 +499,7 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
                        device="numpy", arch="sm_90a", sms=132).sub_plans():
             name, s = sub.kernel(True, True)
             out[s] = name
-    for C, K, st in ((64, 128, 1), (128, 64, 1), (64, 128, 2)):
+    for C, K, st in ((32, 128, 1), (128, 60, 1), (32, 128, 2)):
         p = one_by_one(dict(N=2, C=C, H=16, W=16, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
         xs, ws, _ = shapes(p, "NHWC")
         for fused in (False, True):
@@ -432,6 +507,17 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
                                                   arch="sm_90a", sms=132).sub_plans():
                 name, s = sub.kernel(True, True)
                 out[s] = name
+    for case in NATIVE_WGRAD:
+        p = _geometry(*case)
+        xs, ws, _ = shapes(p, "NHWC")
+        for dtype in ("float16", "bfloat16"):
+            for out_dtype, acc in ((None, False), ("float32", False), ("float32", True)):
+                for fused in (False, True):
+                    for sub in igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NHWC", *geom(p), mask=fused,
+                                                          out_dtype=out_dtype, accumulate=acc, device="numpy",
+                                                          arch="sm_90a", sms=132).sub_plans():
+                        name, s = sub.kernel(True, True)
+                        out[s] = name
     for op in ("dgrad", "wgrad"):
         for dtype in ("float16", "bfloat16", "float32"):
             for layout in ("NCHW", "NHWC"):

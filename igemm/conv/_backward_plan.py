@@ -1,8 +1,8 @@
 """``Conv2dGradInputPlan`` and ``Conv2dGradWeightPlan``: the convolution backward, compiled once per problem.
 
-Each holds the forward plans of its problem (:mod:`._backward`: dgrad's phases, wgrad's turned convolution), the
-operand moves around them and their scratch; a call checks the tensors, then launches moves and convolutions in
-stream order. The numpy backend runs the float64 references (``igemm.reference``) on the same arguments.
+Each holds the forward plans of its problem (:mod:`._backward`: dgrad's phases, wgrad's turned convolution) or
+wgrad's native kernel (:mod:`._wgrad`), the operand moves around them and their scratch; a call checks the tensors,
+then launches moves and convolutions in stream order. The numpy backend runs the float64 references (``igemm.reference``) on the same arguments.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .. import _runtime, reference
 from .._checks import check_aligned, check_flag, check_mask, check_output, check_stream, require_array
 from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
+from . import _wgrad
 from ._backward import GradInputProblem, GradWeightProblem
 from ._moves import Move, contiguous
 from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
@@ -255,7 +256,9 @@ class Conv2dGradWeightPlan(_GradPlan):
     """wgrad compiled for one forward problem: ``plan(x, dy)`` returns dw (``w_shape``, ``out_dtype``).
 
     ``out_dtype``: dw's dtype (default: x's; ``"float32"`` for fp32 gradients of a 16-bit problem);
-    ``accumulate``: add into ``out`` (gradient accumulation) instead of overwriting it.
+    ``accumulate``: add into ``out`` (gradient accumulation) instead of overwriting it. ``role``: ``"native"``
+    (sm_90a, 16-bit NHWC, C % 64 == 0, K % 8 == 0: x and dy read in place), ``"dy"``/``"x"`` (the 1x1 GEMM form) or
+    None (the turned convolution); ``options`` (for the forward plans) selects the forward-kernel forms.
     """
 
     @keeps_current_context
@@ -270,8 +273,21 @@ class Conv2dGradWeightPlan(_GradPlan):
             raise ValueError(f"out_dtype: expected {self.dtype!r} or 'float32', got {self.out_dtype!r}")
         self.accumulate = check_flag(accumulate, "accumulate")
         self.x_shape, self.w_shape, self.dy_shape = g.x_shape, g.w_shape, g.dy_shape
-        #: the GEMM form's in-place operand ("dy", "x"), or None: the turned convolution (module doc)
+        self.native = None
+        if self.device_id is not None:
+            arch, sms = _runtime.device_arch(self.device_id), _runtime.device_props(self.device_id).multiprocessor_count
+        else:
+            arch, sms = arch or "sm_90a", 132 if sms is None else int(sms)
+        #: "native" (sm_90a, 16-bit NHWC: x and dy read in place, conv/_wgrad.py), the GEMM form's in-place operand
+        #: ("dy", "x"), or None: the turned convolution (module doc)
         self.role = g.gemm_role(self.mask or self.prologue)
+        if options is None and _wgrad.unsupported(g, self.dtype, layout, arch) is None:
+            self.role = "native"
+            self.native = _wgrad.NativeWgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id, sms)
+            self.sms = sms
+            self._pre = self._fused_move(g.dy_shape, g.K)
+            self._xcopy = Move(g.x_shape, contiguous(g.x_shape), contiguous(g.x_shape))
+            return
         if self.role is not None:
             self.plan = self._sub_plan(g.gemm_plan_args(self.role), options, arch, sms)
             if self.plan.path != "native" or self.plan.spec().load_a != "tmamn":
@@ -285,9 +301,10 @@ class Conv2dGradWeightPlan(_GradPlan):
             self._wt_shape = g.gemm_plan_args(self.role)["w_shape"]
         self.sms = self.plan.sms
 
-    def sub_plans(self) -> list[Conv2dPlan]:
-        """The forward plan this plan launches (e.g. to compile its kernels ahead of time)."""
-        return [self.plan]
+    def sub_plans(self) -> list:
+        """The forward plan this plan launches (e.g. to compile its kernels ahead of time); for the native kernel,
+        its kernels (each with the plans' ``kernel()``)."""
+        return self.native.kernels() if self.native is not None else [self.plan]
 
     def __call__(self, x, dy, *, mask=None, prologue=None, out=None, stream=None):
         """dw for the forward input ``x`` and the output gradient ``dy``; ``out`` (required with
@@ -320,6 +337,8 @@ class Conv2dGradWeightPlan(_GradPlan):
 
     def _run(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
         """The launches on stream ``h``; ``fp``: the mask / prologue pointers (0: none)."""
+        if self.native is not None:
+            return self._run_native(h, x, dy, dw, fp)
         if self.role is not None:
             return self._run_gemm(h, x, dy, dw, fp)
         g, dev = self.problem, self.device_id
@@ -331,6 +350,20 @@ class Conv2dGradWeightPlan(_GradPlan):
         dym.launch(dev, h, self.dtype, self.dtype, dy, dyt, mode=_mode(fp), sms=self.sms, **fp)
         self.plan._launch(h, True, True, xt, dyt, yt, 0, 0, self.plan._folded)
         wm.launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
+
+    def _run_native(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
+        """The native kernel: x and dy read in place (a misaligned one, or dy under a mask / prologue, copied)."""
+        g, dev, dt = self.problem, self.device_id, self.dtype
+        mode = _mode(fp)
+        if mode != "plain" or dy % 16:
+            dz = self._buf("dz", g.dy_shape, dt)
+            self._pre.launch(dev, h, dt, dt, dy, dz, mode=mode, sms=self.sms, **fp)
+            dy = dz
+        if x % 16:
+            xc = self._buf("xc", g.x_shape, dt)
+            self._xcopy.launch(dev, h, dt, dt, x, xc, sms=self.sms)
+            x = xc
+        self.native.launch(h, x, dy, dw)
 
     def _run_gemm(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
         """The GEMM form (1x1 unpadded NHWC): the in-place operand read as MN-major tiles, the other moved."""

@@ -20,7 +20,8 @@ from . import _kernel
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES, FLOAT_DTYPES
 
-__all__ = ["RedConfig", "EwConfig", "reduction_config", "elemt_config", "launch_reduction", "launch_gather",
+__all__ = ["RedConfig", "EwConfig", "reduction_config", "elemt_config", "launch_reduction", "reduction_kernels",
+           "elemt_kernel", "launch_gather",
            "launch_sum_ranks", "launch_elemt", "instances_for", "compile_stubs", "precompile", "stub_stats_k1",
            "stub_finalize", "stub_gather", "stub_sum_ranks", "stub_forward", "stub_backward", "finalize_per_block",
            "align_of", "LAYOUTS", "THREADS"]
@@ -315,18 +316,33 @@ def launch_reduction(ctx, *, grad: bool, dtype: str, layout: str, N: int, C: int
     if total == 0:
         _empty_plan(ctx.device_id, dtype, grad, C, mode, int(f64), HW)(ctx.stream, values)
         return
-    align = align_of(*(values.get(k, 0) for k in ("x", "dy")))
-    cfg = reduction_config(layout, N, C, HW, DTYPE_SIZES[dtype], align, _sms(ctx.device_id),
-                           _GRAD_UNROLL if grad else _STATS_UNROLL)
-    k1, k2 = _red_plan(ctx.device_id, dtype, grad, cfg, C, HW, total, mode, int(f64))
+    k1, k2, nws = reduction_kernels(ctx.device_id, grad=grad, dtype=dtype, layout=layout, N=N, C=C, HW=HW,
+                                    align=align_of(*(values.get(k, 0) for k in ("x", "dy"))), mode=mode, f64=f64)
     ws = None
     if k2 is not None:
-        ws, t_ws = ctx.empty((cfg.workspace_floats(C),), "float32")
+        ws, t_ws = ctx.empty((nws,), "float32")
         values["part"] = t_ws.ptr
     k1(ctx.stream, values)
     if k2 is not None:
         k2(ctx.stream, values)
     del ws  # stream-ordered frees (torch/cupy caching allocators, cuda.core pools): safe after the launches
+
+
+def reduction_kernels(device_id: int, *, grad: bool, dtype: str, layout: str, N: int, C: int, HW: int, align: int,
+                      mode: int = 0, f64: bool = False) -> tuple:
+    """:func:`launch_reduction`'s kernels for one geometry (``N * HW > 0``) and pointer alignment, found once by a
+    caller that launches them many times: ``(kernel 1, kernel 2 or None, workspace floats kernel 2 needs)``."""
+    cfg = reduction_config(layout, N, C, HW, DTYPE_SIZES[dtype], align, _sms(device_id),
+                           _GRAD_UNROLL if grad else _STATS_UNROLL)
+    k1, k2 = _red_plan(device_id, dtype, grad, cfg, C, HW, N * HW, mode, int(f64))
+    return k1, k2, cfg.workspace_floats(C) if k2 is not None else 0
+
+
+def elemt_kernel(device_id: int, *, backward: bool, dtype: str, layout: str, N: int, C: int, HW: int,
+                 act_or_mask: int, res: bool, align: int, count_cs: int = 0) -> "_Kern":
+    """:func:`launch_elemt`'s kernel for one geometry (``N * C * HW > 0``) and pointer alignment."""
+    cfg = elemt_config(layout, N, C, HW, DTYPE_SIZES[dtype], align, _sms(device_id))
+    return _ew_plan(device_id, dtype, backward, cfg, act_or_mask, res, C, HW, count_cs)
 
 
 @lru_cache(maxsize=1024)
@@ -347,9 +363,8 @@ def launch_elemt(ctx, *, backward: bool, dtype: str, layout: str, N: int, C: int
     residual's gradient written). The vector width follows the alignment of ``align_ptrs``."""
     if N * C * HW == 0:
         return
-    isz = DTYPE_SIZES[dtype]
-    cfg = elemt_config(layout, N, C, HW, isz, align_of(*align_ptrs), _sms(ctx.device_id))
-    _ew_plan(ctx.device_id, dtype, backward, cfg, act_or_mask, res, C, HW, count_cs)(ctx.stream, ptrs)
+    elemt_kernel(ctx.device_id, backward=backward, dtype=dtype, layout=layout, N=N, C=C, HW=HW,
+                 act_or_mask=act_or_mask, res=res, align=align_of(*align_ptrs), count_cs=count_cs)(ctx.stream, ptrs)
 
 
 @lru_cache(maxsize=256)

@@ -14,37 +14,19 @@ import weakref
 import torch
 
 from .. import _runtime
-from .._norm_kernels import launch_elemt, launch_reduction
+from .. import relu as _relu
+from .._kernel import bind_args
+from .._norm_kernels import elemt_kernel, reduction_kernels
 from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
 from ..conv._backward_functional import _cached
 from ..conv._moves import launch_coefficients
-from ..relu import relu_backward
 from . import _ops
 
 __all__ = ["train"]
 
 _CL = torch.channels_last
+_PLAIN = {"mask": 0, "z": 0, "coef": 0}
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # module -> {input geometry: TrainCall|None}
-
-
-class _Ptr:
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-
-class _Ctx:
-    """What the BatchNorm launchers take from a call context: the device, the stream, fp32 scratch."""
-
-    __slots__ = ("device_id", "stream", "_dev")
-
-    def __init__(self, device, stream: int):
-        self.device_id, self.stream, self._dev = device.index, stream, device
-
-    def empty(self, shape, dtype):
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=self._dev)
-        return t, _Ptr(t.data_ptr())
 
 
 def _f32(v) -> bool:
@@ -52,10 +34,11 @@ def _f32(v) -> bool:
 
 
 class TrainCall:
-    """conv -> BN (batch statistics) [-> + residual] [-> ReLU] for one input geometry: the plans found once."""
+    """conv -> BN (batch statistics) [-> + residual] [-> ReLU] for one input geometry: the plans and the BatchNorm
+    kernels found once (the kernels for 16-byte aligned tensors: fresh outputs, and inputs ``usable`` checks)."""
 
-    __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "layout", "dtype", "relu", "eps", "z_shape", "N", "K", "HW",
-                 "stream_of")
+    __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "layout", "dtype", "dt", "relu", "res", "eps", "z_shape", "N", "K",
+                 "HW", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu):
         _ops._check(x, w, None, (None, None, None, None), residual, stride, padding, dilation)
@@ -66,7 +49,7 @@ class TrainCall:
         self.plan = _ops._plan(key, dev)
         xs, ws, dt = key[0], key[1], key[2]
         st, pd, dl = (tuple(v) for v in (stride, padding, dilation))
-        self.dtype, self.relu, self.eps = x.dtype, bool(relu), eps
+        self.dtype, self.dt, self.relu, self.res, self.eps = x.dtype, dt, bool(relu), residual is not None, eps
         self.dgrad, self.wgrad = (_cached(cls, (xs, ws, dt, self.layout, st, pd, dl, "strict", self.relu, True, *extra,
                                                 dev),
                                           lambda cls=cls: cls(xs, ws, dt, self.layout, st, pd, dl, mask=self.relu,
@@ -76,6 +59,13 @@ class TrainCall:
         N, K, P, Q = _ops._out_size(x, w, st, pd, dl)
         self.N, self.K, self.HW = N, K, P * Q
         self.stream_of = torch._C._cuda_getCurrentRawStream
+        geo = dict(dtype=dt, layout=self.layout, N=N, C=K, HW=P * Q, align=16)
+        self.stats = reduction_kernels(dev, grad=False, mode=1, **geo)
+        self.bn_fwd = elemt_kernel(dev, backward=False, act_or_mask=2 if self.relu else 0, res=self.res, **geo)
+        self.grad_red = reduction_kernels(dev, grad=True, **geo)
+        n = N * K * P * Q
+        vec = 16 // x.element_size()
+        self.relu_bwd = (_relu._launcher("relu_backward", dt, vec, dev, _relu._grid(dev, max(n // vec // 8, 1))), n)
 
     def _view(self, t):
         """The kernel's view of an NCHW-shaped tensor (NHWC memory: permuted)."""
@@ -102,26 +92,23 @@ class TrainCall:
         z = torch.empty(self.z_shape, dtype=self.dtype, device=dev)
         self.plan._launch(h, True, wv.data_ptr() % 16 == 0, x.data_ptr(), wv.data_ptr(), z.data_ptr(), 0, 0,
                           _ops._Vectors(None, None), False)
-        stats = torch.empty((2, self.K), dtype=torch.float32, device=dev)
-        mean, invstd = stats[0], stats[1]
-        ctx = _Ctx(dev, h)
-        dt = str(self.dtype)[6:]
-        launch_reduction(ctx, grad=False, dtype=dt, layout=self.layout, N=self.N, C=self.K, HW=self.HW,
-                         ptrs=dict(x=z.data_ptr(), out0=mean.data_ptr(), out1=invstd.data_ptr(),
-                                   run_mean=rm.data_ptr() if rm is not None else 0,
-                                   run_var=rv.data_ptr() if rv is not None else 0),
-                         mode=1, eps=self.eps, momentum=momentum)
+        K = self.K
+        k1, k2, nws = self.stats
+        buf = torch.empty((2 * K + nws,), dtype=torch.float32, device=dev)     # mean, invstd, kernel 2's partials
+        mean, invstd = buf[:K], buf[K:2 * K]
+        b = buf.data_ptr()
+        vals = {"x": z.data_ptr(), "out0": b, "out1": b + 4 * K, "part": b + 8 * K, "eps": self.eps,
+                "momentum": momentum, "run_mean": rm.data_ptr() if rm is not None else 0,
+                "run_var": rv.data_ptr() if rv is not None else 0}
+        k1(h, vals)
+        if k2 is not None:
+            k2(h, vals)
         y = torch.empty_like(z)
-        n = z.numel()
-        mask = torch.empty(((n + 31) // 32) if self.relu else 0, dtype=torch.int32, device=dev)
-        rp = self._view(residual).data_ptr() if residual is not None else 0
-        launch_elemt(ctx, backward=False, dtype=dt, layout=self.layout, N=self.N, C=self.K, HW=self.HW,
-                     act_or_mask=2 if self.relu else 0, res=residual is not None, align_ptrs=(z.data_ptr(),
-                                                                                              y.data_ptr(), rp),
-                     ptrs={"x": z.data_ptr(), "res": rp, "y": y.data_ptr(), "mask": mask.data_ptr(),
-                           "mean": mean.data_ptr(), "invstd": invstd.data_ptr(),
-                           "weight": gamma.data_ptr() if gamma is not None else 0,
-                           "bias": beta.data_ptr() if beta is not None else 0})
+        mask = torch.empty(((z.numel() + 31) // 32) if self.relu else 0, dtype=torch.int32, device=dev)
+        self.bn_fwd(h, {"x": z.data_ptr(), "res": self._view(residual).data_ptr() if residual is not None else 0,
+                        "y": y.data_ptr(), "mask": mask.data_ptr(), "mean": b, "invstd": b + 4 * K,
+                        "weight": gamma.data_ptr() if gamma is not None else 0,
+                        "bias": beta.data_ptr() if beta is not None else 0})
         return self._back(y), self._back(z), mask, mean, invstd
 
     def backward(self, dy, x, w, z, mask, mean, invstd, gamma, need):
@@ -129,19 +116,31 @@ class TrainCall:
         h = self.stream_of(dev.index)
         fmt = _CL if self.nhwc else torch.contiguous_format
         dyv = self._view(dy.contiguous(memory_format=fmt))
+        if dyv.data_ptr() % 16:                   # (the kernels were found for aligned tensors)
+            dyv = dyv.clone()
         zv = self._view(z)
-        sums = torch.empty((7, self.K), dtype=torch.float32, device=dev)     # 4 sums, then the coefficients
-        ptr = [s.data_ptr() for s in sums[:4]]
-        coef = sums[4:]
+        K = self.K
+        k1, k2, nws = self.grad_red
+        sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
+        b = sums.data_ptr()
         mp = mask.data_ptr() if self.relu else 0
-        dt = str(self.dtype)[6:]
-        launch_reduction(_Ctx(dev, h), grad=True, dtype=dt, layout=self.layout, N=self.N, C=self.K, HW=self.HW,
-                         ptrs=dict(dy=dyv.data_ptr(), x=zv.data_ptr(), mask=mp, mean=mean.data_ptr(),
-                                   invstd=invstd.data_ptr(), out0=ptr[0], out1=ptr[1], out2=ptr[2], out3=ptr[3]))
-        launch_coefficients(dev.index, h, self.K, max(self.N * self.HW, 1),
-                            gamma=gamma.data_ptr() if gamma is not None else 0, invstd=invstd.data_ptr(),
-                            mean=mean.data_ptr(), sum_dy=ptr[0], sum_dy_xmu=ptr[1], coef=coef.data_ptr())
-        fp = {"mask": mp, "z": zv.data_ptr(), "coef": coef.data_ptr()}
+        vals = {"dy": dyv.data_ptr(), "x": zv.data_ptr(), "mask": mp, "mean": mean.data_ptr(),
+                "invstd": invstd.data_ptr(), "out0": b, "out1": b + 4 * K, "out2": b + 8 * K, "out3": b + 12 * K,
+                "part": b + 28 * K}
+        k1(h, vals)
+        if k2 is not None:
+            k2(h, vals)
+        launch_coefficients(dev.index, h, K, max(self.N * self.HW, 1), gamma=gamma.data_ptr() if gamma is not None
+                            else 0, invstd=invstd.data_ptr(), mean=mean.data_ptr(), sum_dy=b, sum_dy_xmu=b + 4 * K,
+                            coef=b + 16 * K)
+        fp = {"mask": mp, "z": zv.data_ptr(), "coef": b + 16 * K}
+        src = dyv.data_ptr()
+        if need[0] and need[1] and self.wgrad.native is not None:
+            # both read dz = a·(bit ? dy : 0) + b·z + c from memory: made once here, not once by each plan
+            dz = torch.empty_like(dyv)
+            self.dgrad._pre.launch(dev.index, h, self.dt, self.dt, src, dz.data_ptr(), mode="bn", sms=self.dgrad.sms,
+                                   **fp)
+            src, fp = dz.data_ptr(), _PLAIN
         dx = dw = dres = None
         if need[0]:
             wv = self._view(w)
@@ -150,17 +149,24 @@ class TrainCall:
             g = self.dgrad
             dxv = torch.empty(g.x_shape, dtype=self.dtype, device=dev)
             with g._lock:
-                g._run(h, dyv.data_ptr(), wv.data_ptr(), dxv.data_ptr(), fp)
+                g._run(h, src, wv.data_ptr(), dxv.data_ptr(), fp)
             dx = self._back(dxv)
         if need[1]:
             g = self.wgrad
             dwv = torch.empty(g.w_shape, dtype=self.dtype, device=dev)
             with g._lock:
-                g._run(h, self._view(x).data_ptr(), dyv.data_ptr(), dwv.data_ptr(), fp)
+                g._run(h, self._view(x).data_ptr(), src, dwv.data_ptr(), fp)
             dw = self._back(dwv)
         if need[4]:
-            dres = self._back(relu_backward(dyv, mask)) if self.relu else self._back(dyv)
-        return dx, dw, sums[2], sums[3], dres
+            if self.relu:
+                launcher, n = self.relu_bwd
+                dresv = torch.empty_like(dyv)
+                launcher(h, bind_args(_relu._BWD_PARAMS, {"dy": dyv.data_ptr(), "mask": mp, "dx": dresv.data_ptr(),
+                                                         "n": n}))
+                dres = self._back(dresv)
+            else:
+                dres = self._back(dyv)
+        return dx, dw, sums[2 * K:3 * K], sums[3 * K:4 * K], dres
 
 
 class _FastTrain(torch.autograd.Function):
@@ -195,7 +201,7 @@ def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: floa
            None if residual is None else (residual.shape, residual.stride()))
     tc = per.get(key, False)
     if tc is False:
-        ok = _ops.supported(x, w) and (_ops._nhwc(x) or x.is_contiguous())
+        ok = _ops.supported(x, w) and (_ops._nhwc(x) or x.is_contiguous()) and x.numel() > 0
         tc = per[key] = TrainCall(x, w, residual, eps, stride, padding, dilation, relu) if ok else None
     if tc is None or not tc.usable(x, w, gamma, beta, residual, rm, rv):
         return None

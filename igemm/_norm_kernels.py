@@ -208,6 +208,22 @@ class _Kern:
             self.launcher(stream, a)
 
 
+    def slots(self, names) -> np.ndarray:
+        """The argument-buffer slots of pointer parameters ``names``, for :meth:`run`."""
+        return np.array([self.slot[n] for n in names], dtype=np.intp)
+
+    def run(self, stream, slots: np.ndarray, ptrs: list, floats: tuple = ()) -> None:
+        """The repeated caller's launch: pointer ``slots`` set to ``ptrs`` and ``(slot, value)`` float32 pairs, every
+        other value static (one buffer write instead of :meth:`__call__`'s per-name dispatch)."""
+        a = self.args
+        with self.lock:
+            a.data[...] = self.base
+            a.u64[slots] = ptrs
+            for i, v in floats:
+                a.f32[2 * i] = v
+            self.launcher(stream, a)
+
+
 def _sms(device_id: int) -> int:
     from ._runtime import device_props
     return int(device_props(device_id).multiprocessor_count)

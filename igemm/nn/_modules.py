@@ -72,7 +72,8 @@ def _autocast(*ts):
     if not torch.is_autocast_enabled("cuda"):
         return ts
     dt = torch.get_autocast_dtype("cuda")
-    return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.is_cuda else t for t in ts)
+    return tuple(t.to(dt) if t is not None and t.dtype is not dt and t.is_floating_point() and t.is_cuda else t
+                 for t in ts)
 
 
 class Conv2d(nn.Conv2d):

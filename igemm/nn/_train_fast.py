@@ -26,6 +26,10 @@ __all__ = ["train"]
 
 _CL = torch.channels_last
 _PLAIN = {"mask": 0, "z": 0, "coef": 0}
+#: the pointer parameters each BatchNorm kernel gets per call, in the order TrainCall passes them
+_STATS_PTRS = ("x", "out0", "out1", "part", "run_mean", "run_var")
+_FWD_PTRS = ("x", "res", "y", "mask", "mean", "invstd", "weight", "bias")
+_GRAD_PTRS = ("dy", "x", "mask", "mean", "invstd", "out0", "out1", "out2", "out3", "part")
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # module -> {input geometry: TrainCall|None}
 
 
@@ -35,48 +39,47 @@ def _f32(v) -> bool:
 
 class TrainCall:
     """conv -> BN (batch statistics) [-> + residual] [-> ReLU] for one input geometry: the plans and the BatchNorm
-    kernels found once (the kernels for 16-byte aligned tensors: fresh outputs, and inputs ``usable`` checks)."""
+    kernels found once (the kernels for 16-byte aligned tensors: fresh outputs, and inputs ``usable`` checks).
+    Tensors stay in the module's shapes: the kernels need only their pointers, outputs are allocated in the memory
+    format the plans write (channels_last for the NHWC plans), so no call makes a view."""
 
-    __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "layout", "dtype", "dt", "relu", "res", "eps", "z_shape", "N", "K",
-                 "HW", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd")
+    __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
+                 "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu):
         _ops._check(x, w, None, (None, None, None, None), residual, stride, padding, dilation)
         self.nhwc = _ops._nhwc(x)
-        self.layout = "NHWC" if self.nhwc else "NCHW"
+        self.fmt = _CL if self.nhwc else torch.contiguous_format
+        layout = "NHWC" if self.nhwc else "NCHW"
         key = _ops._plan_key(x, w, None, None, None, stride, padding, dilation, False)
         dev = x.device.index
         self.plan = _ops._plan(key, dev)
         xs, ws, dt = key[0], key[1], key[2]
         st, pd, dl = (tuple(v) for v in (stride, padding, dilation))
         self.dtype, self.dt, self.relu, self.res, self.eps = x.dtype, dt, bool(relu), residual is not None, eps
-        self.dgrad, self.wgrad = (_cached(cls, (xs, ws, dt, self.layout, st, pd, dl, "strict", self.relu, True, *extra,
-                                                dev),
-                                          lambda cls=cls: cls(xs, ws, dt, self.layout, st, pd, dl, mask=self.relu,
+        self.dgrad, self.wgrad = (_cached(cls, (xs, ws, dt, layout, st, pd, dl, "strict", self.relu, True, *extra, dev),
+                                          lambda cls=cls: cls(xs, ws, dt, layout, st, pd, dl, mask=self.relu,
                                                               prologue=True, device=dev))
                                   for cls, extra in ((Conv2dGradInputPlan, ()), (Conv2dGradWeightPlan, (dt, False))))
-        self.z_shape = self.plan.y_shape
         N, K, P, Q = _ops._out_size(x, w, st, pd, dl)
-        self.N, self.K, self.HW = N, K, P * Q
+        self.N, self.K, self.HW, self.y_shape = N, K, P * Q, (N, K, P, Q)
         self.stream_of = torch._C._cuda_getCurrentRawStream
-        geo = dict(dtype=dt, layout=self.layout, N=N, C=K, HW=P * Q, align=16)
+        geo = dict(dtype=dt, layout=layout, N=N, C=K, HW=P * Q, align=16)
         self.stats = reduction_kernels(dev, grad=False, mode=1, **geo)
         self.bn_fwd = elemt_kernel(dev, backward=False, act_or_mask=2 if self.relu else 0, res=self.res, **geo)
         self.grad_red = reduction_kernels(dev, grad=True, **geo)
         n = N * K * P * Q
         vec = 16 // x.element_size()
         self.relu_bwd = (_relu._launcher("relu_backward", dt, vec, dev, _relu._grid(dev, max(n // vec // 8, 1))), n)
-
-    def _view(self, t):
-        """The kernel's view of an NCHW-shaped tensor (NHWC memory: permuted)."""
-        return t.permute(0, 2, 3, 1) if self.nhwc else t
-
-    def _back(self, t):
-        return t.permute(0, 3, 1, 2) if self.nhwc else t
+        k1, _, _ = self.stats
+        g1, _, _ = self.grad_red
+        self.slots = {"stats": k1.slots(_STATS_PTRS), "fwd": self.bn_fwd.slots(_FWD_PTRS),
+                      "grad": g1.slots(_GRAD_PTRS), "eps": k1.slot["eps"],
+                      "momentum": k1.slot["momentum"]}
 
     def usable(self, x, w, gamma, beta, residual, rm, rv) -> bool:
         """Whether this call's tensors are as the plans want them (else the op path)."""
-        fmt = _CL if self.nhwc else torch.contiguous_format
+        fmt = self.fmt
         return (x.is_contiguous(memory_format=fmt) and w.dtype is self.dtype and x.data_ptr() % 16 == 0
                 and (residual is None or (residual.is_contiguous(memory_format=fmt) and residual.dtype is self.dtype
                                           and residual.data_ptr() % 16 == 0))
@@ -86,86 +89,79 @@ class TrainCall:
     def forward(self, x, w, gamma, beta, residual, rm, rv, momentum):
         dev = x.device
         h = self.stream_of(dev.index)
-        wv = self._view(w)
-        if not wv.is_contiguous():
-            wv = wv.contiguous()
-        z = torch.empty(self.z_shape, dtype=self.dtype, device=dev)
-        self.plan._launch(h, True, wv.data_ptr() % 16 == 0, x.data_ptr(), wv.data_ptr(), z.data_ptr(), 0, 0,
-                          _ops._Vectors(None, None), False)
+        if not w.is_contiguous(memory_format=self.fmt):
+            w = w.contiguous(memory_format=self.fmt)
         K = self.K
+        # (y is an output of its own, not a view: autograd forbids in-place changes of a custom Function's views)
+        z = torch.empty(self.y_shape, dtype=self.dtype, device=dev, memory_format=self.fmt)
+        y = torch.empty(self.y_shape, dtype=self.dtype, device=dev, memory_format=self.fmt)
+        zp, yp = z.data_ptr(), y.data_ptr()
+        self.plan._launch(h, True, w.data_ptr() % 16 == 0, x.data_ptr(), w.data_ptr(), zp, 0, 0,
+                          _ops._Vectors(None, None), False)
         k1, k2, nws = self.stats
-        buf = torch.empty((2 * K + nws,), dtype=torch.float32, device=dev)     # mean, invstd, kernel 2's partials
-        mean, invstd = buf[:K], buf[K:2 * K]
+        words = (z.numel() + 31) // 32 if self.relu else 0
+        # mean, invstd, kernel 2's partials; the mask's words (int32) after them
+        buf = torch.empty((2 * K + nws + words,), dtype=torch.float32, device=dev)
         b = buf.data_ptr()
-        vals = {"x": z.data_ptr(), "out0": b, "out1": b + 4 * K, "part": b + 8 * K, "eps": self.eps,
-                "momentum": momentum, "run_mean": rm.data_ptr() if rm is not None else 0,
-                "run_var": rv.data_ptr() if rv is not None else 0}
-        k1(h, vals)
+        ptrs = [zp, b, b + 4 * K, b + 8 * K, rm.data_ptr() if rm is not None else 0,
+                rv.data_ptr() if rv is not None else 0]
+        mom = ((self.slots["eps"], self.eps), (self.slots["momentum"], momentum))
+        k1.run(h, self.slots["stats"], ptrs, mom)
         if k2 is not None:
-            k2(h, vals)
-        y = torch.empty_like(z)
-        mask = torch.empty(((z.numel() + 31) // 32) if self.relu else 0, dtype=torch.int32, device=dev)
-        self.bn_fwd(h, {"x": z.data_ptr(), "res": self._view(residual).data_ptr() if residual is not None else 0,
-                        "y": y.data_ptr(), "mask": mask.data_ptr(), "mean": b, "invstd": b + 4 * K,
-                        "weight": gamma.data_ptr() if gamma is not None else 0,
-                        "bias": beta.data_ptr() if beta is not None else 0})
-        return self._back(y), self._back(z), mask, mean, invstd
+            k2.run(h, self.slots["stats"], ptrs, mom)
+        self.bn_fwd.run(h, self.slots["fwd"], [zp, residual.data_ptr() if residual is not None else 0, yp,
+                                               b + 4 * (2 * K + nws), b, b + 4 * K,
+                                               gamma.data_ptr() if gamma is not None else 0,
+                                               beta.data_ptr() if beta is not None else 0])
+        return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K]
 
     def backward(self, dy, x, w, z, mask, mean, invstd, gamma, need):
         dev = dy.device
         h = self.stream_of(dev.index)
-        fmt = _CL if self.nhwc else torch.contiguous_format
-        dyv = self._view(dy.contiguous(memory_format=fmt))
-        if dyv.data_ptr() % 16:                   # (the kernels were found for aligned tensors)
-            dyv = dyv.clone()
-        zv = self._view(z)
+        fmt = self.fmt
+        dy = dy.contiguous(memory_format=fmt)
+        if dy.data_ptr() % 16:                    # (the kernels were found for aligned tensors)
+            dy = dy.clone(memory_format=fmt)
         K = self.K
         k1, k2, nws = self.grad_red
         sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
         b = sums.data_ptr()
-        mp = mask.data_ptr() if self.relu else 0
-        vals = {"dy": dyv.data_ptr(), "x": zv.data_ptr(), "mask": mp, "mean": mean.data_ptr(),
-                "invstd": invstd.data_ptr(), "out0": b, "out1": b + 4 * K, "out2": b + 8 * K, "out3": b + 12 * K,
-                "part": b + 28 * K}
-        k1(h, vals)
+        dp, zp, mp = dy.data_ptr(), z.data_ptr(), mask.data_ptr() if self.relu else 0
+        ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), b, b + 4 * K, b + 8 * K, b + 12 * K, b + 28 * K]
+        k1.run(h, self.slots["grad"], ptrs)
         if k2 is not None:
-            k2(h, vals)
+            k2.run(h, self.slots["grad"], ptrs)
         launch_coefficients(dev.index, h, K, max(self.N * self.HW, 1), gamma=gamma.data_ptr() if gamma is not None
                             else 0, invstd=invstd.data_ptr(), mean=mean.data_ptr(), sum_dy=b, sum_dy_xmu=b + 4 * K,
                             coef=b + 16 * K)
-        fp = {"mask": mp, "z": zv.data_ptr(), "coef": b + 16 * K}
-        src = dyv.data_ptr()
+        fp = {"mask": mp, "z": zp, "coef": b + 16 * K}
+        src = dp
         if need[0] and need[1] and self.wgrad.native is not None:
             # both read dz = a·(bit ? dy : 0) + b·z + c from memory: made once here, not once by each plan
-            dz = torch.empty_like(dyv)
+            dz = torch.empty_like(dy)
             self.dgrad._pre.launch(dev.index, h, self.dt, self.dt, src, dz.data_ptr(), mode="bn", sms=self.dgrad.sms,
                                    **fp)
             src, fp = dz.data_ptr(), _PLAIN
         dx = dw = dres = None
         if need[0]:
-            wv = self._view(w)
-            if not wv.is_contiguous():
-                wv = wv.contiguous()
+            if not w.is_contiguous(memory_format=fmt):
+                w = w.contiguous(memory_format=fmt)
             g = self.dgrad
-            dxv = torch.empty(g.x_shape, dtype=self.dtype, device=dev)
+            dx = torch.empty(x.shape, dtype=self.dtype, device=dev, memory_format=fmt)
             with g._lock:
-                g._run(h, src, wv.data_ptr(), dxv.data_ptr(), fp)
-            dx = self._back(dxv)
+                g._run(h, src, w.data_ptr(), dx.data_ptr(), fp)
         if need[1]:
             g = self.wgrad
-            dwv = torch.empty(g.w_shape, dtype=self.dtype, device=dev)
+            dw = torch.empty(w.shape, dtype=self.dtype, device=dev, memory_format=fmt)
             with g._lock:
-                g._run(h, self._view(x).data_ptr(), src, dwv.data_ptr(), fp)
-            dw = self._back(dwv)
+                g._run(h, x.data_ptr(), src, dw.data_ptr(), fp)
         if need[4]:
             if self.relu:
                 launcher, n = self.relu_bwd
-                dresv = torch.empty_like(dyv)
-                launcher(h, bind_args(_relu._BWD_PARAMS, {"dy": dyv.data_ptr(), "mask": mp, "dx": dresv.data_ptr(),
-                                                         "n": n}))
-                dres = self._back(dresv)
+                dres = torch.empty_like(dy)
+                launcher(h, bind_args(_relu._BWD_PARAMS, {"dy": dp, "mask": mp, "dx": dres.data_ptr(), "n": n}))
             else:
-                dres = self._back(dyv)
+                dres = dy
         return dx, dw, sums[2 * K:3 * K], sums[3 * K:4 * K], dres
 
 

@@ -237,23 +237,23 @@ def test_prologue_numpy_matches_bn_backward(numpy_backend, rng):
 def test_wgrad_native_choice():
     """wgrad's native kernel where it can run (sm_90a, 16-bit NHWC, C % 64 == 0, K % 8 == 0), the reason where not;
     its split of the reduction fills the GPU, and one split stores dw directly."""
-    from igemm.conv import _wgrad
+    from igemm.conv import _native
     g = GradWeightProblem((2, 12, 12, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)
-    assert _wgrad.unsupported(g, "float16", "NHWC", "sm_90a") is None
+    assert _native.unsupported(g, "float16", "NHWC", "sm_90a") is None
     for args, why in ((("float16", "NHWC", "sm_80"), "sm_90a"), (("float32", "NHWC", "sm_90a"), "16-bit"),
                       (("float16", "NCHW", "sm_90a"), "NHWC")):
-        assert why in _wgrad.unsupported(g, *args)
-    assert "C % 64" in _wgrad.unsupported(GradWeightProblem((2, 12, 12, 32), (64, 3, 3, 32), "NHWC", 1, 1, 1),
+        assert why in _native.unsupported(g, *args)
+    assert "C % 64" in _native.unsupported(GradWeightProblem((2, 12, 12, 32), (64, 3, 3, 32), "NHWC", 1, 1, 1),
                                           "float16", "NHWC", "sm_90a")
-    assert "K % 8" in _wgrad.unsupported(GradWeightProblem((2, 12, 12, 64), (60, 3, 3, 64), "NHWC", 1, 1, 1),
+    assert "K % 8" in _native.unsupported(GradWeightProblem((2, 12, 12, 64), (60, 3, 3, 64), "NHWC", 1, 1, 1),
                                          "float16", "NHWC", "sm_90a")
     big = GradWeightProblem((32, 56, 56, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)      # 9 tiles, 1568 k-tiles
-    s = _wgrad.choose_spec(big, "float16", "float16", False, 132)
+    s = _native.choose_spec(big, "float16", "float16", False, 132)
     assert s.splits > 1 and s.out == "float32" and abs(s.splits - 2 * 132 / 9) < 2
     wide = GradWeightProblem((32, 7, 7, 512), (512, 3, 3, 512), "NHWC", 1, 1, 1)     # 144 tiles
-    s = _wgrad.choose_spec(wide, "float16", "float16", False, 132)
+    s = _native.choose_spec(wide, "float16", "float16", False, 132)
     assert s.splits == 1
-    assert s.out == "float16" and _wgrad.choose_spec(wide, "float16", "float16", True, 132).out == "float32"
+    assert s.out == "float16" and _native.choose_spec(wide, "float16", "float16", True, 132).out == "float32"
     plan = igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
     assert plan.role == "native" and [k.kernel()[0] for k in plan.sub_plans()] == [
         plan.native.spec.name(), "split_sum_float16"]
@@ -261,16 +261,35 @@ def test_wgrad_native_choice():
                                       arch="sm_80").role is None
 
 
-def test_wgrad_native_kernels_compile():
-    """wgrad's native kernel and its split sum compile (nvcc; CI has it)."""
+def test_dgrad_native_choice():
+    """dgrad's native kernel where it can run (sm_90a, 16-bit NHWC, stride 1, padding <= dilation·(R − 1),
+    K % 64 == 0, C % 8 == 0), the reason where not."""
+    from igemm.conv import _native
+    g = GradInputProblem((2, 12, 12, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)
+    assert _native.dgrad_unsupported(g, "float16", "NHWC", "sm_90a") is None
+    for shapes_, st, pad, why in ((((2, 12, 12, 64), (64, 3, 3, 64)), 2, 1, "stride 1"),
+                                  (((2, 12, 12, 64), (64, 3, 3, 64)), 1, 3, "padding"),
+                                  (((2, 12, 12, 64), (48, 3, 3, 64)), 1, 1, "K % 64"),
+                                  (((2, 12, 12, 60), (64, 3, 3, 60)), 1, 1, "C % 8")):
+        assert why in _native.dgrad_unsupported(GradInputProblem(*shapes_, "NHWC", st, pad, 1), "float16", "NHWC",
+                                                "sm_90a")
+    plan = igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
+    assert plan.native is not None and [k.kernel()[0] for k in plan.sub_plans()] == [plan.native.spec.name()]
+    assert igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 2, 1,
+                                     device="numpy").native is None
+
+
+def test_native_kernels_compile():
+    """The native wgrad kernel, its split sum and the native dgrad kernel compile (nvcc; CI has it)."""
     from igemm import _build
     try:
         _build.find_toolchain()
     except Exception as e:          # (no toolchain: nothing to compile with)
         pytest.skip(f"no CUDA toolchain: {e}")
     plan = igemm.Conv2dGradWeightPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
-    ks = [k.kernel() for k in plan.sub_plans()]
-    assert len(ks) == 2 and _build.compile_many(ks, "sm_90a", 2) == 2
+    dplan = igemm.Conv2dGradInputPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
+    ks = [k.kernel() for k in plan.sub_plans() + dplan.sub_plans()]
+    assert len(ks) == 3 and _build.compile_many(ks, "sm_90a", 2) == 3
 
 
 def test_move_kernels_compile():
@@ -405,6 +424,26 @@ NATIVE_WGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1, 1), (3, 128, 9, 11, 40, 3, 3, 2,
                 (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1)]
 
 
+#: dgrad's native kernel (16-bit NHWC, stride 1, padding <= dilation·(R − 1), K % 64 == 0, C % 8 == 0)
+NATIVE_DGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1, 1), (1, 40, 15, 15, 128, 1, 1, 1, 0, 1),
+                (2, 24, 20, 20, 64, 7, 7, 1, 3, 1), (2, 192, 10, 10, 256, 3, 3, 1, 2, 2),
+                (3, 136, 9, 11, 64, 3, 3, 1, 0, 1), (2, 64, 9, 7, 64, 5, 5, 1, 1, 1),
+                (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", NATIVE_DGRAD, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_dgrad_native(case, dtype, rng):
+    """dgrad's native kernel (dy and w read in place) against float64, plain, with the mask and with the prologue."""
+    torch = pytest.importorskip("torch")
+    p = _geometry(*case)
+    xs, ws, _ = shapes(p, "NHWC")
+    assert igemm.Conv2dGradInputPlan(xs, ws, dtype, "NHWC", *geom(p)).native is not None
+    for mode in ("plain", "mask", "bn"):
+        assert _run_case(torch, p, "NHWC", dtype, rng, "dgrad", mode) <= TOL[dtype], mode
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", NATIVE_WGRAD, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -505,6 +544,14 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
         for fused in (False, True):
             for sub in igemm.Conv2dGradWeightPlan(xs, ws, "float16", "NHWC", st, mask=fused, device="numpy",
                                                   arch="sm_90a", sms=132).sub_plans():
+                name, s = sub.kernel(True, True)
+                out[s] = name
+    for case in NATIVE_DGRAD:
+        p = _geometry(*case)
+        xs, ws, _ = shapes(p, "NHWC")
+        for dtype in ("float16", "bfloat16"):
+            for sub in igemm.Conv2dGradInputPlan(xs, ws, dtype, "NHWC", *geom(p), device="numpy", arch="sm_90a",
+                                                 sms=132).sub_plans():
                 name, s = sub.kernel(True, True)
                 out[s] = name
     for case in NATIVE_WGRAD:

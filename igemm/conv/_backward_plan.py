@@ -1,8 +1,9 @@
 """``Conv2dGradInputPlan`` and ``Conv2dGradWeightPlan``: the convolution backward, compiled once per problem.
 
 Each holds the forward plans of its problem (:mod:`._backward`: dgrad's phases, wgrad's turned convolution) or
-wgrad's native kernel (:mod:`._wgrad`), the operand moves around them and their scratch; a call checks the tensors,
-then launches moves and convolutions in stream order. The numpy backend runs the float64 references (``igemm.reference``) on the same arguments.
+the native kernels (:mod:`._native`), the operand moves around them and their scratch; a call checks the tensors,
+then launches moves and convolutions in stream order. The numpy backend runs the float64 references
+(``igemm.reference``) on the same arguments.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .. import _runtime, reference
 from .._checks import check_aligned, check_flag, check_mask, check_output, check_stream, require_array
 from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
-from . import _wgrad
+from . import _native
 from ._backward import GradInputProblem, GradWeightProblem
 from ._moves import Move, contiguous
 from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
@@ -54,6 +55,12 @@ class _GradPlan:
         self.backend = "numpy" if self.device_id is None else "cuda"
         self._scratch: dict[str, _runtime.DeviceArray] = {}
         self._lock = threading.Lock()
+
+    def _target(self, arch, sms) -> tuple[str, int]:
+        """(architecture, SM count) the plan's kernels are for: its device's, or the given ones (numpy plans)."""
+        if self.device_id is not None:
+            return _runtime.device_arch(self.device_id), _runtime.device_props(self.device_id).multiprocessor_count
+        return arch or "sm_90a", 132 if sms is None else int(sms)
 
     def _sub_plan(self, args: dict, options, arch, sms) -> Conv2dPlan:
         return Conv2dPlan(args["x_shape"], args["w_shape"], self.dtype, args["layout"], args["stride"],
@@ -197,20 +204,29 @@ class Conv2dGradInputPlan(_GradPlan):
         self.problem = g = GradInputProblem(x_shape, w_shape, layout, stride, padding, dilation)
         self._setup(dtype, layout, precision, mask, prologue, device)
         self.x_shape, self.w_shape, self.dy_shape = g.x_shape, g.w_shape, g.dy_shape
+        self._pre = self._fused_move(g.dy_shape, g.K)
+        self.native = None
+        na_arch, na_sms = self._target(arch, sms)
+        if options is None and _native.dgrad_unsupported(g, self.dtype, layout, na_arch) is None:
+            #: the native kernel (sm_90a, 16-bit NHWC, stride 1: dy and w read in place, conv/_native.py)
+            self.native = _native.NativeDgrad(g, self.dtype, self.device_id, na_sms)
+            self.sms, self.plans = na_sms, {}
+            self._wcopy = Move(g.w_shape, contiguous(g.w_shape), contiguous(g.w_shape))
+            return
         self.plans = {i: self._sub_plan(g.sub_plan_args(ph), options, arch, sms)
                       for i, ph in enumerate(g.phases) if not ph.zero}
         self.sms = next(iter(self.plans.values())).sms if self.plans else (sms or 132)
         # what a call launches, made once: the pre-pass, then per live phase its plan, filter move and interleave
-        self._pre = self._fused_move(g.dy_shape, g.K)
         self._phases = [(i, self.plans[i], g.filter_move(ph), *g.interleave_move(ph), g.sub_w_shape(ph))
                         for i, ph in enumerate(g.phases) if not ph.zero]
         self._zero = any(ph.zero for ph in g.phases)
         self._ymax = max((math.prod(g.sub_y_shape(ph)) for ph in g.phases if not ph.zero), default=1)
         self._dx_bytes = math.prod(g.x_shape) * DTYPE_SIZES[self.dtype]
 
-    def sub_plans(self) -> list[Conv2dPlan]:
-        """The forward plans this plan launches (e.g. to compile their kernels ahead of time)."""
-        return list(self.plans.values())
+    def sub_plans(self) -> list:
+        """The forward plans this plan launches (e.g. to compile their kernels ahead of time); for the native kernel,
+        its kernel (with the plans' ``kernel()``)."""
+        return self.native.kernels() if self.native is not None else list(self.plans.values())
 
     def __call__(self, dy, w, *, mask=None, prologue=None, out=None, stream=None):
         """dx for ``dy`` (the forward output's gradient) and the filter ``w``. ``out``: a preallocated dx."""
@@ -241,6 +257,12 @@ class Conv2dGradInputPlan(_GradPlan):
             dz = self._buf("dz", g.dy_shape, dt)
             self._pre.launch(dev, h, dt, dt, dy, dz, mode=mode, sms=self.sms, **fp)
             dy = dz
+        if self.native is not None:
+            if w % 16:
+                wc = self._buf("wc", g.w_shape, dt)
+                self._wcopy.launch(dev, h, dt, dt, w, wc, sms=self.sms)
+                w = wc
+            return self.native.launch(h, dy, w, dx)
         if self._zero:                        # rows no tap reaches: zero at memset speed first
             _runtime.memset_d8(dx, 0, self._dx_bytes, _runtime.RawStream(h))
         for i, plan, fmove, imove, off, f_shape in self._phases:
@@ -274,16 +296,13 @@ class Conv2dGradWeightPlan(_GradPlan):
         self.accumulate = check_flag(accumulate, "accumulate")
         self.x_shape, self.w_shape, self.dy_shape = g.x_shape, g.w_shape, g.dy_shape
         self.native = None
-        if self.device_id is not None:
-            arch, sms = _runtime.device_arch(self.device_id), _runtime.device_props(self.device_id).multiprocessor_count
-        else:
-            arch, sms = arch or "sm_90a", 132 if sms is None else int(sms)
-        #: "native" (sm_90a, 16-bit NHWC: x and dy read in place, conv/_wgrad.py), the GEMM form's in-place operand
+        arch, sms = self._target(arch, sms)
+        #: "native" (sm_90a, 16-bit NHWC: x and dy read in place, conv/_native.py), the GEMM form's in-place operand
         #: ("dy", "x"), or None: the turned convolution (module doc)
         self.role = g.gemm_role(self.mask or self.prologue)
-        if options is None and _wgrad.unsupported(g, self.dtype, layout, arch) is None:
+        if options is None and _native.unsupported(g, self.dtype, layout, arch) is None:
             self.role = "native"
-            self.native = _wgrad.NativeWgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id, sms)
+            self.native = _native.NativeWgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id, sms)
             self.sms = sms
             self._pre = self._fused_move(g.dy_shape, g.K)
             self._xcopy = Move(g.x_shape, contiguous(g.x_shape), contiguous(g.x_shape))

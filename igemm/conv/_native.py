@@ -1,0 +1,321 @@
+"""The backward's native kernels (csrc/conv/grad_sm90.cuh): 16-bit NHWC on sm_90a, every operand read where it lies.
+
+**wgrad.** The weight gradient, read from x and dy in place.
+
+GEMM ``dw[k, (r, s, c)] = Σ_(n,p,q) dy[n, p, q, k] · x[n, p·st_h + r·dil_h − pad_h, q·st_w + s·dil_w − pad_w, c]``
+with M = K, N = R·S·C and the reduction over the N·P·Q output pixels, 64 a k-tile. A k-tile is two kinds of TMA
+copy: dy's [N·P·Q][K] rows (a tiled map) and the forward's own im2col copy of x at one tap
+(zeros outside the image are the padding); both land channels-contiguous and are multiplied as MN-major wgmma
+operands. No operand is moved. The reduction splits over ``splits`` CTAs a tile; each split stores its fp32
+partial tile and ``split_sum`` adds them in split order (deterministic) into dw, in its dtype or into an fp32
+``out`` (``accumulate``). With one split and no accumulation the kernel stores dw itself.
+
+**dgrad** (stride 1, ``pad <= dil·(R − 1)``). The forward convolution of dy with the flipped filter, GEMM M = N·H·W,
+N = C, reduction over R·S·K (a k-tile = one tap x 64 channels of dy): A = dy through an im2col map (padding
+``dil·(R − 1) − pad``), B = w as [K][R·S][C] at the flipped tap, an MN-major operand: no filter move.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import _kernel, _runtime
+from .._kernel import ParamSpec
+from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
+from ._problem import ConvProblem
+from ._tma import BK, MapTemplate, _encode, _encode_im2col, tma_unsupported
+
+__all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupported", "dgrad_unsupported", "choose_spec",
+           "choose_dgrad_spec", "NativeWgrad", "NativeDgrad", "all_variants"]
+
+#: the native kernel's launch parameters, in order (the stub is rendered from them)
+WGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "Ncol", "NPQ", "kt_per_split", "sh", "sw",
+                                                                         "ph", "pw", "dh", "dw")),
+                *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_C", "fd_S")),
+                ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
+#: the dgrad kernel's (dx's pixels M = N·H·W and tile_origin's fields: stride 1, padding dil·(R − 1) − pad)
+DGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "C", "KT", "R", "S", "sh", "sw", "ph",
+                                                                         "pw", "dh", "dw")),
+                *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_KB", "fd_S")),
+                ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
+_SUM_PARAMS = [ParamSpec("src", "ptr"), ParamSpec("dst", "ptr"), ParamSpec("n", "int64"), ParamSpec("splits", "int32")]
+_THREADS = 256
+
+
+@dataclass(frozen=True)
+class WgradSpec:
+    """The wgrad kernel's template arguments (``igemm::grad::wgrad<T, TO, BM, BN, Stages>``) and its split of the
+    reduction (a launch value)."""
+    dtype: str
+    out: str            # what the kernel stores: dw's dtype (one split, no accumulation) or fp32 partials
+    bm: int
+    bn: int
+    stages: int
+    splits: int = 1
+
+    @property
+    def threads(self) -> int:
+        return self.bm * 2              # a warpgroup per 64 rows
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory: the stages and the 1024-byte alignment."""
+        return self.stages * (self.bm + self.bn) * BK * 2 + 1024
+
+    def name(self) -> str:
+        return f"wgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}_{self.out}"
+
+    def stub(self) -> str:
+        t = DTYPE_CTYPE[self.dtype]
+        return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry="igemm_wgrad", params=WGRAD_PARAMS,
+                                     threads=self.threads, min_blocks=1, body=(
+                                         f"igemm::grad::wgrad<{t}, {DTYPE_CTYPE[self.out]}, {self.bm}, {self.bn}, "
+                                         f"{self.stages}>(p);"))
+
+    def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
+        """``(name, source)``, as the forward plans give theirs to the precompile tools."""
+        return self.name(), self.stub()
+
+
+def _forward(g, dtype: str) -> ConvProblem:
+    return ConvProblem(g.N, g.C, g.H, g.W, g.K, g.R, g.S, g.stride, g.padding, g.dilation, dtype, "NHWC", "tensorop")
+
+
+def unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
+    """Why the native kernel cannot compute this wgrad (None: it can). ``g``: a ``GradWeightProblem``."""
+    if arch != "sm_90a":
+        return "the native wgrad kernel is sm_90a's (wgmma, TMA)"
+    if layout != "NHWC" or DTYPE_SIZES[dtype] != 2:
+        return "the native wgrad kernel reads 16-bit NHWC x and dy"
+    if g.C % BK:
+        return f"the native wgrad kernel needs C % {BK} == 0 (a copy of x is 64 channels of one tap)"
+    if g.K % 8:
+        return "the native wgrad kernel needs K % 8 == 0 (dy's rows 16-byte aligned for its tensor map)"
+    if g.N * g.P * g.Q == 0:
+        return "an empty reduction"
+    if max(g.N * g.P * g.Q, g.K * g.R * g.S * g.C) >= 2 ** 31:
+        return "tensor too large for the kernel's 32-bit indices"
+    return tma_unsupported(_forward(g, dtype), BK)
+
+
+def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int) -> WgradSpec:
+    """The kernel for ``g``: 64-row tiles, 128 wide where R·S·C is a multiple of 128 and at least 512, else 64; 4
+    stages; the reduction split so that the tiles x splits give each SM one CTA (two where a filter wider than 1x1
+    would leave more than 40 k-tiles a split), none empty. ``out``: dw's dtype; one split without accumulation
+    stores dw itself, else fp32 partials. (docs/performance.md: wgrad-native-tiles)"""
+    rsc = g.R * g.S * g.C
+    bm, bn = 64, (128 if rsc % 128 == 0 and rsc >= 512 else 64)
+    tiles = -(-g.K // bm) * -(-rsc // bn)
+    kt = -(-g.N * g.P * g.Q // BK)
+    splits = 1
+    if tiles < sms:
+        splits = min(-(-sms // tiles), kt)
+        if g.R * g.S > 1 and kt > 40 * splits:
+            splits = min(-(-2 * sms // tiles), kt)
+        splits = -(-kt // -(-kt // splits))          # (no empty split)
+    return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", bm, bn, 4, splits)
+
+
+def _sum_stub(td: str, accumulate: bool) -> str:
+    return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry="igemm_split_sum", params=_SUM_PARAMS,
+                                 threads=_THREADS,
+                                 body=f"igemm::grad::split_sum<{str(accumulate).lower()}, {DTYPE_CTYPE[td]}>(p);")
+
+
+class _SplitSum:
+    """The split sum's kernel for one dw dtype, with the plans' ``kernel()``."""
+
+    __slots__ = ("td", "accumulate")
+
+    def __init__(self, td: str, accumulate: bool):
+        self.td, self.accumulate = td, accumulate
+
+    def name(self) -> str:
+        return f"split_sum_{self.td}{'_acc' if self.accumulate else ''}"
+
+    def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
+        return self.name(), _sum_stub(self.td, self.accumulate)
+
+
+class _Kernel2:
+    """A native kernel's launch: its packed arguments (written once) and two tensor maps whose address words a call
+    patches (:class:`~._tma.MapTemplate`)."""
+
+    def __init__(self, spec, entry: str, params, values: dict, grid, device_id: int, map_a, map_b):
+        k = _kernel.load(spec.stub(), spec.name(), entry, device_id, smem=spec.smem)
+        self.args = _kernel.pack_args(params, values)
+        self.launcher = _kernel.Launcher(k, grid, spec.threads, spec.smem)
+        s = self.args.slots
+        self.maps = (MapTemplate(map_a), MapTemplate(map_b), s["tmA"], s["tmB"], s["y"])
+        self.written = False
+
+    def __call__(self, h: int, a: int, b: int, y: int) -> None:
+        ma, mb, sa, sb, sy = self.maps
+        u = self.args.u64
+        ma.write(u, sa, a, not self.written)
+        mb.write(u, sb, b, not self.written)
+        self.written = ma.word >= 0 and mb.word >= 0
+        u[sy] = y
+        self.launcher(h, self.args)
+
+
+class NativeWgrad:
+    """The wgrad kernel (and the split sum) for one problem; :meth:`launch` on raw pointers."""
+
+    def __init__(self, g, dtype: str, out_dtype: str, accumulate: bool, device_id: int | None, sms: int,
+                 spec: WgradSpec | None = None):
+        self.g, self.dtype, self.out_dtype, self.accumulate = g, dtype, out_dtype, accumulate
+        self.device_id, self.sms = device_id, sms
+        self.spec = spec or choose_spec(g, dtype, out_dtype, accumulate, sms)
+        self.rsc = g.R * g.S * g.C
+        self.numel = g.K * self.rsc
+        #: the kernel stores fp32 partials and the split sum adds them into dw
+        self.summed = self.spec.out != out_dtype or self.spec.splits > 1 or accumulate
+        self._sum = _SplitSum(out_dtype, accumulate) if self.summed else None
+        self._conv = self._launch_sum = None
+
+    def kernels(self) -> list:
+        """What :meth:`launch` runs, each with ``kernel() -> (name, source)``."""
+        return [self.spec] + ([self._sum] if self._sum is not None else [])
+
+    def _values(self) -> dict:
+        g, P, Q = self.g, self.g.P, self.g.Q
+        kt = -(-g.N * P * Q // BK)
+        return dict(M=g.K, Ncol=self.rsc, NPQ=g.N * P * Q, kt_per_split=-(-kt // self.spec.splits), sh=g.stride[0],
+                    sw=g.stride[1], ph=g.padding[0], pw=g.padding[1], dh=g.dilation[0], dw=g.dilation[1],
+                    fd_PQ=P * Q, fd_Q=Q, fd_C=g.C, fd_S=g.S)
+
+    def _build(self) -> None:
+        g, s, dev = self.g, self.spec, self.device_id
+        tiles = -(-g.K // s.bm) * -(-self.rsc // s.bn)
+        pb = _forward(g, self.dtype)
+        npq = g.N * g.P * g.Q
+        from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
+        self._conv = _Kernel2(s, "igemm_wgrad", WGRAD_PARAMS, self._values(), (tiles, 1, s.splits), dev,
+                              lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K), u64(npq)], [u64(g.K * 2)],
+                                                                 [u32(64), u32(BK)], [u32(1), u32(1)]),
+                                                   "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"),
+                              lambda addr: _encode_im2col(pb, BK, addr))
+        if self.summed:
+            self._ws = _runtime.DeviceArray((s.splits * self.numel,), "float32", dev)
+            name, src = self._sum.kernel()
+            ks = _kernel.load(src, name, "igemm_split_sum", dev)
+            grid = max(1, min(self.sms * 8, -(-self.numel // (4 * _THREADS))))
+            sargs = _kernel.pack_args(_SUM_PARAMS, dict(src=self._ws.ptr, n=self.numel, splits=s.splits))
+            self._launch_sum = (_kernel.Launcher(ks, grid, _THREADS), sargs)
+
+    def launch(self, h: int, x: int, dy: int, dw: int) -> None:
+        """dw (or the partials, then their sum into dw) on stream ``h``; x and dy 16-byte aligned."""
+        if self._conv is None:
+            self._build()
+        self._conv(h, dy, x, self._ws.ptr if self.summed else dw)
+        if self.summed:
+            sl, sargs = self._launch_sum
+            sargs.u64[sargs.slots["dst"]] = dw
+            sl(h, sargs)
+
+
+@dataclass(frozen=True)
+class DgradSpec:
+    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages>``)."""
+    dtype: str
+    bm: int
+    bn: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return self.bm * 2
+
+    @property
+    def smem(self) -> int:
+        return self.stages * (self.bm + self.bn) * BK * 2 + 1024
+
+    def name(self) -> str:
+        return f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}"
+
+    def stub(self) -> str:
+        return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry="igemm_dgrad", params=DGRAD_PARAMS,
+                                     threads=self.threads, min_blocks=1, body=(
+                                         f"igemm::grad::dgrad<{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}, "
+                                         f"{self.stages}>(p);"))
+
+    def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
+        return self.name(), self.stub()
+
+
+def _transposed(g, dtype: str) -> ConvProblem:
+    """dgrad as a forward problem: dy (N, P, Q, K) convolved to dx's H x W, stride 1, padding dil·(R − 1) − pad."""
+    pad = tuple(d * (r - 1) - p for d, r, p in zip(g.dilation, (g.R, g.S), g.padding))
+    return ConvProblem(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, (1, 1), pad, g.dilation, dtype, "NHWC", "tensorop")
+
+
+def dgrad_unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
+    """Why the native dgrad kernel cannot compute this problem (None: it can). ``g``: a ``GradInputProblem``."""
+    if arch != "sm_90a":
+        return "the native dgrad kernel is sm_90a's (wgmma, TMA)"
+    if layout != "NHWC" or DTYPE_SIZES[dtype] != 2:
+        return "the native dgrad kernel reads 16-bit NHWC dy and w"
+    if g.stride != (1, 1):
+        return "the native dgrad kernel is stride 1's (strided problems run by phases)"
+    if any(p > d * (r - 1) for p, d, r in zip(g.padding, g.dilation, (g.R, g.S))):
+        return "the native dgrad kernel needs padding <= dilation·(R − 1)"
+    if g.K % BK:
+        return f"the native dgrad kernel needs K % {BK} == 0 (a k-tile is 64 channels of dy)"
+    if g.C % 8:
+        return "the native dgrad kernel needs C % 8 == 0 (w's rows 16-byte aligned for its tensor map)"
+    if g.N * g.H * g.W == 0 or max(g.N * g.H * g.W * max(g.C, g.K), g.K * g.R * g.S * g.C) >= 2 ** 31:
+        return "an empty problem, or one too large for the kernel's 32-bit indices"
+    return tma_unsupported(_transposed(g, dtype), 128)
+
+
+def choose_dgrad_spec(g, dtype: str, sms: int) -> DgradSpec:
+    """128 x 64 tiles (128 x 128 where C > 64; 64-row tiles where 128-row ones would leave SMs idle), two CTAs an
+    SM (4 and 3 stages)."""
+    bn = 128 if g.C > 64 else 64
+    bm = 128 if -(-g.N * g.H * g.W // 128) * -(-g.C // bn) >= sms else 64
+    return DgradSpec(dtype, bm, bn, 4 if bm + bn <= 192 else 3)
+
+
+class NativeDgrad:
+    """The dgrad kernel for one problem; :meth:`launch` on raw pointers."""
+
+    def __init__(self, g, dtype: str, device_id: int | None, sms: int, spec: DgradSpec | None = None):
+        self.g, self.dtype, self.device_id, self.sms = g, dtype, device_id, sms
+        self.spec = spec or choose_dgrad_spec(g, dtype, sms)
+        self._conv = None
+
+    def kernels(self) -> list:
+        return [self.spec]
+
+    def _build(self) -> None:
+        g, s = self.g, self.spec
+        pb = _transposed(g, self.dtype)
+        kb = -(-g.K // BK)
+        values = dict(M=g.N * g.H * g.W, C=g.C, KT=g.R * g.S * kb, R=g.R, S=g.S, sh=1, sw=1, ph=pb.padding[0],
+                      pw=pb.padding[1], dh=g.dilation[0], dw=g.dilation[1], fd_PQ=g.H * g.W, fd_Q=g.W, fd_KB=kb,
+                      fd_S=g.S)
+        tiles = -(-g.N * g.H * g.W // s.bm) * -(-g.C // s.bn)
+        from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
+        rs = g.R * g.S
+        self._conv = _Kernel2(s, "igemm_dgrad", DGRAD_PARAMS, values, (tiles, 1, 1), self.device_id,
+                              lambda addr: _encode_im2col(pb, s.bm, addr),
+                              lambda addr: _encode(pb, "Tiled", (3, addr, [u64(g.C), u64(rs), u64(g.K)],
+                                                                 [u64(g.C * 2), u64(rs * g.C * 2)],
+                                                                 [u32(64), u32(1), u32(BK)], [u32(1)] * 3),
+                                                   "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"))
+
+    def launch(self, h: int, dy: int, w: int, dx: int) -> None:
+        """dx on stream ``h``; dy and w 16-byte aligned."""
+        if self._conv is None:
+            self._build()
+        self._conv(h, dy, w, dx)
+
+
+def all_variants() -> list[tuple[str, str]]:
+    """Every (name, stub) :func:`choose_spec`, :func:`choose_dgrad_spec` and the split sum can give (the precompile
+    tools fill the cache with them: the tiles depend only on the channel counts, wgrad's stored type on its split)."""
+    dts = ("float16", "bfloat16")
+    out = [WgradSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
+    out += [DgradSpec(dt, bm, bn, 4 if bm + bn <= 192 else 3).kernel() for dt in dts for bm in (64, 128)
+            for bn in (64, 128)]
+    return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

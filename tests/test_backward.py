@@ -261,22 +261,55 @@ def test_wgrad_native_choice():
                                       arch="sm_80").role is None
 
 
+def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation):
+    """The native dgrad kernel's arithmetic in numpy (NHWC), phase by phase as csrc/conv/grad_sm90.cuh: dgrad
+    launches it: the sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j − pad + u·dil) (zero outside) times
+    w at the filter's tap (last − t·step, ...), and lands at dx (ph + st·(i − crop), ...) inside the phase's rows."""
+    g = GradInputProblem(x_shape, w.shape, "NHWC", stride, padding, dilation)
+    dx = np.zeros(x_shape)
+    for ph in g.phases:
+        if ph.zero:
+            continue
+        h, v = ph.h, ph.w
+        dyp = np.zeros((g.N, g.P + 2 * h.pad + 64, g.Q + 2 * v.pad + 64, g.K))
+        dyp[:, h.pad:h.pad + g.P, v.pad:v.pad + g.Q] = dy
+        sub = np.zeros((g.N, h.out, v.out, g.C))
+        for t in range(h.taps):
+            for u in range(v.taps):
+                a = dyp[:, t * h.dil:t * h.dil + h.out, u * v.dil:u * v.dil + v.out]
+                sub += a @ w[:, h.last - t * h.step, v.last - u * v.step]
+        rows = sub[:, h.crop:h.crop + h.rows, v.crop:v.crop + v.rows]
+        dx[:, h.ph::g.stride[0], v.ph::g.stride[1]][:, :h.rows, :v.rows] = rows
+    return dx
+
+
+def test_native_dgrad_emulated(rng):
+    """The native dgrad's phase mapping (taps, padding, crop, where a phase's rows land) equals the reference."""
+    for case in NATIVE_DGRAD:
+        p = _geometry(*case)
+        xs, ws, ys = shapes(p, "NHWC")
+        dy, w = rng.standard_normal(ys), rng.standard_normal(ws)
+        got = emulate_native_dgrad(dy, w, xs, *geom(p))
+        want = reference.conv2d_grad_input_ref(dy, w, xs, *geom(p), "NHWC")
+        assert rel_err(got, want) < 1e-12, case
+
+
 def test_dgrad_native_choice():
-    """dgrad's native kernel where it can run (sm_90a, 16-bit NHWC, stride 1, padding <= dilation·(R − 1),
-    K % 64 == 0, C % 8 == 0), the reason where not."""
+    """dgrad's native kernel where it can run (sm_90a, 16-bit NHWC, K % 64 == 0, C % 8 == 0; any stride, by
+    phases), the reason where not."""
     from igemm.conv import _native
     g = GradInputProblem((2, 12, 12, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)
     assert _native.dgrad_unsupported(g, "float16", "NHWC", "sm_90a") is None
-    for shapes_, st, pad, why in ((((2, 12, 12, 64), (64, 3, 3, 64)), 2, 1, "stride 1"),
-                                  (((2, 12, 12, 64), (64, 3, 3, 64)), 1, 3, "padding"),
-                                  (((2, 12, 12, 64), (48, 3, 3, 64)), 1, 1, "K % 64"),
-                                  (((2, 12, 12, 60), (64, 3, 3, 60)), 1, 1, "C % 8")):
-        assert why in _native.dgrad_unsupported(GradInputProblem(*shapes_, "NHWC", st, pad, 1), "float16", "NHWC",
+    assert "sm_90a" in _native.dgrad_unsupported(g, "float16", "NHWC", "sm_80")
+    for shapes_, why in ((((2, 12, 12, 64), (48, 3, 3, 64)), "K % 64"), (((2, 12, 12, 60), (64, 3, 3, 60)), "C % 8")):
+        assert why in _native.dgrad_unsupported(GradInputProblem(*shapes_, "NHWC", 1, 1, 1), "float16", "NHWC",
                                                 "sm_90a")
     plan = igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
     assert plan.native is not None and [k.kernel()[0] for k in plan.sub_plans()] == [plan.native.spec.name()]
-    assert igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 2, 1,
-                                     device="numpy").native is None
+    strided = igemm.Conv2dGradInputPlan((32, 56, 56, 128), (128, 3, 3, 128), "float16", "NHWC", 2, 1, device="numpy")
+    assert strided.native is not None and not strided.native.zero
+    assert igemm.Conv2dGradInputPlan((32, 56, 56, 256), (512, 1, 1, 256), "float16", "NHWC", 2, 0,
+                                     device="numpy").native.zero        # (three of the four phases are zero)
 
 
 def test_native_kernels_compile():
@@ -424,11 +457,15 @@ NATIVE_WGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1, 1), (3, 128, 9, 11, 40, 3, 3, 2,
                 (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1)]
 
 
-#: dgrad's native kernel (16-bit NHWC, stride 1, padding <= dilation·(R − 1), K % 64 == 0, C % 8 == 0)
+#: dgrad's native kernel (16-bit NHWC, K % 64 == 0, C % 8 == 0): strides 1-3 (zero phases too), dilation, padding
+#: past dilation·(R − 1) (a cropped sub-output), 1x1 to 7x7, R != S
 NATIVE_DGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1, 1), (1, 40, 15, 15, 128, 1, 1, 1, 0, 1),
                 (2, 24, 20, 20, 64, 7, 7, 1, 3, 1), (2, 192, 10, 10, 256, 3, 3, 1, 2, 2),
                 (3, 136, 9, 11, 64, 3, 3, 1, 0, 1), (2, 64, 9, 7, 64, 5, 5, 1, 1, 1),
-                (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1)]
+                (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1),
+                (2, 64, 13, 12, 64, 3, 3, 2, 1, 1), (2, 128, 14, 14, 64, 1, 1, 2, 0, 1),
+                (1, 64, 11, 11, 128, 3, 3, 3, 1, 2), (2, 64, 8, 8, 64, 3, 3, 1, 3, 1),
+                (2, 32, 9, 10, 64, 5, 3, 2, 2, 1), (4, 128, 28, 28, 128, 3, 3, 2, 1, 1)]
 
 
 @pytest.mark.gpu

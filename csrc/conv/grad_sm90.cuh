@@ -11,11 +11,12 @@
 //          contiguous, one row per pixel: MN-major operands. Grid (tiles, 1, splits): split z runs k-tiles
 //          [z · kt_per_split, ...) and stores its tile into the z-th M × N matrix at p.y (fp32 partials, or dw
 //          itself with one split).
-//   dgrad  dx[n, h, w, c] = sum over taps (r, s) and k of dy[n, h + ph' − r'·dh, ...] · w[k, R−1−r', S−1−s', c]
-//          for stride 1 (ph' = dh·(R−1) − ph): the forward convolution of dy with the flipped filter, GEMM
-//          M = N·H·W, N = C, reduction = R·S·K, a k-tile = one tap × 64 channels of dy. A = dy through an im2col
-//          map (K-major, as the forward's A), B = w as [K][R·S][C] (tiled map: 64 channels of dy × 64 of x at the
-//          flipped tap): MN-major. No filter move.
+//   dgrad  one output phase of dx (igemm/conv/_backward.py: phases_1d; stride 1 has one): the stride-1 convolution
+//          of dy (padding ph, pw and dilation dh, dw of the phase) with the phase's taps of the flipped filter,
+//          GEMM M = N × the sub-output's pixels, N = C, reduction = taps × K, a k-tile = one tap × 64 channels of
+//          dy. A = dy through an im2col map (K-major, as the forward's A), B = w as [K][R·S][C] (tiled map: 64
+//          channels of dy × 64 of x at the filter's tap lh − t·eh, lw − u·ew): MN-major. No filter move; the
+//          store puts the phase's rows of the sub-output into dx (no interleave).
 //   split_sum  dst (+)= wgrad's partials summed in split order (deterministic), 4 elements a thread.
 #pragma once
 #include "conv/tma.cuh"
@@ -48,12 +49,12 @@ IGEMM_DEVICE void store_pair(TO* dst, float a, float b) {
   }
 }
 
-// One BM × BN tile over nkt k-tiles from kt0: `issue(kt, stage)` (thread 0) fills a stage (A at its start, B at
-// A_STAGE) and sets its mbarrier's bytes; A is K-major (AMajorK) or MN-major, B MN-major. The tile lands in
-// out[row · ldo + col] for row < M, col < Ncol.
-template <class T, class TO, int BM, int BN, int Stages, bool AMajorK, class Issue>
-IGEMM_DEVICE void grad_tile(uint8_t* smem, uint64_t* full, const Issue& issue, int nkt, TO* out, int64_t ldo, int m0,
-                            int n0, int M, int Ncol) {
+// One BM × BN tile over nkt k-tiles: `issue(i, stage)` (thread 0) fills a stage with k-tile i (A at its start, B
+// at A_STAGE) and sets its mbarrier's bytes; A is K-major (AMajorK) or MN-major, B MN-major. Row `row` < M of the
+// tile lands at out + row_at(row) (an element offset; negative: a row not stored), columns col < Ncol.
+template <class T, class TO, int BM, int BN, int Stages, bool AMajorK, class Issue, class RowAt>
+IGEMM_DEVICE void grad_tile(uint8_t* smem, uint64_t* full, const Issue& issue, int nkt, TO* out, const RowAt& row_at,
+                            int m0, int n0, int M, int Ncol) {
   static_assert(BM % 64 == 0 && (BN == 64 || BN == 128) && Stages >= 2, "64-row warpgroups, 64- or 128-wide tiles");
   constexpr int A_STAGE = BM * BK * 2, STAGE = A_STAGE + BN * BK * 2;
   constexpr int NACC = BN / 2, KSTEPS = BK / 16;
@@ -120,7 +121,9 @@ IGEMM_DEVICE void grad_tile(uint8_t* smem, uint64_t* full, const Issue& issue, i
   for (int i = threadIdx.x; i < BM * VPR; i += NT) {
     const int r = i / VPR, c = (i % VPR) * V, row = m0 + r, col = n0 + c;
     if (row >= M || col >= Ncol) continue;
-    TO* dst = out + row * ldo + col;
+    const int64_t at = row_at(row);
+    if (at < 0) continue;
+    TO* dst = out + at + col;
     const TO* src = cs + r * LD + c;
     if (whole) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
@@ -180,8 +183,8 @@ __device__ void wgrad(const P& p) {
       tma_load_im2col_4d(a + BM * BK * 2 + j * BOX, p.tmB, &full[buf], bc[j], o.w0, o.h0, o.n, bw[j], bh[j]);
   };
   TO* out = static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(blockIdx.z) * p.M * p.Ncol;
-  grad_tile<T, TO, BM, BN, Stages, false>(smem, full, issue, min(KT, kt0 + p.kt_per_split) - kt0, out, p.Ncol, m0,
-                                          n0, p.M, p.Ncol);
+  grad_tile<T, TO, BM, BN, Stages, false>(smem, full, issue, min(KT, kt0 + p.kt_per_split) - kt0, out,
+                                          [&](int row) { return int64_t(row) * p.Ncol; }, m0, n0, p.M, p.Ncol);
 }
 
 template <class T, int BM, int BN, int Stages, class P>
@@ -191,21 +194,32 @@ __device__ void dgrad(const P& p) {
   uint8_t* smem = grad_setup<Stages>(full, p.tmA, p.tmB);
   const int TN = (p.C + BN - 1) / BN;
   const int m0 = (blockIdx.x / TN) * BM, n0 = (blockIdx.x % TN) * BN;
-  const TileOrigin o = tile_origin(p, m0);    // dx pixel m0 -> dy coordinate of its tap (0, 0)
-  auto issue = [&](int kt, int buf) {        // thread 0: k-tile kt = tap (r', s') × dy channels kb·64 ..
-    int tap, kb, r, s;
+  const TileOrigin o = tile_origin(p, m0);    // sub-output pixel m0 -> dy coordinate of its tap (0, 0)
+  auto issue = [&](int kt, int buf) {        // thread 0: k-tile kt = sub-filter tap (t, u) × dy channels kb·64 ..
+    int tap, kb, t, u;
     p.fd_KB.divmod(tap, kb, kt);
-    p.fd_S.divmod(r, s, tap);
+    p.fd_T.divmod(t, u, tap);
     uint8_t* a = smem + buf * STAGE;
     mbar_expect_tx(&full[buf], STAGE);
-    tma_load_im2col_4d(a, p.tmA, &full[buf], kb * BK, o.w0, o.h0, o.n, uint16_t(s * p.dw), uint16_t(r * p.dh));
-    const int flipped = (p.R - 1 - r) * p.S + (p.S - 1 - s);
+    tma_load_im2col_4d(a, p.tmA, &full[buf], kb * BK, o.w0, o.h0, o.n, uint16_t(u * p.dw), uint16_t(t * p.dh));
+    const int wtap = (p.lh - t * p.eh) * p.S + (p.lw - u * p.ew);     // the filter's tap, flipped
 #pragma unroll
     for (int j = 0; j < NB; ++j)
-      tma_load_3d(a + BM * BK * 2 + j * BOX, p.tmB, &full[buf], n0 + 64 * j, flipped, kb * BK);
+      tma_load_3d(a + BM * BK * 2 + j * BOX, p.tmB, &full[buf], n0 + 64 * j, wtap, kb * BK);
   };
-  grad_tile<T, T, BM, BN, Stages, true>(smem, full, issue, p.KT, static_cast<T*>(const_cast<void*>(p.y)), p.C, m0, n0,
-                                        p.M, p.C);
+  // sub-output pixel (n, i, j) -> dx pixel (n, ph_h + st_h·(i − crop_h), ph_w + st_w·(j − crop_w)), rows i and
+  // columns j outside the phase's [crop, crop + rows) not stored
+  auto row_at = [&](int row) -> int64_t {
+    int n, ij, i, j;
+    p.fd_PQ.divmod(n, ij, row);
+    p.fd_Q.divmod(i, j, ij);
+    i -= p.crop_h;
+    j -= p.crop_w;
+    if (unsigned(i) >= unsigned(p.rows_h) || unsigned(j) >= unsigned(p.rows_w)) return -1;
+    return ((int64_t(n) * p.H + p.ph_h + p.st_h * i) * p.W + p.ph_w + p.st_w * j) * p.C;
+  };
+  grad_tile<T, T, BM, BN, Stages, true>(smem, full, issue, p.KT, static_cast<T*>(const_cast<void*>(p.y)), row_at,
+                                        m0, n0, p.M, p.C);
 }
 
 // dst[i] (+)= sum over z of src[z·n + i], z = 0, 1, ... in order; n % 4 == 0, src 16-byte aligned, grid-stride.

@@ -10,9 +10,11 @@ operands. No operand is moved. The reduction splits over ``splits`` CTAs a tile;
 partial tile and ``split_sum`` adds them in split order (deterministic) into dw, in its dtype or into an fp32
 ``out`` (``accumulate``). With one split and no accumulation the kernel stores dw itself.
 
-**dgrad** (stride 1, ``pad <= dil·(R − 1)``). The forward convolution of dy with the flipped filter, GEMM M = N·H·W,
-N = C, reduction over R·S·K (a k-tile = one tap x 64 channels of dy): A = dy through an im2col map (padding
-``dil·(R − 1) − pad``), B = w as [K][R·S][C] at the flipped tap, an MN-major operand: no filter move.
+**dgrad.** Per output phase (``GradInputProblem.phases``; stride 1 has one), the stride-1 convolution of dy with the
+phase's taps of the flipped filter: GEMM M = N x the phase's sub-output, N = C, reduction over taps x K (a k-tile =
+one tap x 64 channels of dy). A = dy through an im2col map (the phase's padding and dilation), B = w as
+[K][R·S][C] at the filter's tap, an MN-major operand: no filter move; the store writes the phase's rows of dx
+directly (no interleave); a zero phase is a memset of dx first.
 """
 from __future__ import annotations
 
@@ -32,10 +34,13 @@ WGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "N
                                                                          "ph", "pw", "dh", "dw")),
                 *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_C", "fd_S")),
                 ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
-#: the dgrad kernel's (dx's pixels M = N·H·W and tile_origin's fields: stride 1, padding dil·(R − 1) − pad)
-DGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "C", "KT", "R", "S", "sh", "sw", "ph",
-                                                                         "pw", "dh", "dw")),
-                *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_KB", "fd_S")),
+#: the dgrad kernel's, per output phase: the sub-output's pixels M (and tile_origin's fields: stride 1, the phase's
+#: padding and dilation), the filter's taps (lh − t·eh, lw − u·eh of S a row), where the phase's rows go in dx
+DGRAD_PARAMS = [ParamSpec("y", "ptr"),
+                *(ParamSpec(n, "int32") for n in ("M", "C", "KT", "S", "sh", "sw", "ph", "pw", "dh", "dw", "lh", "lw",
+                                                  "eh", "ew", "crop_h", "crop_w", "rows_h", "rows_w", "H", "W", "ph_h",
+                                                  "ph_w", "st_h", "st_w")),
+                *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_KB", "fd_T")),
                 ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
 _SUM_PARAMS = [ParamSpec("src", "ptr"), ParamSpec("dst", "ptr"), ParamSpec("n", "int64"), ParamSpec("splits", "int32")]
 _THREADS = 256
@@ -243,10 +248,11 @@ class DgradSpec:
         return self.name(), self.stub()
 
 
-def _transposed(g, dtype: str) -> ConvProblem:
-    """dgrad as a forward problem: dy (N, P, Q, K) convolved to dx's H x W, stride 1, padding dil·(R − 1) − pad."""
-    pad = tuple(d * (r - 1) - p for d, r, p in zip(g.dilation, (g.R, g.S), g.padding))
-    return ConvProblem(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, (1, 1), pad, g.dilation, dtype, "NHWC", "tensorop")
+def _sub(g, ph, dtype: str) -> ConvProblem:
+    """A dgrad phase as a forward problem: dy (N, P, Q, K) convolved with the phase's taps (stride 1, the phase's
+    padding and dilation) to its sub-output (``ph.h.out`` x ``ph.w.out``)."""
+    return ConvProblem(g.N, g.K, g.P, g.Q, g.C, ph.h.taps, ph.w.taps, (1, 1), (ph.h.pad, ph.w.pad),
+                       (ph.h.dil, ph.w.dil), dtype, "NHWC", "tensorop")
 
 
 def dgrad_unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
@@ -255,60 +261,69 @@ def dgrad_unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
         return "the native dgrad kernel is sm_90a's (wgmma, TMA)"
     if layout != "NHWC" or DTYPE_SIZES[dtype] != 2:
         return "the native dgrad kernel reads 16-bit NHWC dy and w"
-    if g.stride != (1, 1):
-        return "the native dgrad kernel is stride 1's (strided problems run by phases)"
-    if any(p > d * (r - 1) for p, d, r in zip(g.padding, g.dilation, (g.R, g.S))):
-        return "the native dgrad kernel needs padding <= dilation·(R − 1)"
     if g.K % BK:
         return f"the native dgrad kernel needs K % {BK} == 0 (a k-tile is 64 channels of dy)"
     if g.C % 8:
         return "the native dgrad kernel needs C % 8 == 0 (w's rows 16-byte aligned for its tensor map)"
     if g.N * g.H * g.W == 0 or max(g.N * g.H * g.W * max(g.C, g.K), g.K * g.R * g.S * g.C) >= 2 ** 31:
         return "an empty problem, or one too large for the kernel's 32-bit indices"
-    return tma_unsupported(_transposed(g, dtype), 128)
+    for ph in g.phases:
+        if not ph.zero and (why := tma_unsupported(_sub(g, ph, dtype), 128)):
+            return why
+    return None
 
 
 def choose_dgrad_spec(g, dtype: str, sms: int) -> DgradSpec:
     """128 x 64 tiles (128 x 128 where C > 64; 64-row tiles where 128-row ones would leave SMs idle), two CTAs an
-    SM (4 and 3 stages)."""
+    SM (4 and 3 stages); one kernel for every phase, chosen for the largest."""
     bn = 128 if g.C > 64 else 64
-    bm = 128 if -(-g.N * g.H * g.W // 128) * -(-g.C // bn) >= sms else 64
+    m = max((g.N * ph.h.out * ph.w.out for ph in g.phases if not ph.zero), default=0)
+    bm = 128 if -(-m // 128) * -(-g.C // bn) >= sms else 64
     return DgradSpec(dtype, bm, bn, 4 if bm + bn <= 192 else 3)
 
 
 class NativeDgrad:
-    """The dgrad kernel for one problem; :meth:`launch` on raw pointers."""
+    """The dgrad kernel for one problem: a launch per live output phase (one at stride 1), after a memset of dx where
+    a phase is zero; :meth:`launch` on raw pointers."""
 
     def __init__(self, g, dtype: str, device_id: int | None, sms: int, spec: DgradSpec | None = None):
         self.g, self.dtype, self.device_id, self.sms = g, dtype, device_id, sms
         self.spec = spec or choose_dgrad_spec(g, dtype, sms)
-        self._conv = None
+        self.zero = any(ph.zero for ph in g.phases)
+        self._phases = None
 
     def kernels(self) -> list:
         return [self.spec]
 
-    def _build(self) -> None:
+    def _phase(self, ph) -> _Kernel2:
         g, s = self.g, self.spec
-        pb = _transposed(g, self.dtype)
+        pb = _sub(g, ph, self.dtype)
         kb = -(-g.K // BK)
-        values = dict(M=g.N * g.H * g.W, C=g.C, KT=g.R * g.S * kb, R=g.R, S=g.S, sh=1, sw=1, ph=pb.padding[0],
-                      pw=pb.padding[1], dh=g.dilation[0], dw=g.dilation[1], fd_PQ=g.H * g.W, fd_Q=g.W, fd_KB=kb,
-                      fd_S=g.S)
-        tiles = -(-g.N * g.H * g.W // s.bm) * -(-g.C // s.bn)
+        h, w = ph.h, ph.w
+        m = g.N * h.out * w.out
+        values = dict(M=m, C=g.C, KT=h.taps * w.taps * kb, S=g.S, sh=1, sw=1, ph=h.pad, pw=w.pad, dh=h.dil, dw=w.dil,
+                      lh=h.last, lw=w.last, eh=h.step, ew=w.step, crop_h=h.crop, crop_w=w.crop, rows_h=h.rows,
+                      rows_w=w.rows, H=g.H, W=g.W, ph_h=h.ph, ph_w=w.ph, st_h=g.stride[0], st_w=g.stride[1],
+                      fd_PQ=h.out * w.out, fd_Q=w.out, fd_KB=kb, fd_T=w.taps)
+        tiles = -(-m // s.bm) * -(-g.C // s.bn)
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
         rs = g.R * g.S
-        self._conv = _Kernel2(s, "igemm_dgrad", DGRAD_PARAMS, values, (tiles, 1, 1), self.device_id,
-                              lambda addr: _encode_im2col(pb, s.bm, addr),
-                              lambda addr: _encode(pb, "Tiled", (3, addr, [u64(g.C), u64(rs), u64(g.K)],
-                                                                 [u64(g.C * 2), u64(rs * g.C * 2)],
-                                                                 [u32(64), u32(1), u32(BK)], [u32(1)] * 3),
-                                                   "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"))
+        return _Kernel2(s, "igemm_dgrad", DGRAD_PARAMS, values, (tiles, 1, 1), self.device_id,
+                        lambda addr: _encode_im2col(pb, s.bm, addr),
+                        lambda addr: _encode(pb, "Tiled", (3, addr, [u64(g.C), u64(rs), u64(g.K)],
+                                                           [u64(g.C * 2), u64(rs * g.C * 2)],
+                                                           [u32(64), u32(1), u32(BK)], [u32(1)] * 3),
+                                             "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"))
 
     def launch(self, h: int, dy: int, w: int, dx: int) -> None:
         """dx on stream ``h``; dy and w 16-byte aligned."""
-        if self._conv is None:
-            self._build()
-        self._conv(h, dy, w, dx)
+        if self._phases is None:
+            self._phases = [self._phase(ph) for ph in self.g.phases if not ph.zero]
+        if self.zero:                          # rows no tap reaches: zero at memset speed first
+            g = self.g
+            _runtime.memset_d8(dx, 0, g.N * g.H * g.W * g.C * DTYPE_SIZES[self.dtype], _runtime.RawStream(h))
+        for k in self._phases:
+            k(h, dy, w, dx)
 
 
 def all_variants() -> list[tuple[str, str]]:

@@ -234,97 +234,6 @@ def test_prologue_numpy_matches_bn_backward(numpy_backend, rng):
     np.testing.assert_allclose(pro.grad_bias, sums[0], rtol=1e-5)
 
 
-def test_wgrad_native_choice():
-    """wgrad's native kernel where it can run (sm_90a, 16-bit NHWC, C % 64 == 0, K % 8 == 0), the reason where not;
-    its split of the reduction fills the GPU, and one split stores dw directly."""
-    from igemm.conv import _native
-    g = GradWeightProblem((2, 12, 12, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)
-    assert _native.unsupported(g, "float16", "NHWC", "sm_90a") is None
-    for args, why in ((("float16", "NHWC", "sm_80"), "sm_90a"), (("float32", "NHWC", "sm_90a"), "16-bit"),
-                      (("float16", "NCHW", "sm_90a"), "NHWC")):
-        assert why in _native.unsupported(g, *args)
-    assert "C % 64" in _native.unsupported(GradWeightProblem((2, 12, 12, 32), (64, 3, 3, 32), "NHWC", 1, 1, 1),
-                                          "float16", "NHWC", "sm_90a")
-    assert "K % 8" in _native.unsupported(GradWeightProblem((2, 12, 12, 64), (60, 3, 3, 64), "NHWC", 1, 1, 1),
-                                         "float16", "NHWC", "sm_90a")
-    big = GradWeightProblem((32, 56, 56, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)      # 9 tiles, 1568 k-tiles
-    s = _native.choose_spec(big, "float16", "float16", False, 132)
-    assert s.splits > 1 and s.out == "float32" and abs(s.splits - 2 * 132 / 9) < 2
-    wide = GradWeightProblem((32, 7, 7, 512), (512, 3, 3, 512), "NHWC", 1, 1, 1)     # 144 tiles
-    s = _native.choose_spec(wide, "float16", "float16", False, 132)
-    assert s.splits == 1
-    assert s.out == "float16" and _native.choose_spec(wide, "float16", "float16", True, 132).out == "float32"
-    plan = igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
-    assert plan.role == "native" and [k.kernel()[0] for k in plan.sub_plans()] == [
-        plan.native.spec.name(), "split_sum_float16"]
-    assert igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy",
-                                      arch="sm_80").role is None
-
-
-def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation):
-    """The native dgrad kernel's arithmetic in numpy (NHWC), phase by phase as csrc/conv/grad_sm90.cuh: dgrad
-    launches it: the sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j − pad + u·dil) (zero outside) times
-    w at the filter's tap (last − t·step, ...), and lands at dx (ph + st·(i − crop), ...) inside the phase's rows."""
-    g = GradInputProblem(x_shape, w.shape, "NHWC", stride, padding, dilation)
-    dx = np.zeros(x_shape)
-    for ph in g.phases:
-        if ph.zero:
-            continue
-        h, v = ph.h, ph.w
-        dyp = np.zeros((g.N, g.P + 2 * h.pad + 64, g.Q + 2 * v.pad + 64, g.K))
-        dyp[:, h.pad:h.pad + g.P, v.pad:v.pad + g.Q] = dy
-        sub = np.zeros((g.N, h.out, v.out, g.C))
-        for t in range(h.taps):
-            for u in range(v.taps):
-                a = dyp[:, t * h.dil:t * h.dil + h.out, u * v.dil:u * v.dil + v.out]
-                sub += a @ w[:, h.last - t * h.step, v.last - u * v.step]
-        rows = sub[:, h.crop:h.crop + h.rows, v.crop:v.crop + v.rows]
-        dx[:, h.ph::g.stride[0], v.ph::g.stride[1]][:, :h.rows, :v.rows] = rows
-    return dx
-
-
-def test_native_dgrad_emulated(rng):
-    """The native dgrad's phase mapping (taps, padding, crop, where a phase's rows land) equals the reference."""
-    for case in NATIVE_DGRAD:
-        p = _geometry(*case)
-        xs, ws, ys = shapes(p, "NHWC")
-        dy, w = rng.standard_normal(ys), rng.standard_normal(ws)
-        got = emulate_native_dgrad(dy, w, xs, *geom(p))
-        want = reference.conv2d_grad_input_ref(dy, w, xs, *geom(p), "NHWC")
-        assert rel_err(got, want) < 1e-12, case
-
-
-def test_dgrad_native_choice():
-    """dgrad's native kernel where it can run (sm_90a, 16-bit NHWC, K % 64 == 0, C % 8 == 0; any stride, by
-    phases), the reason where not."""
-    from igemm.conv import _native
-    g = GradInputProblem((2, 12, 12, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)
-    assert _native.dgrad_unsupported(g, "float16", "NHWC", "sm_90a") is None
-    assert "sm_90a" in _native.dgrad_unsupported(g, "float16", "NHWC", "sm_80")
-    for shapes_, why in ((((2, 12, 12, 64), (48, 3, 3, 64)), "K % 64"), (((2, 12, 12, 60), (64, 3, 3, 60)), "C % 8")):
-        assert why in _native.dgrad_unsupported(GradInputProblem(*shapes_, "NHWC", 1, 1, 1), "float16", "NHWC",
-                                                "sm_90a")
-    plan = igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
-    assert plan.native is not None and [k.kernel()[0] for k in plan.sub_plans()] == [plan.native.spec.name()]
-    strided = igemm.Conv2dGradInputPlan((32, 56, 56, 128), (128, 3, 3, 128), "float16", "NHWC", 2, 1, device="numpy")
-    assert strided.native is not None and not strided.native.zero
-    assert igemm.Conv2dGradInputPlan((32, 56, 56, 256), (512, 1, 1, 256), "float16", "NHWC", 2, 0,
-                                     device="numpy").native.zero        # (three of the four phases are zero)
-
-
-def test_native_kernels_compile():
-    """The native wgrad kernel, its split sum and the native dgrad kernel compile (nvcc; CI has it)."""
-    from igemm import _build
-    try:
-        _build.find_toolchain()
-    except Exception as e:          # (no toolchain: nothing to compile with)
-        pytest.skip(f"no CUDA toolchain: {e}")
-    plan = igemm.Conv2dGradWeightPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
-    dplan = igemm.Conv2dGradInputPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
-    ks = [k.kernel() for k in plan.sub_plans() + dplan.sub_plans()]
-    assert len(ks) == 3 and _build.compile_many(ks, "sm_90a", 2) == 3
-
-
 def test_move_kernels_compile():
     """The move kernels compile (nvcc; CI has it)."""
     from igemm import _build
@@ -443,66 +352,6 @@ def test_gpu_fp32_gradient_and_accumulate(rng):
     assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL["float16"]
 
 
-def _geometry(N, C, H, W, K, R, S, st, pad, dil) -> dict:
-    P = (H + 2 * pad - dil * (R - 1) - 1) // st + 1
-    Q = (W + 2 * pad - dil * (S - 1) - 1) // st + 1
-    return dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=(st, st), padding=(pad, pad), dilation=(dil, dil), P=P, Q=Q)
-
-
-#: wgrad's native kernel (16-bit NHWC, C % 64 == 0, K % 8 == 0): partial tiles in M and N, N·P·Q not a multiple of
-#: 64, strides, dilation, 1x1 to 7x7, one split and many (N, C, H, W, K, R, S, stride, padding, dilation)
-NATIVE_WGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1, 1), (3, 128, 9, 11, 40, 3, 3, 2, 1, 1),
-                (1, 64, 15, 15, 136, 1, 1, 1, 0, 1), (2, 64, 20, 20, 24, 7, 7, 2, 3, 1),
-                (2, 192, 10, 10, 256, 3, 3, 1, 2, 2), (4, 64, 28, 28, 64, 1, 1, 2, 0, 1),
-                (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1)]
-
-
-#: dgrad's native kernel (16-bit NHWC, K % 64 == 0, C % 8 == 0): strides 1-3 (zero phases too), dilation, padding
-#: past dilation·(R − 1) (a cropped sub-output), 1x1 to 7x7, R != S
-NATIVE_DGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1, 1), (1, 40, 15, 15, 128, 1, 1, 1, 0, 1),
-                (2, 24, 20, 20, 64, 7, 7, 1, 3, 1), (2, 192, 10, 10, 256, 3, 3, 1, 2, 2),
-                (3, 136, 9, 11, 64, 3, 3, 1, 0, 1), (2, 64, 9, 7, 64, 5, 5, 1, 1, 1),
-                (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1),
-                (2, 64, 13, 12, 64, 3, 3, 2, 1, 1), (2, 128, 14, 14, 64, 1, 1, 2, 0, 1),
-                (1, 64, 11, 11, 128, 3, 3, 3, 1, 2), (2, 64, 8, 8, 64, 3, 3, 1, 3, 1),
-                (2, 32, 9, 10, 64, 5, 3, 2, 2, 1), (4, 128, 28, 28, 128, 3, 3, 2, 1, 1)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", NATIVE_DGRAD, ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_dgrad_native(case, dtype, rng):
-    """dgrad's native kernel (dy and w read in place) against float64, plain, with the mask and with the prologue."""
-    torch = pytest.importorskip("torch")
-    p = _geometry(*case)
-    xs, ws, _ = shapes(p, "NHWC")
-    assert igemm.Conv2dGradInputPlan(xs, ws, dtype, "NHWC", *geom(p)).native is not None
-    for mode in ("plain", "mask", "bn"):
-        assert _run_case(torch, p, "NHWC", dtype, rng, "dgrad", mode) <= TOL[dtype], mode
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", NATIVE_WGRAD, ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_wgrad_native(case, dtype, rng):
-    """wgrad's native kernel (x and dy read in place) against float64, plain, with the mask and with the prologue;
-    dw into an fp32 out and accumulated there."""
-    torch = pytest.importorskip("torch")
-    p = _geometry(*case)
-    xs, ws, ys = shapes(p, "NHWC")
-    assert igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NHWC", *geom(p)).role == "native"
-    for mode in ("plain", "mask", "bn"):
-        assert _run_case(torch, p, "NHWC", dtype, rng, "wgrad", mode) <= TOL[dtype], mode
-    x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal(ys), dtype)
-    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, *geom(p), "NHWC")
-    base = torch.randn(ws, dtype=torch.float32, device="cuda")
-    out, acc = poison(torch.empty(ws, dtype=torch.float32, device="cuda")), base.clone()
-    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=out)
-    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=acc, accumulate=True)
-    assert rel_err(to_numpy(out), ref) < TOL[dtype]
-    assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL[dtype]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("C, K, st, role", [(32, 128, 1, "dy"), (128, 60, 1, "x"), (32, 128, 2, "dy")])
 @pytest.mark.parametrize("mode", ["plain", "mask", "bn"])
@@ -583,25 +432,6 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
                                                   arch="sm_90a", sms=132).sub_plans():
                 name, s = sub.kernel(True, True)
                 out[s] = name
-    for case in NATIVE_DGRAD:
-        p = _geometry(*case)
-        xs, ws, _ = shapes(p, "NHWC")
-        for dtype in ("float16", "bfloat16"):
-            for sub in igemm.Conv2dGradInputPlan(xs, ws, dtype, "NHWC", *geom(p), device="numpy", arch="sm_90a",
-                                                 sms=132).sub_plans():
-                name, s = sub.kernel(True, True)
-                out[s] = name
-    for case in NATIVE_WGRAD:
-        p = _geometry(*case)
-        xs, ws, _ = shapes(p, "NHWC")
-        for dtype in ("float16", "bfloat16"):
-            for out_dtype, acc in ((None, False), ("float32", False), ("float32", True)):
-                for fused in (False, True):
-                    for sub in igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NHWC", *geom(p), mask=fused,
-                                                          out_dtype=out_dtype, accumulate=acc, device="numpy",
-                                                          arch="sm_90a", sms=132).sub_plans():
-                        name, s = sub.kernel(True, True)
-                        out[s] = name
     for op in ("dgrad", "wgrad"):
         for dtype in ("float16", "bfloat16", "float32"):
             for layout in ("NCHW", "NHWC"):

@@ -150,13 +150,20 @@ IGEMM_DEVICE uint8_t* grad_setup(uint64_t* full, const void* map_a, const void* 
   return smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
 }
 
+// The CTA's tile: blockIdx.x over ceil(M / BM) × ceil(ncol / BN) tiles, column blocks fastest.
+template <int BM, int BN>
+IGEMM_DEVICE TileCoord grad_tile_coord(int ncol) {
+  const int tn = (ncol + BN - 1) / BN;
+  return {int(blockIdx.x / tn) * BM, int(blockIdx.x % tn) * BN};
+}
+
 template <class T, class TO, int BM, int BN, int Stages, class P>
 __device__ void wgrad(const P& p) {
   constexpr int NB = BN / 64, STAGE = (BM + BN) * BK * 2;
   __shared__ alignas(8) uint64_t full[Stages];
   uint8_t* smem = grad_setup<Stages>(full, p.tmA, p.tmB);
-  const int TN = (p.Ncol + BN - 1) / BN;
-  const int m0 = (blockIdx.x / TN) * BM, n0 = (blockIdx.x % TN) * BN;
+  const TileCoord tc = grad_tile_coord<BM, BN>(p.Ncol);
+  const int m0 = tc.m0, n0 = tc.n0;
   const int KT = (p.NPQ + BK - 1) / BK;
   const int kt0 = blockIdx.z * p.kt_per_split;
   // each 64-column block's tap: channel c0 and the im2col offsets (s·dw, r·dh); a block past R·S·C loads the
@@ -192,8 +199,8 @@ __device__ void dgrad(const P& p) {
   constexpr int NB = BN / 64, STAGE = (BM + BN) * BK * 2;
   __shared__ alignas(8) uint64_t full[Stages];
   uint8_t* smem = grad_setup<Stages>(full, p.tmA, p.tmB);
-  const int TN = (p.C + BN - 1) / BN;
-  const int m0 = (blockIdx.x / TN) * BM, n0 = (blockIdx.x % TN) * BN;
+  const TileCoord tc = grad_tile_coord<BM, BN>(p.C);
+  const int m0 = tc.m0, n0 = tc.n0;
   const TileOrigin o = tile_origin(p, m0);    // sub-output pixel m0 -> dy coordinate of its tap (0, 0)
   auto issue = [&](int kt, int buf) {        // thread 0: k-tile kt = sub-filter tap (t, u) × dy channels kb·64 ..
     int tap, kb, t, u;

@@ -85,21 +85,24 @@ def _forward(g, dtype: str) -> ConvProblem:
     return ConvProblem(g.N, g.C, g.H, g.W, g.K, g.R, g.S, g.stride, g.padding, g.dilation, dtype, "NHWC", "tensorop")
 
 
-def unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
-    """Why the native kernel cannot compute this wgrad (None: it can). ``g``: a ``GradWeightProblem``."""
+def _unsupported(op: str, dtype: str, layout: str, arch: str, needs) -> str | None:
+    """The reason a native kernel cannot run: not sm_90a, not 16-bit NHWC, or the first ``(failed, what it needs)``
+    of ``needs`` that failed."""
     if arch != "sm_90a":
-        return "the native wgrad kernel is sm_90a's (wgmma, TMA)"
+        return f"the native {op} kernel is sm_90a's (wgmma, TMA)"
     if layout != "NHWC" or DTYPE_SIZES[dtype] != 2:
-        return "the native wgrad kernel reads 16-bit NHWC x and dy"
-    if g.C % BK:
-        return f"the native wgrad kernel needs C % {BK} == 0 (a copy of x is 64 channels of one tap)"
-    if g.K % 8:
-        return "the native wgrad kernel needs K % 8 == 0 (dy's rows 16-byte aligned for its tensor map)"
-    if g.N * g.P * g.Q == 0:
-        return "an empty reduction"
-    if max(g.N * g.P * g.Q, g.K * g.R * g.S * g.C) >= 2 ** 31:
-        return "tensor too large for the kernel's 32-bit indices"
-    return tma_unsupported(_forward(g, dtype), BK)
+        return f"the native {op} kernel reads 16-bit NHWC tensors"
+    return next((f"the native {op} kernel needs {what}" for failed, what in needs if failed), None)
+
+
+def unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
+    """Why the native wgrad kernel cannot compute this problem (None: it can). ``g``: a ``GradWeightProblem``."""
+    why = _unsupported("wgrad", dtype, layout, arch, (
+        (g.C % BK, f"C % {BK} == 0 (a copy of x is 64 channels of one tap)"),
+        (g.K % 8, "K % 8 == 0 (dy's rows 16-byte aligned for its tensor map)"),
+        (g.N * g.P * g.Q == 0 or max(g.N * g.P * g.Q, g.K * g.R * g.S * g.C) >= 2 ** 31,
+         "a reduction of 1 to 2^31 - 1 pixels and dw under 2^31 elements (32-bit indices)")))
+    return why or tma_unsupported(_forward(g, dtype), BK)
 
 
 def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int) -> WgradSpec:
@@ -257,20 +260,15 @@ def _sub(g, ph, dtype: str) -> ConvProblem:
 
 def dgrad_unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
     """Why the native dgrad kernel cannot compute this problem (None: it can). ``g``: a ``GradInputProblem``."""
-    if arch != "sm_90a":
-        return "the native dgrad kernel is sm_90a's (wgmma, TMA)"
-    if layout != "NHWC" or DTYPE_SIZES[dtype] != 2:
-        return "the native dgrad kernel reads 16-bit NHWC dy and w"
-    if g.K % BK:
-        return f"the native dgrad kernel needs K % {BK} == 0 (a k-tile is 64 channels of dy)"
-    if g.C % 8:
-        return "the native dgrad kernel needs C % 8 == 0 (w's rows 16-byte aligned for its tensor map)"
-    if g.N * g.H * g.W == 0 or max(g.N * g.H * g.W * max(g.C, g.K), g.K * g.R * g.S * g.C) >= 2 ** 31:
-        return "an empty problem, or one too large for the kernel's 32-bit indices"
+    why = _unsupported("dgrad", dtype, layout, arch, (
+        (g.K % BK, f"K % {BK} == 0 (a k-tile is 64 channels of dy)"),
+        (g.C % 8, "C % 8 == 0 (w's rows 16-byte aligned for its tensor map)"),
+        (g.N * g.H * g.W == 0 or max(g.N * g.H * g.W * max(g.C, g.K), g.K * g.R * g.S * g.C) >= 2 ** 31,
+         "a non-empty dx, and tensors under 2^31 elements (32-bit indices)")))
     for ph in g.phases:
-        if not ph.zero and (why := tma_unsupported(_sub(g, ph, dtype), 128)):
-            return why
-    return None
+        if why is None and not ph.zero:
+            why = tma_unsupported(_sub(g, ph, dtype), 128)
+    return why
 
 
 def choose_dgrad_spec(g, dtype: str, sms: int) -> DgradSpec:

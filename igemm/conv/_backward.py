@@ -1,7 +1,8 @@
-"""The convolution backward: ``Conv2dGradInputPlan`` (dgrad) and ``Conv2dGradWeightPlan`` (wgrad).
+"""The convolution backward's problems: ``Conv2dGradInputPlan`` (dgrad) and ``Conv2dGradWeightPlan`` (wgrad).
 
-Both run on the forward's kernels (:class:`Conv2dPlan`, so its tile rules, wgmma/TMA mainloops and split-K),
-with the operands moved by :mod:`._moves`:
+On sm_90a, 16-bit NHWC problems run the native kernels (:mod:`._native`), which use dgrad's phases below; the rest
+run on the forward's kernels (:class:`Conv2dPlan`, so its tile rules, wgmma/TMA mainloops and split-K), with the
+operands moved by :mod:`._moves`:
 
 - **dgrad** is a stride-1 convolution of dy with the filter flipped and its K and C swapped. A strided problem
   is split by output phase (h mod stride, w mod stride): phase (ph, pw) of dx reads only the taps r with

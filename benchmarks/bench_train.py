@@ -1,7 +1,7 @@
 """ResNet-50 training step through igemm.nn.convert against PyTorch eager and torch.compile, AMP fp16 channels_last.
 
-    python benchmarks/bench_train.py [--batches 128,256] [--steps 20] [--compile] [--no-check] [--loss-steps 100]
-        [--out DIR] [--quick]
+    python benchmarks/bench_train.py [--batches 128,256] [--steps 20] [--compile] [--graphs] [--no-check]
+        [--loss-steps 100] [--out DIR] [--quick]
 
 torchvision resnet50, random weights (``torch.manual_seed(0)``), channels_last model and input,
 ``torch.backends.cudnn.benchmark = True``. A step: ``zero_grad(set_to_none=True)``, the forward and the cross
@@ -13,12 +13,17 @@ deep copy of the same initial model with its own optimizer and scaler, one at a 
     ``torch.ops.igemm.conv2d_bn_train``, igemm's fused backward), its kernels compiled first by
     ``igemm.nn.precompile`` (forward and backward, under autocast so fp16's);
   - pytorch: the model itself, eager (cuDNN convolutions, separate BN, add and ReLU kernels);
-  - with --compile: ``torch.compile(model)`` (inductor, default mode), more warm-up steps for the compilation.
+  - with --compile: ``torch.compile(model)`` (inductor, default mode), more warm-up steps for the compilation;
+  - with --graphs: ``igemm+graphs`` and ``pytorch+graphs``, each model's forward and backward captured once by
+    ``torch.cuda.make_graphed_callables`` (under ``torch.autocast(..., cache_enabled=False)``, as PyTorch requires)
+    and replayed every step; the loss, the GradScaler and the optimizer run eagerly around the replays. ``vs_*``
+    compare each peer with the eager ones (no graph), so a graphed peer's ratio includes the host time it saves.
 Timing: ``--warmup`` steps, then ``--steps`` steps with CUDA events around each (benchmarks/_harness.py's timer,
 no graph: the GradScaler synchronises), the median reported, with p10-p90 spread; images/s = N / median;
 ``vs_pytorch`` / ``vs_compile``: the peer's step time over that peer's (below 1: faster). ``peak_GB``:
 ``torch.cuda.max_memory_allocated()`` over one step (after ``reset_peak_memory_stats``), model, gradients and
-optimizer state included; ``mem_vs_pytorch``: over eager's.
+optimizer state included; ``mem_vs_pytorch``: over eager's (both blank for the graphed peers: their graphs'
+memory pools are allocated at capture and not counted there).
 
 --check (default; --no-check skips it), at N = 32 from the same initial weights and batch:
   (a) gradients of one step: each parameter's, for igemm AMP and PyTorch AMP (loss scaled by 2^16, halved until
@@ -61,7 +66,12 @@ def _setup(base, peer: str, x, lr: float = LR):
     import igemm.nn as inn
     m = copy.deepcopy(base).to(DEV).to(memory_format=torch.channels_last).train()
     run = m
-    if peer == "igemm":
+    if peer.endswith("+graphs"):
+        run, m2, _, _ = _setup(base, peer.split("+")[0], x, lr)
+        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+            run = torch.cuda.make_graphed_callables(run, (x,))
+        m = m2
+    elif peer == "igemm":
         run = inn.convert(m, inplace=True)       # (shares m's parameters and buffers)
         run.train()
         with torch.autocast("cuda", dtype=torch.float16):
@@ -73,14 +83,15 @@ def _setup(base, peer: str, x, lr: float = LR):
     return run, m, opt, torch.amp.GradScaler(DEV)
 
 
-def _stepper(model, opt, scaler, x, y, amp: bool = True):
-    """One training step as a callable (returns the loss tensor); ``amp``: fp16 autocast (else fp32)."""
+def _stepper(model, opt, scaler, x, y, amp: bool = True, graphs: bool = False):
+    """One training step as a callable (returns the loss tensor); ``amp``: fp16 autocast (else fp32); ``graphs``:
+    the model is a graphed callable (autocast's cast cache off, as its capture had it)."""
     import torch
     import torch.nn.functional as F
 
     def step(i=0):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp, cache_enabled=not graphs):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -110,7 +121,7 @@ def _time_one(bench: Bench, base, peer: str, x, y) -> dict:
     t0 = time.perf_counter()
     run, _, opt, scaler = _setup(base, peer, x)
     setup_s = time.perf_counter() - t0
-    step = _stepper(run, opt, scaler, x, y)
+    step = _stepper(run, opt, scaler, x, y, graphs=peer.endswith("+graphs"))
     warm = bench.args.warmup + (bench.args.compile_warmup if peer == "compile" else 0)
     t0 = time.perf_counter()
     bench.time(step, reps=bench.args.reps, warmup=warm, graph=False)
@@ -144,8 +155,10 @@ def time_peers(bench: Bench, base, N: int, peers: list) -> None:
         for k in ("pytorch", "compile"):
             if k in peers:
                 row[f"vs_{k}"] = t / res[k]["median"] if "median" in res[k] else ""
-        row["peak_GB"] = r["peak"] / 1e9
-        row["mem_vs_pytorch"] = r["peak"] / res["pytorch"]["peak"] if "peak" in res["pytorch"] else ""
+        graphed = peer.endswith("+graphs")         # (the graphs' private pools: not in max_memory_allocated)
+        row["peak_GB"] = "" if graphed else r["peak"] / 1e9
+        row["mem_vs_pytorch"] = (r["peak"] / res["pytorch"]["peak"] if "peak" in res["pytorch"] and not graphed
+                                 else "")
         row["warmup_s"] = r["warm_s"] + r["setup_s"]
         bench.row(**row)
     del x, y
@@ -276,6 +289,8 @@ def main() -> int:
     p.add_argument("--batches", default="128,256", help="batch sizes to time")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(model)")
     p.add_argument("--compile-warmup", type=int, default=10, help="extra warm-up steps for torch.compile")
+    p.add_argument("--graphs", action="store_true", help="also time igemm and PyTorch with the forward and backward "
+                   "captured in CUDA graphs (torch.cuda.make_graphed_callables)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help=f"gradient, running-statistics and loss checks at N={CHECK_N}")
     p.add_argument("--loss-steps", type=int, default=100, help="steps of the loss check (c)")
@@ -288,7 +303,8 @@ def main() -> int:
     bench = Bench("bench_train", args)
     torch.manual_seed(0)
     base = torchvision.models.resnet50()                   # (on the CPU: each peer copies it to the GPU)
-    peers = ["igemm", "pytorch"] + (["compile"] if args.compile else [])
+    peers = (["igemm", "pytorch"] + (["compile"] if args.compile else [])
+             + (["igemm+graphs", "pytorch+graphs"] if args.graphs else []))
     batches = [int(b) for b in args.batches.split(",")]
     for N in batches[:1] if args.quick else batches:
         time_peers(bench, base, N, peers)
@@ -298,11 +314,12 @@ def main() -> int:
                f"peak_GB: max_memory_allocated over one step; warmup_s: setup (igemm: convert + precompile; compile: "
                f"the first steps compile) and the warm-up and timed steps, seconds of the host.")
     for N in sorted({r["N"] for r in bench.rows}):
-        ig = [r for r in bench.rows if r["N"] == N and r["peer"] == "igemm" and "ms" in r]
-        if ig and ig[0]["vs_pytorch"] != "":
-            c = ig[0].get("vs_compile", "")
-            bench.note(f"N={N}: igemm {ig[0]['images_s']:.0f} images/s, {ig[0]['vs_pytorch']:.3f}x PyTorch eager's "
-                       f"step time" + (f", {c:.3f}x torch.compile's" if c != "" else ""))
+        for peer in ("igemm", "igemm+graphs"):
+            ig = [r for r in bench.rows if r["N"] == N and r["peer"] == peer and "ms" in r]
+            if ig and ig[0]["vs_pytorch"] != "":
+                c = ig[0].get("vs_compile", "")
+                bench.note(f"N={N}: {peer} {ig[0]['images_s']:.0f} images/s, {ig[0]['vs_pytorch']:.3f}x PyTorch "
+                           f"eager's step time" + (f", {c:.3f}x torch.compile's" if c != "" else ""))
     bars = []
     if args.check:
         try:

@@ -22,4 +22,5 @@ step "compare" python3 -m igemm compare --precompile --arch "$ARCH"
 step "fuzz" python3 tests/test_fuzz.py precompile "$ARCH"
 step "backward tests and fuzz" python3 tests/test_backward.py precompile "$ARCH" 300
 step "training tests (igemm.nn)" python3 tests/test_train.py precompile "$ARCH"
+step "training in CUDA graphs" python3 tests/test_train_graphs.py precompile "$ARCH"
 echo "cache: $(ls "$IGEMM_CACHE_DIR" | grep -c cubin) cubins, $(du -sh "$IGEMM_CACHE_DIR" | cut -f1)"

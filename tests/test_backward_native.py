@@ -102,6 +102,37 @@ def test_wgrad_native_choice():
                                       arch="sm_80").role is None
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K", [(1, 8), (37, 40), (300, 64), (17, 2048)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_dz_pass(M, K, dtype, rng):
+    """The channels-last dz pass (``_moves.launch_dz``) against float64: the mask's select (non-finite dy where the
+    bit is 0 gives 0), the BN prologue with and without a mask, and the select written beside it."""
+    torch = pytest.importorskip("torch")
+    from igemm.conv import _moves
+    dy, z, y = (to_torch(rng.standard_normal((M, K)), dtype) for _ in range(3))
+    dy[y <= 0] = float("inf")
+    mask = igemm.relu_mask(y)
+    coef = torch.tensor(rng.standard_normal((3, K)), dtype=torch.float32, device="cuda")
+    h = torch.cuda.current_stream().cuda_stream
+    finite = to_torch(rng.standard_normal((M, K)), dtype)
+    for mode, m in (("mask", mask), ("bn", mask), ("bn", None)):
+        if m is None:
+            dy = finite                            # (no mask: every element reaches dz)
+        dz, sel = poison(torch.empty_like(dy)), poison(torch.empty_like(dy))
+        assert _moves.dz_fits(dtype, K, dy.data_ptr(), dz.data_ptr(), z.data_ptr(), coef.data_ptr())
+        _moves.launch_dz(0, h, dtype, M, K, dy.data_ptr(), dz.data_ptr(), mode=mode,
+                         mask=m.data_ptr() if m is not None else 0, z=z.data_ptr() if mode == "bn" else 0,
+                         coef=coef.data_ptr() if mode == "bn" else 0, sel=sel.data_ptr())
+        torch.cuda.synchronize()
+        bits = to_numpy(m).view(np.uint32) if m is not None else None
+        pro = (to_numpy(z), *to_numpy(coef)) if mode == "bn" else None
+        d = to_numpy(dy)
+        assert rel_err(to_numpy(dz), reference.grad_prologue_ref(d, bits, pro, "NHWC")) < TOL[dtype], mode
+        if m is not None:
+            assert rel_err(to_numpy(sel), reference.grad_prologue_ref(d, bits, None, "NHWC")) == 0, mode
+
+
 def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation):
     """The native dgrad kernel's arithmetic in numpy (NHWC), phase by phase as csrc/conv/grad_sm90.cuh: dgrad
     launches it: the sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j − pad + u·dil) (zero outside) times

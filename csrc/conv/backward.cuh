@@ -9,6 +9,8 @@
 //                Tiled: a 32 x 32 tile over dims 3 (destination-contiguous) and TB (source-contiguous) goes
 //                through shared memory, so both sides are coalesced (the activations' transposes of wgrad);
 //                vectorised: 16 bytes a thread where dim 3 is contiguous on both sides (the pre-pass, interleave).
+//   grad_dz      the pre-pass of a channels-last dy: dz = bit ? dy : 0, or a[k]·(bit ? dy : 0) + b[k]·z + c[k],
+//                and optionally the select itself (a residual's gradient behind the ReLU) in the same pass.
 //   grad_coefficients   a, b, c of the BN-backward prologue from the BN-backward reduction's sums.
 #pragma once
 #include "common.cuh"
@@ -186,6 +188,80 @@ template <int Mode, bool Accum, int Vec, int TB, class TS, class TD, class P>
 __device__ void grad_copy(const P& p) {
   if constexpr (Vec == 0) grad_copy_tiled<Mode, Accum, TB, TS, TD>(p);
   else grad_copy_flat<Mode, Accum, Vec, TS, TD>(p);
+}
+
+// dz over an [M][K] channels-last tensor (K % 8 == 0; src, dst, z, sel 16-byte aligned; coef too): Mode kMask
+// dz = bit ? dy : 0; kBn dz = a[k]·(bit ? dy : 0) + b[k]·z + c[k] (no mask: every bit 1), and where `sel` is set,
+// sel = bit ? dy : 0 as well. A thread owns one 8-channel chunk (the launch makes blockDim.x·gridDim.x a multiple
+// of K / 8, so its coefficients stay in registers) and walks the pixels, U chunks in flight: the generic move
+// reads the 24 coefficients and the mask word per chunk and reached ~60% of the copy bandwidth
+// (docs/performance.md: grad-dz-pass).
+template <int Mode, class T, class P>
+__device__ void grad_dz(const P& p) {
+  static_assert(sizeof(T) == 2 && Mode != kPlain, "16-bit; the mask or the BN prologue");
+  constexpr int U = 4;
+  const int kc = p.K / 8;
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x / kc;
+  const int ch = 8 * int(t % kc);
+  float a[8], b[8], c[8];
+  if constexpr (Mode == kBn) {
+    float* dst[3] = {a, b, c};
+    const float4* coef = static_cast<const float4*>(p.coef);
+#pragma unroll
+    for (int v = 0; v < 3; ++v)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 q = __ldg(coef + (v * p.K + ch) / 4 + h);
+        dst[v][4 * h] = q.x; dst[v][4 * h + 1] = q.y; dst[v][4 * h + 2] = q.z; dst[v][4 * h + 3] = q.w;
+      }
+  }
+  const uint8_t* mask = static_cast<const uint8_t*>(p.mask);
+  const uint4* src = static_cast<const uint4*>(p.src);
+  const uint4* zs = static_cast<const uint4*>(p.z);
+  uint4* dst = static_cast<uint4*>(const_cast<void*>(p.dst));
+  uint4* sel = static_cast<uint4*>(const_cast<void*>(p.sel));
+  for (int64_t m = t / kc; m < p.M; m += U * step) {
+    uint4 d[U], z[U];
+    uint32_t bits[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {             // every load of the U chunks first
+      const int64_t e = (m + u * step) * p.K + ch;
+      if (m + u * step < p.M) {
+        d[u] = src[e / 8];
+        if constexpr (Mode == kBn) z[u] = __ldcs(zs + e / 8);
+        bits[u] = mask ? uint32_t(__ldg(mask + e / 8)) : 0xFFu;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t e = (m + u * step) * p.K + ch;
+      if (m + u * step >= p.M) continue;
+      uint32_t w[4] = {d[u].x, d[u].y, d[u].z, d[u].w}, o[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)               // a select: non-finite dy where the bit is 0 gives 0
+        w[q] &= ((bits[u] >> (2 * q)) & 1u ? 0xFFFFu : 0u) | ((bits[u] >> (2 * q + 1)) & 1u ? 0xFFFF0000u : 0u);
+      if (sel) sel[e / 8] = make_uint4(w[0], w[1], w[2], w[3]);
+      if constexpr (Mode == kBn) {
+        const uint32_t zw[4] = {z[u].x, z[u].y, z[u].z, z[u].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          o[q] = 0;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = 2 * q + h;
+            const float v = to_float(T::bitcast(uint16_t(w[q] >> (16 * h))));
+            const float zf = to_float(T::bitcast(uint16_t(zw[q] >> (16 * h))));
+            o[q] |= uint32_t(from_float<T>(a[i] * v + b[i] * zf + c[i]).raw()) << (16 * h);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) o[q] = w[q];
+      }
+      dst[e / 8] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
 }
 
 // a = gamma·invstd, b = -gamma·invstd³·sum_dy_xmu/count, c = gamma·invstd·(mean·invstd²·sum_dy_xmu - sum_dy)/count:

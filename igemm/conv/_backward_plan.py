@@ -19,7 +19,7 @@ from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
 from . import _native
 from ._backward import GradInputProblem, GradWeightProblem
-from ._moves import Move, contiguous
+from ._moves import Move, contiguous, dz_fits, launch_dz
 from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
 from ._problem import PRECISIONS
 
@@ -55,6 +55,15 @@ class _GradPlan:
         self.backend = "numpy" if self.device_id is None else "cuda"
         self._scratch: dict[str, _runtime.DeviceArray] = {}
         self._lock = threading.Lock()
+
+    def _prepass(self, h: int, move: Move, dy: int, dz: int, mode: str, fp: dict) -> None:
+        """dy -> dz with the call's mask / prologue (or only realigned): the channels-last dz pass where it fits
+        (docs/performance.md: grad-dz-pass), else ``move``."""
+        g = self.problem
+        if mode != "plain" and self.layout == "NHWC" and dz_fits(self.dtype, g.K, dy, dz, fp["z"], fp["coef"]):
+            return launch_dz(self.device_id, h, self.dtype, math.prod(g.dy_shape) // g.K, g.K, dy, dz, mode=mode,
+                             sms=self.sms, **fp)
+        move.launch(self.device_id, h, self.dtype, self.dtype, dy, dz, mode=mode, sms=self.sms, **fp)
 
     def _target(self, arch, sms) -> tuple[str, int]:
         """(architecture, SM count) the plan's kernels are for: its device's, or the given ones (numpy plans)."""
@@ -255,7 +264,7 @@ class Conv2dGradInputPlan(_GradPlan):
         mode = _mode(fp)
         if mode != "plain" or dy % 16:        # (an unaligned dy is moved too: the phases read aligned rows)
             dz = self._buf("dz", g.dy_shape, dt)
-            self._pre.launch(dev, h, dt, dt, dy, dz, mode=mode, sms=self.sms, **fp)
+            self._prepass(h, self._pre, dy, dz, mode, fp)
             dy = dz
         if self.native is not None:
             if w % 16:
@@ -376,7 +385,7 @@ class Conv2dGradWeightPlan(_GradPlan):
         mode = _mode(fp)
         if mode != "plain" or dy % 16:
             dz = self._buf("dz", g.dy_shape, dt)
-            self._pre.launch(dev, h, dt, dt, dy, dz, mode=mode, sms=self.sms, **fp)
+            self._prepass(h, self._pre, dy, dz, mode, fp)
             dy = dz
         if x % 16:
             xc = self._buf("xc", g.x_shape, dt)
@@ -395,7 +404,7 @@ class Conv2dGradWeightPlan(_GradPlan):
             src = dy
             if mode != "plain" or dy % 16:       # dy read in place: the mask / prologue need their own pass
                 src = self._buf("dz", g.dy_shape, self.dtype)
-                prem.launch(dev, h, self.dtype, self.dtype, dy, src, mode=mode, sms=self.sms, **fp)
+                self._prepass(h, prem, dy, src, mode, fp)
         else:
             opm.launch(dev, h, self.dtype, self.dtype, dy, wt, mode=mode, sms=self.sms, **fp)
             src = x

@@ -1,8 +1,9 @@
-"""The backward's operand moves (csrc/conv/backward.cuh: ``grad_copy``, ``grad_coefficients``).
+"""The backward's operand moves (csrc/conv/backward.cuh: ``grad_copy``, ``grad_dz``, ``grad_coefficients``).
 
 A :class:`Move` is one 4-D copy ``dst[i] = f(src[base + Σ (i_d + off_d)·ss_d])`` with zero outside the source
 bounds: the filter flips of dgrad, its phase interleave, the activations' transposes of wgrad, the final dw
 permute (with a dtype change and ``accumulate``), and the ReLU-mask / BN-backward prologue applied on the way.
+:func:`launch_dz` is that prologue's pass for a channels-last 16-bit dy, at copy speed.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from .. import _kernel
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
-__all__ = ["Move", "MODES", "launch_coefficients", "contiguous", "precompile", "all_variants"]
+__all__ = ["Move", "MODES", "launch_coefficients", "dz_fits", "launch_dz", "contiguous", "precompile",
+           "all_variants"]
 
 MODES = {"plain": 0, "mask": 1, "bn": 2}
 
@@ -26,6 +28,8 @@ _PARAMS = [*(ParamSpec(n, "ptr") for n in ("src", "dst", "mask", "z", "coef")),
            *(ParamSpec(f"ds{i}", "int64") for i in range(4)),
            ParamSpec("cdim", "int32"), ParamSpec("K", "int32"),
            *(ParamSpec(f"fd{i}", "fastdiv") for i in (1, 2, 3))]
+_DZ_PARAMS = [*(ParamSpec(n, "ptr") for n in ("src", "dst", "mask", "z", "coef", "sel")), ParamSpec("M", "int64"),
+              ParamSpec("K", "int32")]
 _COEF_PARAMS = [*(ParamSpec(n, "ptr") for n in ("gamma", "invstd", "mean", "sum_dy", "sum_dy_xmu", "coef")),
                 ParamSpec("K", "int32"), ParamSpec("count", "float32")]
 _THREADS = 256
@@ -195,10 +199,45 @@ def launch_coefficients(device_id: int, stream: int, K: int, count: int, *, gamm
         gamma=gamma, invstd=invstd, mean=mean, sum_dy=sum_dy, sum_dy_xmu=sum_dy_xmu, coef=coef)))
 
 
+def _dz_stub(dtype: str, mode: int) -> str:
+    return _kernel.render_kernel(include="conv/backward.cuh", entry="igemm_grad_dz", params=_DZ_PARAMS,
+                                 threads=_THREADS, body=f"igemm::backward::grad_dz<{mode}, {DTYPE_CTYPE[dtype]}>(p);")
+
+
+@lru_cache(maxsize=64)
+def _dz_launcher(dtype: str, mode: int, device_id: int, grid: int, block: int):
+    k = _kernel.load(_dz_stub(dtype, mode), f"grad_dz_{dtype}_m{mode}", "igemm_grad_dz", device_id)
+    return _kernel.Launcher(k, grid, block)
+
+
+@lru_cache(maxsize=256)
+def _dz_template(M: int, K: int) -> _kernel.PackedArgs:
+    return _kernel.pack_args(_DZ_PARAMS, dict(M=M, K=K))
+
+
+def dz_fits(dtype: str, K: int, *ptrs: int) -> bool:
+    """Whether :func:`launch_dz` takes this pass: 16-bit, K % 8 == 0 and K <= 2048 (a block's threads cover whole
+    rows), every pointer 16-byte aligned (0: absent)."""
+    return DTYPE_SIZES[dtype] == 2 and K % 8 == 0 and 0 < K <= 8 * _THREADS and not any(p % 16 for p in ptrs)
+
+
+def launch_dz(device_id: int, stream: int, dtype: str, M: int, K: int, src: int, dst: int, *, mode: str,
+              mask: int = 0, z: int = 0, coef: int = 0, sel: int = 0, sms: int = 132) -> None:
+    """dz (and, with ``sel``, the select ``bit ? dy : 0``) of a channels-last dy as M pixels x K channels, the
+    mask / BN prologue applied (csrc/conv/backward.cuh: grad_dz); the caller checked :func:`dz_fits`. One wave of
+    blocks, each a multiple of K / 8 threads (a thread's channels fixed)."""
+    kc = K // 8
+    block = kc * (_THREADS // kc)
+    grid = max(1, min(sms * max(1, 2048 // block), -(-M * kc // block)))
+    _dz_launcher(dtype, MODES[mode], device_id, grid, block)(stream, _dz_template(M, K).bind(dict(
+        src=src, dst=dst, mask=mask, z=z, coef=coef, sel=sel)))
+
+
 def all_variants() -> list[tuple[str, str]]:
     """Every (name, stub) the backward's moves can launch: plain moves between any two types (accumulating
-    into fp32), the mask / BN modes within one type; tiled, one element or 16 bytes a thread."""
+    into fp32), the mask / BN modes within one type; tiled, one element or 16 bytes a thread; the dz pass."""
     out = [("grad_coefficients", _coef_stub())]
+    out += [(f"grad_dz_{dt}_m{m}", _dz_stub(dt, m)) for dt in ("float16", "bfloat16") for m in (1, 2)]
     dts = ("float16", "bfloat16", "float32")
     for ts in dts:
         for td in dts:

@@ -19,7 +19,7 @@ from .._kernel import bind_args
 from .._norm_kernels import elemt_kernel, reduction_kernels
 from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
 from ..conv._backward_functional import _cached
-from ..conv._moves import launch_coefficients
+from ..conv._moves import dz_fits, launch_coefficients, launch_dz
 from . import _ops
 
 __all__ = ["train"]
@@ -136,13 +136,21 @@ class TrainCall:
                             coef=b + 16 * K)
         fp = {"mask": mp, "z": zp, "coef": b + 16 * K}
         src = dp
-        if need[0] and need[1] and self.wgrad.native is not None:
-            # both read dz = a·(bit ? dy : 0) + b·z + c from memory: made once here, not once by each plan
+        dx = dw = dres = None
+        # the residual's gradient behind the ReLU (bit ? dy : 0) comes out of the dz pass where that pass runs
+        sel = self.relu and need[4]
+        if self.nhwc and (need[0] or need[1]) and dz_fits(self.dt, K, dp, zp):
+            # dz = a·(bit ? dy : 0) + b·z + c made once here for both plans (docs/performance.md: train-dz-once)
+            dz = torch.empty_like(dy)
+            dres = torch.empty_like(dy) if sel else None
+            launch_dz(dev.index, h, self.dt, dy.numel() // K, K, dp, dz.data_ptr(), mode="bn",
+                      sel=dres.data_ptr() if sel else 0, sms=self.dgrad.sms, **fp)
+            src, fp = dz.data_ptr(), _PLAIN
+        elif need[0] and need[1] and self.wgrad.native is not None:
             dz = torch.empty_like(dy)
             self.dgrad._pre.launch(dev.index, h, self.dt, self.dt, src, dz.data_ptr(), mode="bn", sms=self.dgrad.sms,
                                    **fp)
             src, fp = dz.data_ptr(), _PLAIN
-        dx = dw = dres = None
         if need[0]:
             if not w.is_contiguous(memory_format=fmt):
                 w = w.contiguous(memory_format=fmt)
@@ -155,7 +163,7 @@ class TrainCall:
             dw = torch.empty(w.shape, dtype=self.dtype, device=dev, memory_format=fmt)
             with g._lock:
                 g._run(h, x.data_ptr(), src, dw.data_ptr(), fp)
-        if need[4]:
+        if need[4] and dres is None:
             if self.relu:
                 launcher, n = self.relu_bwd
                 dres = torch.empty_like(dy)

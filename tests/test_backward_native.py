@@ -1,6 +1,6 @@
 """The backward's native kernels (igemm/conv/_native.py, csrc/conv/grad_sm90.cuh): where they run, their
 arithmetic emulated in numpy, their compilation, and on the GPU against float64 (plain, with the mask, with the BN
-prologue; fp32 ``out`` and ``accumulate``). Their kernels are precompiled from ``_native.all_variants()``
+prologue; fp32 ``out`` and ``accumulate``); the channels-last dz pass that applies the mask / prologue before them. Their kernels are precompiled from ``_native.all_variants()``
 (``python -m igemm precompile --backward``)."""
 from __future__ import annotations
 

@@ -102,6 +102,22 @@ def test_wgrad_native_choice():
                                       arch="sm_80").role is None
 
 
+def test_dz_pass_geometry():
+    """The dz pass's launch: where it runs (16-bit, K % 8 == 0, K <= 2048, aligned pointers), and blocks of a
+    multiple of K / 8 threads (the kernel keeps a thread's channels across its pixels), one wave at most, no
+    block without a pixel."""
+    from igemm.conv import _moves
+    assert _moves.dz_fits("float16", 64, 256, 512) and _moves.dz_fits("bfloat16", 2048)
+    for args in (("float32", 64), ("float16", 60), ("float16", 2056), ("float16", 64, 256, 8)):
+        assert not _moves.dz_fits(*args), args
+    for K in range(8, 2049, 8):
+        for M in (1, 7, 1000, 401408):
+            grid, block = _moves.dz_geometry(M, K, 132)
+            kc = K // 8
+            assert block % kc == 0 and 0 < block <= 256 and grid * block <= 132 * 2048 + block, (M, K)
+            assert (grid - 1) * block < M * kc, (M, K)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K", [(1, 8), (37, 40), (300, 64), (17, 2048)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

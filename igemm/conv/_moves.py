@@ -15,8 +15,8 @@ from .. import _kernel
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
-__all__ = ["Move", "MODES", "launch_coefficients", "dz_fits", "launch_dz", "contiguous", "precompile",
-           "all_variants"]
+__all__ = ["Move", "MODES", "launch_coefficients", "dz_fits", "dz_geometry", "launch_dz", "contiguous",
+           "precompile", "all_variants"]
 
 MODES = {"plain": 0, "mask": 1, "bn": 2}
 
@@ -226,11 +226,17 @@ def launch_dz(device_id: int, stream: int, dtype: str, M: int, K: int, src: int,
     """dz (and, with ``sel``, the select ``bit ? dy : 0``) of a channels-last dy as M pixels x K channels, the
     mask / BN prologue applied (csrc/conv/backward.cuh: grad_dz); the caller checked :func:`dz_fits`. One wave of
     blocks, each a multiple of K / 8 threads (a thread's channels fixed)."""
-    kc = K // 8
-    block = kc * (_THREADS // kc)
-    grid = max(1, min(sms * max(1, 2048 // block), -(-M * kc // block)))
+    grid, block = dz_geometry(M, K, sms)
     _dz_launcher(dtype, MODES[mode], device_id, grid, block)(stream, _dz_template(M, K).bind(dict(
         src=src, dst=dst, mask=mask, z=z, coef=coef, sel=sel)))
+
+
+def dz_geometry(M: int, K: int, sms: int) -> tuple[int, int]:
+    """(grid, block) of the dz pass: blocks of a multiple of K / 8 threads (so every thread's 8-channel chunk is the
+    same at each of its pixels), at most one wave of 2048 threads an SM, none without a pixel."""
+    kc = K // 8
+    block = kc * (_THREADS // kc)
+    return max(1, min(sms * max(1, 2048 // block), -(-M * kc // block))), block
 
 
 def all_variants() -> list[tuple[str, str]]:

@@ -90,11 +90,16 @@ def test_wgrad_native_choice():
                                          "float16", "NHWC", "sm_90a")
     big = GradWeightProblem((32, 56, 56, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)      # 9 tiles, 1568 k-tiles
     s = _native.choose_spec(big, "float16", "float16", False, 132)
-    assert s.splits > 1 and s.out == "float32" and abs(s.splits - 2 * 132 / 9) < 2
-    wide = GradWeightProblem((32, 7, 7, 512), (512, 3, 3, 512), "NHWC", 1, 1, 1)     # 144 tiles
+    assert (s.bm, s.bn, s.ws, s.out, s.splits) == (64, 64, False, "float32", 44)     # 3 CTAs an SM, filled
+    wide = GradWeightProblem((32, 7, 7, 512), (512, 3, 3, 512), "NHWC", 1, 1, 1)     # 144 tiles of 128 x 128
     s = _native.choose_spec(wide, "float16", "float16", False, 132)
-    assert s.splits == 1
+    assert (s.bm, s.bn, s.ws, s.splits) == (128, 128, True, 1)
     assert s.out == "float16" and _native.choose_spec(wide, "float16", "float16", True, 132).out == "float32"
+    deep = GradWeightProblem((256, 7, 7, 512), (512, 3, 3, 512), "NHWC", 1, 1, 1)    # 8x the reduction: split
+    assert _native.choose_spec(deep, "float16", "float16", False, 132).splits == 3
+    for tiles, kt in ((1, 1), (9, 1568), (36, 98), (144, 49), (7, 5)):
+        sp = _native._best_splits(tiles, kt, 2 ** 20, 132)
+        assert 1 <= sp <= kt and (sp - 1) * -(-kt // sp) < kt, (tiles, kt, sp)      # no empty split
     plan = igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
     assert plan.role == "native" and [k.kernel()[0] for k in plan.sub_plans()] == [
         plan.native.spec.name(), "split_sum_float16"]
@@ -198,6 +203,71 @@ def test_dgrad_native_choice():
     assert strided.native is not None and not strided.native.zero
     assert igemm.Conv2dGradInputPlan((32, 56, 56, 256), (512, 1, 1, 256), "float16", "NHWC", 2, 0,
                                      device="numpy").native.zero        # (three of the four phases are zero)
+    def spec(xs, ws, st=1, pad=1):
+        s = _native.choose_dgrad_spec(GradInputProblem(xs, ws, "NHWC", st, pad, 1), "float16", 132)
+        return s.bm, s.bn, s.stages, s.ws
+    assert spec((32, 56, 56, 64), (64, 3, 3, 64)) == (128, 64, 3, True)              # C = 64
+    assert spec((32, 14, 14, 1024), (256, 1, 1, 1024), pad=0) == (128, 64, 3, True)  # 4 k-tiles
+    assert spec((32, 7, 7, 512), (512, 3, 3, 512)) == (64, 128, 6, True)             # 52 tiles of 128 x 128
+    assert spec((32, 28, 28, 128), (128, 3, 3, 128)) == (128, 128, 3, False)         # 196
+    assert spec((256, 28, 28, 128), (128, 3, 3, 128)) == (128, 128, 5, True)         # 1568
+
+
+#: every kernel all_variants() gives, on problems that give it partial tiles (dgrad: strided, with a zero phase)
+VARIANT_DGRAD = (3, 136, 11, 13, 128, 3, 3, 1, 1, 1), (2, 200, 14, 13, 64, 1, 1, 2, 0, 1)
+VARIANT_WGRAD = (3, 128, 11, 13, 200, 3, 3, 1, 1, 1), (2, 64, 15, 14, 136, 1, 1, 2, 0, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_native_variants(dtype, rng):
+    """Each native kernel variant against float64, launched as for a GPU of 1 and of 132 SMs: with one SM a
+    persistent CTA runs many units (tiles, and wgrad's splits) one after another through its ring."""
+    torch = pytest.importorskip("torch")
+    from igemm.conv import _native
+    h = torch.cuda.current_stream().cuda_stream
+    names = {n for n, _ in _native.all_variants() if n.startswith((f"dgrad_{dtype}_", f"wgrad_{dtype}_"))}
+    seen = set()
+    for case in VARIANT_DGRAD:
+        p = _geometry(*case)
+        xs, ws, ys = shapes(p, "NHWC")
+        g = GradInputProblem(xs, ws, "NHWC", *geom(p))
+        dy, w = to_torch(rng.standard_normal(ys), dtype), to_torch(rng.standard_normal(ws), dtype)
+        ref = reference.conv2d_grad_input_ref(to_numpy(dy), to_numpy(w), xs, *geom(p), "NHWC")
+        for n, _ in _native.all_variants():
+            if not n.startswith(f"dgrad_{dtype}_"):
+                continue
+            bm, bn = map(int, n.split("_")[2].split("x"))
+            spec = _native.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), n.endswith("_ws"))
+            for sms in (1, 132):
+                dx = poison(torch.empty(xs, dtype=getattr(torch, dtype), device="cuda"))
+                _native.NativeDgrad(g, dtype, 0, sms, spec).launch(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr())
+                torch.cuda.synchronize()
+                assert rel_err(to_numpy(dx), ref) < TOL[dtype], (case, n, sms)
+            seen.add(n)
+    for case in VARIANT_WGRAD:
+        p = _geometry(*case)
+        xs, ws, ys = shapes(p, "NHWC")
+        g = GradWeightProblem(xs, ws, "NHWC", *geom(p))
+        x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal(ys), dtype)
+        ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, *geom(p), "NHWC")
+        for n, _ in _native.all_variants():
+            if not n.startswith(f"wgrad_{dtype}_"):
+                continue
+            bm, bn = map(int, n.split("_")[2].split("x"))
+            out, ws_ = n.split("_")[4], n.endswith("_ws")
+            if bn == 128 and (g.R * g.S * g.C) % 128:
+                continue
+            for splits in ((1,) if out == dtype else (2, 5)):
+                spec = _native.WgradSpec(dtype, out, bm, bn, 4, splits, ws_)
+                for sms in (1, 132):
+                    dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
+                    _native.NativeWgrad(g, dtype, dtype, False, 0, sms, spec).launch(h, x.data_ptr(), dy.data_ptr(),
+                                                                                    dw.data_ptr())
+                    torch.cuda.synchronize()
+                    assert rel_err(to_numpy(dw), ref) < TOL[dtype], (case, n, splits, sms)
+            seen.add(n)
+    assert seen == names, names - seen
 
 
 def test_native_kernels_compile():

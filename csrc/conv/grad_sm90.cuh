@@ -1,14 +1,16 @@
 // igemm conv2d backward: the native sm_90a kernels for 16-bit NHWC tensors, read where they lie (no operand is
 // moved; igemm/conv/_native.py builds the launches), and the sum of wgrad's split partials.
 //
-// Both are one per-tile TMA + wgmma mainloop (grad_tile): thread 0 fills each of the Stages stages with TMA copies
-// completing on its mbarrier; each warpgroup multiplies its 64 rows with wgmma.m64nBNk16 straight from shared
-// memory (128-byte swizzled rows), one group in flight; the tile leaves through shared memory in 16-byte vectors.
+// Both run one of two TMA + wgmma mainloops over their units of work (a tile, or a tile's split): each warpgroup
+// multiplies its 64 rows with wgmma.m64nBNk16 straight from shared memory (128-byte swizzled rows), one group in
+// flight, and the tile leaves through shared memory in 16-byte vectors. grad_tile: a CTA a unit, thread 0 filling
+// the stages, a CTA barrier a k-tile. grad_ws: persistent and warp-specialised (a producer warp, "empty" barriers;
+// the forward's design in persistent_sm90.cuh), the store through its own C tile while the next unit loads.
 //   wgrad  dw[k, (r, s, c)] = sum over output pixels (n, p, q) of dy[n, p, q, k] · x[n, p·sh + r·dh − ph,
 //          q·sw + s·dw − pw, c]: GEMM M = K, N = R·S·C (dw's row), reduction = N·P·Q, 64 pixels a k-tile. A = dy as
 //          the [N·P·Q][K] matrix (tiled map: 64 pixels × 64 channels from m0), B = x through the forward's im2col
 //          map (64 pixels × 64 channels of one tap; zeros outside the image are the padding). Both land channels-
-//          contiguous, one row per pixel: MN-major operands. Grid (tiles, 1, splits): split z runs k-tiles
+//          contiguous, one row per pixel: MN-major operands. Units: tiles × splits; split z runs k-tiles
 //          [z · kt_per_split, ...) and stores its tile into the z-th M × N matrix at p.y (fp32 partials, or dw
 //          itself with one split).
 //   dgrad  one output phase of dx (igemm/conv/_backward.py: phases_1d; stride 1 has one): the stride-1 convolution
@@ -19,8 +21,7 @@
 //          store puts the phase's rows of the sub-output into dx (no interleave).
 //   split_sum  dst (+)= wgrad's partials summed in split order (deterministic), 4 elements a thread.
 #pragma once
-#include "conv/tma.cuh"
-#include "conv/wgmma.cuh"
+#include "conv/persistent_sm90.cuh"
 
 namespace igemm::grad {
 
@@ -49,76 +50,54 @@ IGEMM_DEVICE void store_pair(TO* dst, float a, float b) {
   }
 }
 
-// One BM × BN tile over nkt k-tiles: `issue(i, stage)` (thread 0) fills a stage with k-tile i (A at its start, B
-// at A_STAGE) and sets its mbarrier's bytes; A is K-major (AMajorK) or MN-major, B MN-major. Row `row` < M of the
-// tile lands at out + row_at(row) (an element offset; negative: a row not stored), columns col < Ncol.
-template <class T, class TO, int BM, int BN, int Stages, bool AMajorK, class Issue, class RowAt>
-IGEMM_DEVICE void grad_tile(uint8_t* smem, uint64_t* full, const Issue& issue, int nkt, TO* out, const RowAt& row_at,
-                            int m0, int n0, int M, int Ncol) {
-  static_assert(BM % 64 == 0 && (BN == 64 || BN == 128) && Stages >= 2, "64-row warpgroups, 64- or 128-wide tiles");
-  constexpr int A_STAGE = BM * BK * 2, STAGE = A_STAGE + BN * BK * 2;
-  constexpr int NACC = BN / 2, KSTEPS = BK / 16;
-  // a k16 step: +32 bytes in a K-major SW128 row, 16 rows (2048 bytes) of an MN-major tile
-  constexpr int ASTEP = AMajorK ? 2 : 128, BSTEP = 128;
-  using Mma = typename Atom<T, BN, AMajorK ? gmma::Major::K : gmma::Major::MN>::type;
-  const bool leader = threadIdx.x == 0;
-  if (leader) {
+// The stages' mbarriers (full: one arrival and the bytes; empty, with n_empty > 0: n_empty arrivals), initialised
+// by thread 0 (and the maps prefetched); the dynamic shared memory 1024-aligned (SW128 atoms).
+template <int Stages>
+IGEMM_DEVICE uint8_t* grad_setup(uint64_t* full, const void* map_a, const void* map_b, uint64_t* empty = nullptr,
+                                int n_empty = 0) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  if (threadIdx.x == 0) {
 #pragma unroll
-    for (int st = 0; st < Stages - 1; ++st)
-      if (st < nkt) issue(st, st);
+    for (int s = 0; s < Stages; ++s) {
+      mbar_init(&full[s], 1);
+      if (n_empty > 0) mbar_init(&empty[s], n_empty);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    tma_prefetch_maps(map_a, map_b);
   }
-  float acc[NACC];
-#pragma unroll
-  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  const uint32_t sA = smem_u32(smem) + (threadIdx.x / 128) * BOX, sB = smem_u32(smem) + A_STAGE;
-  // Iteration i: wait for stage i's bytes -> its wgmma group -> wait until only that group is in flight ->
-  // barrier (stage i-1 is free in every warpgroup) -> thread 0 refills it with k-tile i + Stages - 1.
-  for (int it = 0; it < nkt; ++it) {
-    const int buf = it % Stages;
-    mbar_wait(&full[buf], (it / Stages) & 1);
-    const uint64_t da = AMajorK ? desc_sw128(sA + buf * STAGE) : desc_mn_sw128(sA + buf * STAGE);
-    const uint64_t db = desc_mn_sw128(sB + buf * STAGE);
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks)
-      gmma_issue<Mma>(da + ASTEP * ks, db + BSTEP * ks, acc, std::make_index_sequence<NACC>{});
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<1>();
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-    __syncthreads();
-    const int nk = it + Stages - 1;
-    if (leader && nk < nkt) issue(nk, nk % Stages);
-  }
-  cute::warpgroup_wait<0>();
-#pragma unroll
-  for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-  // (a uniform branch: the accumulators' first reads outside the last wait's basic block, else ptxas serialises
-  // the mainloop's wgmmas, warning C7514)
-  if (m0 >= M) return;
-  // The tile leaves through shared memory (the stages are free: every wgmma has completed) in 16-byte vectors,
-  // whole rows per warp: the accumulators, as mma.sync's C fragment (warp w of warpgroup wg holds rows
-  // wg·64 + w·16 + lane/4 (+8) and, per 8-column block j, columns j·8 + 2·(lane % 4) + {0, 1}), go in as pairs
-  // first. Rows LD elements apart (16-byte multiples, rows 4 or 8 banks apart: the pair writes are conflict-free
-  // for 16-bit types).
+  __syncthreads();
+  return smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+}
+
+// The CTA's tile: u over ceil(M / BM) × ceil(ncol / BN) tiles, column blocks fastest.
+template <int BM, int BN>
+IGEMM_DEVICE TileCoord grad_tile_coord(int u, int ncol) {
+  const int tn = (ncol + BN - 1) / BN;
+  return {int(u / tn) * BM, int(u % tn) * BN};
+}
+
+// The tile's store: the accumulators (as mma.sync's C fragment: warp w of warpgroup wg holds rows
+// wg·64 + w·16 + lane/4 (+8) and, per 8-column block j, columns j·8 + 2·(lane % 4) + {0, 1}) into the C tile `cs`
+// as pairs, then out in 16-byte vectors, whole rows per warp, by the NT threads of the tile's warpgroups (tid
+// = 0..NT-1; `sync` orders them). Row `row` < M lands at out + row_at(row) (an element offset; negative: a row not
+// stored), columns col < Ncol. Rows LD elements apart (16-byte multiples, rows 4 or 8 banks apart: the pair writes
+// are conflict-free for 16-bit types).
+template <class TO, int BM, int BN, int NT, class RowAt, class Sync>
+IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const RowAt& row_at, int m0, int n0, int M,
+                             int Ncol, Sync sync) {
   constexpr int V = 16 / sizeof(TO), LD = BN + V;
-  static_assert(BM * LD * int(sizeof(TO)) <= Stages * STAGE, "the output tile fits the stages");
-  __syncthreads();                          // (every warpgroup is done with the stages)
-  TO* cs = reinterpret_cast<TO*>(smem);
-  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
-  const int rl = (threadIdx.x / 128) * 64 + w * 16 + (lane >> 2);
+  const int lane = tid & 31, w = (tid >> 5) & 3;
+  const int rl = (tid / 128) * 64 + w * 16 + (lane >> 2);
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int c = j * 8 + 2 * (lane & 3);
     store_pair(cs + rl * LD + c, acc[4 * j], acc[4 * j + 1]);
     store_pair(cs + (rl + 8) * LD + c, acc[4 * j + 2], acc[4 * j + 3]);
   }
-  __syncthreads();
-  constexpr int NT = BM * 2, VPR = BN / V;  // threads, vectors a row
+  sync();
+  constexpr int VPR = BN / V;               // vectors a row
   const bool whole = Ncol % V == 0;         // (else element stores at the right edge)
-  for (int i = threadIdx.x; i < BM * VPR; i += NT) {
+  for (int i = tid; i < BM * VPR; i += NT) {
     const int r = i / VPR, c = (i % VPR) * V, row = m0 + r, col = n0 + c;
     if (row >= M || col >= Ncol) continue;
     const int64_t at = row_at(row);
@@ -135,88 +114,235 @@ IGEMM_DEVICE void grad_tile(uint8_t* smem, uint64_t* full, const Issue& issue, i
   }
 }
 
-// The stages' mbarriers, initialised by thread 0 (and the maps prefetched); the dynamic shared memory 1024-aligned
-// (SW128 atoms).
-template <int Stages>
-IGEMM_DEVICE uint8_t* grad_setup(uint64_t* full, const void* map_a, const void* map_b) {
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  if (threadIdx.x == 0) {
+// The C tile's bytes (a 16-byte vector of padding a row).
+template <class TO, int BM, int BN>
+constexpr int kCTileBytes = BM * (BN + 16 / int(sizeof(TO))) * int(sizeof(TO));
+
+// One wgmma group over a stage: A K-major (AMajorK) or MN-major, B MN-major; a k16 step is +32 bytes in a K-major
+// SW128 row, 16 rows (2048 bytes) of an MN-major tile.
+template <class T, int BN, bool AMajorK>
+IGEMM_DEVICE void grad_stage(uint32_t sa, uint32_t sb, float* acc) {
+  using Mma = typename Atom<T, BN, AMajorK ? gmma::Major::K : gmma::Major::MN>::type;
+  constexpr int NACC = BN / 2, ASTEP = AMajorK ? 2 : 128, BSTEP = 128;
+  const uint64_t da = AMajorK ? desc_sw128(sa) : desc_mn_sw128(sa);
+  const uint64_t db = desc_mn_sw128(sb);
 #pragma unroll
-    for (int s = 0; s < Stages; ++s) mbar_init(&full[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    tma_prefetch_maps(map_a, map_b);
-  }
-  __syncthreads();
-  return smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int ks = 0; ks < BK / 16; ++ks)
+    gmma_issue<Mma>(da + ASTEP * ks, db + BSTEP * ks, acc, std::make_index_sequence<NACC>{});
+  cute::warpgroup_commit_batch();
 }
 
-// The CTA's tile: blockIdx.x over ceil(M / BM) × ceil(ncol / BN) tiles, column blocks fastest.
-template <int BM, int BN>
-IGEMM_DEVICE TileCoord grad_tile_coord(int ncol) {
-  const int tn = (ncol + BN - 1) / BN;
-  return {int(blockIdx.x / tn) * BM, int(blockIdx.x % tn) * BN};
-}
-
-template <class T, class TO, int BM, int BN, int Stages, class P>
-__device__ void wgrad(const P& p) {
-  constexpr int NB = BN / 64, STAGE = (BM + BN) * BK * 2;
+// A kernel's work (DgradWork, WgradWork): units() units of work, each one BM × BN tile over some k-tiles; unit(u)
+// its coordinates (m0, n0, nkt and what issue needs); issue(unit, i, stage, bar) (one thread) fills a stage with
+// its k-tile i (A at the stage's start, B after BM rows) and sets the mbarrier's bytes; out(unit), row_at(row), M,
+// Ncol say where the tile goes.
+//
+// The per-tile kernel (grad_tile): unit blockIdx.x. Thread 0 fills each of the Stages stages; iteration i waits for
+// stage i's bytes -> its wgmma group -> waits until only that group is in flight -> barrier (stage i-1 is free in
+// every warpgroup) -> thread 0 refills it with k-tile i + Stages - 1. The tile leaves through the stages.
+template <class T, class TO, int BM, int BN, int Stages, bool AMajorK, class Work>
+IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b) {
+  static_assert(BM % 64 == 0 && (BN == 64 || BN == 128) && Stages >= 2, "64-row warpgroups, 64- or 128-wide tiles");
+  constexpr int A_STAGE = BM * BK * 2, STAGE = A_STAGE + BN * BK * 2, NACC = BN / 2;
+  static_assert(kCTileBytes<TO, BM, BN> <= Stages * STAGE, "the output tile fits the stages");
   __shared__ alignas(8) uint64_t full[Stages];
-  uint8_t* smem = grad_setup<Stages>(full, p.tmA, p.tmB);
-  const TileCoord tc = grad_tile_coord<BM, BN>(p.Ncol);
-  const int m0 = tc.m0, n0 = tc.n0;
-  const int KT = (p.NPQ + BK - 1) / BK;
-  const int kt0 = blockIdx.z * p.kt_per_split;
-  // each 64-column block's tap: channel c0 and the im2col offsets (s·dw, r·dh); a block past R·S·C loads the
-  // last one again (its columns are never stored)
-  int bc[NB];
-  uint16_t bw[NB], bh[NB];
+  uint8_t* smem = grad_setup<Stages>(full, map_a, map_b);
+  const auto un = wk.unit(blockIdx.x);
+  const int nkt = un.nkt;
+  const bool leader = threadIdx.x == 0;
+  if (leader) {
 #pragma unroll
-  for (int j = 0; j < NB; ++j) {
-    int rs, r, s;
-    p.fd_C.divmod(rs, bc[j], min(n0 + 64 * j, p.Ncol - 64));
-    p.fd_S.divmod(r, s, rs);
-    bw[j] = uint16_t(s * p.dw);
-    bh[j] = uint16_t(r * p.dh);
+    for (int st = 0; st < Stages - 1; ++st)
+      if (st < nkt) wk.issue(un, st, smem + st * STAGE, &full[st]);
   }
-  auto issue = [&](int i, int buf) {        // thread 0: k-tile kt0 + i = output pixels (kt0 + i)·64 ..
-    const int pix = (kt0 + i) * BK;
-    const TileOrigin o = tile_origin(p, pix);
-    uint8_t* a = smem + buf * STAGE;
-    mbar_expect_tx(&full[buf], STAGE);
+  float acc[NACC];
 #pragma unroll
-    for (int k = 0; k < BM / 64; ++k) tma_load_2d(a + k * BOX, p.tmA, &full[buf], m0 + 64 * k, pix);
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  const uint32_t sA = smem_u32(smem) + (threadIdx.x / 128) * BOX, sB = smem_u32(smem) + A_STAGE;
+  for (int it = 0; it < nkt; ++it) {
+    const int buf = it % Stages;
+    mbar_wait(&full[buf], (it / Stages) & 1);
+    grad_stage<T, BN, AMajorK>(sA + buf * STAGE, sB + buf * STAGE, acc);
+    cute::warpgroup_wait<1>();
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+    __syncthreads();
+    const int nk = it + Stages - 1;
+    if (leader && nk < nkt) wk.issue(un, nk, smem + (nk % Stages) * STAGE, &full[nk % Stages]);
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+  // (a uniform branch: the accumulators' first reads outside the last wait's basic block, else ptxas serialises
+  // the mainloop's wgmmas, warning C7514)
+  if (un.m0 >= wk.M()) return;
+  __syncthreads();                          // (every warpgroup is done with the stages: the C tile takes them)
+  store_tile<TO, BM, BN, BM * 2>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
+                                 [&](int row) { return wk.row_at(row); }, un.m0, un.n0, wk.M(), wk.Ncol(), CtaSync{});
+}
+
+struct ConsumerSync {                       // the consumer warpgroups of grad_ws (named barrier 1)
+  int n;
+  IGEMM_DEVICE void operator()() const { asm volatile("bar.sync 1, %0;\n" ::"r"(n) : "memory"); }
+};
+
+// The persistent warp-specialised kernel (grad_ws): the grid loops over the units (u = blockIdx.x + i · gridDim.x).
+// A producer warp (its thread 0, after the BM / 64 consumer warpgroups) fills the ring of Stages stages, waiting
+// on each stage's "empty" barrier (every consumer thread arrives once the wgmma group that read it has finished);
+// the consumers wait on the "full" barriers (transaction bytes) and never on each other in the mainloop. The tile
+// leaves through its own C tile after the ring, so the producer runs on into the next unit's k-tiles during a
+// store.
+template <class T, class TO, int BM, int BN, int Stages, bool AMajorK, class Work>
+IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) {
+  static_assert(BM % 64 == 0 && (BN == 64 || BN == 128) && Stages >= 2, "64-row warpgroups, 64- or 128-wide tiles");
+  constexpr int A_STAGE = BM * BK * 2, STAGE = A_STAGE + BN * BK * 2, NACC = BN / 2, NT = BM * 2;
+  __shared__ alignas(8) uint64_t full[Stages], empty[Stages];
+  uint8_t* smem = grad_setup<Stages>(full, map_a, map_b, empty, NT);
+  const int units = wk.units();
+  // (broadcast from lane 0: ptxas then knows the role, and so the consumers' loop, is warp-uniform)
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
+  if (wg == BM / 64) {                      // the producer warp
+    if ((threadIdx.x & 31) != 0) return;
+    int k = 0;                              // stages filled so far
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const auto un = wk.unit(u);
+      for (int i = 0; i < un.nkt; ++i, ++k) {
+        const int slot = k % Stages;
+        mbar_wait(&empty[slot], ((k / Stages) & 1) ^ 1);   // a fresh barrier counts as emptied once
+        wk.issue(un, i, smem + slot * STAGE, &full[slot]);
+      }
+    }
+    return;
+  }
+  TO* cs = reinterpret_cast<TO*>(smem + Stages * STAGE);
+  const uint32_t sA = smem_u32(smem) + wg * BOX, sB = smem_u32(smem) + A_STAGE;
+  int k = 0;                                // stages consumed so far
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const auto un = wk.unit(u);
+    float acc[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+    int prev = -1;
+    for (int it = 0; it < un.nkt; ++it, ++k) {
+      const int slot = k % Stages;
+      mbar_wait(&full[slot], (k / Stages) & 1);
+      grad_stage<T, BN, AMajorK>(sA + slot * STAGE, sB + slot * STAGE, acc);
+      cute::warpgroup_wait<1>();
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+      if (prev >= 0) mbar_arrive(&empty[prev]);   // the group that read it has finished
+      prev = slot;
+    }
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+    if (prev >= 0) mbar_arrive(&empty[prev]);
+    if (un.m0 >= wk.M()) continue;          // (uniform)
+    const ConsumerSync sync{NT};
+    store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(row); }, un.m0,
+                               un.n0, wk.M(), wk.Ncol(), sync);
+    sync();                                 // the C tile is free for the next unit
+  }
+}
+
+// The kernel of a work: persistent (grad_ws) or per tile (grad_tile).
+template <class T, class TO, int BM, int BN, int Stages, bool Ws, bool AMajorK, class Work>
+IGEMM_DEVICE void grad_run(const Work& wk, const void* map_a, const void* map_b) {
+  if constexpr (Ws) grad_ws<T, TO, BM, BN, Stages, AMajorK>(wk, map_a, map_b);
+  else grad_tile<T, TO, BM, BN, Stages, AMajorK>(wk, map_a, map_b);
+}
+
+// wgrad's units: tile t of split z (u = z · tiles + t); split z runs k-tiles [z · kt_per_split, ...) and stores its
+// tile into the z-th M × Ncol matrix at p.y (fp32 partials, or dw itself with one split).
+template <class TO, int BM, int BN, class P>
+struct WgradWork {
+  static constexpr int NB = BN / 64;
+  const P& p;
+  struct Unit {
+    int m0, n0, nkt, kt0, z;
+    int bc[NB];                             // each 64-column block's tap: channel c0, im2col offsets (s·dw, r·dh)
+    uint16_t bw[NB], bh[NB];
+  };
+  IGEMM_DEVICE int tiles() const { return ((p.M + BM - 1) / BM) * ((p.Ncol + BN - 1) / BN); }
+  IGEMM_DEVICE int units() const { return tiles() * p.splits; }
+  IGEMM_DEVICE int M() const { return p.M; }
+  IGEMM_DEVICE int Ncol() const { return p.Ncol; }
+  IGEMM_DEVICE Unit unit(int u) const {
+    Unit un;
+    const int nt = tiles();
+    un.z = u / nt;
+    const TileCoord tc = grad_tile_coord<BM, BN>(u - un.z * nt, p.Ncol);
+    un.m0 = tc.m0;
+    un.n0 = tc.n0;
+    un.kt0 = un.z * p.kt_per_split;
+    un.nkt = min((p.NPQ + BK - 1) / BK, un.kt0 + p.kt_per_split) - un.kt0;
+    // a block past R·S·C loads the last one again (its columns are never stored)
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      int rs, r, s;
+      p.fd_C.divmod(rs, un.bc[j], min(un.n0 + 64 * j, p.Ncol - 64));
+      p.fd_S.divmod(r, s, rs);
+      un.bw[j] = uint16_t(s * p.dw);
+      un.bh[j] = uint16_t(r * p.dh);
+    }
+    return un;
+  }
+  // k-tile i = output pixels (kt0 + i)·64 ..: dy's rows (A) and x's im2col tiles of each column block's tap (B)
+  IGEMM_DEVICE void issue(const Unit& un, int i, uint8_t* a, uint64_t* bar) const {
+    const int pix = (un.kt0 + i) * BK;
+    const TileOrigin o = tile_origin(p, pix);
+    mbar_expect_tx(bar, (BM + BN) * BK * 2);
+#pragma unroll
+    for (int k = 0; k < BM / 64; ++k) tma_load_2d(a + k * BOX, p.tmA, bar, un.m0 + 64 * k, pix);
 #pragma unroll
     for (int j = 0; j < NB; ++j)
-      tma_load_im2col_4d(a + BM * BK * 2 + j * BOX, p.tmB, &full[buf], bc[j], o.w0, o.h0, o.n, bw[j], bh[j]);
-  };
-  TO* out = static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(blockIdx.z) * p.M * p.Ncol;
-  grad_tile<T, TO, BM, BN, Stages, false>(smem, full, issue, min(KT, kt0 + p.kt_per_split) - kt0, out,
-                                          [&](int row) { return int64_t(row) * p.Ncol; }, m0, n0, p.M, p.Ncol);
+      tma_load_im2col_4d(a + BM * BK * 2 + j * BOX, p.tmB, bar, un.bc[j], o.w0, o.h0, o.n, un.bw[j], un.bh[j]);
+  }
+  IGEMM_DEVICE TO* out(const Unit& un) const {
+    return static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(un.z) * p.M * p.Ncol;
+  }
+  IGEMM_DEVICE int64_t row_at(int row) const { return int64_t(row) * p.Ncol; }
+};
+
+template <class T, class TO, int BM, int BN, int Stages, bool Ws, class P>
+__device__ void wgrad(const P& p) {
+  grad_run<T, TO, BM, BN, Stages, Ws, false>(WgradWork<TO, BM, BN, P>{p}, p.tmA, p.tmB);
 }
 
-template <class T, int BM, int BN, int Stages, class P>
-__device__ void dgrad(const P& p) {
-  constexpr int NB = BN / 64, STAGE = (BM + BN) * BK * 2;
-  __shared__ alignas(8) uint64_t full[Stages];
-  uint8_t* smem = grad_setup<Stages>(full, p.tmA, p.tmB);
-  const TileCoord tc = grad_tile_coord<BM, BN>(p.C);
-  const int m0 = tc.m0, n0 = tc.n0;
-  const TileOrigin o = tile_origin(p, m0);    // sub-output pixel m0 -> dy coordinate of its tap (0, 0)
-  auto issue = [&](int kt, int buf) {        // thread 0: k-tile kt = sub-filter tap (t, u) × dy channels kb·64 ..
+// dgrad's units: the sub-output's tiles, every one over all taps × K / 64 k-tiles.
+template <class T, int BM, int BN, class P>
+struct DgradWork {
+  static constexpr int NB = BN / 64;
+  const P& p;
+  struct Unit {
+    int m0, n0, nkt;
+    TileOrigin o;                           // sub-output pixel m0 -> dy coordinate of its tap (0, 0)
+  };
+  IGEMM_DEVICE int units() const { return ((p.M + BM - 1) / BM) * ((p.C + BN - 1) / BN); }
+  IGEMM_DEVICE int M() const { return p.M; }
+  IGEMM_DEVICE int Ncol() const { return p.C; }
+  IGEMM_DEVICE Unit unit(int u) const {
+    const TileCoord tc = grad_tile_coord<BM, BN>(u, p.C);
+    return {tc.m0, tc.n0, p.KT, tile_origin(p, tc.m0)};
+  }
+  // k-tile kt = sub-filter tap (t, u) × dy channels kb·64 ..
+  IGEMM_DEVICE void issue(const Unit& un, int kt, uint8_t* a, uint64_t* bar) const {
     int tap, kb, t, u;
     p.fd_KB.divmod(tap, kb, kt);
     p.fd_T.divmod(t, u, tap);
-    uint8_t* a = smem + buf * STAGE;
-    mbar_expect_tx(&full[buf], STAGE);
-    tma_load_im2col_4d(a, p.tmA, &full[buf], kb * BK, o.w0, o.h0, o.n, uint16_t(u * p.dw), uint16_t(t * p.dh));
+    mbar_expect_tx(bar, (BM + BN) * BK * 2);
+    tma_load_im2col_4d(a, p.tmA, bar, kb * BK, un.o.w0, un.o.h0, un.o.n, uint16_t(u * p.dw), uint16_t(t * p.dh));
     const int wtap = (p.lh - t * p.eh) * p.S + (p.lw - u * p.ew);     // the filter's tap, flipped
 #pragma unroll
-    for (int j = 0; j < NB; ++j)
-      tma_load_3d(a + BM * BK * 2 + j * BOX, p.tmB, &full[buf], n0 + 64 * j, wtap, kb * BK);
-  };
+    for (int j = 0; j < NB; ++j) tma_load_3d(a + BM * BK * 2 + j * BOX, p.tmB, bar, un.n0 + 64 * j, wtap, kb * BK);
+  }
+  IGEMM_DEVICE T* out(const Unit&) const { return static_cast<T*>(const_cast<void*>(p.y)); }
   // sub-output pixel (n, i, j) -> dx pixel (n, ph_h + st_h·(i − crop_h), ph_w + st_w·(j − crop_w)), rows i and
   // columns j outside the phase's [crop, crop + rows) not stored
-  auto row_at = [&](int row) -> int64_t {
+  IGEMM_DEVICE int64_t row_at(int row) const {
     int n, ij, i, j;
     p.fd_PQ.divmod(n, ij, row);
     p.fd_Q.divmod(i, j, ij);
@@ -224,9 +350,12 @@ __device__ void dgrad(const P& p) {
     j -= p.crop_w;
     if (unsigned(i) >= unsigned(p.rows_h) || unsigned(j) >= unsigned(p.rows_w)) return -1;
     return ((int64_t(n) * p.H + p.ph_h + p.st_h * i) * p.W + p.ph_w + p.st_w * j) * p.C;
-  };
-  grad_tile<T, T, BM, BN, Stages, true>(smem, full, issue, p.KT, static_cast<T*>(const_cast<void*>(p.y)), row_at,
-                                        m0, n0, p.M, p.C);
+  }
+};
+
+template <class T, int BM, int BN, int Stages, bool Ws, class P>
+__device__ void dgrad(const P& p) {
+  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, P>{p}, p.tmA, p.tmB);
 }
 
 // dst[i] (+)= sum over z of src[z·n + i], z = 0, 1, ... in order; n % 4 == 0, src 16-byte aligned, grid-stride.

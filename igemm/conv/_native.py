@@ -30,8 +30,8 @@ __all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupporte
            "choose_dgrad_spec", "NativeWgrad", "NativeDgrad", "all_variants"]
 
 #: the native kernel's launch parameters, in order (the stub is rendered from them)
-WGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "Ncol", "NPQ", "kt_per_split", "sh", "sw",
-                                                                         "ph", "pw", "dh", "dw")),
+WGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "Ncol", "NPQ", "kt_per_split", "splits",
+                                                                         "sh", "sw", "ph", "pw", "dh", "dw")),
                 *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_C", "fd_S")),
                 ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
 #: the dgrad kernel's, per output phase: the sub-output's pixels M (and tile_origin's fields: stride 1, the phase's
@@ -44,37 +44,56 @@ DGRAD_PARAMS = [ParamSpec("y", "ptr"),
                 ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
 _SUM_PARAMS = [ParamSpec("src", "ptr"), ParamSpec("dst", "ptr"), ParamSpec("n", "int64"), ParamSpec("splits", "int32")]
 _THREADS = 256
+_SM_SMEM = 233472                       # shared memory an sm_90 SM holds (228 KB); a CTA reserves 1 KB of it
+
+
+class _Grid:
+    """What the wgrad and dgrad specs share: threads, shared memory and the grid of their kernel (``ws``: the
+    persistent warp-specialised form, grad_ws, with a producer warp and its own C tile; else a CTA a unit)."""
+
+    @property
+    def threads(self) -> int:
+        return self.bm * 2 + (32 if self.ws else 0)     # a warpgroup per 64 rows (and grad_ws's producer warp)
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory: the stages, grad_ws's C tile and the 1024-byte alignment."""
+        ctile = self.bm * (self.bn + 16 // DTYPE_SIZES[self._out]) * DTYPE_SIZES[self._out] if self.ws else 0
+        return self.stages * (self.bm + self.bn) * BK * 2 + ctile + 1024
+
+    def grid(self, units: int, sms: int) -> int:
+        """CTAs for ``units`` units: one each, or (ws) as many as stay resident at once, at most one a unit."""
+        return min(units, max(1, _SM_SMEM // (self.smem + 1024)) * sms) if self.ws else units
+
+    def _suffix(self) -> str:
+        return "_ws" if self.ws else ""
 
 
 @dataclass(frozen=True)
-class WgradSpec:
-    """The wgrad kernel's template arguments (``igemm::grad::wgrad<T, TO, BM, BN, Stages>``) and its split of the
-    reduction (a launch value)."""
+class WgradSpec(_Grid):
+    """The wgrad kernel's template arguments (``igemm::grad::wgrad<T, TO, BM, BN, Stages, Ws>``) and its split of
+    the reduction (a launch value)."""
     dtype: str
     out: str            # what the kernel stores: dw's dtype (one split, no accumulation) or fp32 partials
     bm: int
     bn: int
     stages: int
     splits: int = 1
+    ws: bool = False
 
     @property
-    def threads(self) -> int:
-        return self.bm * 2              # a warpgroup per 64 rows
-
-    @property
-    def smem(self) -> int:
-        """Dynamic shared memory: the stages and the 1024-byte alignment."""
-        return self.stages * (self.bm + self.bn) * BK * 2 + 1024
+    def _out(self) -> str:
+        return self.out
 
     def name(self) -> str:
-        return f"wgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}_{self.out}"
+        return f"wgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}_{self.out}{self._suffix()}"
 
     def stub(self) -> str:
         t = DTYPE_CTYPE[self.dtype]
         return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry="igemm_wgrad", params=WGRAD_PARAMS,
                                      threads=self.threads, min_blocks=1, body=(
                                          f"igemm::grad::wgrad<{t}, {DTYPE_CTYPE[self.out]}, {self.bm}, {self.bn}, "
-                                         f"{self.stages}>(p);"))
+                                         f"{self.stages}, {str(self.ws).lower()}>(p);"))
 
     def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
         """``(name, source)``, as the forward plans give theirs to the precompile tools."""
@@ -105,20 +124,39 @@ def unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
     return why or tma_unsupported(_forward(g, dtype), BK)
 
 
+def _best_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
+    """The split of a ``kt``-k-tile reduction over ``tiles`` tiles of an M x N = ``mn`` dw for ``slots`` resident
+    CTAs that minimises a cost in k-tile times: the rounds of units a CTA runs x (its k-tiles + 8 for a unit's
+    start and store) + the fp32 partials written and summed (8 bytes an element a split, ~1 MB a k-tile time).
+    Fitted to the 128 x 128 persistent kernel's sweep over ResNet-50's layers at N = 32 and 256 (H100)."""
+    def cost(sp: int) -> float:
+        per = -(-kt // sp)
+        return -(-tiles * sp // slots) * (per + 8) + (sp * mn * 8 / 1e6 if sp > 1 else 0)
+    top = min(kt, max(1, 8 * slots // tiles))
+    sp = min(range(1, top + 1), key=lambda sp: (cost(sp), sp))
+    return -(-kt // -(-kt // sp))                    # (no empty split)
+
+
 def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int) -> WgradSpec:
-    """The kernel for ``g``: 64-row tiles, 128 wide where R·S·C is a multiple of 128 and at least 512, else 64; 4
-    stages; the reduction split so that the tiles x splits give each SM one CTA (two where a filter wider than 1x1
-    would leave more than 40 k-tiles a split), none empty. ``out``: dw's dtype; one split without accumulation
-    stores dw itself, else fp32 partials. (docs/performance.md: wgrad-native-tiles)"""
+    """The kernel for ``g`` (docs/performance.md: wgrad-native-tiles, wgrad-ws-128):
+    - K and R·S·C multiples of 128: 128 x 128 tiles in the persistent kernel (4 stages, a CTA an SM), the reduction
+      split by :func:`_best_splits`;
+    - else per-tile 64-row tiles, 128 wide where R·S·C is a multiple of 128 and at least 512 (else 64), 4 stages,
+      the reduction split so that the tiles x splits fill the CTAs an SM holds (a 1x1: one CTA an SM), none empty.
+    ``out``: dw's dtype; one split without accumulation stores dw itself, else fp32 partials."""
     rsc = g.R * g.S * g.C
+    kt = -(-g.N * g.P * g.Q // BK)
+    if g.K % 128 == 0 and rsc % 128 == 0:
+        tiles = g.K // 128 * (rsc // 128)
+        splits = _best_splits(tiles, kt, g.K * rsc, sms)
+        return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", 128, 128, 4, splits, True)
     bm, bn = 64, (128 if rsc % 128 == 0 and rsc >= 512 else 64)
     tiles = -(-g.K // bm) * -(-rsc // bn)
-    kt = -(-g.N * g.P * g.Q // BK)
+    spec = WgradSpec(dtype, "float32", bm, bn, 4)
+    slots = sms if g.R * g.S == 1 else max(1, _SM_SMEM // (spec.smem + 1024)) * sms
     splits = 1
-    if tiles < sms:
-        splits = min(-(-sms // tiles), kt)
-        if g.R * g.S > 1 and kt > 40 * splits:
-            splits = min(-(-2 * sms // tiles), kt)
+    if tiles < slots:
+        splits = min(-(-sms // tiles) if g.R * g.S == 1 else slots // tiles, kt)
         splits = -(-kt // -(-kt // splits))          # (no empty split)
     return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", bm, bn, 4, splits)
 
@@ -188,7 +226,8 @@ class NativeWgrad:
     def _values(self) -> dict:
         g, P, Q = self.g, self.g.P, self.g.Q
         kt = -(-g.N * P * Q // BK)
-        return dict(M=g.K, Ncol=self.rsc, NPQ=g.N * P * Q, kt_per_split=-(-kt // self.spec.splits), sh=g.stride[0],
+        return dict(M=g.K, Ncol=self.rsc, NPQ=g.N * P * Q, kt_per_split=-(-kt // self.spec.splits),
+                    splits=self.spec.splits, sh=g.stride[0],
                     sw=g.stride[1], ph=g.padding[0], pw=g.padding[1], dh=g.dilation[0], dw=g.dilation[1],
                     fd_PQ=P * Q, fd_Q=Q, fd_C=g.C, fd_S=g.S)
 
@@ -198,7 +237,7 @@ class NativeWgrad:
         pb = _forward(g, self.dtype)
         npq = g.N * g.P * g.Q
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
-        self._conv = _Kernel2(s, "igemm_wgrad", WGRAD_PARAMS, self._values(), (tiles, 1, s.splits), dev,
+        self._conv = _Kernel2(s, "igemm_wgrad", WGRAD_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms), dev,
                               lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K), u64(npq)], [u64(g.K * 2)],
                                                                  [u32(64), u32(BK)], [u32(1), u32(1)]),
                                                    "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"),
@@ -223,29 +262,26 @@ class NativeWgrad:
 
 
 @dataclass(frozen=True)
-class DgradSpec:
-    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages>``)."""
+class DgradSpec(_Grid):
+    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws>``)."""
     dtype: str
     bm: int
     bn: int
     stages: int
+    ws: bool = False
 
     @property
-    def threads(self) -> int:
-        return self.bm * 2
-
-    @property
-    def smem(self) -> int:
-        return self.stages * (self.bm + self.bn) * BK * 2 + 1024
+    def _out(self) -> str:
+        return self.dtype
 
     def name(self) -> str:
-        return f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}"
+        return f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}"
 
     def stub(self) -> str:
         return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry="igemm_dgrad", params=DGRAD_PARAMS,
                                      threads=self.threads, min_blocks=1, body=(
                                          f"igemm::grad::dgrad<{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}, "
-                                         f"{self.stages}>(p);"))
+                                         f"{self.stages}, {str(self.ws).lower()}>(p);"))
 
     def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
         return self.name(), self.stub()
@@ -272,12 +308,23 @@ def dgrad_unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
 
 
 def choose_dgrad_spec(g, dtype: str, sms: int) -> DgradSpec:
-    """128 x 64 tiles (128 x 128 where C > 64; 64-row tiles where 128-row ones would leave SMs idle), two CTAs an
-    SM (4 and 3 stages); one kernel for every phase, chosen for the largest."""
-    bn = 128 if g.C > 64 else 64
-    m = max((g.N * ph.h.out * ph.w.out for ph in g.phases if not ph.zero), default=0)
-    bm = 128 if -(-m // 128) * -(-g.C // bn) >= sms else 64
-    return DgradSpec(dtype, bm, bn, 4 if bm + bn <= 192 else 3)
+    """One kernel for every phase, chosen for the largest (docs/performance.md: dgrad-native-tiles):
+    - a short reduction (at most 4 k-tiles) or C <= 64: 128 x 64 tiles in the persistent kernel, 3 stages (two CTAs
+      an SM);
+    - else, by the 128 x 128 tiles' count: at least two a SM, the persistent kernel with 5 stages; under half a
+      wave, 64 x 128 tiles in the persistent kernel with 6 stages; between, per-tile 128 x 128 with 3 stages (two
+      CTAs an SM)."""
+    live = [ph for ph in g.phases if not ph.zero]
+    m = max((g.N * ph.h.out * ph.w.out for ph in live), default=0)
+    kt = max((ph.h.taps * ph.w.taps for ph in live), default=1) * -(-g.K // BK)
+    if kt <= 4 or g.C <= 64:
+        return DgradSpec(dtype, 128, 64, 3, True)
+    t128 = -(-m // 128) * -(-g.C // 128)
+    if t128 >= 2 * sms:
+        return DgradSpec(dtype, 128, 128, 5, True)
+    if 2 * t128 < sms:
+        return DgradSpec(dtype, 64, 128, 6, True)
+    return DgradSpec(dtype, 128, 128, 3)
 
 
 class NativeDgrad:
@@ -306,7 +353,7 @@ class NativeDgrad:
         tiles = -(-m // s.bm) * -(-g.C // s.bn)
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
         rs = g.R * g.S
-        return _Kernel2(s, "igemm_dgrad", DGRAD_PARAMS, values, (tiles, 1, 1), self.device_id,
+        return _Kernel2(s, "igemm_dgrad", DGRAD_PARAMS, values, s.grid(tiles, self.sms), self.device_id,
                         lambda addr: _encode_im2col(pb, s.bm, addr),
                         lambda addr: _encode(pb, "Tiled", (3, addr, [u64(g.C), u64(rs), u64(g.K)],
                                                            [u64(g.C * 2), u64(rs * g.C * 2)],
@@ -329,6 +376,7 @@ def all_variants() -> list[tuple[str, str]]:
     tools fill the cache with them: the tiles depend only on the channel counts, wgrad's stored type on its split)."""
     dts = ("float16", "bfloat16")
     out = [WgradSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
-    out += [DgradSpec(dt, bm, bn, 4 if bm + bn <= 192 else 3).kernel() for dt in dts for bm in (64, 128)
-            for bn in (64, 128)]
+    out += [WgradSpec(dt, o, 128, 128, 4, 1, True).kernel() for dt in dts for o in (dt, "float32")]
+    out += [DgradSpec(dt, *t).kernel() for dt in dts
+            for t in ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True), (128, 128, 3, False))]
     return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

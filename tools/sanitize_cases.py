@@ -512,6 +512,15 @@ BACKWARD = {
     "wgrad_gemm_nhwc_fp16_bn": lambda: _backward("wgrad", "NHWC", "float16", (2, 8, 8, 64), (128, 1, 1, 64), 1, 0,
                                                  "bn"),
     "wgrad_nchw_fp32_mask": lambda: _backward("wgrad", "NCHW", "float32", (2, 3, 8, 7), (5, 3, 2, 2), 3, 2, "mask"),
+    # the native kernels (16-bit NHWC on sm_90a): persistent 64x128 and 128x64 dgrad, persistent 128x128 and
+    # per-tile 64x64 wgrad (igemm/conv/_native.py's rules pick them at these sizes)
+    "dgrad_native_ws_nhwc_fp16_bn": lambda: _backward("dgrad", "NHWC", "float16", (2, 9, 10, 72), (64, 3, 3, 72), 1,
+                                                      1, "bn"),
+    "dgrad_native_ws_strided_nhwc_bf16": lambda: _backward("dgrad", "NHWC", "bfloat16", (2, 9, 10, 64),
+                                                           (64, 1, 1, 64), 2, 0),
+    "wgrad_native_ws_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 128), (128, 3, 3, 128),
+                                                        1, 1, "mask"),
+    "wgrad_native_tile_nhwc_fp16": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 64), (64, 3, 3, 64), 1, 1),
 }
 
 FAMILIES = {"conv": CONV, "relu": RELU, "norm": NORM, "syncbn": SYNCBN, "index_add": INDEX_ADD, "prelu": PRELU,

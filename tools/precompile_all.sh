@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() { local t0=$(date +%s); echo "== $1"; shift; "$@"; echo "   $(( $(date +%s) - t0 )) s"; }
 step "conv (bench/test configs) + epilogues + backward" python3 -m igemm precompile --epilogues --backward \
   --configs float16:NHWC:strict,float16:NCHW:strict,float32:NCHW:strict,bfloat16:NHWC:strict --jobs "$JOBS" --arch "$ARCH"
-step "index_add + prelu" python3 -c "import importlib,sys;[importlib.import_module(m).precompile('$ARCH',$JOBS) for m in ('igemm.index_add','igemm.prelu')]"
+step "index_add + prelu + pool" python3 -c "import importlib,sys;[importlib.import_module(m).precompile('$ARCH',$JOBS) for m in ('igemm.index_add','igemm.prelu','igemm.pool')]"
 step "norm" python3 -c "import igemm.norm as n; n.precompile('$ARCH', jobs=$JOBS)"
 step "syncbn (2-GPU test)" python3 tests/test_syncbn.py precompile "$ARCH" "$SMS"
 step "conv, batch 8 and 1 (bench_conv --batch)" bash -c "python3 -m igemm precompile --batch 8 --configs \

@@ -2,7 +2,7 @@
 # compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over a small case of every kernel family and
 # config kind (tools/sanitize_cases.py): a PASS/FAIL table per (tool, family); exit status 1 on any failure.
 #
-#   tools/sanitize.sh [family ...]          families: conv relu norm syncbn index_add prelu compare backward
+#   tools/sanitize.sh [family ...]          families: conv relu norm syncbn index_add prelu compare backward pool
 #                                           (default: all)
 #   env: TOOLS="memcheck racecheck initcheck synccheck"  JOBS=4 (sanitizer runs at once)  OUT=/tmp/sanitize (logs)
 #        LINEINFO=1 (compile with -lineinfo: sanitizer reports name source lines; a separate kernel cache key)
@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-FAMILIES=${*:-conv relu norm syncbn index_add prelu compare backward}
+FAMILIES=${*:-conv relu norm syncbn index_add prelu compare backward pool}
 TOOLS=${TOOLS:-memcheck racecheck initcheck synccheck}
 JOBS=${JOBS:-4}
 OUT=${OUT:-/tmp/sanitize}

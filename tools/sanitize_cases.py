@@ -2,7 +2,7 @@
 """Small cases of every kernel family and config kind, for tools/sanitize.sh (compute-sanitizer).
 
     python tools/sanitize_cases.py FAMILY [--case SUBSTRING] [--list]
-    FAMILY: conv | relu | norm | syncbn | index_add | prelu | compare | backward | all
+    FAMILY: conv | relu | norm | syncbn | index_add | prelu | compare | backward | pool | all
 
 Each case calls one igemm function once (one launch, or the two or three kernels that function is made of)
 on a small problem and checks the result on the host against igemm.reference. Inputs are made on the host
@@ -523,8 +523,28 @@ BACKWARD = {
     "wgrad_native_tile_nhwc_fp16": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 64), (64, 3, 3, 64), 1, 1),
 }
 
+# ------------------------------------------------------------------------------------------ pool (igemm.nn.MaxPool2d)
+def _pool(dtype, shape, k, s, p, d, ceil):
+    """The max pool's forward (with its window taps) and backward against torch.nn.MaxPool2d on channels-last x."""
+    import torch.nn.functional as F
+    from igemm.nn import MaxPool2d
+    x = dev(randn(*shape), dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = MaxPool2d(k, s, p, d, ceil_mode=ceil)(x)
+    yr = F.max_pool2d(x, k, s, p, d, ceil)
+    g = torch.randn_like(y)
+    dx, dxr = torch.autograd.grad(y, x, g)[0], torch.autograd.grad(yr, x, g)[0]
+    if not (torch.equal(y, yr) and torch.equal(dx, dxr)):
+        raise AssertionError("max pool differs from torch.nn.MaxPool2d")
+    return f"max pool {dtype} x {shape} k {k} s {s} p {p} d {d} ceil {ceil}"
+
+
+POOL = {
+    "resnet_fp16_v8": lambda: _pool("float16", (2, 16, 9, 10), 3, 2, 1, 1, False),
+    "dilated_ceil_fp32_v1": lambda: _pool("float32", (2, 5, 9, 8), 3, 2, 1, 2, True),
+}
+
 FAMILIES = {"conv": CONV, "relu": RELU, "norm": NORM, "syncbn": SYNCBN, "index_add": INDEX_ADD, "prelu": PRELU,
-            "compare": COMPARE, "backward": BACKWARD}
+            "compare": COMPARE, "backward": BACKWARD, "pool": POOL}
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """The cuDNN peer of a converted network: the same graph rewrite as ``igemm.nn.convert``, each pattern on
 ``torch.cudnn_convolution_relu`` / ``torch.cudnn_convolution_add_relu`` (plain convs on ``F.conv2d``) with the
-BatchNorm folded into w and b -- PyTorch's fastest inference form of the same network. Needs torch."""
+BatchNorm folded into w and b -- PyTorch's fastest inference form of the same network; its other layers (max
+pools included) stay PyTorch's. Needs torch."""
 from __future__ import annotations
 
 import copy
@@ -44,5 +45,5 @@ def cudnn_fused(model):
 
     from igemm.nn._convert import Report, _rewrite
     gm = torch.fx.symbolic_trace(copy.deepcopy(model))
-    _rewrite(gm, Report(converted={}, left={}, traced=True), _module)
+    _rewrite(gm, Report(converted={}, left={}, traced=True), _module, pools=False)
     return gm.eval()

@@ -1,5 +1,5 @@
-"""``igemm.nn.convert``: a model's conv -> BN (-> + identity) -> ReLU patterns, conv -> BN pairs and lone convs
-replaced by igemm modules.
+"""``igemm.nn.convert``: a model's conv -> BN (-> + identity) -> ReLU patterns, conv -> BN pairs, lone convs and
+``nn.MaxPool2d`` layers replaced by igemm modules.
 
 A model that ``torch.fx.symbolic_trace`` traces (torchvision's CNNs do) is rewritten on its graph: the
 patterns are found by data flow, whatever the module structure (a ResNet block's ``out += identity; relu``
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU, _padding
+from ._pool import MaxPool2d
 
 __all__ = ["convert", "Report"]
 
@@ -54,7 +55,8 @@ def _convertible(conv) -> str | None:
 
 
 def convert(model: nn.Module, *, inplace: bool = False, return_report: bool = False, sync_bn=False):
-    """Replace ``model``'s convolutions (and the BN, residual add and ReLU after them) with igemm modules.
+    """Replace ``model``'s convolutions (and the BN, residual add and ReLU after them) and its ``nn.MaxPool2d``
+    layers with igemm modules.
 
     Args:
         model: any ``nn.Module``; its parameters and buffers are shared by the result unless copied
@@ -120,13 +122,20 @@ def igemm_module(kind: str, conv: nn.Conv2d, bn: nn.BatchNorm2d | None) -> nn.Mo
     return {"Conv2dBN": Conv2dBN, "Conv2dBNReLU": Conv2dBNReLU, "Conv2dBNAddReLU": Conv2dBNAddReLU}[kind](conv, bn)
 
 
-def _rewrite(gm, report: Report, make=igemm_module) -> None:
-    """The graph rewrite: each conv node, with what follows it, as one module call (``make(kind, conv, bn)``;
-    benchmarks/bench_nn.py builds its cuDNN peer with the same rewrite)."""
+def _rewrite(gm, report: Report, make=igemm_module, pools: bool = True) -> None:
+    """The graph rewrite: each conv node, with what follows it, as one module call (``make(kind, conv, bn)``),
+    and (``pools``) each ``nn.MaxPool2d`` as igemm's (igemm/baselines/cudnn_fused.py builds its cuDNN peer with the
+    same rewrite, its pools left PyTorch's)."""
     modules = dict(gm.named_modules())
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_module":
+            continue
+        if pools and type(modules.get(node.target)) is nn.MaxPool2d:
+            name = node.target.replace(".", "_") + "_igemm"
+            gm.add_submodule(name, MaxPool2d.from_torch(modules[node.target]))
+            report["converted"][node.target] = "MaxPool2d"
+            node.target = name
             continue
         if isinstance(modules.get(node.target), _OTHER_CONVS):
             report["left"][node.target] = type(modules[node.target]).__name__
@@ -198,6 +207,9 @@ def _walk(module: nn.Module, prefix: str, report: Report) -> None:
                 report["converted"][path] = "Conv2d"
             else:
                 report["left"][path] = why
+        elif type(child) is nn.MaxPool2d:
+            setattr(module, name, MaxPool2d.from_torch(child))
+            report["converted"][path] = "MaxPool2d"
         elif isinstance(child, _OTHER_CONVS):
             report["left"][path] = type(child).__name__
         elif not isinstance(child, (Conv2d, Conv2dBN, Conv2dBNReLU, Conv2dBNAddReLU)):

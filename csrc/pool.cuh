@@ -1,0 +1,108 @@
+// igemm: 2-D max pooling of channels-last (NHWC) tensors, with a backward that needs no int64 indices.
+//   maxpool_fwd  y[n, oh, ow, c] = max over the window's taps (kh, kw) inside x of x[n, oh·sh − ph + kh·dh,
+//                ow·sw − pw + kw·dw, c]; with Idx also idx[n, oh, ow, c] = kh·KW + kw of that maximum, one byte:
+//                PyTorch's choice (`v > max || isnan(v)` in window order: the first maximum, or the last NaN);
+//                a window's first tap inside x is taken as it comes, so a window of -inf alone points at its
+//                first tap (PyTorch's channels-last kernel: at the image's pixel (0, 0)).
+//   maxpool_bwd  dx[n, h, w, c] = sum over the windows (oh, ow) that hold (h, w), in ascending (oh, ow) order, of
+//                dy[n, oh, ow, c] where idx says the maximum was (h, w): a gather (no atomics), in fp32, in
+//                PyTorch's order, so dx equals PyTorch's for the same choices (a zero's sign aside).
+// Thread i takes V channels of one pixel (an output pixel forward, an input pixel backward), grid-stride; pixel
+// and channel-vector indices by magic-number division (a pass has fewer than 2^31 vectors).
+#pragma once
+#include "common.cuh"
+
+namespace igemm::pool {
+
+template <class T, int V>
+struct alignas(sizeof(T) * V) Vec { T v[V]; };
+
+template <class T, int V, bool Idx, class P>
+__device__ void maxpool_fwd(const P& p) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(const_cast<void*>(p.y));
+  uint8_t* idx = static_cast<uint8_t*>(const_cast<void*>(p.idx));
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.NV; i += stride) {
+    int pix, cv, t, oh, ow, n;
+    p.fd_CV.divmod(pix, cv, int(i));
+    p.fd_OW.divmod(t, ow, pix);
+    p.fd_OH.divmod(n, oh, t);
+    const int c = cv * V;
+    float m[V];
+    Vec<uint8_t, V> k;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      m[j] = -__int_as_float(0x7f800000);
+      k.v[j] = 255;                          // (no tap yet: the first one inside x is taken whatever its value)
+    }
+    for (int kh = 0; kh < p.KH; ++kh) {
+      const int ih = oh * p.sh - p.ph + kh * p.dh;
+      if (unsigned(ih) >= unsigned(p.H)) continue;
+      for (int kw = 0; kw < p.KW; ++kw) {
+        const int iw = ow * p.sw - p.pw + kw * p.dw;
+        if (unsigned(iw) >= unsigned(p.W)) continue;
+        const Vec<T, V> r = *reinterpret_cast<const Vec<T, V>*>(x + ((int64_t(n) * p.H + ih) * p.W + iw) * p.C + c);
+        const uint8_t tap = uint8_t(kh * p.KW + kw);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float v = to_float(r.v[j]);
+          if (k.v[j] == 255 || v > m[j] || v != v) {
+            m[j] = v;
+            k.v[j] = tap;
+          }
+        }
+      }
+    }
+    Vec<T, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(m[j]);
+    const int64_t at = i * V;
+    *reinterpret_cast<Vec<T, V>*>(y + at) = o;
+    if constexpr (Idx) *reinterpret_cast<Vec<uint8_t, V>*>(idx + at) = k;
+  }
+}
+
+template <class T, int V, class P>
+__device__ void maxpool_bwd(const P& p) {
+  const T* dy = static_cast<const T*>(p.dy);
+  const uint8_t* idx = static_cast<const uint8_t*>(p.idx);
+  T* dx = static_cast<T*>(const_cast<void*>(p.dx));
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int ext_h = (p.KH - 1) * p.dh + 1, ext_w = (p.KW - 1) * p.dw + 1;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.NV; i += stride) {
+    int pix, cv, t, h, w, n;
+    p.fd_CV.divmod(pix, cv, int(i));
+    p.fd_W.divmod(t, w, pix);
+    p.fd_H.divmod(n, h, t);
+    const int c = cv * V;
+    const int hh = h + p.ph, ww = w + p.pw;
+    // the windows that hold (h, w): PyTorch's p_start / p_end
+    const int oh0 = hh < ext_h ? 0 : (hh - ext_h) / p.sh + 1, oh1 = min(hh / p.sh + 1, p.OH);
+    const int ow0 = ww < ext_w ? 0 : (ww - ext_w) / p.sw + 1, ow1 = min(ww / p.sw + 1, p.OW);
+    float acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0.f;
+    for (int oh = oh0; oh < oh1; ++oh) {
+      const int rh = hh - oh * p.sh;
+      if (rh % p.dh) continue;
+      for (int ow = ow0; ow < ow1; ++ow) {
+        const int rw = ww - ow * p.sw;
+        if (rw % p.dw) continue;
+        const uint8_t tap = uint8_t((rh / p.dh) * p.KW + rw / p.dw);
+        const int64_t o = ((int64_t(n) * p.OH + oh) * p.OW + ow) * p.C + c;
+        const Vec<uint8_t, V> ks = *reinterpret_cast<const Vec<uint8_t, V>*>(idx + o);
+        const Vec<T, V> g = *reinterpret_cast<const Vec<T, V>*>(dy + o);
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+          if (ks.v[j] == tap) acc[j] += to_float(g.v[j]);
+      }
+    }
+    Vec<T, V> r;
+#pragma unroll
+    for (int j = 0; j < V; ++j) r.v[j] = from_float<T>(acc[j]);
+    *reinterpret_cast<Vec<T, V>*>(dx + i * V) = r;
+  }
+}
+
+}  // namespace igemm::pool

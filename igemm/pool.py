@@ -1,0 +1,130 @@
+"""2-D max pooling of channels-last tensors (csrc/pool.cuh), the kernels behind :class:`igemm.nn.MaxPool2d`.
+
+The forward keeps, per output element, the window tap of its maximum in one byte (``kh * KW + kw``, PyTorch's
+choice of maximum: the first in window order, or the last NaN), instead of the int64 flat index PyTorch's
+``max_pool2d_with_indices`` writes (8x the bytes); the backward gathers ``dy`` into ``dx`` through those bytes in
+PyTorch's order and precision, so ``dx`` equals PyTorch's (``torch.equal``). One difference: a window holding only
+-inf sends its gradient to its first tap, where PyTorch's channels-last kernel sends it to the image's pixel
+(0, 0). The geometry is ``torch.nn.MaxPool2d``'s (kernel, stride, padding, dilation, ceil_mode); :func:`fits`
+says where these kernels run.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from . import _kernel
+from ._kernel import ParamSpec
+from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
+
+__all__ = ["out_size", "fits", "launch_forward", "launch_backward", "all_variants", "precompile"]
+
+_GEOM = [*(ParamSpec(n, "int32") for n in ("C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw"))]
+_FWD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("x", "y", "idx")), ParamSpec("NV", "int64"),
+               ParamSpec("H", "int32"), ParamSpec("W", "int32"), *_GEOM,
+               *(ParamSpec(n, "fastdiv") for n in ("fd_CV", "fd_OW", "fd_OH"))]
+_BWD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("dy", "idx", "dx")), ParamSpec("NV", "int64"),
+               ParamSpec("OH", "int32"), ParamSpec("OW", "int32"), *_GEOM,
+               *(ParamSpec(n, "fastdiv") for n in ("fd_CV", "fd_W", "fd_H"))]
+_THREADS = 256
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """One output extent, as PyTorch's ``pooling_output_shape``: with ``ceil_mode`` the last window must start
+    inside the input or its left padding."""
+    out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+def vec(dtype: str, C: int, *ptrs: int) -> int:
+    """Channels a thread takes: 16 bytes where C and every pointer allow, else one."""
+    v = 16 // DTYPE_SIZES[dtype]
+    return v if C % v == 0 and not any(p % 16 for p in ptrs) else 1
+
+
+def fits(dtype: str, N: int, C: int, H: int, W: int, OH: int, OW: int, k: tuple, p: tuple, d: tuple) -> str | None:
+    """Why these kernels cannot run this pooling (None: they can): the dtype, a window of more than 254 taps
+    (one byte a tap, 255 meaning none), padding past half the window (PyTorch's error), an empty tensor, or
+    more than 2^31 - 1 pixel-vectors in a pass (32-bit indices)."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (the kernels take {', '.join(DTYPES)})"
+    if k[0] * k[1] > 254:
+        return f"a {k[0]}x{k[1]} window (at most 254 taps)"
+    if any(2 * p[i] > (k[i] - 1) * d[i] + 1 for i in (0, 1)):
+        return "padding past half the window"
+    if min(N, C, H, W, OH, OW) <= 0:
+        return "an empty tensor"
+    if N * max(H * W, OH * OW) * C >= 2 ** 31:
+        return "a tensor of 2^31 elements or more"
+    return None
+
+
+def _stub(kind: str, dtype: str, v: int, idx: bool = False) -> str:
+    t = DTYPE_CTYPE[dtype]
+    if kind == "fwd":
+        return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_fwd", params=_FWD_PARAMS,
+                                     threads=_THREADS, body=f"igemm::pool::maxpool_fwd<{t}, {v}, "
+                                                            f"{str(idx).lower()}>(p);")
+    return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_bwd", params=_BWD_PARAMS,
+                                 threads=_THREADS, body=f"igemm::pool::maxpool_bwd<{t}, {v}>(p);")
+
+
+def _name(kind: str, dtype: str, v: int, idx: bool = False) -> str:
+    return f"maxpool_{kind}_{dtype}_v{v}{'_idx' if idx else ''}"
+
+
+@lru_cache(maxsize=64)
+def _launcher(kind: str, dtype: str, v: int, idx: bool, device_id: int, grid: int):
+    k = _kernel.load(_stub(kind, dtype, v, idx), _name(kind, dtype, v, idx), f"igemm_maxpool_{kind}", device_id)
+    return _kernel.Launcher(k, grid, _THREADS)
+
+
+@lru_cache(maxsize=256)
+def _template(kind: str, v: int, N: int, C: int, H: int, W: int, OH: int, OW: int, k: tuple, s: tuple, p: tuple,
+              d: tuple) -> _kernel.PackedArgs:
+    """A pass's packed arguments for one geometry, pointers zero (``bind`` fills a copy)."""
+    g = dict(C=C, KH=k[0], KW=k[1], sh=s[0], sw=s[1], ph=p[0], pw=p[1], dh=d[0], dw=d[1], fd_CV=C // v)
+    if kind == "fwd":
+        return _kernel.pack_args(_FWD_PARAMS, dict(g, NV=N * OH * OW * C // v, H=H, W=W, fd_OW=OW, fd_OH=OH))
+    return _kernel.pack_args(_BWD_PARAMS, dict(g, NV=N * H * W * C // v, OH=OH, OW=OW, fd_W=W, fd_H=H))
+
+
+def _grid(nv: int, sms: int) -> int:
+    return max(1, min(-(-nv // _THREADS), sms * 2048 // _THREADS))     # at most one wave of resident threads
+
+
+def launch_forward(device_id: int, stream: int, dtype: str, geom: tuple, x: int, y: int, idx: int = 0,
+                   sms: int = 132) -> None:
+    """y (and, with ``idx``, the window taps) of x, channels-last; ``geom`` = (N, C, H, W, OH, OW, k, s, p, d)
+    with :func:`fits` true; x, y and idx as :func:`vec` was given."""
+    N, C, H, W, OH, OW = geom[:6]
+    v = vec(dtype, C, x, y, idx)
+    _launcher("fwd", dtype, v, bool(idx), device_id, _grid(N * OH * OW * C // v, sms))(
+        stream, _template("fwd", v, *geom).bind(dict(x=x, y=y, idx=idx)))
+
+
+def launch_backward(device_id: int, stream: int, dtype: str, geom: tuple, dy: int, idx: int, dx: int,
+                    sms: int = 132) -> None:
+    """dx of the forward that wrote ``idx``, from dy (channels-last, the forward's output geometry)."""
+    N, C, H, W = geom[:4]
+    v = vec(dtype, C, dy, idx, dx)
+    _launcher("bwd", dtype, v, False, device_id, _grid(N * H * W * C // v, sms))(
+        stream, _template("bwd", v, *geom).bind(dict(dy=dy, idx=idx, dx=dx)))
+
+
+def all_variants() -> list[tuple[str, str]]:
+    """Every (name, stub) the two passes can launch."""
+    out = []
+    for dt in DTYPES:
+        for v in sorted({1, 16 // DTYPE_SIZES[dt]}):
+            out += [(_name("fwd", dt, v, i), _stub("fwd", dt, v, i)) for i in (False, True)]
+            out.append((_name("bwd", dt, v), _stub("bwd", dt, v)))
+    return out
+
+
+def precompile(arch: str, jobs: int | None = None) -> int:
+    """Compile both passes' kernels for ``arch`` (dev machine: fills the kernel cache)."""
+    from . import _build
+    return _build.compile_many(all_variants(), arch, jobs)

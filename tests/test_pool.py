@@ -1,0 +1,176 @@
+"""Max pooling (igemm/pool.py, csrc/pool.cuh, igemm.nn.MaxPool2d): the output geometry and where the kernels run
+(CPU), the module's fallback and ``convert`` (CPU), the kernels' compilation (nvcc), and on the GPU the forward and
+backward against PyTorch's: ties, NaN, -inf, padding, dilation, ceil_mode, odd channel counts, each dtype, outputs
+poisoned first."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import igemm.nn as inn  # noqa: E402
+from igemm import pool  # noqa: E402
+
+#: (C, H, W, kernel, stride, padding, dilation, ceil_mode): ResNet's, PyTorch's defaults, dilation, ceil_mode, a
+#: rectangular window, channel counts off the 16-byte vector (one channel a thread)
+GEOMS = [(64, 20, 18, 3, 2, 1, 1, False), (8, 9, 9, 2, 2, 0, 1, False), (16, 11, 13, 3, 1, 1, 2, False),
+         (24, 10, 7, 3, 2, 1, 1, True), (8, 12, 9, (3, 2), (2, 1), (1, 0), 1, True), (3, 9, 10, 3, 2, 1, 1, False),
+         (5, 7, 6, 2, 1, 1, 1, True)]
+
+
+def _pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def test_out_size_is_pytorchs():
+    """pool.out_size gives F.max_pool2d's output extent (ceil_mode's rule included) wherever PyTorch accepts the
+    geometry."""
+    for n, k, s, p, d, ceil in itertools.product(range(1, 12), (1, 2, 3, 4), (1, 2, 3), (0, 1, 2), (1, 2),
+                                                 (False, True)):
+        if 2 * p > (k - 1) * d + 1:
+            continue
+        try:
+            want = F.max_pool2d(torch.zeros(1, 1, n, 1), (k, 1), (s, 1), (p, 0), (d, 1), ceil).shape[2]
+        except RuntimeError:                 # (an output of size < 1)
+            continue
+        assert pool.out_size(n, k, s, p, d, ceil) == want, (n, k, s, p, d, ceil)
+
+
+def test_fits():
+    ok = (2, 8, 10, 10, 5, 5, (3, 3), (1, 1), (1, 1))
+    assert pool.fits("float16", *ok) is None and pool.fits("float32", *ok) is None
+    assert "dtype" in pool.fits("float64", *ok)
+    assert "254" in pool.fits("float16", 2, 8, 40, 40, 1, 1, (16, 16), (0, 0), (1, 1))
+    assert "half" in pool.fits("float16", 2, 8, 10, 10, 5, 5, (3, 3), (2, 2), (1, 1))
+    assert "empty" in pool.fits("float16", 0, 8, 10, 10, 5, 5, (3, 3), (1, 1), (1, 1))
+    assert "2^31" in pool.fits("float16", 2 ** 16, 64, 256, 256, 128, 128, (3, 3), (1, 1), (1, 1))
+
+
+def test_module_falls_back_off_the_kernels():
+    """On the CPU, for an NCHW-contiguous tensor or with return_indices the module is torch.nn.MaxPool2d: equal
+    outputs, gradients and indices; from_torch keeps every setting."""
+    torch.manual_seed(0)
+    ref = nn.MaxPool2d((3, 2), (2, 1), (1, 0), 2, ceil_mode=True)
+    m = inn.MaxPool2d.from_torch(ref)
+    assert (m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode, m.return_indices) == \
+        (ref.kernel_size, ref.stride, ref.padding, ref.dilation, ref.ceil_mode, ref.return_indices)
+    x = torch.randn(2, 3, 11, 9, requires_grad=True)
+    y, yr = m(x), ref(x)
+    assert torch.equal(y, yr)
+    g = torch.randn_like(y)
+    assert torch.equal(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(yr, x, g)[0])
+    out, ind = inn.MaxPool2d(3, 2, 1, return_indices=True)(x)
+    want, wind = F.max_pool2d(x, 3, 2, 1, return_indices=True)
+    assert torch.equal(out, want) and torch.equal(ind, wind)
+
+
+class _Branchy(nn.Module):
+    """Does not trace (data-dependent control flow): convert walks its modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.avg = nn.AvgPool2d(2)
+
+    def forward(self, x):
+        return self.pool(x) if x.sum() > 0 else self.avg(x)
+
+
+def test_convert_replaces_max_pools():
+    """Traced or walked, each nn.MaxPool2d becomes igemm.nn.MaxPool2d (other pools stay), named in the report."""
+    seq = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.MaxPool2d(3, 2, 1), nn.AvgPool2d(2))
+    conv, rep = inn.convert(seq, return_report=True)
+    assert rep["traced"] and rep["converted"]["1"] == "MaxPool2d" and "2" not in rep["converted"]
+    assert sum(isinstance(m, inn.MaxPool2d) for m in conv.modules()) == 1
+    conv, rep = inn.convert(_Branchy(), return_report=True)
+    assert not rep["traced"] and rep["converted"] == {"pool": "MaxPool2d"}
+    assert isinstance(conv.pool, inn.MaxPool2d) and type(conv.avg) is nn.AvgPool2d
+    x = torch.rand(2, 3, 8, 8)
+    assert torch.equal(conv(x), _Branchy()(x))
+
+
+def test_pool_kernels_compile():
+    """Both passes' kernels compile (nvcc; CI has it)."""
+    from igemm import _build
+    try:
+        _build.find_toolchain()
+    except Exception as e:          # (no toolchain: nothing to compile with)
+        pytest.skip(f"no CUDA toolchain: {e}")
+    ks = pool.all_variants()
+    assert len(ks) == 18 and _build.compile_many(ks, "sm_90a", 2) == 18
+
+
+def _input(rng, shape, dtype):
+    """Small integers (ties in most windows), a few NaN, and -inf away from the border (so no window holds -inf
+    alone: igemm/pool.py's one difference from PyTorch), channels-last."""
+    a = rng.integers(-3, 4, shape).astype(np.float64)
+    a[rng.random(shape) < 0.01] = np.nan
+    inner = np.zeros(shape, bool)
+    inner[..., 1:-1, 1:-1] = True
+    a[inner & (rng.random(shape) < 0.02)] = -np.inf
+    return torch.tensor(a, dtype=getattr(torch, dtype), device="cuda").contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: "-".join(map(str, g)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gpu_max_pool_is_pytorchs(geom, dtype, rng):
+    """The kernels' y and dx equal F.max_pool2d's and autograd's through it (NaN where PyTorch's are), through the
+    module and through the launches into poisoned outputs; eval without autograd keeps no taps."""
+    C, H, W, k, s, p, d, ceil = geom
+    torch_mod = nn.MaxPool2d(k, s, p, d, ceil_mode=ceil)
+    m = inn.MaxPool2d.from_torch(torch_mod)
+    x = _input(rng, (3, C, H, W), dtype).requires_grad_()
+    y, yr = m(x), torch_mod(x)
+    assert y.is_contiguous(memory_format=torch.channels_last) and y.grad_fn is not None
+    assert "MaxPool" in type(y.grad_fn).__name__
+    assert torch.equal(y.isnan(), yr.isnan()) and torch.equal(y.nan_to_num(), yr.nan_to_num())
+    xf = x.detach().float()
+    assert torch.isfinite(F.max_pool2d(torch.where(xf.isnan(), 0.0, xf), k, s, p, d, ceil)).all()
+    g = torch.randn_like(y)
+    dx, dxr = torch.autograd.grad(y, x, g)[0], torch.autograd.grad(yr, x, g)[0]
+    assert torch.equal(dx, dxr)
+    # the launches, outputs poisoned
+    K, S, P, D = _pair(k), _pair(s), _pair(p), _pair(d)
+    OH, OW = yr.shape[2:]
+    geo = (3, C, H, W, OH, OW, K, S, P, D)
+    yp = torch.full_like(yr, float("nan"))
+    idx = torch.full((3, OH, OW, C), 0xAA, dtype=torch.uint8, device="cuda")
+    h = torch.cuda.current_stream().cuda_stream
+    pool.launch_forward(0, h, dtype, geo, x.data_ptr(), yp.data_ptr(), idx.data_ptr())
+    assert torch.equal(yp.isnan(), yr.isnan()) and torch.equal(yp.nan_to_num(), yr.nan_to_num())
+    assert int(idx.max()) < K[0] * K[1]
+    dxp = torch.full_like(x, float("nan"))
+    gc = g.contiguous(memory_format=torch.channels_last)
+    pool.launch_backward(0, h, dtype, geo, gc.data_ptr(), idx.data_ptr(), dxp.data_ptr())
+    assert torch.equal(dxp, dxr)
+    with torch.no_grad():
+        assert torch.equal(m(x).nan_to_num(), yr.nan_to_num())
+
+
+@pytest.mark.gpu
+def test_gpu_max_pool_in_a_converted_model():
+    """A converted max pool -> conv model: y and x's gradient as PyTorch's (the pool routes exactly; the conv within
+    fp32 rounding), channels_last; an NCHW-contiguous input runs torch.nn.MaxPool2d's forward."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.MaxPool2d(3, 2, 1), nn.Conv2d(64, 32, 1, bias=False)).cuda()
+    conv = inn.convert(base).train()
+    pool_mod = next(q for q in conv.modules() if isinstance(q, inn.MaxPool2d))
+    x = torch.randn(4, 64, 21, 20, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        y, yr = conv(x), base(x)
+        assert torch.allclose(y, yr, rtol=1e-5, atol=1e-5)
+        gx = torch.autograd.grad(y.square().sum(), x)[0]
+        gr = torch.autograd.grad(yr.square().sum(), x)[0]
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    assert torch.allclose(gx, gr, rtol=1e-5, atol=1e-5) and torch.equal(gx == 0, gr == 0)
+    xn = torch.randn(4, 64, 16, 16, device="cuda")        # NCHW-contiguous: torch.nn.MaxPool2d's forward
+    assert torch.equal(pool_mod(xn), F.max_pool2d(xn, 3, 2, 1))

@@ -49,7 +49,8 @@ _SM_SMEM = 233472                       # shared memory an sm_90 SM holds (228 K
 
 class _Grid:
     """What the wgrad and dgrad specs share: threads, shared memory and the grid of their kernel (``ws``: the
-    persistent warp-specialised form, grad_ws, with a producer warp and its own C tile; else a CTA a unit)."""
+    persistent warp-specialised form, grad_ws, with a producer warp and its own C tile; else a CTA a unit), and
+    their stub (``igemm::grad::<op><targs, Stages, Ws>``)."""
 
     @property
     def threads(self) -> int:
@@ -67,6 +68,15 @@ class _Grid:
 
     def _suffix(self) -> str:
         return "_ws" if self.ws else ""
+
+    def _render(self, op: str, params, targs: str) -> str:
+        return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry=f"igemm_{op}", params=params,
+                                     threads=self.threads, min_blocks=1,
+                                     body=f"igemm::grad::{op}<{targs}, {self.stages}, {str(self.ws).lower()}>(p);")
+
+    def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
+        """``(name, source)``, as the forward plans give theirs to the precompile tools."""
+        return self.name(), self.stub()
 
 
 @dataclass(frozen=True)
@@ -89,15 +99,8 @@ class WgradSpec(_Grid):
         return f"wgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}_{self.out}{self._suffix()}"
 
     def stub(self) -> str:
-        t = DTYPE_CTYPE[self.dtype]
-        return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry="igemm_wgrad", params=WGRAD_PARAMS,
-                                     threads=self.threads, min_blocks=1, body=(
-                                         f"igemm::grad::wgrad<{t}, {DTYPE_CTYPE[self.out]}, {self.bm}, {self.bn}, "
-                                         f"{self.stages}, {str(self.ws).lower()}>(p);"))
-
-    def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
-        """``(name, source)``, as the forward plans give theirs to the precompile tools."""
-        return self.name(), self.stub()
+        return self._render("wgrad", WGRAD_PARAMS,
+                            f"{DTYPE_CTYPE[self.dtype]}, {DTYPE_CTYPE[self.out]}, {self.bm}, {self.bn}")
 
 
 def _forward(g, dtype: str) -> ConvProblem:
@@ -278,13 +281,7 @@ class DgradSpec(_Grid):
         return f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}"
 
     def stub(self) -> str:
-        return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry="igemm_dgrad", params=DGRAD_PARAMS,
-                                     threads=self.threads, min_blocks=1, body=(
-                                         f"igemm::grad::dgrad<{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}, "
-                                         f"{self.stages}, {str(self.ws).lower()}>(p);"))
-
-    def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
-        return self.name(), self.stub()
+        return self._render("dgrad", DGRAD_PARAMS, f"{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}")
 
 
 def _sub(g, ph, dtype: str) -> ConvProblem:

@@ -281,3 +281,137 @@ def test_native_kernels_compile():
     dplan = igemm.Conv2dGradInputPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
     ks = [k.kernel() for k in plan.sub_plans() + dplan.sub_plans()]
     assert len(ks) == 3 and _build.compile_many(ks, "sm_90a", 2) == 3
+
+
+#: the few-channel wgrad (C < 64, R·S·C <= 256): every column-block count NT = 1..8 in both forms (the rows form
+#: where W·C % 8 == 0), a partial last unit of a row (Q % 64, Q % 16), strides 1-3, dilation, R != S, K past one
+#: 64-row block (72, 136), C = 1, and ResNet's conv1
+SMALL_WGRAD = [(1, 1, 9, 72, 8, 1, 1, 1, 0, 1), (3, 5, 11, 13, 24, 3, 3, 1, 1, 1), (2, 4, 10, 14, 24, 3, 3, 1, 1, 1),
+               (2, 8, 9, 9, 32, 3, 3, 1, 1, 1), (2, 4, 20, 150, 16, 5, 5, 3, 2, 1), (2, 16, 12, 12, 72, 3, 3, 2, 1, 2),
+               (2, 20, 10, 10, 40, 3, 3, 1, 1, 1), (2, 24, 9, 9, 16, 3, 3, 1, 0, 1), (1, 28, 9, 10, 136, 3, 3, 1, 1, 1),
+               (2, 7, 17, 15, 8, 3, 5, 1, 2, 2), (2, 3, 30, 30, 64, 7, 7, 2, 3, 1), (2, 3, 224, 224, 64, 7, 7, 2, 3, 1)]
+
+
+def emulate_small_wgrad(x, dy, g, rows: bool):
+    """The few-channel wgrad kernel's arithmetic in numpy (NHWC), unit by unit as csrc/conv/wgrad_small.cuh. rows:
+    a unit is an output row, its patch the R input rows whole in rows of ROWP elements at LEFT (zero margins), B's
+    column j = (r, s, c) at off_j = r·ROWP + LEFT + (s·dw − pw)·C + c + q·sw·C; gather: 64 pixels, the patch
+    [r][c][column] (zeros outside the image), off_j = (r·C + c)·WB + s·dw + q·sw. Pixels past the row's end read 0
+    on both sides."""
+    from igemm.conv import _wgrad_small as ws
+    (sh, sw), (ph, pw), (dh, dw) = g.stride, g.padding, g.dilation
+    rsc = g.R * g.S * g.C
+    rs, c = np.divmod(np.arange(rsc), g.C)
+    r, s = np.divmod(rs, g.S)
+    left, rowp = ws._rows_geometry(g)
+    WB = ws._patch(g)
+    off = r * rowp + left + (s * dw - pw) * g.C + c if rows else (r * g.C + c) * WB + s * dw
+    ps = sw * g.C if rows else sw
+    QB = g.Q if rows else ws.QB
+    out = np.zeros((g.K, rsc))
+    for n in range(g.N):
+        for p in range(g.P):
+            h = p * sh - ph + np.arange(g.R) * dh
+            hok = (h >= 0) & (h < g.H)
+            for q0 in range(0, g.Q, QB):
+                nq = min(QB, g.Q - q0)
+                if rows:
+                    xs = np.zeros((g.R, rowp))
+                    xs[hok, left:left + g.W * g.C] = x[n, h[hok]].reshape(-1, g.W * g.C)
+                else:
+                    wg = q0 * sw - pw + np.arange(WB)
+                    ok = hok[:, None] & ((wg >= 0) & (wg < g.W))[None, :]
+                    patch = np.where(ok[..., None], x[n, np.clip(h, 0, g.H - 1)][:, np.clip(wg, 0, g.W - 1)], 0)
+                    xs = patch.transpose(0, 2, 1)                               # [r][c][column]
+                xs = xs.reshape(-1)
+                q = np.arange(-(-nq // 16) * 16)
+                b = np.where((q < nq)[:, None], xs[off[None, :] + q[:, None] * ps], 0)
+                a = np.zeros((len(q), g.K))
+                a[:nq] = dy[n, p, q0:q0 + nq]
+                out += a.T @ b
+    return out.reshape(g.K, g.R, g.S, g.C)
+
+
+def test_small_wgrad_emulated(rng):
+    """The few-channel wgrad's units, patches and column offsets, both forms, equal the reference (conv1 itself:
+    too slow here)."""
+    from igemm.conv import _wgrad_small as wsm
+    for case in SMALL_WGRAD[:-1]:
+        p = _geometry(*case)
+        xs, ws, ys = shapes(p, "NHWC")
+        g = GradWeightProblem(xs, ws, "NHWC", *geom(p))
+        x, dy = rng.standard_normal(xs), rng.standard_normal(ys)
+        want = reference.conv2d_grad_weight_ref(x, dy, ws, *geom(p), "NHWC")
+        for rows in (False, True) if wsm.rows_form(g) else (False,):
+            assert rel_err(emulate_small_wgrad(x, dy, g, rows), want) < 1e-12, (case, rows)
+
+
+def test_small_wgrad_choice():
+    """The few-channel kernel where the native one cannot run and C < 64, R·S·C <= 256, K % 8 == 0 (any sm_80+);
+    the reason where not; NT covers R·S·C; the plan launches it and the split sum."""
+    from igemm.conv import _wgrad_small as ws
+    conv1 = GradWeightProblem((32, 224, 224, 3), (64, 7, 7, 3), "NHWC", 2, 3, 1)
+    assert ws.unsupported(conv1, "float16", "NHWC") is None and ws.choose_spec(conv1, "float16").nt == 5
+    for args, why in ((("float32", "NHWC"), "16-bit"), (("float16", "NCHW"), "NHWC")):
+        assert why in ws.unsupported(conv1, *args)
+    for xs, wsh, why in (((2, 9, 9, 64), (64, 1, 1, 64), "C < 64"), ((2, 9, 9, 32), (64, 3, 3, 32), "R·S·C"),
+                         ((2, 9, 9, 3), (60, 3, 3, 3), "K % 8"), ((2, 9, 9, 3), (64, 1, 1, 3), None)):
+        got = ws.unsupported(GradWeightProblem(xs, wsh, "NHWC", 1, 0, 1), "bfloat16", "NHWC")
+        assert (got is None) if why is None else why in got, (xs, wsh, got)
+    assert [ws.choose_spec(GradWeightProblem((1, 9, 9, c), (8, 3, 3, c), "NHWC", 1, 1, 1), "float16").nt
+            for c in (1, 3, 4, 7, 8, 28)] == [1, 1, 2, 2, 3, 8]
+    for arch in ("sm_90a", "sm_80"):
+        plan = igemm.Conv2dGradWeightPlan((32, 224, 224, 3), (64, 7, 7, 3), "float16", "NHWC", 2, 3, device="numpy",
+                                          arch=arch)
+        assert plan.role == "native" and isinstance(plan.native, ws.SmallWgrad)
+        assert [k.kernel()[0] for k in plan.sub_plans()] == ["wgrad_small_float16_n5_rows", "split_sum_float16"]
+        assert plan.native.splits == 3 * 132 and plan.native.units == 32 * 112        # (a unit an output row)
+    gather = GradWeightProblem((2, 30, 30, 3), (64, 7, 7, 3), "NHWC", 2, 3, 1)        # (W·C = 90)
+    assert not ws.rows_form(gather) and ws.SmallWgrad(gather, "float16", "float16", False, None, 132).units == 2 * 15
+    assert igemm.Conv2dGradWeightPlan((2, 9, 9, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy",
+                                      arch="sm_80").role is None          # (C = 64 on sm_80: the turned convolution)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SMALL_WGRAD, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_wgrad_small(case, dtype, rng):
+    """The few-channel wgrad against float64: plain, with the mask and with the prologue; fp32 out and accumulate;
+    each form launched as for 1 SM (a CTA runs every unit: one split) and 132."""
+    torch = pytest.importorskip("torch")
+    from igemm.conv import _wgrad_small as wsm
+    p = _geometry(*case)
+    xs, ws, ys = shapes(p, "NHWC")
+    assert isinstance(igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NHWC", *geom(p)).native, wsm.SmallWgrad)
+    for mode in ("plain", "mask", "bn"):
+        assert _run_case(torch, p, "NHWC", dtype, rng, "wgrad", mode) <= TOL[dtype], mode
+    x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal(ys), dtype)
+    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, *geom(p), "NHWC")
+    base = torch.randn(ws, dtype=torch.float32, device="cuda")
+    out, acc = poison(torch.empty(ws, dtype=torch.float32, device="cuda")), base.clone()
+    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=out)
+    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=acc, accumulate=True)
+    assert rel_err(to_numpy(out), ref) < TOL[dtype]
+    assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL[dtype]
+    g = GradWeightProblem(xs, ws, "NHWC", *geom(p))
+    h = torch.cuda.current_stream().cuda_stream
+    nt = wsm.choose_spec(g, dtype).nt
+    for rows in (True, False) if wsm.rows_form(g) else (False,):
+        for sms in (1, 132):
+            dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
+            k = wsm.SmallWgrad(g, dtype, dtype, False, 0, sms, wsm.SmallWgradSpec(dtype, nt, rows))
+            k.launch(h, x.data_ptr(), dy.data_ptr(), dw.data_ptr())
+            torch.cuda.synchronize()
+            assert rel_err(to_numpy(dw), ref) < TOL[dtype], (rows, sms)
+
+
+def test_small_wgrad_variants_tested():
+    """SMALL_WGRAD reaches every kernel all_variants() gives (the GPU test runs both forms where the rows form can)."""
+    from igemm.conv import _wgrad_small as ws
+    seen = set()
+    for c in SMALL_WGRAD:
+        p = _geometry(*c)
+        g = GradWeightProblem(*shapes(p, "NHWC")[:2], "NHWC", *geom(p))
+        nt = ws.choose_spec(g, "float16").nt
+        seen |= {ws.SmallWgradSpec("float16", nt, rows).name() for rows in {False, ws.rows_form(g)}}
+    assert seen == {n for n, _ in ws.all_variants() if n.startswith("wgrad_small_float16_")}

@@ -507,7 +507,7 @@ BACKWARD = {
     "dgrad_strided_nhwc_fp16_mask": lambda: _backward("dgrad", "NHWC", "float16", (2, 9, 11, 16), (24, 3, 3, 16),
                                                       2, 1, "mask"),
     "dgrad_nchw_fp32_bn": lambda: _backward("dgrad", "NCHW", "float32", (2, 5, 7, 6), (3, 5, 3, 3), 1, 1, "bn"),
-    "wgrad_turned_nhwc_bf16": lambda: _backward("wgrad", "NHWC", "bfloat16", (3, 10, 9, 8), (16, 3, 3, 8), 2, 1,
+    "wgrad_turned_nhwc_bf16": lambda: _backward("wgrad", "NHWC", "bfloat16", (3, 10, 9, 8), (12, 3, 3, 8), 2, 1,
                                                 out_dtype="float32", accumulate=True),
     "wgrad_gemm_nhwc_fp16_bn": lambda: _backward("wgrad", "NHWC", "float16", (2, 8, 8, 64), (128, 1, 1, 64), 1, 0,
                                                  "bn"),
@@ -521,6 +521,9 @@ BACKWARD = {
     "wgrad_native_ws_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 128), (128, 3, 3, 128),
                                                         1, 1, "mask"),
     "wgrad_native_tile_nhwc_fp16": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 64), (64, 3, 3, 64), 1, 1),
+    # the few-channel wgrad (conv1's form: 3 channels, 7x7 / 2; Q = 70, a partial unit a row; K = 72, two row blocks)
+    "wgrad_small_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 11, 140, 3), (72, 7, 7, 3), 2, 3,
+                                                    "mask"),
 }
 
 # ------------------------------------------------------------------------------------------ pool (igemm.nn.MaxPool2d)

@@ -17,7 +17,7 @@ from .. import _runtime, reference
 from .._checks import check_aligned, check_flag, check_mask, check_output, check_stream, require_array
 from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
-from . import _native
+from . import _native, _wgrad_small
 from ._backward import GradInputProblem, GradWeightProblem
 from ._moves import Move, contiguous, dz_fits, launch_dz
 from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
@@ -288,8 +288,9 @@ class Conv2dGradWeightPlan(_GradPlan):
 
     ``out_dtype``: dw's dtype (default: x's; ``"float32"`` for fp32 gradients of a 16-bit problem);
     ``accumulate``: add into ``out`` (gradient accumulation) instead of overwriting it. ``role``: ``"native"``
-    (sm_90a, 16-bit NHWC, C % 64 == 0, K % 8 == 0: x and dy read in place), ``"dy"``/``"x"`` (the 1x1 GEMM form) or
-    None (the turned convolution); ``options`` (for the forward plans) selects the forward-kernel forms.
+    (x and dy read in place: sm_90a, 16-bit NHWC, C % 64 == 0, K % 8 == 0; or 16-bit NHWC with C < 64,
+    R·S·C <= 256, K % 8 == 0: the few-channel kernel, :mod:`._wgrad_small`), ``"dy"``/``"x"`` (the 1x1 GEMM form)
+    or None (the turned convolution); ``options`` (for the forward plans) selects the forward-kernel forms.
     """
 
     @keeps_current_context
@@ -306,12 +307,17 @@ class Conv2dGradWeightPlan(_GradPlan):
         self.x_shape, self.w_shape, self.dy_shape = g.x_shape, g.w_shape, g.dy_shape
         self.native = None
         arch, sms = self._target(arch, sms)
-        #: "native" (sm_90a, 16-bit NHWC: x and dy read in place, conv/_native.py), the GEMM form's in-place operand
-        #: ("dy", "x"), or None: the turned convolution (module doc)
+        #: "native" (x and dy read in place: conv/_native.py on sm_90a, conv/_wgrad_small.py for few channels), the
+        #: GEMM form's in-place operand ("dy", "x"), or None: the turned convolution (module doc)
         self.role = g.gemm_role(self.mask or self.prologue)
         if options is None and _native.unsupported(g, self.dtype, layout, arch) is None:
             self.role = "native"
             self.native = _native.NativeWgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id, sms)
+        elif options is None and _wgrad_small.unsupported(g, self.dtype, layout) is None:
+            self.role = "native"               # (few input channels: conv/_wgrad_small.py)
+            self.native = _wgrad_small.SmallWgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id,
+                                                  sms)
+        if self.native is not None:
             self.sms = sms
             self._pre = self._fused_move(g.dy_shape, g.K)
             self._xcopy = Move(g.x_shape, contiguous(g.x_shape), contiguous(g.x_shape))

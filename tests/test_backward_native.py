@@ -415,3 +415,35 @@ def test_small_wgrad_variants_tested():
         nt = ws.choose_spec(g, "float16").nt
         seen |= {ws.SmallWgradSpec("float16", nt, rows).name() for rows in {False, ws.rows_form(g)}}
     assert seen == {n for n, _ in ws.all_variants() if n.startswith("wgrad_small_float16_")}
+
+
+def test_wgrad_nchw_native(rng):
+    """An NCHW 16-bit wgrad runs its NHWC twin's kernel between moves (x and dy to NHWC, the mask / prologue on dy's
+    move, dw back): the moves in numpy around the NHWC reference equal the NCHW reference, accumulation included;
+    the plans pick it where the twin has a kernel."""
+    for case in ((2, 64, 9, 10, 24, 3, 3, 2, 1, 1), (2, 3, 12, 11, 16, 5, 5, 1, 2, 2)):
+        p = _geometry(*case)
+        xs, ws, ys = shapes(p, "NCHW")
+        g = GradWeightProblem(xs, ws, "NCHW", *geom(p))
+        gn = g.nhwc()
+        x, dy, z = rng.standard_normal(xs), rng.standard_normal(ys), rng.standard_normal(ys)
+        mask = np.packbits(rng.random(dy.size) < 0.5, bitorder="little")
+        mask = np.pad(mask, (0, -len(mask) % 4)).view(np.uint32)
+        coef = rng.standard_normal((3, g.K))
+        base = rng.standard_normal(ws)
+        xm, dym, wm = g.nhwc_moves()
+        xt, dyt = np.zeros(gn.x_shape), np.zeros(gn.dy_shape)
+        xm.run_numpy(x, xt)
+        dym.run_numpy(dy, dyt, mode="bn", mask=mask, z=z, coef=coef)
+        wt = reference.conv2d_grad_weight_ref(xt, dyt, gn.w_shape, *geom(p), "NHWC")
+        dw = base.copy()
+        wm.run_numpy(wt, dw, accumulate=True)
+        d = reference.grad_prologue_ref(dy, mask, (z, *coef), "NCHW")
+        want = reference.conv2d_grad_weight_ref(x, d, ws, *geom(p), "NCHW") + base
+        assert rel_err(dw, want) < 1e-12, case
+        plan = igemm.Conv2dGradWeightPlan(xs, ws, "float16", "NCHW", *geom(p), device="numpy", arch="sm_90a")
+        assert plan.role == "native" and plan._nchw is not None
+    assert igemm.Conv2dGradWeightPlan((2, 32, 9, 9), (16, 32, 3, 3), "float16", "NCHW", 1, 1, device="numpy",
+                                      arch="sm_90a").role is None      # (the twin: C = 32, R·S·C = 288: none)
+    assert igemm.Conv2dGradWeightPlan((2, 64, 9, 9), (16, 64, 3, 3), "float32", "NCHW", 1, 1, device="numpy",
+                                      arch="sm_90a").role is None

@@ -521,6 +521,9 @@ BACKWARD = {
     "wgrad_native_ws_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 128), (128, 3, 3, 128),
                                                         1, 1, "mask"),
     "wgrad_native_tile_nhwc_fp16": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 64), (64, 3, 3, 64), 1, 1),
+    # an NCHW wgrad on its NHWC twin's native kernel (x and dy moved, the prologue on dy's move, dw moved back)
+    "wgrad_nchw_native_fp16_bn": lambda: _backward("wgrad", "NCHW", "float16", (2, 64, 9, 10), (128, 64, 3, 3), 1, 1,
+                                                   "bn"),
     # the few-channel wgrad (conv1's form: 3 channels, 7x7 / 2; Q = 70, a partial unit a row; K = 72, two row blocks)
     "wgrad_small_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 11, 140, 3), (72, 7, 7, 3), 2, 3,
                                                     "mask"),

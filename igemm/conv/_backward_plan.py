@@ -310,15 +310,17 @@ class Conv2dGradWeightPlan(_GradPlan):
         #: "native" (x and dy read in place: conv/_native.py on sm_90a, conv/_wgrad_small.py for few channels), the
         #: GEMM form's in-place operand ("dy", "x"), or None: the turned convolution (module doc)
         self.role = g.gemm_role(self.mask or self.prologue)
-        if options is None and _native.unsupported(g, self.dtype, layout, arch) is None:
-            self.role = "native"
-            self.native = _native.NativeWgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id, sms)
-        elif options is None and _wgrad_small.unsupported(g, self.dtype, layout) is None:
-            self.role = "native"               # (few input channels: conv/_wgrad_small.py)
-            self.native = _wgrad_small.SmallWgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id,
-                                                  sms)
+        self._nchw = None
+        if options is None and layout == "NHWC":
+            self.native = _native_wgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id, arch, sms)
+        elif options is None and DTYPE_SIZES[self.dtype] == 2:
+            # NCHW: the NHWC twin's kernel between moves of x, dy (with the mask / prologue) and dw, its output in
+            # dw's dtype and the accumulation in the last move (docs/performance.md: wgrad-nchw-native)
+            self.native = _native_wgrad(g.nhwc(), self.dtype, self.out_dtype, False, self.device_id, arch, sms)
+            if self.native is not None:
+                self._nchw = g.nhwc_moves()
         if self.native is not None:
-            self.sms = sms
+            self.role, self.sms = "native", sms
             self._pre = self._fused_move(g.dy_shape, g.K)
             self._xcopy = Move(g.x_shape, contiguous(g.x_shape), contiguous(g.x_shape))
             return
@@ -386,9 +388,19 @@ class Conv2dGradWeightPlan(_GradPlan):
         wm.launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
 
     def _run_native(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
-        """The native kernel: x and dy read in place (a misaligned one, or dy under a mask / prologue, copied)."""
+        """The native kernel: x and dy read in place (a misaligned one, or dy under a mask / prologue, copied);
+        NCHW: x and dy moved to NHWC (the mask / prologue on dy's move), dw moved back."""
         g, dev, dt = self.problem, self.device_id, self.dtype
         mode = _mode(fp)
+        if self._nchw is not None:
+            xm, dym, wm = self._nchw
+            xt, dyt = self._buf("xt", g.x_shape, dt), self._buf("dyt", g.dy_shape, dt)
+            wt = self._buf("wt", g.w_shape, self.out_dtype)
+            xm.launch(dev, h, dt, dt, x, xt, sms=self.sms)
+            dym.launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
+            self.native.launch(h, xt, dyt, wt)
+            wm.launch(dev, h, self.out_dtype, self.out_dtype, wt, dw, accumulate=self.accumulate, sms=self.sms)
+            return
         if mode != "plain" or dy % 16:
             dz = self._buf("dz", g.dy_shape, dt)
             self._prepass(h, self._pre, dy, dz, mode, fp)
@@ -419,6 +431,16 @@ class Conv2dGradWeightPlan(_GradPlan):
         self.plan._launch(h, src % 16 == 0, True, src, wt, yt, 0, 0, self.plan._folded)
         if not direct:
             outm.launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
+
+
+def _native_wgrad(g, dtype: str, out_dtype: str, accumulate: bool, device_id, arch: str, sms: int):
+    """The kernel that reads the NHWC problem ``g``'s x and dy in place: the native one (sm_90a, C % 64 == 0), the
+    few-channel one (C < 64, R·S·C <= 256), or None."""
+    if _native.unsupported(g, dtype, "NHWC", arch) is None:
+        return _native.NativeWgrad(g, dtype, out_dtype, accumulate, device_id, sms)
+    if _wgrad_small.unsupported(g, dtype, "NHWC") is None:
+        return _wgrad_small.SmallWgrad(g, dtype, out_dtype, accumulate, device_id, sms)
+    return None
 
 
 def _numpy_out(res: np.ndarray, out, dtype):

@@ -418,9 +418,9 @@ def test_small_wgrad_variants_tested():
 
 
 def test_wgrad_nchw_native(rng):
-    """An NCHW 16-bit wgrad runs its NHWC twin's kernel between moves (x and dy to NHWC, the mask / prologue on dy's
-    move, dw back): the moves in numpy around the NHWC reference equal the NCHW reference, accumulation included;
-    the plans pick it where the twin has a kernel."""
+    """An NCHW 16-bit wgrad runs its NHWC twin's kernel after x and dy go to NHWC (dy by a move with the mask /
+    prologue) and moves dw back: those moves in numpy around the NHWC reference equal the NCHW reference,
+    accumulation included; the plans pick it where the twin has a kernel."""
     for case in ((2, 64, 9, 10, 24, 3, 3, 2, 1, 1), (2, 3, 12, 11, 16, 5, 5, 1, 2, 2)):
         p = _geometry(*case)
         xs, ws, ys = shapes(p, "NCHW")
@@ -431,9 +431,8 @@ def test_wgrad_nchw_native(rng):
         mask = np.pad(mask, (0, -len(mask) % 4)).view(np.uint32)
         coef = rng.standard_normal((3, g.K))
         base = rng.standard_normal(ws)
-        xm, dym, wm = g.nhwc_moves()
-        xt, dyt = np.zeros(gn.x_shape), np.zeros(gn.dy_shape)
-        xm.run_numpy(x, xt)
+        dym, wm = g.nhwc_moves()
+        xt, dyt = x.transpose(0, 2, 3, 1), np.zeros(gn.dy_shape)          # (x: the forward's transpose)
         dym.run_numpy(dy, dyt, mode="bn", mask=mask, z=z, coef=coef)
         wt = reference.conv2d_grad_weight_ref(xt, dyt, gn.w_shape, *geom(p), "NHWC")
         dw = base.copy()

@@ -230,15 +230,15 @@ class GradWeightProblem(_Forward):
         return GradWeightProblem((self.N, self.H, self.W, self.C), (self.K, self.R, self.S, self.C), "NHWC",
                                  self.stride, self.padding, self.dilation)
 
-    def nhwc_moves(self) -> tuple[Move, Move, Move]:
-        """For an NCHW problem: x -> (N, H, W, C) and dy -> (N, P, Q, K) (the mask / prologue applied on the way:
-        channel dim 3), both tiled (source contiguous along W); dw' (K, R, S, C) -> dw (K, C, R, S), walked as
-        (C, K, R, S) so that the tile's source-contiguous dim is 0."""
-        N, C, H, W, K, P, Q, R, S = self.N, self.C, self.H, self.W, self.K, self.P, self.Q, self.R, self.S
-        x = Move((N, H, W, C), (C * H * W, W, 1, H * W), contiguous((N, H, W, C)), tb=2)
-        dy = Move((N, P, Q, K), (K * P * Q, Q, 1, P * Q), contiguous((N, P, Q, K)), tb=2, cdim=3, K=K)
+    def nhwc_moves(self) -> tuple[Move, Move]:
+        """For an NCHW problem: dy -> (N, P, Q, K) with the mask / prologue applied on the way (channel dim 3;
+        tiled: the source is contiguous along Q), and dw' (K, R, S, C) -> dw (K, C, R, S), walked as (C, K, R, S)
+        so that the tile's source-contiguous dim is 0. (x, and dy without a mask or prologue, take the forward's
+        NCHW -> NHWC transpose.)"""
+        C, K, P, Q, R, S = self.C, self.K, self.P, self.Q, self.R, self.S
+        dy = Move((self.N, P, Q, K), (K * P * Q, Q, 1, P * Q), contiguous((self.N, P, Q, K)), tb=2, cdim=3, K=K)
         w = Move((C, K, R, S), (1, R * S * C, S * C, C), (R * S, C * R * S, S, 1), tb=0)
-        return x, dy, w
+        return dy, w
 
 
 def _turned(shape, layout: str) -> tuple:

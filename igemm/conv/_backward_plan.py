@@ -17,7 +17,7 @@ from .. import _runtime, reference
 from .._checks import check_aligned, check_flag, check_mask, check_output, check_stream, require_array
 from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
-from . import _native, _wgrad_small
+from . import _native, _transpose, _wgrad_small
 from ._backward import GradInputProblem, GradWeightProblem
 from ._moves import Move, contiguous, dz_fits, launch_dz
 from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
@@ -310,12 +310,12 @@ class Conv2dGradWeightPlan(_GradPlan):
         #: "native" (x and dy read in place: conv/_native.py on sm_90a, conv/_wgrad_small.py for few channels), the
         #: GEMM form's in-place operand ("dy", "x"), or None: the turned convolution (module doc)
         self.role = g.gemm_role(self.mask or self.prologue)
-        self._nchw = None
+        self._nchw = self._xpose = None
         if options is None and layout == "NHWC":
             self.native = _native_wgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id, arch, sms)
         elif options is None and DTYPE_SIZES[self.dtype] == 2:
-            # NCHW: the NHWC twin's kernel between moves of x, dy (with the mask / prologue) and dw, its output in
-            # dw's dtype and the accumulation in the last move (docs/performance.md: wgrad-nchw-native)
+            # NCHW: the NHWC twin's kernel after x and dy are transposed to NHWC (dy by a move with the mask /
+            # prologue), then dw moved back in dw's dtype, accumulating there (docs/performance.md: wgrad-nchw-native)
             self.native = _native_wgrad(g.nhwc(), self.dtype, self.out_dtype, False, self.device_id, arch, sms)
             if self.native is not None:
                 self._nchw = g.nhwc_moves()
@@ -389,15 +389,22 @@ class Conv2dGradWeightPlan(_GradPlan):
 
     def _run_native(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
         """The native kernel: x and dy read in place (a misaligned one, or dy under a mask / prologue, copied);
-        NCHW: x and dy moved to NHWC (the mask / prologue on dy's move), dw moved back."""
+        NCHW: x and dy transposed to NHWC (dy by a move with the mask / prologue), dw moved back."""
         g, dev, dt = self.problem, self.device_id, self.dtype
         mode = _mode(fp)
         if self._nchw is not None:
-            xm, dym, wm = self._nchw
+            dym, wm = self._nchw
             xt, dyt = self._buf("xt", g.x_shape, dt), self._buf("dyt", g.dy_shape, dt)
             wt = self._buf("wt", g.w_shape, self.out_dtype)
-            xm.launch(dev, h, dt, dt, x, xt, sms=self.sms)
-            dym.launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
+            if self._xpose is None:             # x and dy [N][C][HW] -> [N][HW][C]: one launch (plain dy)
+                jx = _transpose.TransposeJob(g.N, g.C, g.H * g.W, 2)
+                jdy = _transpose.TransposeJob(g.N, g.K, g.P * g.Q, 2)
+                self._xpose = (_transpose.Prepared(dev, jx, xt, jdy, dyt), _transpose.Prepared(dev, jx, xt))
+            if mode == "plain":
+                self._xpose[0](h, x, dy)
+            else:
+                self._xpose[1](h, x)
+                dym.launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
             self.native.launch(h, xt, dyt, wt)
             wm.launch(dev, h, self.out_dtype, self.out_dtype, wt, dw, accumulate=self.accumulate, sms=self.sms)
             return

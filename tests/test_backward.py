@@ -353,11 +353,12 @@ def test_gpu_fp32_gradient_and_accumulate(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("C, K, st, role", [(32, 128, 1, "dy"), (128, 60, 1, "x"), (32, 128, 2, "dy")])
+@pytest.mark.parametrize("C, K, st, role", [(96, 128, 1, "dy"), (128, 60, 1, "x"), (96, 128, 2, "dy")])
 @pytest.mark.parametrize("mode", ["plain", "mask", "bn"])
 def test_gpu_wgrad_gemm_form(C, K, st, role, mode, rng):
-    """wgrad's GEMM form (1x1 unpadded NHWC where the native kernel cannot run: C % 64 or K % 8; N·P·Q % 64 == 0 for
-    its MN-major TMA tiles): either operand read in place, strided, with the mask / prologue."""
+    """wgrad's GEMM form (1x1 unpadded NHWC where neither the native kernel (C % 64, K % 8) nor the few-channel one
+    (C < 64) runs; N·P·Q % 64 == 0 for its MN-major TMA tiles): either operand read in place, strided, with the mask /
+    prologue."""
     torch = pytest.importorskip("torch")
     p = one_by_one(dict(N=2, C=C, H=16, W=16, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
     xs, ws, _ = shapes(p, "NHWC")
@@ -424,7 +425,7 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
                        device="numpy", arch="sm_90a", sms=132).sub_plans():
             name, s = sub.kernel(True, True)
             out[s] = name
-    for C, K, st in ((32, 128, 1), (128, 60, 1), (32, 128, 2)):
+    for C, K, st in ((96, 128, 1), (128, 60, 1), (96, 128, 2)):          # test_gpu_wgrad_gemm_form
         p = one_by_one(dict(N=2, C=C, H=16, W=16, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
         xs, ws, _ = shapes(p, "NHWC")
         for fused in (False, True):

@@ -17,7 +17,23 @@ namespace igemm::pool {
 template <class T, int V>
 struct alignas(sizeof(T) * V) Vec { T v[V]; };
 
-template <class T, int V, bool Idx, class P>
+// One window tap's vector into the running maximum (m, k): PyTorch's rule, the first tap inside x taken whatever
+// its value.
+template <class T, int V>
+IGEMM_DEVICE void take_tap(float (&m)[V], Vec<uint8_t, V>& k, const Vec<T, V>& r, uint8_t tap) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float v = to_float(r.v[j]);
+    if (k.v[j] == 255 || v > m[j] || v != v) {
+      m[j] = v;
+      k.v[j] = tap;
+    }
+  }
+}
+
+// KS > 0: a KS x KS window (ResNet's 3x3, VGG's 2x2) whose taps' loads all issue before the first compare (one
+// round trip to memory a pixel instead of KS² in turn; docs/performance.md: maxpool-taps-unrolled); 0: any window.
+template <class T, int V, bool Idx, int KS, class P>
 __device__ void maxpool_fwd(const P& p) {
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(const_cast<void*>(p.y));
@@ -36,21 +52,33 @@ __device__ void maxpool_fwd(const P& p) {
       m[j] = -__int_as_float(0x7f800000);
       k.v[j] = 255;                          // (no tap yet: the first one inside x is taken whatever its value)
     }
-    for (int kh = 0; kh < p.KH; ++kh) {
-      const int ih = oh * p.sh - p.ph + kh * p.dh;
-      if (unsigned(ih) >= unsigned(p.H)) continue;
-      for (int kw = 0; kw < p.KW; ++kw) {
-        const int iw = ow * p.sw - p.pw + kw * p.dw;
-        if (unsigned(iw) >= unsigned(p.W)) continue;
-        const Vec<T, V> r = *reinterpret_cast<const Vec<T, V>*>(x + ((int64_t(n) * p.H + ih) * p.W + iw) * p.C + c);
-        const uint8_t tap = uint8_t(kh * p.KW + kw);
+    const int h0 = oh * p.sh - p.ph, w0 = ow * p.sw - p.pw;
+    const T* xn = x + int64_t(n) * p.H * p.W * p.C + c;
+    if constexpr (KS > 0) {
+      Vec<T, V> r[KS][KS];
+      bool in[KS][KS];
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float v = to_float(r.v[j]);
-          if (k.v[j] == 255 || v > m[j] || v != v) {
-            m[j] = v;
-            k.v[j] = tap;
-          }
+      for (int kh = 0; kh < KS; ++kh)
+#pragma unroll
+        for (int kw = 0; kw < KS; ++kw) {
+          const int ih = h0 + kh * p.dh, iw = w0 + kw * p.dw;
+          in[kh][kw] = unsigned(ih) < unsigned(p.H) && unsigned(iw) < unsigned(p.W);
+          if (in[kh][kw]) r[kh][kw] = *reinterpret_cast<const Vec<T, V>*>(xn + (int64_t(ih) * p.W + iw) * p.C);
+        }
+#pragma unroll
+      for (int kh = 0; kh < KS; ++kh)
+#pragma unroll
+        for (int kw = 0; kw < KS; ++kw)
+          if (in[kh][kw]) take_tap<T, V>(m, k, r[kh][kw], uint8_t(kh * KS + kw));
+    } else {
+      for (int kh = 0; kh < p.KH; ++kh) {
+        const int ih = h0 + kh * p.dh;
+        if (unsigned(ih) >= unsigned(p.H)) continue;
+        for (int kw = 0; kw < p.KW; ++kw) {
+          const int iw = w0 + kw * p.dw;
+          if (unsigned(iw) >= unsigned(p.W)) continue;
+          take_tap<T, V>(m, k, *reinterpret_cast<const Vec<T, V>*>(xn + (int64_t(ih) * p.W + iw) * p.C),
+                         uint8_t(kh * p.KW + kw));
         }
       }
     }

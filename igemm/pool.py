@@ -61,23 +61,33 @@ def fits(dtype: str, N: int, C: int, H: int, W: int, OH: int, OW: int, k: tuple,
     return None
 
 
-def _stub(kind: str, dtype: str, v: int, idx: bool = False) -> str:
+#: square windows whose forward has its own kernel (taps unrolled: csrc/pool.cuh); 0: any window
+WINDOWS = (0, 2, 3)
+
+
+def _ks(k: tuple) -> int:
+    """The forward kernel's window template argument for a ``k`` window."""
+    return k[0] if k[0] == k[1] and k[0] in WINDOWS else 0
+
+
+def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
     t = DTYPE_CTYPE[dtype]
     if kind == "fwd":
         return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_fwd", params=_FWD_PARAMS,
                                      threads=_THREADS, body=f"igemm::pool::maxpool_fwd<{t}, {v}, "
-                                                            f"{str(idx).lower()}>(p);")
+                                                            f"{str(idx).lower()}, {ks}>(p);")
     return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_bwd", params=_BWD_PARAMS,
                                  threads=_THREADS, body=f"igemm::pool::maxpool_bwd<{t}, {v}>(p);")
 
 
-def _name(kind: str, dtype: str, v: int, idx: bool = False) -> str:
-    return f"maxpool_{kind}_{dtype}_v{v}{'_idx' if idx else ''}"
+def _name(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
+    return f"maxpool_{kind}_{dtype}_v{v}{'_idx' if idx else ''}{f'_k{ks}' if ks else ''}"
 
 
 @lru_cache(maxsize=64)
-def _launcher(kind: str, dtype: str, v: int, idx: bool, device_id: int, grid: int):
-    k = _kernel.load(_stub(kind, dtype, v, idx), _name(kind, dtype, v, idx), f"igemm_maxpool_{kind}", device_id)
+def _launcher(kind: str, dtype: str, v: int, idx: bool, device_id: int, grid: int, ks: int = 0):
+    k = _kernel.load(_stub(kind, dtype, v, idx, ks), _name(kind, dtype, v, idx, ks), f"igemm_maxpool_{kind}",
+                     device_id)
     return _kernel.Launcher(k, grid, _THREADS)
 
 
@@ -101,7 +111,7 @@ def launch_forward(device_id: int, stream: int, dtype: str, geom: tuple, x: int,
     with :func:`fits` true; x, y and idx as :func:`vec` was given."""
     N, C, H, W, OH, OW = geom[:6]
     v = vec(dtype, C, x, y, idx)
-    _launcher("fwd", dtype, v, bool(idx), device_id, _grid(N * OH * OW * C // v, sms))(
+    _launcher("fwd", dtype, v, bool(idx), device_id, _grid(N * OH * OW * C // v, sms), _ks(geom[6]))(
         stream, _template("fwd", v, *geom).bind(dict(x=x, y=y, idx=idx)))
 
 
@@ -119,7 +129,7 @@ def all_variants() -> list[tuple[str, str]]:
     out = []
     for dt in DTYPES:
         for v in sorted({1, 16 // DTYPE_SIZES[dt]}):
-            out += [(_name("fwd", dt, v, i), _stub("fwd", dt, v, i)) for i in (False, True)]
+            out += [(_name("fwd", dt, v, i, ks), _stub("fwd", dt, v, i, ks)) for i in (False, True) for ks in WINDOWS]
             out.append((_name("bwd", dt, v), _stub("bwd", dt, v)))
     return out
 

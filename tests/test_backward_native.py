@@ -63,6 +63,13 @@ def test_gpu_wgrad_native(case, dtype, rng):
     p = _geometry(*case)
     xs, ws, ys = shapes(p, "NHWC")
     assert igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NHWC", *geom(p)).role == "native"
+    _check_wgrad(torch, p, dtype, rng)
+
+
+def _check_wgrad(torch, p: dict, dtype: str, rng) -> tuple:
+    """An NHWC wgrad plan against float64: plain, with the mask and with the prologue; dw into an fp32 out and
+    accumulated there. Returns (x, dy, the float64 dw) of the last check."""
+    xs, ws, ys = shapes(p, "NHWC")
     for mode in ("plain", "mask", "bn"):
         assert _run_case(torch, p, "NHWC", dtype, rng, "wgrad", mode) <= TOL[dtype], mode
     x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal(ys), dtype)
@@ -73,6 +80,7 @@ def test_gpu_wgrad_native(case, dtype, rng):
     igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=acc, accumulate=True)
     assert rel_err(to_numpy(out), ref) < TOL[dtype]
     assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL[dtype]
+    return x, dy, ref
 
 
 def test_wgrad_native_choice():
@@ -383,16 +391,7 @@ def test_gpu_wgrad_small(case, dtype, rng):
     p = _geometry(*case)
     xs, ws, ys = shapes(p, "NHWC")
     assert isinstance(igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NHWC", *geom(p)).native, wsm.SmallWgrad)
-    for mode in ("plain", "mask", "bn"):
-        assert _run_case(torch, p, "NHWC", dtype, rng, "wgrad", mode) <= TOL[dtype], mode
-    x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal(ys), dtype)
-    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, *geom(p), "NHWC")
-    base = torch.randn(ws, dtype=torch.float32, device="cuda")
-    out, acc = poison(torch.empty(ws, dtype=torch.float32, device="cuda")), base.clone()
-    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=out)
-    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=acc, accumulate=True)
-    assert rel_err(to_numpy(out), ref) < TOL[dtype]
-    assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL[dtype]
+    x, dy, ref = _check_wgrad(torch, p, dtype, rng)
     g = GradWeightProblem(xs, ws, "NHWC", *geom(p))
     h = torch.cuda.current_stream().cuda_stream
     nt = wsm.choose_spec(g, dtype).nt

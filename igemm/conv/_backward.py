@@ -223,8 +223,7 @@ class GradWeightProblem(_Forward):
             return Move(self.w_shape, (sK, sC, sR, sS), contiguous(self.w_shape), tb=0)
         return Move(self.w_shape, (sK, sR, sS, sC), contiguous(self.w_shape), tb=0)
 
-
-    # ---- an NCHW problem on the native kernels: its NHWC twin, x and dy moved to NHWC, dw moved back
+    # ---- an NCHW problem on the native kernels: its NHWC twin, x and dy transposed to NHWC, dw moved back
     def nhwc(self) -> "GradWeightProblem":
         """The same problem in NHWC (shapes (N, H, W, C), (K, R, S, C))."""
         return GradWeightProblem((self.N, self.H, self.W, self.C), (self.K, self.R, self.S, self.C), "NHWC",

@@ -289,8 +289,9 @@ class Conv2dGradWeightPlan(_GradPlan):
     ``out_dtype``: dw's dtype (default: x's; ``"float32"`` for fp32 gradients of a 16-bit problem);
     ``accumulate``: add into ``out`` (gradient accumulation) instead of overwriting it. ``role``: ``"native"``
     (x and dy read in place: sm_90a, 16-bit NHWC, C % 64 == 0, K % 8 == 0; or 16-bit NHWC with C < 64,
-    R·S·C <= 256, K % 8 == 0: the few-channel kernel, :mod:`._wgrad_small`), ``"dy"``/``"x"`` (the 1x1 GEMM form)
-    or None (the turned convolution); ``options`` (for the forward plans) selects the forward-kernel forms.
+    R·S·C <= 256, K % 8 == 0: the few-channel kernel, :mod:`._wgrad_small`; a 16-bit NCHW problem runs its NHWC
+    twin's kernel on transposed copies), ``"dy"``/``"x"`` (the 1x1 GEMM form) or None (the turned convolution);
+    ``options`` (for the forward plans) selects the forward-kernel forms.
     """
 
     @keeps_current_context

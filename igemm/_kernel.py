@@ -16,7 +16,7 @@ import numpy as np
 from . import _hostlaunch, _runtime
 from .fastdiv import magic
 
-__all__ = ["ParamSpec", "PackedArgs", "render_kernel", "pack_args", "Launcher", "load"]
+__all__ = ["ParamSpec", "PackedArgs", "render_kernel", "pack_args", "Launcher", "load", "resident_blocks"]
 
 
 @dataclass(frozen=True)
@@ -211,9 +211,9 @@ class Launcher:
     """
 
     __slots__ = ("kernel", "func", "grid", "block", "smem", "_launch", "_ctx", "_ctx_id", "_get_ctx", "_set_ctx",
-                 "_fn", "_pdl", "_pdl_cfg")
+                 "_fn", "_pdl", "_pdl_cfg", "coop")
 
-    def __init__(self, kernel, grid, block, smem: int = 0, pdl: bool = False):
+    def __init__(self, kernel, grid, block, smem: int = 0, pdl: bool = False, coop: bool = False):
         from cuda.bindings import driver
         self.kernel = kernel
         h = kernel.handle
@@ -228,7 +228,10 @@ class Launcher:
         self.grid = tuple(int(v) for v in g) + (1,) * (3 - len(g))
         self.block = tuple(int(v) for v in b) + (1,) * (3 - len(b))
         self.smem = int(smem)
-        self._launch = driver.cuLaunchKernel
+        # coop: a cooperative launch (cuLaunchCooperativeKernel: the whole grid resident at once, for a kernel with
+        # grid barriers; the caller sized the grid by the occupancy)
+        self.coop = bool(coop)
+        self._launch = driver.cuLaunchCooperativeKernel if coop else driver.cuLaunchKernel
         # the function belongs to the context current now (its device's primary context, see
         # _runtime.device); a launch makes it current if the caller's is another device's
         api = _runtime._ctx_api()                  # None without a driver (launches then are stand-ins)
@@ -258,7 +261,11 @@ class Launcher:
         g, b = self.grid, self.block
         m = _hostlaunch.MOD
         if m is not None:
-            err = m.raw(self._fn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, handle, args.address)
+            err = (m.coop if self.coop else m.raw)(self._fn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, handle,
+                                                    args.address)
+        elif self.coop:
+            (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
+                                  args.address)
         else:
             (err,) = self._launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, _cu_stream(handle),
                                   args.address, 0)
@@ -270,7 +277,7 @@ class Launcher:
         may start while that kernel's last CTAs still run; the kernel must call ``pdl_wait()``
         (csrc/common.cuh) before it reads that kernel's outputs. Elsewhere (before sm_90, no
         cuLaunchKernelEx, the CPU tests' stand-in driver) a plain launch."""
-        if self._get_ctx is None or not self._pdl:
+        if self._get_ctx is None or not self._pdl or self.coop:
             return self(stream, args)
         from cuda.bindings import driver
         handle = stream if isinstance(stream, int) else int(stream.handle)
@@ -296,6 +303,19 @@ class Launcher:
         (err,) = driver.cuLaunchKernelEx(cfg, self.func, args.address, 0)
         if err:
             raise launch_error(err)
+
+
+def resident_blocks(launcher: Launcher, threads: int, smem: int = 0) -> int:
+    """How many blocks of ``threads`` threads of the launcher's kernel an SM holds at once (0 without a driver):
+    what sizes a cooperative launch's grid."""
+    if launcher._get_ctx is None:
+        return 0
+    from cuda.bindings import driver
+    launcher.make_current()
+    err, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(launcher.func, threads, smem)
+    if int(err) != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: {err}")
+    return int(n)
 
 
 def launch_error(err) -> RuntimeError:

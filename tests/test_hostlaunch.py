@@ -185,8 +185,15 @@ def test_a_malformed_record_writes_nothing(hl, bad):
     assert buf[0] == 0x100 and buf[1] == 0x205 and driver.calls[0][0] == (0x1111, 1, 1, 1, 32, 1, 1, 0, 9, 0xAAA0)
 
 
-def test_raw_and_ctx(hl):
+def test_raw_coop_and_ctx(hl):
+    """raw and coop launch with their arguments as given (coop through the stand-in's launch: it has no cooperative
+    entry point), and a malformed call raises."""
     driver = Driver(hl, [])
     assert hl.raw(0x1111, 2, 3, 4, 5, 6, 7, 8, 9, 0xAAA0) == 0
-    assert driver.calls[0][0] == (0x1111, 2, 3, 4, 5, 6, 7, 8, 9, 0xAAA0)
+    assert hl.coop(0x2222, 3, 1, 1, 256, 1, 1, 0, 7, 0xBBB0) == 0
+    assert [c for c, _ in driver.calls] == [(0x1111, 2, 3, 4, 5, 6, 7, 8, 9, 0xAAA0), (0x2222, 3, 1, 1, 256, 1, 1, 0, 7,
+                                                                                       0xBBB0)]
     assert hl.ctx() == 0x5EED
+    for f in (hl.raw, hl.coop):
+        with pytest.raises(TypeError):
+            f(1, 2, 3)

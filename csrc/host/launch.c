@@ -1,7 +1,8 @@
 /* igemm's launch step in C: a launch record's argument binds and cuLaunchKernel calls, for conv plan calls
- * (launch) and for every other launcher (raw). A CPython extension, built on first use by igemm/_hostlaunch.py
- * with the host C compiler; no CUDA headers: the driver's cuLaunchKernel and cuCtxGetCurrent are found with
- * dlsym in the libcuda.so.1 the process has loaded (init), or set by set_driver (the CPU tests' stand-ins).
+ * (launch) and for every other launcher (raw; coop for a cooperative one). A CPython extension, built on first use
+ * by igemm/_hostlaunch.py with the host C compiler; no CUDA headers: the driver's cuLaunchKernel,
+ * cuLaunchCooperativeKernel and cuCtxGetCurrent are found with dlsym in the libcuda.so.1 the process has loaded
+ * (init), or set by set_driver (the CPU tests' stand-ins).
  * Why C: the same binds through cuda.bindings cost a conv plan call ~1.8x the host time relative to PyTorch's
  * own call (docs/performance.md: host-c-bind-step).
  *
@@ -21,9 +22,12 @@
 
 typedef int (*cu_launch_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                            unsigned bz, unsigned smem, void *stream, void **params, void **extra);
+typedef int (*cu_coop_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                         unsigned smem, void *stream, void **params);
 typedef int (*cu_ctx_get_t)(void **ctx);
 
 static cu_launch_t g_launch = NULL;
+static cu_coop_t g_coop = NULL;   /* NULL with a stand-in driver that has none: coop goes through g_launch */
 static cu_ctx_get_t g_ctx_get = NULL;
 
 enum { STEP = 11, BIND = 3, MAX_STEPS = 4, MAX_BINDS = 16, SOURCES = 6 };
@@ -106,24 +110,47 @@ static PyObject *hl_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return err < 0 ? NULL : PyLong_FromLong(err);
 }
 
-/* raw(func, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult: one cuLaunchKernel */
-static PyObject *hl_raw(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+/* The ten arguments of raw / coop as int64 (0 with an exception set where one is not an int). */
+static int read_launch(PyObject *const *args, Py_ssize_t nargs, const char *sig, int64_t d[10]) {
     if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "raw(func, gx, gy, gz, bx, by, bz, smem, stream, params)");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, sig);
+        return 0;
     }
     if (!have_driver())
-        return NULL;
-    int64_t d[10];
+        return 0;
     uint64_t v;
     for (int i = 0; i < 10; ++i) {
         if (!read_u64(args[i], &v))
-            return NULL;
+            return 0;
         d[i] = (int64_t)v;
     }
+    return 1;
+}
+
+/* raw(func, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult: one cuLaunchKernel */
+static PyObject *hl_raw(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t d[10];
+    if (!read_launch(args, nargs, "raw(func, gx, gy, gz, bx, by, bz, smem, stream, params)", d))
+        return NULL;
     const int64_t step[STEP] = {d[0], d[9], 0, d[1], d[2], d[3], d[4], d[5], d[6], d[7], 0};
     return PyLong_FromLong(launch_step(step, (void *)(uintptr_t)d[8]));
+}
+
+/* coop(func, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult: one cuLaunchCooperativeKernel (the grid
+ * resident at once: a kernel with grid barriers) */
+static PyObject *hl_coop(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t d[10];
+    if (!read_launch(args, nargs, "coop(func, gx, gy, gz, bx, by, bz, smem, stream, params)", d))
+        return NULL;
+    if (g_coop == NULL) {
+        const int64_t step[STEP] = {d[0], d[9], 0, d[1], d[2], d[3], d[4], d[5], d[6], d[7], 0};
+        return PyLong_FromLong(launch_step(step, (void *)(uintptr_t)d[8]));
+    }
+    return PyLong_FromLong(g_coop((void *)(uintptr_t)d[0], (unsigned)d[1], (unsigned)d[2], (unsigned)d[3],
+                                  (unsigned)d[4], (unsigned)d[5], (unsigned)d[6], (unsigned)d[7],
+                                  (void *)(uintptr_t)d[8], (void **)(uintptr_t)d[9]));
 }
 
 /* ctx() -> the calling thread's current CUcontext as an int (0: none) */
@@ -140,20 +167,22 @@ static PyObject *hl_ctx(PyObject *self, PyObject *noargs) {
     return PyLong_FromUnsignedLongLong((uint64_t)(uintptr_t)c);
 }
 
-/* init() -> True when the loaded libcuda.so.1 provides both entry points (it is not loaded here) */
+/* init() -> True when the loaded libcuda.so.1 provides the three entry points (it is not loaded here) */
 static PyObject *hl_init(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (lib != NULL) {
         g_launch = (cu_launch_t)dlsym(lib, "cuLaunchKernel");
+        g_coop = (cu_coop_t)dlsym(lib, "cuLaunchCooperativeKernel");
         g_ctx_get = (cu_ctx_get_t)dlsym(lib, "cuCtxGetCurrent");
         dlclose(lib);   /* (NOLOAD took a reference; the process's own keeps it loaded) */
     }
-    return PyBool_FromLong(g_launch != NULL && g_ctx_get != NULL);
+    return PyBool_FromLong(g_launch != NULL && g_coop != NULL && g_ctx_get != NULL);
 }
 
-/* set_driver(launch_address, ctx_address): stand-in entry points (function pointers as ints) */
+/* set_driver(launch_address, ctx_address): stand-in entry points (function pointers as ints); coop launches go
+ * through the launch stand-in */
 static PyObject *hl_set_driver(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     uint64_t a, c;
@@ -164,6 +193,7 @@ static PyObject *hl_set_driver(PyObject *self, PyObject *const *args, Py_ssize_t
     if (!read_u64(args[0], &a) || !read_u64(args[1], &c))
         return NULL;
     g_launch = (cu_launch_t)(uintptr_t)a;
+    g_coop = NULL;
     g_ctx_get = (cu_ctx_get_t)(uintptr_t)c;
     Py_RETURN_NONE;
 }
@@ -171,6 +201,7 @@ static PyObject *hl_set_driver(PyObject *self, PyObject *const *args, Py_ssize_t
 static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))hl_launch, METH_FASTCALL, "a launch record's binds and launches"},
     {"raw", (PyCFunction)(void (*)(void))hl_raw, METH_FASTCALL, "one cuLaunchKernel"},
+    {"coop", (PyCFunction)(void (*)(void))hl_coop, METH_FASTCALL, "one cuLaunchCooperativeKernel"},
     {"ctx", hl_ctx, METH_NOARGS, "the current context as an int"},
     {"init", hl_init, METH_NOARGS, "find the driver's entry points"},
     {"set_driver", (PyCFunction)(void (*)(void))hl_set_driver, METH_FASTCALL, "stand-in entry points"},

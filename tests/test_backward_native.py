@@ -54,6 +54,26 @@ def test_gpu_dgrad_native(case, dtype, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [NATIVE_DGRAD[i] for i in (0, 1, 8, 9, 13)], ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_dgrad_native_adds(case, dtype, rng):
+    """dgrad's store adding into dx (``_run(..., add=True)``: the training path's identity gradient) equals the plain
+    dgrad then a torch add, bit for bit, zero phases (stride > 1) included: rows no tap reaches keep dx."""
+    torch = pytest.importorskip("torch")
+    p = _geometry(*case)
+    xs, ws, ys = shapes(p, "NHWC")
+    plan = igemm.Conv2dGradInputPlan(xs, ws, dtype, "NHWC", *geom(p))
+    assert plan.adds
+    dy, w, old = (to_torch(rng.standard_normal(s), dtype) for s in (ys, ws, xs))
+    h = torch.cuda.current_stream().cuda_stream
+    plain, dx = poison(torch.empty_like(old)), old.clone()
+    plan._run(h, dy.data_ptr(), w.data_ptr(), plain.data_ptr(), {"mask": 0, "z": 0, "coef": 0})
+    plan._run(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), {"mask": 0, "z": 0, "coef": 0}, add=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dx, plain + old)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", NATIVE_WGRAD, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_wgrad_native(case, dtype, rng):
@@ -206,7 +226,8 @@ def test_dgrad_native_choice():
         assert why in _native.dgrad_unsupported(GradInputProblem(*shapes_, "NHWC", 1, 1, 1), "float16", "NHWC",
                                                 "sm_90a")
     plan = igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
-    assert plan.native is not None and [k.kernel()[0] for k in plan.sub_plans()] == [plan.native.spec.name()]
+    assert plan.native is not None and [k.kernel()[0] for k in plan.sub_plans()] == [plan.native.spec.name(),
+                                                                                    plan.native.spec.name() + "_add"]
     strided = igemm.Conv2dGradInputPlan((32, 56, 56, 128), (128, 3, 3, 128), "float16", "NHWC", 2, 1, device="numpy")
     assert strided.native is not None and not strided.native.zero
     assert igemm.Conv2dGradInputPlan((32, 56, 56, 256), (512, 1, 1, 256), "float16", "NHWC", 2, 0,
@@ -279,7 +300,8 @@ def test_gpu_native_variants(dtype, rng):
 
 
 def test_native_kernels_compile():
-    """The native wgrad kernel, its split sum and the native dgrad kernel compile (nvcc; CI has it)."""
+    """The native wgrad kernel, its split sum and the native dgrad kernel with its adding twin compile (nvcc; CI has
+    it)."""
     from igemm import _build
     try:
         _build.find_toolchain()
@@ -288,7 +310,7 @@ def test_native_kernels_compile():
     plan = igemm.Conv2dGradWeightPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
     dplan = igemm.Conv2dGradInputPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
     ks = [k.kernel() for k in plan.sub_plans() + dplan.sub_plans()]
-    assert len(ks) == 3 and _build.compile_many(ks, "sm_90a", 2) == 3
+    assert len(ks) == 4 and _build.compile_many(ks, "sm_90a", 2) == 4
 
 
 #: the few-channel wgrad (C < 64, R·S·C <= 256): every column-block count NT = 1..8 in both forms (the rows form

@@ -81,10 +81,11 @@ IGEMM_DEVICE TileCoord grad_tile_coord(int u, int ncol) {
 // as pairs, then out in 16-byte vectors, whole rows per warp, by the NT threads of the tile's warpgroups (tid
 // = 0..NT-1; `sync` orders them). Row `row` < M lands at out + row_at(row) (an element offset; negative: a row not
 // stored), columns col < Ncol. Rows LD elements apart (16-byte multiples, rows 4 or 8 banks apart: the pair writes
-// are conflict-free for 16-bit types).
+// are conflict-free for 16-bit types). `add`: out = TO(tile) + out, summed in fp32 and rounded (what adding the stored
+// tile to out as a separate step gives, bit for bit).
 template <class TO, int BM, int BN, int NT, class RowAt, class Sync>
 IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const RowAt& row_at, int m0, int n0, int M,
-                             int Ncol, Sync sync) {
+                             int Ncol, Sync sync, bool add = false) {
   constexpr int V = 16 / sizeof(TO), LD = BN + V;
   const int lane = tid & 31, w = (tid >> 5) & 3;
   const int rl = (tid / 128) * 64 + w * 16 + (lane >> 2);
@@ -97,6 +98,30 @@ IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const R
   sync();
   constexpr int VPR = BN / V;               // vectors a row
   const bool whole = Ncol % V == 0;         // (else element stores at the right edge)
+  if (add && whole) {                       // every old vector of the thread loaded first: one latency, not ITERS
+    constexpr int ITERS = (BM * VPR + NT - 1) / NT;
+    uint4 old[ITERS];
+    TO* dst[ITERS];
+#pragma unroll
+    for (int k = 0; k < ITERS; ++k) {
+      const int i = tid + k * NT, r = i / VPR, c = (i % VPR) * V, row = m0 + r, col = n0 + c;
+      const int64_t at = i < BM * VPR && row < M && col < Ncol ? row_at(row) : -1;
+      dst[k] = at < 0 ? nullptr : out + at + col;
+      if (dst[k] != nullptr) old[k] = *reinterpret_cast<const uint4*>(dst[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < ITERS; ++k) {
+      if (dst[k] == nullptr) continue;
+      const int i = tid + k * NT;
+      alignas(16) TO v[V], o[V];
+      *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(cs + (i / VPR) * LD + (i % VPR) * V);
+      *reinterpret_cast<uint4*>(o) = old[k];
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = from_float<TO>(to_float(v[e]) + to_float(o[e]));
+      *reinterpret_cast<uint4*>(dst[k]) = *reinterpret_cast<const uint4*>(v);
+    }
+    return;
+  }
   for (int i = tid; i < BM * VPR; i += NT) {
     const int r = i / VPR, c = (i % VPR) * V, row = m0 + r, col = n0 + c;
     if (row >= M || col >= Ncol) continue;
@@ -109,7 +134,7 @@ IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const R
     } else {
 #pragma unroll
       for (int e = 0; e < V; ++e)
-        if (col + e < Ncol) dst[e] = src[e];
+        if (col + e < Ncol) dst[e] = add ? from_float<TO>(to_float(src[e]) + to_float(dst[e])) : src[e];
     }
   }
 }
@@ -181,7 +206,8 @@ IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b
   if (un.m0 >= wk.M()) return;
   __syncthreads();                          // (every warpgroup is done with the stages: the C tile takes them)
   store_tile<TO, BM, BN, BM * 2>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
-                                 [&](int row) { return wk.row_at(row); }, un.m0, un.n0, wk.M(), wk.Ncol(), CtaSync{});
+                                 [&](int row) { return wk.row_at(row); }, un.m0, un.n0, wk.M(), wk.Ncol(), CtaSync{},
+                                 wk.add());
 }
 
 struct ConsumerSync {                       // the consumer warpgroups of grad_ws (named barrier 1)
@@ -243,7 +269,7 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
     if (un.m0 >= wk.M()) continue;          // (uniform)
     const ConsumerSync sync{NT};
     store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(row); }, un.m0,
-                               un.n0, wk.M(), wk.Ncol(), sync);
+                               un.n0, wk.M(), wk.Ncol(), sync, wk.add());
     sync();                                 // the C tile is free for the next unit
   }
 }
@@ -305,6 +331,7 @@ struct WgradWork {
     return static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(un.z) * p.M * p.Ncol;
   }
   IGEMM_DEVICE int64_t row_at(int row) const { return int64_t(row) * p.Ncol; }
+  IGEMM_DEVICE bool add() const { return false; }
 };
 
 template <class T, class TO, int BM, int BN, int Stages, bool Ws, class P>
@@ -312,8 +339,9 @@ __device__ void wgrad(const P& p) {
   grad_run<T, TO, BM, BN, Stages, Ws, false>(WgradWork<TO, BM, BN, P>{p}, p.tmA, p.tmB);
 }
 
-// dgrad's units: the sub-output's tiles, every one over all taps × K / 64 k-tiles.
-template <class T, int BM, int BN, class P>
+// dgrad's units: the sub-output's tiles, every one over all taps × K / 64 k-tiles. Add: dx += the tile (the training
+// path's identity gradient, igemm/nn/_train_fast.py: _Link).
+template <class T, int BM, int BN, bool Add, class P>
 struct DgradWork {
   static constexpr int NB = BN / 64;
   const P& p;
@@ -351,11 +379,12 @@ struct DgradWork {
     if (unsigned(i) >= unsigned(p.rows_h) || unsigned(j) >= unsigned(p.rows_w)) return -1;
     return ((int64_t(n) * p.H + p.ph_h + p.st_h * i) * p.W + p.ph_w + p.st_w * j) * p.C;
   }
+  IGEMM_DEVICE bool add() const { return Add; }
 };
 
-template <class T, int BM, int BN, int Stages, bool Ws, class P>
+template <class T, int BM, int BN, int Stages, bool Ws, bool Add, class P>
 __device__ void dgrad(const P& p) {
-  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, P>{p}, p.tmA, p.tmB);
+  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, P>{p}, p.tmA, p.tmB);
 }
 
 // dst[i] (+)= sum over z of src[z·n + i], z = 0, 1, ... in order; n % 4 == 0, src 16-byte aligned, grid-stride.

@@ -237,6 +237,11 @@ class Conv2dGradInputPlan(_GradPlan):
         its kernel (with the plans' ``kernel()``)."""
         return self.native.kernels() if self.native is not None else list(self.plans.values())
 
+    @property
+    def adds(self) -> bool:
+        """Whether ``_run(..., add=True)`` adds into dx (the native kernel's store does)."""
+        return self.native is not None
+
     def __call__(self, dy, w, *, mask=None, prologue=None, out=None, stream=None):
         """dx for ``dy`` (the forward output's gradient) and the filter ``w``. ``out``: a preallocated dx."""
         g = self.problem
@@ -258,9 +263,12 @@ class Conv2dGradInputPlan(_GradPlan):
         res = reference.conv2d_grad_input_ref(d, wt, g.x_shape, g.stride, g.padding, g.dilation, self.layout)
         return _numpy_out(res, out, np.asarray(v["dy"].obj).dtype)
 
-    def _run(self, h: int, dy: int, w: int, dx: int, fp: dict) -> None:
-        """The launches on stream ``h``; ``fp``: the mask / prologue pointers (0: none)."""
+    def _run(self, h: int, dy: int, w: int, dx: int, fp: dict, add: bool = False) -> None:
+        """The launches on stream ``h``; ``fp``: the mask / prologue pointers (0: none); ``add``: dx += the gradient
+        (the native kernel only: see :attr:`adds`)."""
         g, dev, es, dt = self.problem, self.device_id, DTYPE_SIZES[self.dtype], self.dtype
+        if add and self.native is None:
+            raise ValueError("add: only the native dgrad kernel adds into dx")
         mode = _mode(fp)
         if mode != "plain" or dy % 16:        # (an unaligned dy is moved too: the phases read aligned rows)
             dz = self._buf("dz", g.dy_shape, dt)
@@ -271,7 +279,7 @@ class Conv2dGradInputPlan(_GradPlan):
                 wc = self._buf("wc", g.w_shape, dt)
                 self._wcopy.launch(dev, h, dt, dt, w, wc, sms=self.sms)
                 w = wc
-            return self.native.launch(h, dy, w, dx)
+            return self.native.launch(h, dy, w, dx, add)
         if self._zero:                        # rows no tap reaches: zero at memset speed first
             _runtime.memset_d8(dx, 0, self._dx_bytes, _runtime.RawStream(h))
         for i, plan, fmove, imove, off, f_shape in self._phases:

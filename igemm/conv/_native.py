@@ -18,7 +18,7 @@ directly (no interleave); a zero phase is a memset of dx first.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import _kernel, _runtime
 from .._kernel import ParamSpec
@@ -69,10 +69,10 @@ class _Grid:
     def _suffix(self) -> str:
         return "_ws" if self.ws else ""
 
-    def _render(self, op: str, params, targs: str) -> str:
+    def _render(self, op: str, params, targs: str, tail: str = "") -> str:
         return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry=f"igemm_{op}", params=params,
                                      threads=self.threads, min_blocks=1,
-                                     body=f"igemm::grad::{op}<{targs}, {self.stages}, {str(self.ws).lower()}>(p);")
+                                     body=f"igemm::grad::{op}<{targs}, {self.stages}, {str(self.ws).lower()}{tail}>(p);")
 
     def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
         """``(name, source)``, as the forward plans give theirs to the precompile tools."""
@@ -266,22 +266,25 @@ class NativeWgrad:
 
 @dataclass(frozen=True)
 class DgradSpec(_Grid):
-    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws>``)."""
+    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add>``; ``add``: its store
+    adds into dx)."""
     dtype: str
     bm: int
     bn: int
     stages: int
     ws: bool = False
+    add: bool = False
 
     @property
     def _out(self) -> str:
         return self.dtype
 
     def name(self) -> str:
-        return f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}"
+        return f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}{'_add' if self.add else ''}"
 
     def stub(self) -> str:
-        return self._render("dgrad", DGRAD_PARAMS, f"{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}")
+        return self._render("dgrad", DGRAD_PARAMS, f"{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}",
+                            f", {str(self.add).lower()}")
 
 
 def _sub(g, ph, dtype: str) -> ConvProblem:
@@ -332,13 +335,14 @@ class NativeDgrad:
         self.g, self.dtype, self.device_id, self.sms = g, dtype, device_id, sms
         self.spec = spec or choose_dgrad_spec(g, dtype, sms)
         self.zero = any(ph.zero for ph in g.phases)
-        self._phases = None
+        self._phases = {}                      # add -> a kernel a live phase
 
     def kernels(self) -> list:
-        return [self.spec]
+        """The plain kernel and its adding twin."""
+        return [self.spec, replace(self.spec, add=True)]
 
-    def _phase(self, ph) -> _Kernel2:
-        g, s = self.g, self.spec
+    def _phase(self, ph, add: bool) -> _Kernel2:
+        g, s = self.g, replace(self.spec, add=add)
         pb = _sub(g, ph, self.dtype)
         kb = -(-g.K // BK)
         h, w = ph.h, ph.w
@@ -357,14 +361,16 @@ class NativeDgrad:
                                                            [u32(64), u32(1), u32(BK)], [u32(1)] * 3),
                                              "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"))
 
-    def launch(self, h: int, dy: int, w: int, dx: int) -> None:
-        """dx on stream ``h``; dy and w 16-byte aligned."""
-        if self._phases is None:
-            self._phases = [self._phase(ph) for ph in self.g.phases if not ph.zero]
-        if self.zero:                          # rows no tap reaches: zero at memset speed first
+    def launch(self, h: int, dy: int, w: int, dx: int, add: bool = False) -> None:
+        """dx on stream ``h`` (``add``: dx += the gradient, rounded once after the sum as a separate add would be);
+        dy and w 16-byte aligned."""
+        ks = self._phases.get(add)
+        if ks is None:
+            ks = self._phases[add] = [self._phase(ph, add) for ph in self.g.phases if not ph.zero]
+        if self.zero and not add:              # rows no tap reaches: zero at memset speed first
             g = self.g
             _runtime.memset_d8(dx, 0, g.N * g.H * g.W * g.C * DTYPE_SIZES[self.dtype], _runtime.RawStream(h))
-        for k in self._phases:
+        for k in ks:
             k(h, dy, w, dx)
 
 
@@ -374,6 +380,6 @@ def all_variants() -> list[tuple[str, str]]:
     dts = ("float16", "bfloat16")
     out = [WgradSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
     out += [WgradSpec(dt, o, 128, 128, 4, 1, True).kernel() for dt in dts for o in (dt, "float32")]
-    out += [DgradSpec(dt, *t).kernel() for dt in dts
+    out += [DgradSpec(dt, *t, add).kernel() for dt in dts for add in (False, True)
             for t in ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True), (128, 128, 3, False))]
     return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

@@ -47,9 +47,11 @@ struct ChanPos {
 
 IGEMM_DEVICE float relu_keep_nan(float t) { return (t > 0.f || t != t) ? t : 0.f; }
 
-// Act: 0 = none, 1 = ReLU, 2 = ReLU + mask.
-template <class T, int V, int Layout, int Act, bool Res, class P>
-IGEMM_DEVICE void bn_forward(const P& p) {
+// Act: 0 = none, 1 = ReLU, 2 = ReLU + mask. The grid's block blk of nblk (a kernel of its own: blockIdx.x of
+// gridDim.x; norm_train.cuh runs the blocks of this grid on the blocks of its own, with Nc false: its mean and
+// invstd were written by the same kernel, so they are not read through the non-coherent path).
+template <class T, int V, int Layout, int Act, bool Res, bool Nc = true, class P>
+IGEMM_DEVICE void bn_forward_block(const P& p, int64_t blk, int64_t nblk) {
   constexpr int CV = Layout == kNHWC ? V : 1;  // channels per vector
   constexpr int U = (CV == 8 && Res) ? 1 : 2;   // vectors in flight per thread (U = 2 would spill there)
   const T* x = static_cast<const T*>(p.x);
@@ -61,9 +63,9 @@ IGEMM_DEVICE void bn_forward(const P& p) {
   const float* wt = static_cast<const float*>(p.weight);
   const float* bs = static_cast<const float*>(p.bias);
   const int64_t NV = p.NV;
-  const int64_t G = int64_t(gridDim.x) * kThreads;
+  const int64_t G = nblk * kThreads;
   const int lane = threadIdx.x & 31;
-  int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  int64_t v = blk * kThreads + threadIdx.x;
   int64_t vw = v - lane;  // the warp's first vector: loop bounds are warp-uniform (shuffles below)
   ChanPos<Layout> pos;
   pos.init(v * V, p);
@@ -72,8 +74,8 @@ IGEMM_DEVICE void bn_forward(const P& p) {
 #pragma unroll
     for (int j = 0; j < CV; ++j) {
       const int64_t c = c0 + j;
-      cm[j] = __ldg(mean + c);
-      ca[j] = __ldg(invstd + c) * (wt != nullptr ? __ldg(wt + c) : 1.f);
+      cm[j] = Nc ? __ldg(mean + c) : mean[c];
+      ca[j] = (Nc ? __ldg(invstd + c) : invstd[c]) * (wt != nullptr ? __ldg(wt + c) : 1.f);
       cb[j] = bs != nullptr ? __ldg(bs + c) : 0.f;
     }
   };
@@ -122,6 +124,11 @@ IGEMM_DEVICE void bn_forward(const P& p) {
       }
     }
   }
+}
+
+template <class T, int V, int Layout, int Act, bool Res, class P>
+IGEMM_DEVICE void bn_forward(const P& p) {
+  bn_forward_block<T, V, Layout, Act, Res>(p, blockIdx.x, gridDim.x);
 }
 
 template <class T, int V, int Layout, bool Mask, bool DRes, class P>

@@ -250,11 +250,9 @@ IGEMM_DEVICE void stats_nhwc(const P& p) {
   }
 }
 
+// Channel c's S partials merged by one warp (lane 0 writes the statistics).
 template <class T, class P>
-IGEMM_DEVICE void stats_finalize(const P& p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5;
-  if (c >= p.C) return;  // whole warps
+IGEMM_DEVICE void stats_merge(const P& p, int64_t c, int lane) {
   const float* part = static_cast<const float*>(p.part);
   const int S = p.S;
   const int64_t cs = int64_t(p.C) * S;
@@ -267,6 +265,12 @@ IGEMM_DEVICE void stats_finalize(const P& p) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) ChanMerge{}(r, shfl_xor(r, off));
   if (lane == 0) stats_write<T>(p, c, r);
+}
+
+template <class T, class P>
+IGEMM_DEVICE void stats_finalize(const P& p) {
+  const int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  if (c < p.C) stats_merge<T>(p, c, threadIdx.x & 31);  // whole warps
 }
 
 // The same with a block per channel (few channels, many slices: C blocks of kThreads threads).
@@ -418,15 +422,14 @@ IGEMM_DEVICE void grad_nhwc(const P& p) {
   }
 }
 
+// Channel c's S partial sums added by one warp in fp64; every lane gets (sum_dy, sum_dy_xmu), lane 0 writes them.
 template <class P>
-IGEMM_DEVICE void grad_finalize(const P& p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5;
-  if (c >= p.C) return;  // whole warps
+IGEMM_DEVICE void grad_merge(const P& p, int64_t c, int lane, double& a, double& b) {
   const float* part = static_cast<const float*>(p.part);
   const int S = p.S;
   const int64_t cs = int64_t(p.C) * S;
-  double a = 0.0, b = 0.0;
+  a = 0.0;
+  b = 0.0;
 #pragma unroll 4
   for (int s = lane; s < S; s += 32) {
     const int64_t i = c * S + s;
@@ -439,6 +442,14 @@ IGEMM_DEVICE void grad_finalize(const P& p) {
     b += __shfl_xor_sync(0xffffffffu, b, off);
   }
   if (lane == 0) grad_write(p, c, a, b);
+}
+
+template <class P>
+IGEMM_DEVICE void grad_finalize(const P& p) {
+  const int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  if (c >= p.C) return;  // whole warps
+  double a, b;
+  grad_merge(p, c, threadIdx.x & 31, a, b);
 }
 
 template <class P>

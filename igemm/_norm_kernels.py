@@ -24,6 +24,7 @@ __all__ = ["RedConfig", "EwConfig", "reduction_config", "elemt_config", "launch_
            "elemt_kernel", "launch_gather",
            "launch_sum_ranks", "launch_elemt", "instances_for", "compile_stubs", "precompile", "stub_stats_k1",
            "stub_finalize", "stub_gather", "stub_sum_ranks", "stub_forward", "stub_backward", "finalize_per_block",
+           "stub_train", "train_stubs", "train_kernel",
            "align_of", "LAYOUTS", "THREADS"]
 
 LAYOUTS = ("NCHW", "NHWC")
@@ -32,6 +33,8 @@ _STATS_UNROLL = 4   # vectors per thread per iteration in the Welford kernels (c
 _GRAD_UNROLL = 2
 _EW_UNROLL = 2
 _BLOCKS_PER_SM = 4  # __launch_bounds__(256, 4): every grid below is at most one resident wave
+# the one-launch passes' blocks an SM, forward and backward: 80 registers (their phases spill at 64)
+_TRAIN_BLOCKS_PER_SM = {False: 3, True: 3}
 
 _RED_PARAMS = [ParamSpec(n, "ptr") for n in ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1",
                                              "out2", "out3", "run_mean", "run_var")] + \
@@ -48,6 +51,13 @@ _GATHER_PARAMS = [ParamSpec(n, "ptr") for n in ("mean", "var", "cnt", "out0", "o
                  [ParamSpec(n, "int32") for n in ("C", "W", "mode", "f64")] + \
                  [ParamSpec(n, "int64") for n in ("rs", "cnt_rs", "cnt_cs")] + \
                  [ParamSpec("eps", "float32"), ParamSpec("momentum", "float32")]
+# the training path's one-launch passes (csrc/norm_train.cuh): the reduction's parameters, the elementwise forward's
+# (res, y, weight, bias, NV, dhw, dc, fixed; ewb its blocks; nbt: num_batches_tracked) and the dz pass's and its coefficients' (src, dst, z,
+# coef, sel, gamma, M, K, count; dzb, dzt its blocks and their threads)
+_TRAIN_PARAMS = _RED_PARAMS + [ParamSpec(n, "ptr") for n in ("res", "y", "weight", "bias", "src", "dst", "z", "coef",
+                                                              "sel", "gamma", "nbt")] + \
+                [ParamSpec(n, "int32") for n in ("fixed", "K", "dzt")] + \
+                [ParamSpec(n, "int64") for n in ("NV", "dhw", "dc", "ewb", "dzb", "M")] + [ParamSpec("count", "float32")]
 _CNT_CTYPE = {"float32": "float", "float64": "double", "int32": "int32_t", "int64": "int64_t"}
 _STAT_CTYPE = {"float32": "float", "float64": "double"}
 
@@ -102,11 +112,12 @@ class RedConfig:
 
 @lru_cache(maxsize=4096)
 def reduction_config(layout: str, N: int, C: int, HW: int, itemsize: int, align: int, sms: int,
-                     unroll: int = _STATS_UNROLL) -> RedConfig:
-    """Pure function of the problem and the GPU's SM count; ``N * HW`` must be > 0."""
+                     unroll: int = _STATS_UNROLL, per_sm: int = _BLOCKS_PER_SM) -> RedConfig:
+    """Pure function of the problem and the GPU's SM count (at most ``per_sm`` blocks an SM); ``N * HW`` must be
+    > 0."""
     if N * HW <= 0:
         raise ValueError("reduction_config needs N * HW > 0")
-    target = _BLOCKS_PER_SM * sms
+    target = per_sm * sms
     if layout == "NHWC" or HW == 1:
         M = N * HW
         V = _vec_for(C, itemsize, align)
@@ -142,11 +153,13 @@ class EwConfig:
 
 
 @lru_cache(maxsize=4096)
-def elemt_config(layout: str, N: int, C: int, HW: int, itemsize: int, align: int, sms: int) -> EwConfig:
+def elemt_config(layout: str, N: int, C: int, HW: int, itemsize: int, align: int, sms: int,
+                 target: int | None = None) -> EwConfig:
+    """``target``: at most this many blocks (default one wave of 4 an SM)."""
     nhwc = layout == "NHWC" or HW == 1
     V = _vec_for(C if nhwc else HW, itemsize, align)
     NV = N * C * HW // V
-    target = _BLOCKS_PER_SM * sms
+    target = target or _BLOCKS_PER_SM * sms
     blocks = max(1, min(target, _ceil_div(NV, THREADS)))
     fixed = False
     if nhwc:
@@ -179,9 +192,9 @@ class _Kern:
 
     __slots__ = ("launcher", "args", "base", "slot", "ctype", "lock")
 
-    def __init__(self, stub: str, device_id: int, blocks: int, params, static: dict):
+    def __init__(self, stub: str, device_id: int, blocks: int, params, static: dict, coop: bool = False):
         k = _kernel.load(stub, _cache_name(stub), _entry(stub), device_id)
-        self.launcher = _kernel.Launcher(k, int(blocks), THREADS)
+        self.launcher = _kernel.Launcher(k, int(blocks), THREADS, coop=coop)
         self.args = _kernel.pack_args(params, static)
         self.base = self.args.data.copy()     # static values, every pointer null
         self.slot = {p.name: self.args.slots[p.name] for p in params}
@@ -282,6 +295,53 @@ def stub_backward(dtype: str, vec: int, nhwc: bool, mask: bool, dres: bool) -> s
     return _stub("norm_elemt.cuh", "igemm_bn_backward",
                  f"igemm::norm::bn_backward<{DTYPE_CTYPE[dtype]}, {vec}, {lay}, {'true' if mask else 'false'}, "
                  f"{'true' if dres else 'false'}>(p);", _EW_PARAMS)
+
+
+def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool = False) -> str:
+    """The training path's one-launch BatchNorm pass (16-bit channels-last, 8 channels a vector)."""
+    t, f = DTYPE_CTYPE[dtype], "true" if final else "false"
+    if backward:
+        return _stub("norm_train.cuh", "igemm_bn_train_backward",
+                     f"igemm::norm::bn_train_backward<{t}, 8, {f}>(p);", _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM[True])
+    return _stub("norm_train.cuh", "igemm_bn_train_forward",
+                 f"igemm::norm::bn_train_forward<{t}, 8, {act}, {'true' if res else 'false'}, {f}>(p);",
+                 _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM[False])
+
+
+def train_stubs() -> list:
+    """Every instance of the one-launch passes."""
+    return [stub_train(dt, final, bwd, act, res) for dt in ("float16", "bfloat16") for final in (False, True)
+            for bwd, act, res in ((True, 0, False), (False, 0, False), (False, 0, True), (False, 2, False),
+                                  (False, 2, True))]
+
+
+@lru_cache(maxsize=1024)
+def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, HW: int, act: int = 0,
+                 res: bool = False):
+    """The training path's one-launch BatchNorm pass over a 16-byte aligned channels-last 16-bit ``(N, HW, C)``
+    tensor (C % 8 == 0; csrc/norm_train.cuh): ``(kernel, workspace floats)``, or None where its grid would not be
+    resident at once on this GPU (the caller then launches the separate kernels). Forward: the statistics, then
+    :func:`elemt_kernel`'s pass with ``act``/``res``; backward: the sums, the dz coefficients, then the dz pass of
+    ``igemm.conv._moves.launch_dz`` (``M = N * HW``, ``K = C``)."""
+    from .conv._moves import dz_geometry
+    if DTYPE_SIZES[dtype] != 2 or C % 8 or N * HW <= 0:
+        return None
+    sms = _sms(device_id)
+    cfg = reduction_config("NHWC", N, C, HW, 2, 16, sms, _GRAD_UNROLL if backward else _STATS_UNROLL,
+                           _TRAIN_BLOCKS_PER_SM[backward])
+    static = dict(C=C, S=cfg.S, gx=cfg.gx, tx=cfg.tx, txs=cfg.txs, P=cfg.P, mode=1, f64=0, HW=HW, len=cfg.length,
+                  L=cfg.L, shift=1, total=N * HW, K=C, M=N * HW, count=float(N * HW))
+    if backward:                          # (a block of the dz pass for each of this grid's)
+        _, dzt = dz_geometry(N * HW, C, sms)
+        static["dzb"], static["dzt"] = max(1, min(cfg.blocks, -(-N * HW * (C // 8) // dzt))), dzt
+    else:
+        ec = elemt_config("NHWC", N, C, HW, 2, 16, sms, cfg.blocks)   # (a block of it for each of this grid's)
+        static.update(ewb=ec.blocks, NV=ec.NV, dhw=ec.dhw, dc=ec.dc, fixed=int(ec.fixed))
+    k = _Kern(stub_train(dtype, cfg.final, backward, act, res), device_id, cfg.blocks, _TRAIN_PARAMS, static,
+              coop=True)
+    if _kernel.resident_blocks(k.launcher, THREADS) * sms < cfg.blocks:
+        return None
+    return k, cfg.workspace_floats(C)
 
 
 def _entry(stub: str) -> str:
@@ -457,6 +517,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=FLOAT_DTYPES, vecs=None, jobs: in
     stubs.append(stub_finalize("float32", True))
     stubs.append(stub_finalize("float32", True, True))
     stubs.append(stub_sum_ranks())
+    stubs += train_stubs()
     for i in ("float32", "float64"):
         for c in _CNT_CTYPE:
             stubs.append(stub_gather(i, c))

@@ -879,7 +879,7 @@ class _FakeCtx:
 
 
 class _FakeLauncher:
-    def __init__(self, kernel, grid, block, smem=0):
+    def __init__(self, kernel, grid, block, smem=0, coop=False):
         self.stub = kernel
         self.grid = grid
 

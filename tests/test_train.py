@@ -490,6 +490,34 @@ def test_gpu_eager_path_equals_the_op_path(monkeypatch, fmt):
         assert _rel(a, b) < 1e-3
 
 
+@pytest.mark.gpu
+def test_gpu_identity_gradient_added_by_dgrad(monkeypatch):
+    """The identity block's input gradient: the last layer hands the residual's gradient to the first layer, whose
+    dgrad adds it as it stores (nn/_train_fast.py: _Link) -- the same bits as autograd adding the two, every other
+    gradient too; the downsampling block is not linked."""
+    from igemm.nn import _train_fast
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), Block(64, 64),
+                         Block(64, 128, 2)).cuda().to(memory_format=CL).train()
+    x = torch.randn(4, 3, 12, 12, device="cuda").contiguous(memory_format=CL)
+    runs, links = [], []
+    real = _train_fast._joined
+    for linked in (True, False):
+        twin = copy.deepcopy(base)
+        params = list(twin.parameters())
+        ig = inn.convert(twin, inplace=True).train()
+        with monkeypatch.context() as mp:
+            mp.setattr(_train_fast, "_joined", (lambda *a: links.append(real(*a)) or links[-1]) if linked
+                       else (lambda *a: None))
+            with torch.autocast("cuda", torch.float16):
+                y = ig(x)
+            y.float().square().sum().backward()
+        runs.append([p.grad for p in params])
+    assert sum(ln is not None for ln in links) == 1          # the identity block only
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def _ddp(tmp_path, kind: str, bench_n: int = 0) -> list:
     """Both ranks of tests/_train_ddp_worker.py (two processes, env://): their results."""
     import os

@@ -529,6 +529,65 @@ BACKWARD = {
                                                     "mask"),
 }
 
+# ------------------------------------------------------------------------------------------ a training step
+def _train_step(add: bool, C: int):
+    """One training step of igemm.nn's conv -> BN [-> + identity] -> ReLU on channels-last fp16 through the eager
+    path (TrainCall: the conv, the one-launch BatchNorm passes of csrc/norm_train.cuh, dgrad, wgrad) against the same
+    modules in PyTorch fp16."""
+    import copy
+
+    import torch.nn as tnn
+    from igemm.nn import Conv2dBNAddReLU, Conv2dBNReLU, _train_fast
+    torch.manual_seed(C)
+    conv, bn = tnn.Conv2d(C, C, 3, 1, 1, bias=False).cuda().half(), tnn.BatchNorm2d(C).cuda()
+    m = (Conv2dBNAddReLU if add else Conv2dBNReLU)(conv, bn)
+    mods = [m, copy.deepcopy(m)]
+    x = dev(randn(2, C, 9, 10), "float16").contiguous(memory_format=torch.channels_last)
+    r = dev(randn(2, C, 9, 10), "float16").contiguous(memory_format=torch.channels_last)
+    got = []
+    for m, ours in zip(mods, (True, False)):
+        xi, ri = x.clone().requires_grad_(), r.clone().requires_grad_()
+        if ours:
+            y = m(xi, ri) if add else m(xi)
+            y.float().square().sum().backward()
+        else:                        # (cuDNN's batch norm reads memory it never wrote: initcheck would flag it)
+            with torch.backends.cudnn.flags(enabled=False):
+                y = m._torch(xi, ri if add else None)
+                y.float().square().sum().backward()
+        got.append([y, xi.grad, m.conv.weight.grad, m.bn.weight.grad, m.bn.bias.grad, m.bn.running_var]
+                   + ([ri.grad] if add else []))
+    tc = [t for per in _train_fast._calls.values() for t in per.values() if t is not None]
+    if not tc or tc[-1].one_fwd is None or tc[-1].one_bwd is None:
+        raise AssertionError("the eager path did not take the one-launch passes")
+    for a, b in zip(*got):
+        close(host(a), host(b), 2e-2, "training step against PyTorch")
+    return f"{'conv+BN+Add+ReLU' if add else 'conv+BN+ReLU'} C {C}, one-launch BatchNorm passes"
+
+
+NORM["train_step_one_launch_relu"] = lambda: _train_step(False, 16)
+NORM["train_step_one_launch_add_c200"] = lambda: _train_step(True, 200)
+
+
+def _dgrad_adds(xs, ws, stride, padding):
+    """The native dgrad's store adding into dx (the training path's identity gradient) against dgrad + a torch add."""
+    from igemm import Conv2dGradInputPlan
+    plan = Conv2dGradInputPlan(xs, ws, "float16", "NHWC", stride, padding)
+    if not plan.adds:
+        raise AssertionError("not the native dgrad kernel")
+    P, Q = ((xs[1] + 2 * padding - ws[1]) // stride + 1, (xs[2] + 2 * padding - ws[2]) // stride + 1)
+    dy, w, old = (dev(randn(*s), "float16") for s in ((xs[0], P, Q, ws[0]), ws, xs))
+    plain, dx = torch.empty_like(old), old.clone()
+    h, fp = torch.cuda.current_stream().cuda_stream, {"mask": 0, "z": 0, "coef": 0}
+    plan._run(h, dy.data_ptr(), w.data_ptr(), plain.data_ptr(), fp)
+    plan._run(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), fp, add=True)
+    if not torch.equal(dx, plain + old):
+        raise AssertionError("dgrad's adding store differs from dgrad + add")
+    return f"dgrad adding into dx, x {xs} w {ws} stride {stride}"
+
+
+BACKWARD["dgrad_native_adds_strided"] = lambda: _dgrad_adds((2, 9, 10, 64), (64, 3, 3, 64), 2, 1)
+
+
 # ------------------------------------------------------------------------------------------ pool (igemm.nn.MaxPool2d)
 def _pool(dtype, shape, k, s, p, d, ceil):
     """The max pool's forward (with its window taps) and backward against torch.nn.MaxPool2d on channels-last x."""

@@ -196,13 +196,15 @@ __device__ void grad_copy(const P& p) {
 // of K / 8, so its coefficients stay in registers) and walks the pixels, U chunks in flight (the generic move,
 // which loads the coefficients and the mask word per chunk, ran at 1.5-1.9 TB/s where K >= 256, this at 2.5-3.1:
 // docs/performance.md, grad-dz-pass).
-template <int Mode, class T, class P>
-__device__ void grad_dz(const P& p) {
+// The grid's block blk of nblk blocks of bdim threads, U chunks in flight a thread (a kernel of its own: blockIdx.x,
+// blockDim.x, gridDim.x; norm_train.cuh runs them on the blocks of its own grid, with Nc false: it wrote coef itself,
+// so coef is not read through the non-coherent path).
+template <int Mode, class T, bool Nc = true, int U = 4, class P>
+__device__ void grad_dz_block(const P& p, int64_t blk, int bdim, int64_t nblk) {
   static_assert(sizeof(T) == 2 && Mode != kPlain, "16-bit; the mask or the BN prologue");
-  constexpr int U = 4;
   const int kc = p.K / 8;
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t step = int64_t(gridDim.x) * blockDim.x / kc;
+  const int64_t t = blk * bdim + threadIdx.x;
+  const int64_t step = nblk * bdim / kc;
   const int ch = 8 * int(t % kc);
   float a[8], b[8], c[8];
   if constexpr (Mode == kBn) {
@@ -212,7 +214,7 @@ __device__ void grad_dz(const P& p) {
     for (int v = 0; v < 3; ++v)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float4 q = __ldg(coef + (v * p.K + ch) / 4 + h);
+        const float4 q = Nc ? __ldg(coef + (v * p.K + ch) / 4 + h) : coef[(v * p.K + ch) / 4 + h];
         dst[v][4 * h] = q.x; dst[v][4 * h + 1] = q.y; dst[v][4 * h + 2] = q.z; dst[v][4 * h + 3] = q.w;
       }
   }
@@ -264,22 +266,32 @@ __device__ void grad_dz(const P& p) {
   }
 }
 
+template <int Mode, class T, class P>
+__device__ void grad_dz(const P& p) {
+  grad_dz_block<Mode, T>(p, blockIdx.x, blockDim.x, gridDim.x);
+}
+
 // a = gamma·invstd, b = -gamma·invstd³·sum_dy_xmu/count, c = gamma·invstd·(mean·invstd²·sum_dy_xmu - sum_dy)/count:
 // PyTorch's BN backward (training statistics) written as dz = a·g + b·z + c, coef = [a; b; c] (3 x K floats).
 template <class P>
-__device__ void grad_coefficients(const P& p) {
-  const int k = blockIdx.x * blockDim.x + threadIdx.x;
-  if (k >= p.K) return;
+__device__ void coefficients_at(const P& p, int k, float sum_dy, float sum_dy_xmu) {
   const float* g = static_cast<const float*>(p.gamma);
   const float gamma = g ? g[k] : 1.f;
   const float is = static_cast<const float*>(p.invstd)[k], mu = static_cast<const float*>(p.mean)[k];
-  const float m1 = static_cast<const float*>(p.sum_dy)[k] / p.count;
-  const float m2 = static_cast<const float*>(p.sum_dy_xmu)[k] / p.count;
+  const float m1 = sum_dy / p.count;
+  const float m2 = sum_dy_xmu / p.count;
   float* coef = static_cast<float*>(const_cast<void*>(p.coef));
   const float a = gamma * is;
   coef[k] = a;
   coef[p.K + k] = -a * is * is * m2;
   coef[2 * p.K + k] = a * (mu * is * is * m2 - m1);
+}
+
+template <class P>
+__device__ void grad_coefficients(const P& p) {
+  const int k = blockIdx.x * blockDim.x + threadIdx.x;
+  if (k < p.K)
+    coefficients_at(p, k, static_cast<const float*>(p.sum_dy)[k], static_cast<const float*>(p.sum_dy_xmu)[k]);
 }
 
 }  // namespace igemm::backward

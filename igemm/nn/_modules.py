@@ -165,19 +165,24 @@ class _ConvBN(nn.Module):
         if self.training and N * P * Q <= 1:           # (BatchNorm2d's own check)
             raise ValueError(f"Expected more than 1 value per channel when training, got input size "
                              f"{(N, K, P, Q)}")
-        rm = rv = None
+        rm = rv = nbt = None
         f = 0.0
         if self.training and bn.track_running_stats:     # (as BatchNorm2d.forward, momentum None included)
             if bn.num_batches_tracked is not None:
-                bn.num_batches_tracked.add_(1)
+                if bn.momentum is None:
+                    bn.num_batches_tracked.add_(1)
+                else:                                   # (the eager path's kernel adds it, else add_ below)
+                    nbt = bn.num_batches_tracked
             f = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
             rm, rv = bn.running_mean, bn.running_var
         group = _sync_group(bn) if self.training else False
         if _ops.eager(x) and group is False:
             out = _train_fast.train(self, x, w, bn.weight, bn.bias, res, rm, rv, f, bn.eps, c.stride, pad, c.dilation,
-                                    self.relu)
+                                    self.relu, nbt)
             if out is not None:
                 return out[0]
+        if nbt is not None:
+            nbt.add_(1)
         return _train_ops.conv2d_bn_train(x, w, bn.weight, bn.bias, bn.eps, res, c.stride, pad, c.dilation, self.relu,
                                           running_mean=rm, running_var=rv, momentum=f, process_group=group)[0]
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import _runtime
 from .. import relu as _relu
 from .._kernel import bind_args
-from .._norm_kernels import elemt_kernel, reduction_kernels
+from .._norm_kernels import elemt_kernel, reduction_kernels, train_kernel
 from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
 from ..conv._backward_functional import _cached
 from ..conv._moves import dz_fits, launch_coefficients, launch_dz
@@ -30,6 +31,11 @@ _PLAIN = {"mask": 0, "z": 0, "coef": 0}
 _STATS_PTRS = ("x", "out0", "out1", "part", "run_mean", "run_var")
 _FWD_PTRS = ("x", "res", "y", "mask", "mean", "invstd", "weight", "bias")
 _GRAD_PTRS = ("dy", "x", "mask", "mean", "invstd", "out0", "out1", "out2", "out3", "part")
+# the one-launch passes' (csrc/norm_train.cuh)
+_TRAIN_FWD_PTRS = ("x", "part", "out0", "out1", "mean", "invstd", "run_mean", "run_var", "res", "y", "mask", "weight",
+                   "bias", "nbt")
+_TRAIN_BWD_PTRS = ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1", "out2", "out3", "gamma", "coef",
+                   "src", "dst", "z", "sel")
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # module -> {input geometry: TrainCall|None}
 
 
@@ -44,7 +50,7 @@ class TrainCall:
     format the plans write (channels_last for the NHWC plans), so no call makes a view."""
 
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
-                 "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots")
+                 "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu):
         _ops._check(x, w, None, (None, None, None, None), residual, stride, padding, dilation)
@@ -76,6 +82,18 @@ class TrainCall:
         self.slots = {"stats": k1.slots(_STATS_PTRS), "fwd": self.bn_fwd.slots(_FWD_PTRS),
                       "grad": g1.slots(_GRAD_PTRS), "eps": k1.slot["eps"],
                       "momentum": k1.slot["momentum"]}
+        # channels-last 16-bit: the BatchNorm passes as one launch each where the GPU holds their grids at once
+        # (docs/performance.md: bn-train-one-launch); None: the separate launches above
+        self.one_fwd = self.one_bwd = None
+        if self.nhwc:
+            self.one_fwd = train_kernel(dev, backward=False, dtype=dt, N=N, C=K, HW=P * Q,
+                                        act=2 if self.relu else 0, res=self.res)
+            self.one_bwd = train_kernel(dev, backward=True, dtype=dt, N=N, C=K, HW=P * Q)
+        if self.one_fwd is not None:
+            kf = self.one_fwd[0]
+            self.slots.update(one_fwd=kf.slots(_TRAIN_FWD_PTRS), one_eps=kf.slot["eps"], one_mom=kf.slot["momentum"])
+        if self.one_bwd is not None:
+            self.slots["one_bwd"] = self.one_bwd[0].slots(_TRAIN_BWD_PTRS)
 
     def usable(self, x, w, gamma, beta, residual, rm, rv) -> bool:
         """Whether this call's tensors are as the plans want them (else the op path)."""
@@ -86,7 +104,7 @@ class TrainCall:
                 and all(_f32(v) for v in (gamma, beta, rm, rv)) and (rm is None) == (rv is None)
                 and _runtime.current_context() == self.plan._ctx_id)
 
-    def forward(self, x, w, gamma, beta, residual, rm, rv, momentum):
+    def forward(self, x, w, gamma, beta, residual, rm, rv, momentum, nbt=None):
         dev = x.device
         h = self.stream_of(dev.index)
         if not w.is_contiguous(memory_format=self.fmt):
@@ -98,24 +116,45 @@ class TrainCall:
         zp, yp = z.data_ptr(), y.data_ptr()
         self.plan._launch(h, True, w.data_ptr() % 16 == 0, x.data_ptr(), w.data_ptr(), zp, 0, 0,
                           _ops._Vectors(None, None), False)
-        k1, k2, nws = self.stats
         words = (z.numel() + 31) // 32 if self.relu else 0
+        gp, bp = gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0
+        rp = residual.data_ptr() if residual is not None else 0
+        rmp, rvp = (rm.data_ptr(), rv.data_ptr()) if rm is not None else (0, 0)
+        if self.one_fwd is not None:
+            k, nws = self.one_fwd
+            buf = torch.empty((2 * K + nws + words,), dtype=torch.float32, device=dev)
+            b = buf.data_ptr()
+            in_kernel = nbt is not None and nbt.dtype is torch.int64 and nbt.device == dev
+            k.run(h, self.slots["one_fwd"], [zp, b + 8 * K, b, b + 4 * K, b, b + 4 * K, rmp, rvp, rp, yp,
+                                              b + 4 * (2 * K + nws), gp, bp, nbt.data_ptr() if in_kernel else 0],
+                  ((self.slots["one_eps"], self.eps), (self.slots["one_mom"], momentum)))
+            if nbt is not None and not in_kernel:
+                nbt.add_(1)
+            self._changed(rm, rv, nbt if in_kernel else None)
+            return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K]
+        if nbt is not None:
+            nbt.add_(1)
+        self._changed(rm, rv, None)
+        k1, k2, nws = self.stats
         # mean, invstd, kernel 2's partials; the mask's words (int32) after them
         buf = torch.empty((2 * K + nws + words,), dtype=torch.float32, device=dev)
         b = buf.data_ptr()
-        ptrs = [zp, b, b + 4 * K, b + 8 * K, rm.data_ptr() if rm is not None else 0,
-                rv.data_ptr() if rv is not None else 0]
+        ptrs = [zp, b, b + 4 * K, b + 8 * K, rmp, rvp]
         mom = ((self.slots["eps"], self.eps), (self.slots["momentum"], momentum))
         k1.run(h, self.slots["stats"], ptrs, mom)
         if k2 is not None:
             k2.run(h, self.slots["stats"], ptrs, mom)
-        self.bn_fwd.run(h, self.slots["fwd"], [zp, residual.data_ptr() if residual is not None else 0, yp,
-                                               b + 4 * (2 * K + nws), b, b + 4 * K,
-                                               gamma.data_ptr() if gamma is not None else 0,
-                                               beta.data_ptr() if beta is not None else 0])
+        self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, yp, b + 4 * (2 * K + nws), b, b + 4 * K, gp, bp])
         return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K]
 
-    def backward(self, dy, x, w, z, mask, mean, invstd, gamma, need):
+    @staticmethod
+    def _changed(rm, rv, nbt):
+        """The version counters of the buffers a kernel changed in place (as the op's ``(a!)`` does), so that what
+        is derived from them (the inference fold cache) sees the change."""
+        if rm is not None:
+            increment_version((rm, rv) if nbt is None else (rm, rv, nbt))
+
+    def backward(self, dy, x, w, z, mask, mean, invstd, gamma, need, add_to=None):
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = self.fmt
@@ -123,22 +162,35 @@ class TrainCall:
         if dy.data_ptr() % 16:                    # (the kernels were found for aligned tensors)
             dy = dy.clone(memory_format=fmt)
         K = self.K
+        dp, zp, mp = dy.data_ptr(), z.data_ptr(), mask.data_ptr() if self.relu else 0
+        gp = gamma.data_ptr() if gamma is not None else 0
+        sel = self.relu and need[4]
+        if self.one_bwd is not None and (need[0] or need[1]) and dz_fits(self.dt, K, dp, zp):
+            # the sums, the coefficients and dz = a·(bit ? dy : 0) + b·z + c (with the residual's gradient) in one
+            # launch; dgrad and wgrad then run plain on dz
+            k, nws = self.one_bwd
+            sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)
+            b = sums.data_ptr()
+            dz = torch.empty_like(dy)
+            dres = torch.empty_like(dy) if sel else None
+            k.run(h, self.slots["one_bwd"], [zp, dp, mp, mean.data_ptr(), invstd.data_ptr(), b + 28 * K, b, b + 4 * K,
+                                             b + 8 * K, b + 12 * K, gp, b + 16 * K, dp, dz.data_ptr(), zp,
+                                             dres.data_ptr() if sel else 0])
+            return self._grads(h, dz.data_ptr(), _PLAIN, w, x, need, sums, dy if need[4] and not self.relu else dres,
+                               add_to)
         k1, k2, nws = self.grad_red
         sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
         b = sums.data_ptr()
-        dp, zp, mp = dy.data_ptr(), z.data_ptr(), mask.data_ptr() if self.relu else 0
         ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), b, b + 4 * K, b + 8 * K, b + 12 * K, b + 28 * K]
         k1.run(h, self.slots["grad"], ptrs)
         if k2 is not None:
             k2.run(h, self.slots["grad"], ptrs)
-        launch_coefficients(dev.index, h, K, max(self.N * self.HW, 1), gamma=gamma.data_ptr() if gamma is not None
-                            else 0, invstd=invstd.data_ptr(), mean=mean.data_ptr(), sum_dy=b, sum_dy_xmu=b + 4 * K,
-                            coef=b + 16 * K)
+        launch_coefficients(dev.index, h, K, max(self.N * self.HW, 1), gamma=gp, invstd=invstd.data_ptr(),
+                            mean=mean.data_ptr(), sum_dy=b, sum_dy_xmu=b + 4 * K, coef=b + 16 * K)
         fp = {"mask": mp, "z": zp, "coef": b + 16 * K}
         src = dp
-        dx = dw = dres = None
+        dres = None
         # the residual's gradient behind the ReLU (bit ? dy : 0) comes out of the dz pass where that pass runs
-        sel = self.relu and need[4]
         if self.nhwc and (need[0] or need[1]) and dz_fits(self.dt, K, dp, zp):
             # dz = a·(bit ? dy : 0) + b·z + c made once here for both plans (docs/performance.md: train-dz-once)
             dz = torch.empty_like(dy)
@@ -151,18 +203,6 @@ class TrainCall:
             self.dgrad._pre.launch(dev.index, h, self.dt, self.dt, src, dz.data_ptr(), mode="bn", sms=self.dgrad.sms,
                                    **fp)
             src, fp = dz.data_ptr(), _PLAIN
-        if need[0]:
-            if not w.is_contiguous(memory_format=fmt):
-                w = w.contiguous(memory_format=fmt)
-            g = self.dgrad
-            dx = torch.empty(x.shape, dtype=self.dtype, device=dev, memory_format=fmt)
-            with g._lock:
-                g._run(h, src, w.data_ptr(), dx.data_ptr(), fp)
-        if need[1]:
-            g = self.wgrad
-            dw = torch.empty(w.shape, dtype=self.dtype, device=dev, memory_format=fmt)
-            with g._lock:
-                g._run(h, x.data_ptr(), src, dw.data_ptr(), fp)
         if need[4] and dres is None:
             if self.relu:
                 launcher, n = self.relu_bwd
@@ -170,34 +210,114 @@ class TrainCall:
                 launcher(h, bind_args(_relu._BWD_PARAMS, {"dy": dp, "mask": mp, "dx": dres.data_ptr(), "n": n}))
             else:
                 dres = dy
+        return self._grads(h, src, fp, w, x, need, sums, dres, add_to)
+
+    def _grads(self, h, src, fp, w, x, need, sums, dres, add_to):
+        """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain) and the outputs of backward;
+        ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can)."""
+        dev, fmt, K = x.device, self.fmt, self.K
+        dx = dw = None
+        if need[0]:
+            if not w.is_contiguous(memory_format=fmt):
+                w = w.contiguous(memory_format=fmt)
+            g = self.dgrad
+            add = (add_to is not None and g.adds and add_to.dtype is self.dtype and add_to.data_ptr() % 16 == 0
+                   and add_to.is_contiguous(memory_format=fmt))
+            dx = add_to if add else torch.empty(x.shape, dtype=self.dtype, device=dev, memory_format=fmt)
+            with g._lock:
+                g._run(h, src, w.data_ptr(), dx.data_ptr(), fp, add)
+            if add_to is not None and not add:
+                dx.add_(add_to)
+        if need[1]:
+            g = self.wgrad
+            dw = torch.empty(w.shape, dtype=self.dtype, device=dev, memory_format=fmt)
+            with g._lock:
+                g._run(h, x.data_ptr(), src, dw.data_ptr(), fp)
         return dx, dw, sums[2 * K:3 * K], sums[3 * K:4 * K], dres
+
+
+class _Link:
+    """A residual block's identity path (docs/performance.md: train-identity-add): the residual's gradient
+    (``bit ? dy : 0``) that the block's last layer hands to the layer that took the same input first, whose dgrad adds
+    it into dx as it stores (autograd would add the input's two gradients with a kernel of its own)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending = None
+
+
+# an input of a layer on this path, (pointer, shape, strides) -> (id of its grad_fn, its version, that layer's _Link)
+# (ids, not the nodes: nothing here keeps a graph alive; a match is checked through the layer's own x_fn below)
+_starts: dict = {}
+
+
+def _start(ctx, x) -> None:
+    """Record ``x`` as this layer's input, where a later layer's residual may be the same autograd value."""
+    ctx.x_fn = fn = x.grad_fn
+    ctx.link = None
+    if fn is not None:
+        ctx.link = link = _Link()
+        if len(_starts) > 4096:
+            _starts.clear()
+        _starts[(x.data_ptr(), x.shape, x.stride())] = (id(fn), x._version, link)
+
+
+def _joined(x, r):
+    """The _Link of the layer that took the residual ``r`` as its input, where this layer's input ``x`` comes from that
+    layer through at most two such layers (a ResNet block: conv1 [-> conv2] -> this): that layer's backward then runs
+    after this one's, every time this one's does with ``r`` needing a gradient. None otherwise."""
+    e = _starts.get((r.data_ptr(), r.shape, r.stride()))
+    if e is None or e[1] != r._version:
+        return None
+    n = x.grad_fn
+    for _ in range(3):
+        if type(n) is not _BACKWARD:
+            return None
+        if n.link is e[2]:      # (n holds its input's grad_fn: that id is no other node's)
+            return e[2] if id(n.x_fn) == e[0] and n.x_fn is r.grad_fn else None
+        n = n.x_fn
+    return None
 
 
 class _FastTrain(torch.autograd.Function):
     """nn.conv2d_bn_train's y through a TrainCall (the same formula as the op's autograd.Function)."""
 
     @staticmethod
-    def forward(ctx, tc, x, w, gamma, beta, residual, rm, rv, momentum):
-        y, z, mask, mean, invstd = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum)
+    def forward(ctx, tc, x, w, gamma, beta, residual, rm, rv, momentum, nbt):
+        y, z, mask, mean, invstd = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
         ctx.tc = tc
         ctx.set_materialize_grads(False)          # (no zero tensors for the outputs that have no gradient)
         ctx.save_for_backward(x, w, z, mask, mean, invstd, gamma)
         ctx.mark_non_differentiable(z, mask, mean, invstd)
+        _start(ctx, x)
+        # (behind the ReLU the residual's gradient is a fresh tensor of the dz pass's: it may be added into)
+        ctx.res_link = _joined(x, residual) if tc.relu and residual is not None and residual.requires_grad else None
         return y, z, mask, mean, invstd
 
     @staticmethod
     def backward(ctx, dy, _dz, _dmask, _dmean, _dinvstd):
+        link, add_to = ctx.link, None
+        if link is not None and link.pending is not None:
+            add_to, link.pending = link.pending, None
         if dy is None:                            # (y took no part in what was differentiated)
-            return (None,) * 9
+            return (None, add_to) + (None,) * 8
         x, w, z, mask, mean, invstd, gamma = ctx.saved_tensors
         n = ctx.needs_input_grad
-        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, z, mask, mean, invstd, gamma, n[1:])
-        return (None, dx, dw, dg if n[3] else None, db if n[4] else None, dres if n[5] else None, None, None, None)
+        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, z, mask, mean, invstd, gamma, n[1:], add_to)
+        if ctx.res_link is not None and dres is not None and n[5]:
+            ctx.res_link.pending, dres = dres, None      # (the block's first layer adds it into its dx)
+        return (None, dx, dw, dg if n[3] else None, db if n[4] else None, dres if n[5] else None, None, None, None,
+                None)
+
+
+_BACKWARD = _FastTrain._backward_cls
 
 
 def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: float, stride, padding, dilation,
-          relu: bool):
-    """A module's training forward on the eager path, or None where the op path must run it."""
+          relu: bool, nbt=None):
+    """A module's training forward on the eager path, or None where the op path must run it (nothing launched
+    then). ``nbt``: BatchNorm2d's num_batches_tracked, to be incremented here."""
     per = _calls.get(owner)
     if per is None:
         per = _calls[owner] = {}
@@ -209,4 +329,4 @@ def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: floa
         tc = per[key] = TrainCall(x, w, residual, eps, stride, padding, dilation, relu) if ok else None
     if tc is None or not tc.usable(x, w, gamma, beta, residual, rm, rv):
         return None
-    return _FastTrain.apply(tc, x, w, gamma, beta, residual, rm, rv, float(momentum))
+    return _FastTrain.apply(tc, x, w, gamma, beta, residual, rm, rv, float(momentum), nbt)

@@ -1,0 +1,65 @@
+// igemm: a training step's BatchNorm passes over a channels-last conv output z, each one cooperative launch whose
+// phases are separated by grid barriers (the grid is one resident wave: Python checks the occupancy):
+//   bn_train_forward   (1) Welford partials of z (stats_nhwc)  | (2) a warp per channel merges them: mean, invstd,
+//                      running statistics (stats_merge)        | (3) y = act(BN(z) [+ residual]) and the ReLU mask
+//                      (bn_forward's blocks, run on this grid's blocks)
+//   bn_train_backward  (1) partial sums of dy' = bit ? dy : 0 and dy'·(z - mean) (grad_nhwc) | (2) a warp per
+//                      channel adds them: sum_dy, sum_dy_xmu, dgamma, dbeta (grad_merge) and the dz coefficients
+//                      a, b, c (coefficients_at) | (3) dz = a·dy' + b·z + c [and sel = dy'] (grad_dz's blocks)
+// The same device functions in the same order as the separate launches (norm_stats.cuh, norm_elemt.cuh,
+// conv/backward.cuh), so the results are bit for bit theirs; one launch instead of three or four saves the host a
+// launch call each (docs/performance.md: bn-train-one-launch). Final: kernel 1's grid has one slice per channel and
+// phase 1 writes the merged results itself.
+#pragma once
+#include <cooperative_groups.h>
+
+#include "conv/backward.cuh"
+#include "norm_elemt.cuh"
+#include "norm_stats.cuh"
+
+namespace igemm::norm {
+
+// Phase 3's blocks: the elementwise grid (p.ewb blocks, at most this grid's: one each) over this grid, in order.
+// nbt (int64, may be null): BatchNorm2d's num_batches_tracked, incremented once (its add_ would be a launch).
+template <class T, int V, int Act, bool Res, bool Final, class P>
+IGEMM_DEVICE void bn_train_forward(const P& p) {
+  namespace cg = cooperative_groups;
+  if (p.nbt != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ++*static_cast<int64_t*>(const_cast<void*>(p.nbt));
+  stats_nhwc<T, V, Final>(p);
+  cg::this_grid().sync();
+  if constexpr (!Final) {
+    const int64_t warps = int64_t(gridDim.x) * kWarps;
+    for (int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5; c < p.C; c += warps)
+      stats_merge<T>(p, c, threadIdx.x & 31);  // (whole warps: c is warp-uniform)
+    cg::this_grid().sync();
+  }
+  for (int64_t b = blockIdx.x; b < p.ewb; b += gridDim.x) bn_forward_block<T, V, kNHWC, Act, Res, false>(p, b, p.ewb);
+}
+
+// Phase 3's blocks: the dz pass's grid (p.dzb blocks of p.dzt <= kThreads threads) over this grid, in order, two
+// chunks in flight a thread (four, as the dz kernel has, need more registers than three blocks an SM leave).
+template <class T, int V, bool Final, class P>
+IGEMM_DEVICE void bn_train_backward(const P& p) {
+  namespace cg = cooperative_groups;
+  grad_nhwc<T, V, Final>(p);
+  cg::this_grid().sync();
+  if constexpr (Final) {
+    for (int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x; c < p.C; c += int64_t(gridDim.x) * kThreads)
+      igemm::backward::coefficients_at(p, int(c), static_cast<const float*>(p.out0)[c],
+                                       static_cast<const float*>(p.out1)[c]);
+  } else {
+    const int64_t warps = int64_t(gridDim.x) * kWarps;
+    const int lane = threadIdx.x & 31;
+    for (int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5; c < p.C; c += warps) {
+      double a, b;
+      grad_merge(p, c, lane, a, b);
+      if (lane == 0) igemm::backward::coefficients_at(p, int(c), float(a), float(b));
+    }
+  }
+  cg::this_grid().sync();
+  if (threadIdx.x < p.dzt)
+    for (int64_t b = blockIdx.x; b < p.dzb; b += gridDim.x)
+      igemm::backward::grad_dz_block<igemm::backward::kBn, T, false, 2>(p, b, p.dzt, p.dzb);
+}
+
+}  // namespace igemm::norm

@@ -33,8 +33,7 @@ _STATS_UNROLL = 4   # vectors per thread per iteration in the Welford kernels (c
 _GRAD_UNROLL = 2
 _EW_UNROLL = 2
 _BLOCKS_PER_SM = 4  # __launch_bounds__(256, 4): every grid below is at most one resident wave
-# the one-launch passes' blocks an SM, forward and backward: 80 registers (their phases spill at 64)
-_TRAIN_BLOCKS_PER_SM = {False: 3, True: 3}
+_TRAIN_BLOCKS_PER_SM = 3  # the one-launch passes: 80 registers (their phases spill at 64)
 
 _RED_PARAMS = [ParamSpec(n, "ptr") for n in ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1",
                                              "out2", "out3", "run_mean", "run_var")] + \
@@ -52,12 +51,13 @@ _GATHER_PARAMS = [ParamSpec(n, "ptr") for n in ("mean", "var", "cnt", "out0", "o
                  [ParamSpec(n, "int64") for n in ("rs", "cnt_rs", "cnt_cs")] + \
                  [ParamSpec("eps", "float32"), ParamSpec("momentum", "float32")]
 # the training path's one-launch passes (csrc/norm_train.cuh): the reduction's parameters, the elementwise forward's
-# (res, y, weight, bias, NV, dhw, dc, fixed; ewb its blocks; nbt: num_batches_tracked) and the dz pass's and its coefficients' (src, dst, z,
-# coef, sel, gamma, M, K, count; dzb, dzt its blocks and their threads)
+# (res, y, weight, bias, NV, dhw, dc, fixed; ewb its blocks; nbt: num_batches_tracked) and the dz pass's and its
+# coefficients' (src, dst, z, coef, sel, gamma, M, K, count; dzb, dzt its blocks and their threads)
 _TRAIN_PARAMS = _RED_PARAMS + [ParamSpec(n, "ptr") for n in ("res", "y", "weight", "bias", "src", "dst", "z", "coef",
                                                               "sel", "gamma", "nbt")] + \
                 [ParamSpec(n, "int32") for n in ("fixed", "K", "dzt")] + \
-                [ParamSpec(n, "int64") for n in ("NV", "dhw", "dc", "ewb", "dzb", "M")] + [ParamSpec("count", "float32")]
+                [ParamSpec(n, "int64") for n in ("NV", "dhw", "dc", "ewb", "dzb", "M")] + \
+                [ParamSpec("count", "float32")]
 _CNT_CTYPE = {"float32": "float", "float64": "double", "int32": "int32_t", "int64": "int64_t"}
 _STAT_CTYPE = {"float32": "float", "float64": "double"}
 
@@ -302,10 +302,10 @@ def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool 
     t, f = DTYPE_CTYPE[dtype], "true" if final else "false"
     if backward:
         return _stub("norm_train.cuh", "igemm_bn_train_backward",
-                     f"igemm::norm::bn_train_backward<{t}, 8, {f}>(p);", _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM[True])
+                     f"igemm::norm::bn_train_backward<{t}, 8, {f}>(p);", _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
     return _stub("norm_train.cuh", "igemm_bn_train_forward",
                  f"igemm::norm::bn_train_forward<{t}, 8, {act}, {'true' if res else 'false'}, {f}>(p);",
-                 _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM[False])
+                 _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
 
 
 def train_stubs() -> list:
@@ -328,7 +328,7 @@ def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, 
         return None
     sms = _sms(device_id)
     cfg = reduction_config("NHWC", N, C, HW, 2, 16, sms, _GRAD_UNROLL if backward else _STATS_UNROLL,
-                           _TRAIN_BLOCKS_PER_SM[backward])
+                           _TRAIN_BLOCKS_PER_SM)
     static = dict(C=C, S=cfg.S, gx=cfg.gx, tx=cfg.tx, txs=cfg.txs, P=cfg.P, mode=1, f64=0, HW=HW, len=cfg.length,
                   L=cfg.L, shift=1, total=N * HW, K=C, M=N * HW, count=float(N * HW))
     if backward:                          # (a block of the dz pass for each of this grid's)

@@ -70,9 +70,9 @@ class _Grid:
         return "_ws" if self.ws else ""
 
     def _render(self, op: str, params, targs: str, tail: str = "") -> str:
+        targs = f"{targs}, {self.stages}, {str(self.ws).lower()}{tail}"
         return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry=f"igemm_{op}", params=params,
-                                     threads=self.threads, min_blocks=1,
-                                     body=f"igemm::grad::{op}<{targs}, {self.stages}, {str(self.ws).lower()}{tail}>(p);")
+                                     threads=self.threads, min_blocks=1, body=f"igemm::grad::{op}<{targs}>(p);")
 
     def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
         """``(name, source)``, as the forward plans give theirs to the precompile tools."""

@@ -329,14 +329,13 @@ def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, 
     sms = _sms(device_id)
     cfg = reduction_config("NHWC", N, C, HW, 2, 16, sms, _GRAD_UNROLL if backward else _STATS_UNROLL,
                            _TRAIN_BLOCKS_PER_SM)
-    static = dict(C=C, S=cfg.S, gx=cfg.gx, tx=cfg.tx, txs=cfg.txs, P=cfg.P, mode=1, f64=0, HW=HW, len=cfg.length,
-                  L=cfg.L, shift=1, total=N * HW, K=C, M=N * HW, count=float(N * HW))
+    static = dict(_red_static(cfg, C, HW, N * HW, 1, 0), K=C, M=N * HW, count=float(N * HW))
     if backward:                          # (a block of the dz pass for each of this grid's)
         _, dzt = dz_geometry(N * HW, C, sms)
         static["dzb"], static["dzt"] = max(1, min(cfg.blocks, -(-N * HW * (C // 8) // dzt))), dzt
     else:
         ec = elemt_config("NHWC", N, C, HW, 2, 16, sms, cfg.blocks)   # (a block of it for each of this grid's)
-        static.update(ewb=ec.blocks, NV=ec.NV, dhw=ec.dhw, dc=ec.dc, fixed=int(ec.fixed))
+        static.update(_ew_static(ec, C, HW), ewb=ec.blocks)
     k = _Kern(stub_train(dtype, cfg.final, backward, act, res), device_id, cfg.blocks, _TRAIN_PARAMS, static,
               coop=True)
     if _kernel.resident_blocks(k.launcher, THREADS) * sms < cfg.blocks:
@@ -353,12 +352,22 @@ def _cache_name(stub: str) -> str:
     return "bn_" + _entry(stub)[len("igemm_bn_"):]
 
 
+def _red_static(cfg: RedConfig, C: int, HW: int, total: int, mode: int, f64: int) -> dict:
+    """A reduction's launch values that stay the same from call to call."""
+    return dict(C=C, S=cfg.S, gx=cfg.gx, tx=cfg.tx, txs=cfg.txs, P=cfg.P, mode=mode, f64=f64, HW=HW, len=cfg.length,
+                L=cfg.L, VPP=cfg.VPP, doff=cfg.doff, dv=cfg.dv, dwrap=cfg.dwrap, shift=1 if cfg.nhwc else HW,
+                total=total)
+
+
+def _ew_static(cfg: EwConfig, C: int, HW: int, count_cs: int = 0) -> dict:
+    """An elementwise pass's launch values that stay the same from call to call."""
+    return dict(C=C, fixed=int(cfg.fixed), HW=HW, NV=cfg.NV, dhw=cfg.dhw, dc=cfg.dc, count_cs=count_cs)
+
+
 @lru_cache(maxsize=1024)
 def _red_plan(device_id: int, dtype: str, grad: bool, cfg: RedConfig, C: int, HW: int, total: int, mode: int,
               f64: int):
-    static = dict(C=C, S=cfg.S, gx=cfg.gx, tx=cfg.tx, txs=cfg.txs, P=cfg.P, mode=mode, f64=f64, HW=HW,
-                  len=cfg.length, L=cfg.L, VPP=cfg.VPP, doff=cfg.doff, dv=cfg.dv, dwrap=cfg.dwrap,
-                  shift=1 if cfg.nhwc else HW, total=total)
+    static = _red_static(cfg, C, HW, total, mode, f64)
     s1 = stub_stats_k1(dtype, cfg.vec, cfg.nhwc, cfg.final, grad)
     k1 = _Kern(s1, device_id, cfg.blocks, _RED_PARAMS, static)
     k2 = None
@@ -424,7 +433,7 @@ def elemt_kernel(device_id: int, *, backward: bool, dtype: str, layout: str, N: 
 @lru_cache(maxsize=1024)
 def _ew_plan(device_id: int, dtype: str, backward: bool, cfg: EwConfig, act_or_mask: int, res: bool, C: int,
              HW: int, count_cs: int):
-    static = dict(C=C, fixed=int(cfg.fixed), HW=HW, NV=cfg.NV, dhw=cfg.dhw, dc=cfg.dc, count_cs=count_cs)
+    static = _ew_static(cfg, C, HW, count_cs)
     if backward:
         s = stub_backward(dtype, cfg.vec, cfg.nhwc, bool(act_or_mask), res)
     else:

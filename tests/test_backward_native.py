@@ -267,10 +267,13 @@ def test_gpu_native_variants(dtype, rng):
             if not n.startswith(f"dgrad_{dtype}_"):
                 continue
             bm, bn = map(int, n.split("_")[2].split("x"))
-            spec = _native.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), n.endswith("_ws"))
+            add = n.endswith("_add")               # (the adding twin: into zeros)
+            spec = _native.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), "_ws" in n, add)
             for sms in (1, 132):
-                dx = poison(torch.empty(xs, dtype=getattr(torch, dtype), device="cuda"))
-                _native.NativeDgrad(g, dtype, 0, sms, spec).launch(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr())
+                dx = torch.zeros(xs, dtype=getattr(torch, dtype), device="cuda") if add else \
+                    poison(torch.empty(xs, dtype=getattr(torch, dtype), device="cuda"))
+                _native.NativeDgrad(g, dtype, 0, sms, spec).launch(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(),
+                                                                   add)
                 torch.cuda.synchronize()
                 assert rel_err(to_numpy(dx), ref) < TOL[dtype], (case, n, sms)
             seen.add(n)

@@ -80,14 +80,14 @@ IGEMM_DEVICE void update_running(const P& p, int64_t c, double mean, double var,
 
 // Final per-channel statistics from the merged shifted Welford state r.
 // mode 0: out0/out1/out2 = mean, biased var, count (fp32, or fp64 when f64);
-// mode 1: out0/out1 = mean, invstd (fp32).
-template <class T, class P>
+// mode 1: out0/out1 = mean, invstd (fp32). Shifted = false: r's mean is the values' own (no K_c to add back).
+template <class T, bool Shifted = true, class P>
 IGEMM_DEVICE void stats_write(const P& p, int64_t c, const Acc& r) {
-  const T* x = static_cast<const T*>(p.x);
   const double total = double(p.total);
   double mean = 0.0, var = 0.0;
   if (p.total > 0) {
-    mean = double(to_float(x[c * p.shift])) + double(r.b);
+    mean = double(r.b);
+    if constexpr (Shifted) mean += double(to_float(static_cast<const T*>(p.x)[c * p.shift]));
     var = (r.c < 0.f ? 0.0 : double(r.c)) / total;   // NaN stays NaN
   }
   if (p.mode == 0) {
@@ -251,7 +251,7 @@ IGEMM_DEVICE void stats_nhwc(const P& p) {
 }
 
 // Channel c's S partials merged by one warp (lane 0 writes the statistics).
-template <class T, class P>
+template <class T, bool Shifted = true, class P>
 IGEMM_DEVICE void stats_merge(const P& p, int64_t c, int lane) {
   const float* part = static_cast<const float*>(p.part);
   const int S = p.S;
@@ -264,7 +264,7 @@ IGEMM_DEVICE void stats_merge(const P& p, int64_t c, int lane) {
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) ChanMerge{}(r, shfl_xor(r, off));
-  if (lane == 0) stats_write<T>(p, c, r);
+  if (lane == 0) stats_write<T, Shifted>(p, c, r);
 }
 
 template <class T, class P>

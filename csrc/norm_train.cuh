@@ -1,8 +1,9 @@
 // igemm: a training step's BatchNorm passes over a channels-last conv output z, each one cooperative launch whose
 // phases are separated by grid barriers (the grid is one resident wave: Python checks the occupancy):
-//   bn_train_forward   (1) Welford partials of z (stats_nhwc)  | (2) a warp per channel merges them: mean, invstd,
-//                      running statistics (stats_merge)        | (3) y = act(BN(z) [+ residual]) and the ReLU mask
-//                      (bn_forward's blocks, run on this grid's blocks)
+//   bn_train_forward   (1) Welford partials of z (stats_nhwc; or, Conv, the conv epilogue's per-tile statistics
+//                      merged: tiles_merge) | (2) a warp per channel merges them: mean, invstd, running statistics
+//                      (stats_merge) | (3) y = act(BN(z) [+ residual]) and the ReLU mask (bn_forward's blocks,
+//                      run on this grid's blocks)
 //   bn_train_backward  (1) partial sums of dy' = bit ? dy : 0 and dy'·(z - mean) (grad_nhwc) | (2) a warp per
 //                      channel adds them: sum_dy, sum_dy_xmu, dgamma, dbeta (grad_merge) and the dz coefficients
 //                      a, b, c (coefficients_at) | (3) dz = a·dy' + b·z + c [and sel = dy'] (grad_dz's blocks)
@@ -19,18 +20,49 @@
 
 namespace igemm::norm {
 
+// Phase 1 where the conv wrote z's statistics per tile (Conv): its t[k][s][c] (k = count, mean, M2; s < p.ntiles;
+// k-stride ntiles·C; csrc/conv/epilogue_regs.cuh: tile_bn_stats) merged in items of 32 channels (p.gx of them) x
+// p.L tiles (p.S of them): lane = channel, warp w merges tiles w, w + 8, ... in order, then the warps in order;
+// the item's result goes to part[k][c][s'] as stats_nhwc's partials do, so phase 2 is the same merge, unshifted
+// (the conv's means are the values' own; z is 16-bit, whose rounding bounds mean / std).
+template <class P>
+IGEMM_DEVICE void tiles_merge(const P& p) {
+  __shared__ Acc smem[kWarps * 32];
+  const float* t = static_cast<const float*>(p.tiles);
+  const int64_t C = p.C, T = p.ntiles, ks = T * C;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t b = blockIdx.x; b < int64_t(p.gx) * p.S; b += gridDim.x) {
+    const int s2 = int(b / p.gx);
+    const int64_t c = (b - int64_t(s2) * p.gx) * 32 + lane;
+    Acc r{0.f, 0.f, 0.f};
+    if (c < C) {
+      const int64_t t1 = imin64(int64_t(s2) * p.L + p.L, T);
+      for (int64_t s = int64_t(s2) * p.L + warp; s < t1; s += kWarps) {
+        const int64_t i = s * C + c;
+        ChanMerge{}(r, Acc{t[i], t[ks + i], t[2 * ks + i]});
+      }
+    }
+    smem[warp * 32 + lane] = r;
+    __syncthreads();
+    if (warp == 0 && c < C) write_part(p, c, s2, smem_merge(smem, 32, lane, ChanMerge{}));
+    __syncthreads();
+  }
+}
+
 // Phase 3's blocks: the elementwise grid (p.ewb blocks, at most this grid's: one each) over this grid, in order.
 // nbt (int64, may be null): BatchNorm2d's num_batches_tracked, incremented once (its add_ would be a launch).
-template <class T, int V, int Act, bool Res, bool Final, class P>
+template <class T, int V, int Act, bool Res, bool Final, bool Conv = false, class P>
 IGEMM_DEVICE void bn_train_forward(const P& p) {
   namespace cg = cooperative_groups;
+  static_assert(!(Conv && Final), "the conv's tiles merge into partials");
   if (p.nbt != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ++*static_cast<int64_t*>(const_cast<void*>(p.nbt));
-  stats_nhwc<T, V, Final>(p);
+  if constexpr (Conv) tiles_merge(p);
+  else stats_nhwc<T, V, Final>(p);
   cg::this_grid().sync();
   if constexpr (!Final) {
     const int64_t warps = int64_t(gridDim.x) * kWarps;
     for (int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5; c < p.C; c += warps)
-      stats_merge<T>(p, c, threadIdx.x & 31);  // (whole warps: c is warp-uniform)
+      stats_merge<T, !Conv>(p, c, threadIdx.x & 31);  // (whole warps: c is warp-uniform)
     cg::this_grid().sync();
   }
   for (int64_t b = blockIdx.x; b < p.ewb; b += gridDim.x) bn_forward_block<T, V, kNHWC, Act, Res, false>(p, b, p.ewb);

@@ -54,8 +54,8 @@ _GATHER_PARAMS = [ParamSpec(n, "ptr") for n in ("mean", "var", "cnt", "out0", "o
 # (res, y, weight, bias, NV, dhw, dc, fixed; ewb its blocks; nbt: num_batches_tracked) and the dz pass's and its
 # coefficients' (src, dst, z, coef, sel, gamma, M, K, count; dzb, dzt its blocks and their threads)
 _TRAIN_PARAMS = _RED_PARAMS + [ParamSpec(n, "ptr") for n in ("res", "y", "weight", "bias", "src", "dst", "z", "coef",
-                                                              "sel", "gamma", "nbt")] + \
-                [ParamSpec(n, "int32") for n in ("fixed", "K", "dzt")] + \
+                                                              "sel", "gamma", "nbt", "tiles")] + \
+                [ParamSpec(n, "int32") for n in ("fixed", "K", "dzt", "ntiles")] + \
                 [ParamSpec(n, "int64") for n in ("NV", "dhw", "dc", "ewb", "dzb", "M")] + \
                 [ParamSpec("count", "float32")]
 _CNT_CTYPE = {"float32": "float", "float64": "double", "int32": "int32_t", "int64": "int64_t"}
@@ -297,32 +297,36 @@ def stub_backward(dtype: str, vec: int, nhwc: bool, mask: bool, dres: bool) -> s
                  f"{'true' if dres else 'false'}>(p);", _EW_PARAMS)
 
 
-def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool = False) -> str:
-    """The training path's one-launch BatchNorm pass (16-bit channels-last, 8 channels a vector)."""
+def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool = False, conv: bool = False) -> str:
+    """The training path's one-launch BatchNorm pass (16-bit channels-last, 8 channels a vector); ``conv``: the
+    forward from the conv epilogue's per-tile statistics."""
     t, f = DTYPE_CTYPE[dtype], "true" if final else "false"
     if backward:
         return _stub("norm_train.cuh", "igemm_bn_train_backward",
                      f"igemm::norm::bn_train_backward<{t}, 8, {f}>(p);", _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
+    b = lambda v: "true" if v else "false"   # noqa: E731
     return _stub("norm_train.cuh", "igemm_bn_train_forward",
-                 f"igemm::norm::bn_train_forward<{t}, 8, {act}, {'true' if res else 'false'}, {f}>(p);",
+                 f"igemm::norm::bn_train_forward<{t}, 8, {act}, {b(res)}, {f}{', true' if conv else ''}>(p);",
                  _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
 
 
 def train_stubs() -> list:
     """Every instance of the one-launch passes."""
+    fwd = ((0, False), (0, True), (2, False), (2, True))
     return [stub_train(dt, final, bwd, act, res) for dt in ("float16", "bfloat16") for final in (False, True)
-            for bwd, act, res in ((True, 0, False), (False, 0, False), (False, 0, True), (False, 2, False),
-                                  (False, 2, True))]
+            for bwd, act, res in ((True, 0, False), *((False, a, r) for a, r in fwd))] + \
+        [stub_train(dt, False, False, act, res, conv=True) for dt in ("float16", "bfloat16") for act, res in fwd]
 
 
 @lru_cache(maxsize=1024)
 def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, HW: int, act: int = 0,
-                 res: bool = False):
+                 res: bool = False, tiles: int = 0):
     """The training path's one-launch BatchNorm pass over a 16-byte aligned channels-last 16-bit ``(N, HW, C)``
     tensor (C % 8 == 0; csrc/norm_train.cuh): ``(kernel, workspace floats)``, or None where its grid would not be
     resident at once on this GPU (the caller then launches the separate kernels). Forward: the statistics, then
     :func:`elemt_kernel`'s pass with ``act``/``res``; backward: the sums, the dz coefficients, then the dz pass of
-    ``igemm.conv._moves.launch_dz`` (``M = N * HW``, ``K = C``)."""
+    ``igemm.conv._moves.launch_dz`` (``M = N * HW``, ``K = C``). ``tiles`` (forward): the statistics are the conv
+    epilogue's, ``tiles`` rows of them (``Conv2dPlan.bn_stats_tiles``) at the ``tiles`` pointer."""
     from .conv._moves import dz_geometry
     if DTYPE_SIZES[dtype] != 2 or C % 8 or N * HW <= 0:
         return None
@@ -336,11 +340,18 @@ def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, 
     else:
         ec = elemt_config("NHWC", N, C, HW, 2, 16, sms, cfg.blocks)   # (a block of it for each of this grid's)
         static.update(_ew_static(ec, C, HW), ewb=ec.blocks)
-    k = _Kern(stub_train(dtype, cfg.final, backward, act, res), device_id, cfg.blocks, _TRAIN_PARAMS, static,
-              coop=True)
+    nws = cfg.workspace_floats(C)
+    if tiles:                             # items of 32 channels x L tiles, about one a block (norm_train.cuh)
+        gx = _ceil_div(C, 32)
+        L = _ceil_div(tiles, max(1, min(tiles, cfg.blocks // gx)))
+        S = _ceil_div(tiles, L)
+        static.update(gx=gx, L=L, S=S, ntiles=tiles)
+        nws = 3 * C * S
+    k = _Kern(stub_train(dtype, cfg.final and not tiles, backward, act, res, conv=bool(tiles)), device_id,
+              cfg.blocks, _TRAIN_PARAMS, static, coop=True)
     if _kernel.resident_blocks(k.launcher, THREADS) * sms < cfg.blocks:
         return None
-    return k, cfg.workspace_floats(C)
+    return k, nws
 
 
 def _entry(stub: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import sysconfig
+import types
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,8 @@ def _records(kind, monkeypatch, driver):
         prep = _launch.TwoPreps(_transpose.Prepared(0, _transpose.TransposeJob(2, 3, 5000, 2), 0x70000), unf)
         cx, cw = 0x70000, 0x90000
         bufs.append(unf.args.data)
-    rec = _launch.LaunchRecord(object(), conv, args, maps, None, prep, cx, cw, False, 1000, "float16", 0)
+    spec = types.SimpleNamespace(bn_stats=kind == "stats")     # (a conv with BN statistics: the mask pointer to ws)
+    rec = _launch.LaunchRecord(spec, conv, args, maps, None, prep, cx, cw, False, 1000, "float16", 0)
     return rec, bufs
 
 
@@ -117,7 +119,7 @@ class Folded:
     scale, shift, alpha, alpha_scalar = 0xA100, 0xA200, 0, np.float32(0.25)
 
 
-@pytest.mark.parametrize("kind", ["plain", "transpose", "two"])
+@pytest.mark.parametrize("kind", ["plain", "transpose", "two", "stats"])
 def test_c_and_python_bind_and_launch_alike(hl, monkeypatch, kind):
     """The same calls (several alignments, each record reused) through the C module and through cuda.bindings'
     path: the same launches in the same order, with the same buffers at each launch."""
@@ -138,7 +140,7 @@ def test_c_and_python_bind_and_launch_alike(hl, monkeypatch, kind):
     c, py = seen["c"], seen["python"]
     # (kernelParams differ: each path built its own record; each is that record's own pointer array)
     assert [k[:-1] for k, _ in c] == [k[:-1] for k, _ in py]
-    n_steps = {"plain": 1, "transpose": 2, "two": 3}[kind]
+    n_steps = {"plain": 1, "transpose": 2, "two": 3, "stats": 1}[kind]
     for path, calls_ in seen.items():
         assert [k[-1] for k, _ in calls_[n_steps - 1::n_steps]] == [recs[path].args.address] * len(calls)
     for (k, bc), (_, bp) in zip(c, py):
@@ -148,9 +150,10 @@ def test_c_and_python_bind_and_launch_alike(hl, monkeypatch, kind):
     # what the conv step saw on the first call: its pointers, the folded vectors, the maps' address words
     sl, last = recs["c"].args.slots, c[n_steps - 1][1][0]
     x, w = calls[0]
-    xe, we = {"plain": (x, w), "transpose": (0x70000, 0x80000), "two": (0x70000, 0x90000)}[kind]
-    assert (last[sl["x"]], last[sl["w"]], last[sl["y"]], last[sl["residual"]], last[sl["mask"]]) == \
-        (xe, we, 0x50000 + x, 0x60000, 0x1230)
+    xe, we = {"plain": (x, w), "transpose": (0x70000, 0x80000), "two": (0x70000, 0x90000), "stats": (x, w)}[kind]
+    mask, ws = (0, 0x1230) if kind == "stats" else (0x1230, 0)
+    assert (last[sl["x"]], last[sl["w"]], last[sl["y"]], last[sl["residual"]], last[sl["mask"]], last[sl["ws"]]) == \
+        (xe, we, 0x50000 + x, 0x60000, mask, ws)
     assert (last[sl["scale"]], last[sl["shift"]], last[sl["alpha"]]) == (0xA100, 0xA200, 0)
     assert last.view(np.float32)[2 * sl["alpha_scalar"]] == np.float32(0.25)
     assert (last[sl["tmA"] + 1], last[sl["tmB"] + 1], last[sl["tmA"] + 9]) == (xe + 40, we + 24, 0xAB)

@@ -25,7 +25,7 @@ def test_train_grids_are_one_resident_wave():
     assert nk._TRAIN_BLOCKS_PER_SM == 3
     for s in (nk.stub_train("float16", False, False, 2, True), nk.stub_train("bfloat16", True, True)):
         assert "__launch_bounds__(256, 3)" in s
-    assert len(set(nk.train_stubs())) == 20
+    assert len(set(nk.train_stubs())) == 28
 
 
 @pytest.mark.compile
@@ -35,9 +35,29 @@ def test_train_stubs_compile():
         _build.find_toolchain()
     except _build.ToolchainNotFoundError:
         pytest.skip("no CUDA compiler")
-    for s in (nk.stub_train("float16", False, False, 2, True), nk.stub_train("bfloat16", True, True)):
+    for s in (nk.stub_train("float16", False, False, 2, True), nk.stub_train("bfloat16", True, True),
+              nk.stub_train("float16", False, False, 2, True, conv=True)):
         cubin, _ = _build.compile_cubin(s, "sm_90a", name="bn_train_ci")
         assert len(cubin) > 1000
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("xs,K,R,st", [((2, 17, 17, 64), 200, 1, 1), ((16, 28, 28, 128), 128, 3, 1)])
+def test_conv_statistics_kernels_compile(xs, K, R, st):
+    """The training forward's conv with z's statistics (KernelSpec.bn_stats): its kernel, BN 64 and 128."""
+    from igemm import _build
+    from igemm.nn._train_fast import stats_plan
+    try:
+        _build.find_toolchain()
+    except _build.ToolchainNotFoundError:
+        pytest.skip("no CUDA compiler")
+    sp = stats_plan(xs, (K, R, R, xs[3]), "float16", (st, st), (R // 2, R // 2), (1, 1), "numpy", arch="sm_90a",
+                    sms=132)
+    spec = sp.spec()
+    assert spec.bn_stats and sp.bn_stats_tiles == -(-sp.problem.M // spec.bm) and spec.name().endswith("_bs")
+    name, src = sp.kernel()
+    cubin, _ = _build.compile_cubin(src, "sm_90a", name=name)
+    assert len(cubin) > 1000
 
 
 # ============================================================================================ GPU
@@ -72,15 +92,60 @@ def _kernel(torch, backward, dtype, N, C, HW, **kw):
 @pytest.mark.parametrize("N,C,HW", GEOMS)
 def test_gpu_train_forward(dtype, act, res, N, C, HW):
     torch = _torch()
-    td = getattr(torch, dtype)
     g = torch.Generator("cuda").manual_seed(N * C + HW + act)
-    z = (torch.randn(N, HW, C, device="cuda", generator=g) * 3 + torch.linspace(-5, 5, C, device="cuda")).to(td)
-    r = torch.randn(N, HW, C, device="cuda", generator=g).to(td) if res else None
+    z = (torch.randn(N, HW, C, device="cuda", generator=g) * 3 + torch.linspace(-5, 5, C, device="cuda"))
+    _forward_case(torch, g, z.to(getattr(torch, dtype)), act, res, _kernel(torch, False, dtype, N, C, HW, act=act,
+                                                                           res=res))
+
+
+# (x_shape NHWC, K, R, stride): tiles of 64 x 64 (gathered and TMA loads), 64 x 128 and 128 x 128 (two warpgroups),
+# the last tile row part-filled, K % BN != 0
+CONV_GEOMS = [((3, 20, 20, 64), 64, 1, 1), ((2, 17, 17, 64), 200, 1, 1), ((4, 15, 15, 32), 128, 3, 2),
+              ((8, 28, 28, 128), 512, 1, 1), ((16, 28, 28, 128), 128, 3, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("act,res", [(2, True), (0, False)])
+@pytest.mark.parametrize("xs,K,R,st", CONV_GEOMS)
+def test_gpu_train_forward_from_conv_statistics(dtype, act, res, xs, K, R, st):
+    """The conv whose epilogue writes z's per-tile statistics (KernelSpec.bn_stats) stores the plain kernel's z bit for
+    bit, and the forward pass from those statistics gives every output the pass over z gives (float64 bounds)."""
+    torch = _torch()
+    from igemm.nn import _ops
+    from igemm.nn._train_fast import stats_plan
+    td = getattr(torch, dtype)
+    g = torch.Generator("cuda").manual_seed(xs[0] * K + R + act)
+    x = torch.randn(*xs, device="cuda", generator=g).to(td)
+    w = (torch.randn(K, R, R, xs[3], device="cuda", generator=g) / (R * R * xs[3]) ** 0.5 + 0.02).to(td)
+    sp = stats_plan(xs, tuple(w.shape), dtype, (st, st), (R // 2, R // 2), (1, 1), 0)
+    tiles = sp.bn_stats_tiles
+    assert tiles > 0 and sp.spec().bn_stats
+    zs = sp.y_shape
+    z, z_ref = torch.full(zs, float("nan"), device="cuda").to(td), torch.full(zs, float("nan"), device="cuda").to(td)
+    part = torch.full((3 * tiles * K,), float("nan"), device="cuda")
+    h = torch.cuda.current_stream().cuda_stream
+    sp._launch(h, True, True, x.data_ptr(), w.data_ptr(), z.data_ptr(), 0, part.data_ptr(), _ops._Vectors(None, None))
+    plain = _ops._plan(_ops._plan_key(x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), None, None, None, (st, st),
+                                      (R // 2, R // 2), (1, 1), False), 0)
+    assert not plain.spec().bn_stats
+    plain._launch(h, True, True, x.data_ptr(), w.data_ptr(), z_ref.data_ptr(), 0, 0, _ops._Vectors(None, None))
+    torch.cuda.synchronize()
+    assert torch.equal(z, z_ref) and not part.isnan().any()
+    N, P, Q, _ = zs
+    k = _kernel(torch, False, dtype, N, K, P * Q, act=act, res=res, tiles=tiles)
+    _forward_case(torch, g, z.reshape(N, P * Q, K), act, res, k, tiles=part.data_ptr())
+
+
+def _forward_case(torch, g, z, act, res, kernel, **extra):
+    """One forward pass on z (N, HW, C) from poisoned buffers, every output against float64."""
+    N, HW, C = z.shape
+    k, nws = kernel
+    r = torch.randn(N, HW, C, device="cuda", generator=g).to(z.dtype) if res else None
     gamma, beta = torch.rand(C, device="cuda", generator=g) + 0.5, torch.randn(C, device="cuda", generator=g)
     rm, rv = torch.randn(C, device="cuda", generator=g), torch.rand(C, device="cuda", generator=g) + 0.5
     rm0, rv0 = rm.clone(), rv.clone()
     nbt = torch.tensor(41, device="cuda")
-    k, nws = _kernel(torch, False, dtype, N, C, HW, act=act, res=res)
     n = N * HW * C
     words = (n + 31) // 32
     buf = torch.full((2 * C + nws + words,), float("nan"), device="cuda")
@@ -88,7 +153,8 @@ def test_gpu_train_forward(dtype, act, res, N, C, HW):
     b = buf.data_ptr()
     ptrs = dict(x=z.data_ptr(), part=b + 8 * C, out0=b, out1=b + 4 * C, mean=b, invstd=b + 4 * C,
                 run_mean=rm.data_ptr(), run_var=rv.data_ptr(), res=r.data_ptr() if res else 0, y=y.data_ptr(),
-                mask=b + 4 * (2 * C + nws), weight=gamma.data_ptr(), bias=beta.data_ptr(), nbt=nbt.data_ptr())
+                mask=b + 4 * (2 * C + nws), weight=gamma.data_ptr(), bias=beta.data_ptr(), nbt=nbt.data_ptr(),
+                **extra)
     k.run(torch.cuda.current_stream().cuda_stream, k.slots(list(ptrs)), list(ptrs.values()),
           ((k.slot["eps"], 1e-5), (k.slot["momentum"], 0.1)))
     torch.cuda.synchronize()

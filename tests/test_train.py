@@ -436,7 +436,9 @@ def test_gpu_gradcheck_fp32():
 @pytest.mark.gpu
 def test_gpu_amp_training_step_matches_pytorch():
     """A small ResNet, channels_last, fp16 autocast: one step's gradients against the fp32 model's, no worse
-    than twice PyTorch AMP's error (plus 1e-3); BN buffers after three steps equal PyTorch AMP's to 1e-3."""
+    than twice PyTorch AMP's error (plus 1e-3); BN buffers after three steps equal PyTorch AMP's to 1e-3. Every
+    layer's statistics but the stem's come from its conv's epilogue (TrainCall.conv_stats)."""
+    from igemm.nn import _train_fast
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(5)
     ref32 = small_resnet().cuda().to(memory_format=CL).train()
@@ -456,13 +458,17 @@ def test_gpu_amp_training_step_matches_pytorch():
                 assert _rel(a.grad, c.grad) <= 2 * _rel(b.grad, c.grad) + 1e-3, name
     for (name, b), a in zip(amp.named_buffers(), buffers):
         assert torch.equal(a, b) if not a.is_floating_point() else _rel(a, b) < 1e-3, name
+    calls = [tc for m in ig.modules() for tc in (_train_fast._calls.get(m) or {}).values()]
+    assert len(calls) == 6 and all((tc.conv_stats is None) == (tc.plan.spec().load_a == "patch") for tc in calls)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["NCHW", "CL"])
 def test_gpu_eager_path_equals_the_op_path(monkeypatch, fmt):
     """The modules' eager path (TrainCall: plans found once, pointers and launches per step) gives what the op
-    path gives: outputs, every gradient, BN's buffers (fp16 autocast, three steps)."""
+    path gives: outputs, every gradient, BN's buffers (fp16 autocast, three steps). The same kernels but for the
+    statistics (the eager path's from the conv epilogue's tiles: another fp32 summation order), so y may differ by
+    an fp16 rounding and the gradients by what that carries through three layers: 2e-3."""
     from igemm.nn import _train_fast
     mf = CL if fmt == "CL" else torch.contiguous_format
     torch.manual_seed(8)
@@ -487,7 +493,7 @@ def test_gpu_eager_path_equals_the_op_path(monkeypatch, fmt):
     (ye, ge, be), (yo, go, bo) = runs
     assert _rel(ye, yo) < 1e-3
     for a, b in zip(ge + be, go + bo):
-        assert _rel(a, b) < 1e-3
+        assert _rel(a, b) < 2e-3
 
 
 @pytest.mark.gpu

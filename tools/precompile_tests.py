@@ -55,6 +55,7 @@ def test_stubs() -> dict:
         cases.append(((n, c, h, h), (c, c, 3, 3), 1, 1, 1, None))
     specs = bitwise_stubs()
     specs.update(epilogue_stubs())
+    specs.update(conv_statistics_stubs())
     from test_conv import SEVERAL_CTAS_CASES, several_ctas_plans
     for xs, ws, st, pd, dl, *rest in SEVERAL_CTAS_CASES:  # test_gpu_persistent_several_ctas (NCHW: as the test runs it)
         bn, stages = (rest or [128])[0], (rest[1:] or [0])[0]
@@ -114,6 +115,22 @@ def bitwise_stubs() -> dict:
         add(xs, ws, "NCHW", st, pd, cfg, "nchw",
             lambda g, dt: (ep.chain(ep.Add(), ep.Bias(g[1]), ep.PReLU(g[0] - 1.0)),
                            "bfloat16" if dt == "float16" else "float16"))
+    return specs
+
+
+def conv_statistics_stubs() -> dict:
+    """tests/test_norm_train.py's test_gpu_train_forward_from_conv_statistics: each geometry's conv with z's
+    statistics and the plain one it is compared with."""
+    from test_norm_train import CONV_GEOMS
+
+    from igemm.nn._train_fast import stats_plan
+    specs = {}
+    for xs, K, R, st in CONV_GEOMS:
+        for dtype in ("float16", "bfloat16"):
+            ws = (K, R, R, xs[3])
+            s = stats_plan(xs, ws, dtype, (st, st), (R // 2, R // 2), (1, 1), "numpy").spec()
+            specs[s.name() + str(s.epilogue)] = (s.name(), _stub(s))
+            _add(specs, (xs, ws, dtype), xs, ws, dtype, "NHWC", st, R // 2, 1, _skeleton=True)
     return specs
 
 

@@ -530,10 +530,10 @@ BACKWARD = {
 }
 
 # ------------------------------------------------------------------------------------------ a training step
-def _train_step(add: bool, C: int):
+def _train_step(add: bool, C: int, conv_stats: bool):
     """One training step of igemm.nn's conv -> BN [-> + identity] -> ReLU on channels-last fp16 through the eager
     path (TrainCall: the conv, the one-launch BatchNorm passes of csrc/norm_train.cuh, dgrad, wgrad) against the same
-    modules in PyTorch fp16."""
+    modules in PyTorch fp16; ``conv_stats``: z's statistics come from the conv's epilogue (else a pass over z)."""
     import copy
 
     import torch.nn as tnn
@@ -559,13 +559,16 @@ def _train_step(add: bool, C: int):
     tc = [t for per in _train_fast._calls.values() for t in per.values() if t is not None]
     if not tc or tc[-1].one_fwd is None or tc[-1].one_bwd is None:
         raise AssertionError("the eager path did not take the one-launch passes")
+    if (tc[-1].conv_stats is not None) != conv_stats:
+        raise AssertionError(f"the statistics {'did not come' if conv_stats else 'came'} from the conv's epilogue")
     for a, b in zip(*got):
         close(host(a), host(b), 2e-2, "training step against PyTorch")
-    return f"{'conv+BN+Add+ReLU' if add else 'conv+BN+ReLU'} C {C}, one-launch BatchNorm passes"
+    return (f"{'conv+BN+Add+ReLU' if add else 'conv+BN+ReLU'} C {C}, one-launch BatchNorm passes, statistics "
+            f"{'from the conv epilogue' if conv_stats else 'by a pass over z'}")
 
 
-NORM["train_step_one_launch_relu"] = lambda: _train_step(False, 16)
-NORM["train_step_one_launch_add_c200"] = lambda: _train_step(True, 200)
+NORM["train_step_one_launch_relu"] = lambda: _train_step(False, 16, True)
+NORM["train_step_one_launch_add_c200"] = lambda: _train_step(True, 200, False)
 
 
 def _dgrad_adds(xs, ws, stride, padding):

@@ -35,7 +35,7 @@ enum : int { kStoreRows = 0, kStoreLinear = 1, kStoreNCHW = 2, kStoreRegs = 3, k
 
 // The kernel variants the stub's prelude selects (KernelSpec.prelude): stream-K (streamk_sm90.cuh); the
 // persistent kernel's cluster k-split over kCsplit = 2 CTAs and its bookkeeping for several CTAs an SM
-// (persistent_sm90.cuh). fprop.cuh refuses them with a Config they do not fit.
+// (persistent_sm90.cuh); the BatchNorm statistics. fprop.cuh refuses them with a Config they do not fit.
 #if defined(IGEMM_STREAMK)
 constexpr bool kStreamK = true;
 #else
@@ -51,6 +51,13 @@ static_assert(kCsplit == 1 || kCsplit == 2, "the cluster k-split pairs two CTAs"
 constexpr bool kWsBooks = true;
 #else
 constexpr bool kWsBooks = false;
+#endif
+// IGEMM_BN_STATS: the register epilogue also writes the output's per-tile BatchNorm statistics to p.ws
+// (epilogue_regs.cuh: tile_bn_stats; the training forward reads them instead of a statistics pass over y).
+#if defined(IGEMM_BN_STATS)
+constexpr bool kBnStats = true;
+#else
+constexpr bool kBnStats = false;
 #endif
 
 template <class Element_, class ElementOut_, int Layout_, int Math_, int BM_, int BN_, int BK_, int WM_,

@@ -42,6 +42,78 @@ IGEMM_DEVICE void store_tile_nhwc(const P& p, const typename Cfg::ElementOut* ct
   }
 }
 
+// The tile's BatchNorm statistics (kBnStats, the per-tile kernels), from the 16-bit C tile after its store pass: per
+// channel the count, mean and M2 of the stored values, written to p.ws as t[k][s][c] (k = count, mean, M2; tile row
+// s = m0 / BM of S = ceil(M / BM); k-stride S·K): one 16-byte vector a thread, coalesced. A thread sums d = y - y0
+// over its rows (y0: the tile's first row, one shift for all threads of a column, so their sums add), the lanes of
+// a column add theirs by shuffles, the warps through shared memory (the C tile's bytes, after a barrier). The
+// statistics are the stored (rounded) values', as a statistics pass over y would see them; csrc/norm_train.cuh
+// merges the tiles (docs/performance.md: bn-stats-in-epilogue).
+template <class Cfg, int NT, class P, class Sync>
+IGEMM_DEVICE void tile_bn_stats(const P& p, const typename Cfg::ElementOut* ct, int tid, int m0, int n0, Sync sync) {
+  using TO = typename Cfg::ElementOut;
+  constexpr int BN = Cfg::BN, BM = Cfg::BM, LDH = BN + 8, V = Cfg::VecO, CPR = BN / V, RSTEP = NT / CPR;
+  constexpr int NW = NT / 32;
+  static_assert(V == 8 && 32 % CPR == 0, "a column's lanes in every warp, CPR apart");
+  const int col = (tid % CPR) * V, rows = min(BM, p.M - m0);
+  auto unpack = [](const uint4& u, float (&f)[V]) {
+    unpack_pair<TO>(u.x, f[0], f[1]);
+    unpack_pair<TO>(u.y, f[2], f[3]);
+    unpack_pair<TO>(u.z, f[4], f[5]);
+    unpack_pair<TO>(u.w, f[6], f[7]);
+  };
+  float y0[V], s1[V], s2[V];
+  unpack(*reinterpret_cast<const uint4*>(ct + col), y0);
+#pragma unroll
+  for (int j = 0; j < V; ++j) s1[j] = s2[j] = 0.f;
+#pragma unroll 2
+  for (int row = tid / CPR; row < rows; row += RSTEP) {
+    float f[V];
+    unpack(*reinterpret_cast<const uint4*>(ct + row * LDH + col), f);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float d = f[j] - y0[j];
+      s1[j] += d;
+      s2[j] = fmaf(d, d, s2[j]);
+    }
+  }
+#pragma unroll
+  for (int off = CPR; off < 32; off <<= 1) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      s1[j] += __shfl_xor_sync(0xffffffffu, s1[j], off);
+      s2[j] += __shfl_xor_sync(0xffffffffu, s2[j], off);
+    }
+  }
+  sync();                                                 // (every read of the C tile done: its bytes are reused)
+  float* red = reinterpret_cast<float*>(const_cast<TO*>(ct));   // [s1: NW][s2: NW][y0: 1] rows of BN
+  const int lane = tid & 31, warp = tid / 32;
+  if (lane < CPR) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      red[warp * BN + col + j] = s1[j];
+      red[(NW + warp) * BN + col + j] = s2[j];
+      if (warp == 0) red[2 * NW * BN + col + j] = y0[j];
+    }
+  }
+  sync();
+  const int64_t S = (p.M + BM - 1) / BM, ks = S * p.K;
+  float* t = static_cast<float*>(const_cast<void*>(p.ws)) + int64_t(m0 / BM) * p.K + n0;
+  const float n = float(rows);
+  for (int c = tid; c < BN && n0 + c < p.K; c += NT) {
+    float a = 0.f, b = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      a += red[w * BN + c];
+      b += red[(NW + w) * BN + c];
+    }
+    const float dm = a / n;
+    t[c] = n;
+    t[ks + c] = red[2 * NW * BN + c] + dm;
+    t[2 * ks + c] = fmaf(-a, dm, b);                      // sum (y - mean)^2 = sum d^2 - (sum d)^2 / n
+  }
+}
+
 // The register epilogue (kStoreRegs: NHWC output, no split-K), called where acc_to_cs would be (every
 // stage read): the chain runs on the accumulators in registers (channels from the fragment layout; the
 // residual's element pairs at the fragment's positions, the whole tile's loaded ahead where BN <= 128),
@@ -145,6 +217,7 @@ IGEMM_DEVICE void epilogue_regs_by(const P& p, float* acc, uint8_t* smem, float 
   }
   sync();
   store_tile_nhwc<Cfg, NT>(p, ct, tid, m0, n0);
+  if constexpr (kBnStats) tile_bn_stats<Cfg, NT>(p, ct, tid, m0, n0, sync);
 }
 
 }  // namespace igemm::conv

@@ -20,7 +20,7 @@
 //
 // Launch parameters: igemm/conv/_spec.py (CONV_PARAMS), rendered into `struct Params` by the stub. The stub's
 // prelude (KernelSpec.prelude) defines IGEMM_WGMMA for the sm_90a kernels and selects a variant with
-// IGEMM_STREAMK, IGEMM_CSPLIT or IGEMM_WS_CTAS (config.cuh).
+// IGEMM_STREAMK, IGEMM_CSPLIT, IGEMM_WS_CTAS or IGEMM_BN_STATS (config.cuh).
 // Grid: (ceil(M / BM) · ceil(K / BN), 1, splits); each CTA computes the BM × BN output tile blockIdx.x
 // (tile_coord: n-fastest) over the k-tiles [z · kt_per_split, min(KT, (z + 1) · kt_per_split)).
 // The persistent kernel (kWgmmaWs): (min(tiles, SMs)). Stream-K (IGEMM_STREAMK): (SMs × CTAs per SM).
@@ -50,6 +50,9 @@ struct VariantCheck {
                 "the cluster k-split: the persistent kernel with one consumer warpgroup");
   static_assert(!kWsBooks || (Cfg::kMath == kWgmmaWs && kCsplit == 1),
                 "several CTAs an SM: the persistent kernel without the cluster k-split");
+  static_assert(!kBnStats || (Cfg::kMath == kWgmma && Cfg::StoreMode == kStoreRegs && !kStreamK &&
+                              32 % (Cfg::BN / Cfg::VecO) == 0),
+                "BatchNorm statistics: the per-tile wgmma kernel's NHWC register epilogue, BN / 8 dividing 32");
   static constexpr bool value = true;
 };
 

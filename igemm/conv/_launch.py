@@ -223,7 +223,8 @@ class LaunchRecord:
         bx = (sl["x"], Z, self.copy_x) if self.copy_x else (sl["x"], X, 0)
         bw = (sl["w"], Z, self.copy_w) if self.copy_w else (sl["w"], W, 0)
         binds = [bx, bw, (sl["y"], _kernel.SRC_Y, 0), (sl["residual"], _kernel.SRC_RES, 0),
-                 (sl["mask"], _kernel.SRC_MASK, 0)]
+                 # (a statistics kernel's mask pointer is its statistics' buffer: KernelSpec.bn_stats)
+                 (sl["ws" if self.spec.bn_stats else "mask"], _kernel.SRC_MASK, 0)]
         if self.maps is not None:
             xe, we = self.copy_x or x, self.copy_w or w
             self.maps.write(self.args.u64, xe, we, True)

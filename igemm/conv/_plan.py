@@ -23,7 +23,8 @@ from ._options import DEFAULT, Conv2dOptions
 from ._paths import kernel_setup, subsampled
 from ._problem import DTYPES, PRECISIONS, ConvProblem, geometry, k_table
 from ._rules import FFMA_CONFIG, choose_splits, patch_config
-from ._spec import CONV_PARAMS, KernelSpec, min_blocks_for, one_consumer_stages, store_for, stub, validate_spec
+from ._spec import (CONV_PARAMS, KernelSpec, bn_stats_ok, min_blocks_for, one_consumer_stages, store_for, stub,
+                    validate_spec)
 
 __all__ = ["Conv2dPlan", "as_epilogue", "resolve_device", "check_tensor"]
 
@@ -115,7 +116,7 @@ class Conv2dPlan:
     def __init__(self, x_shape, w_shape, dtype, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None, device=None,
                  options: Conv2dOptions | None = None, *, arch: str | None = None, sms: int | None = None,
-                 _skeleton: bool = False):
+                 _skeleton: bool = False, _bn_stats: bool = False):
         dtype = _dtype_arg(dtype)
         if precision not in PRECISIONS:
             raise ValueError(f"precision: expected 'strict' or 'tf32', got {precision!r}")
@@ -125,6 +126,9 @@ class Conv2dPlan:
             raise TypeError(f"options: expected igemm.Conv2dOptions, got {type(options).__name__}")
         N, C, H, W, K, R, S, P, Q, s, p, d = geometry(x_shape, w_shape, layout, stride, padding, dilation)
         self.chain = as_epilogue(epilogue)
+        # (the training forward's conv: its kernel also writes y's per-tile BatchNorm statistics where it can;
+        # the launch's mask pointer is then their buffer -- igemm/nn/_train_fast.py)
+        self._bn_stats = bool(_bn_stats) and not self.chain.ops
         if not _skeleton:
             self.chain.validate(K)
         residual_dtype = self._residual_dtype(residual_dtype, dtype)
@@ -202,8 +206,19 @@ class Conv2dPlan:
                 spec = override(spec, self.kproblem, cfg, self.sms)
         if not (x_aligned and w_aligned):
             spec = _unaligned(spec, self.kproblem, x_aligned, w_aligned)
+        if self._bn_stats and bn_stats_ok(spec):
+            spec = dataclasses.replace(spec, bn_stats=True)
         validate_spec(spec, self.kproblem)
         return spec
+
+    @property
+    def bn_stats_tiles(self) -> int:
+        """A statistics plan's (``_bn_stats``) tile rows S, ``ceil(N*P*Q / BM)``, when its kernel for aligned x and
+        w writes them (t[3][S][K] floats at the mask pointer: csrc/conv/epilogue_regs.cuh), else 0."""
+        if not self._bn_stats:
+            return 0
+        spec = self.spec()
+        return -(-self.problem.M // spec.bm) if spec.bn_stats else 0
 
     def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
         """``(name, source)`` of the conv kernel this plan launches (its input preparation aside), e.g. to

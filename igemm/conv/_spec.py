@@ -12,8 +12,8 @@ from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 from ._problem import PATCH_MAX_BYTES, ConvProblem, patch_bytes
 from ._tma import tma_kind, tma_unsupported
 
-__all__ = ["KernelSpec", "CONV_PARAMS", "stub", "validate_spec", "store_for", "regs_epilogue_ok", "min_blocks_for",
-           "max_ctas", "one_consumer_stages", "NCHW_STORES", "REGS_STORES", "SMEM_LIMIT", "SMEM_PER_SM"]
+__all__ = ["KernelSpec", "CONV_PARAMS", "stub", "validate_spec", "bn_stats_ok", "store_for", "regs_epilogue_ok",
+           "min_blocks_for", "max_ctas", "one_consumer_stages", "NCHW_STORES", "REGS_STORES", "SMEM_LIMIT", "SMEM_PER_SM"]
 
 #: The conv family's launch parameters, in order (the one definition; the stub is rendered from it).
 CONV_PARAMS = [
@@ -59,6 +59,9 @@ class KernelSpec:
     #: short and the epilogue long (a 1x1 conv's single k-tile), so that each CTA's producer loads its next
     #: tile while its consumer runs the epilogue, beside the other CTAs' mainloops
     ctas: int = 1
+    #: the register epilogue also writes the output's per-tile BatchNorm statistics (the training forward's;
+    #: csrc/conv/epilogue_regs.cuh: tile_bn_stats) to the launch's ``ws``
+    bn_stats: bool = False
 
     @property
     def threads(self) -> int:
@@ -153,7 +156,7 @@ class KernelSpec:
         return (f"conv_{self.dtype}_{self.layout}_{self.math}_{self.bm}x{self.bn}x{self.bk}_w{self.wm}x{self.wn}"
                 f"_s{self.stages}_{self.load_a}{self.load_b}_{self.store}{self.vec_o}{'_m' if self.fuse_mask else ''}"
                 f"{'_sk' if self.streamk else ''}{f'_cs{self.csplit}' if self.csplit > 1 else ''}"
-                f"{f'_x{self.ctas}' if self.ctas > 1 else ''}")
+                f"{f'_x{self.ctas}' if self.ctas > 1 else ''}{'_bs' if self.bn_stats else ''}")
 
     def prelude(self) -> str:
         """Macros in front of the kernel source (the Hopper kernels' compile-time variants)."""
@@ -161,7 +164,8 @@ class KernelSpec:
             return ""
         return ("#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
                 + (f"\n#define IGEMM_CSPLIT {self.csplit}" if self.csplit > 1 else "")
-                + (f"\n#define IGEMM_WS_CTAS {self.ctas}" if self.ctas > 1 else ""))
+                + (f"\n#define IGEMM_WS_CTAS {self.ctas}" if self.ctas > 1 else "")
+                + ("\n#define IGEMM_BN_STATS 1" if self.bn_stats else ""))
 
 
 #: the store modes of NCHW outputs (a channel-major C tile)
@@ -289,6 +293,9 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
                              or spec.ctas * (spec.smem + spec.static_smem + 1024) > SMEM_PER_SM):
         why = (f"ctas={spec.ctas}: several CTAs an SM are the persistent kernel's (no cluster k-split), "
                f"as many as {SMEM_PER_SM} bytes of shared memory hold")
+    elif spec.bn_stats and not bn_stats_ok(spec):
+        why = "BatchNorm statistics: the per-tile wgmma kernel's NHWC register epilogue (not stream-K, not the patch " \
+              "kernel), BN 64 or 128"
     elif spec.load_b == "tma" and (no_tma := tma_unsupported(pb, spec.bm)):
         why = no_tma
     elif (spec.load_a == "patch") != pb.patch:
@@ -323,6 +330,14 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     if why and raise_:
         raise NotImplementedError(f"kernel config {spec.name()}: {why}")
     return why is None
+
+def bn_stats_ok(spec: KernelSpec) -> bool:
+    """Whether ``spec``'s kernel writes its output's BatchNorm statistics (``bn_stats``) where asked: the per-tile
+    wgmma kernels' NHWC register epilogue, not the patch kernel's (conv1 at N = 256: its epilogue +116 us against the
+    statistics pass's 94; docs/performance.md: bn-stats-in-epilogue)."""
+    return (spec.math == "wgmma" and spec.store == "regs" and not spec.streamk and spec.splits == 1
+            and spec.bn in (64, 128) and spec.load_a != "patch")
+
 
 def stub(spec: KernelSpec) -> str:
     """The generated source of ``spec``'s kernel (its cache key with the headers' hash)."""

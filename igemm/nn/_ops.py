@@ -280,6 +280,10 @@ def _grad_kernels(key: tuple, arch: str, sms: int) -> dict:
         for sub in plan.sub_plans():
             name, src = sub.kernel()
             out[src] = name
+    if prologue and layout == "NHWC":     # (the training forward's conv with z's statistics)
+        from ._train_fast import stats_plan
+        name, src = stats_plan(xs, ws, dtype, stride, padding, dilation, "numpy", arch=arch, sms=sms).kernel()
+        out[src] = name
     return out
 
 

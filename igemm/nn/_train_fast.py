@@ -18,9 +18,10 @@ from .. import _runtime
 from .. import relu as _relu
 from .._kernel import bind_args
 from .._norm_kernels import elemt_kernel, reduction_kernels, train_kernel
-from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
+from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan, Conv2dPlan
 from ..conv._backward_functional import _cached
 from ..conv._moves import dz_fits, launch_coefficients, launch_dz
+from ..conv._spec import bn_stats_ok
 from . import _ops
 
 __all__ = ["train"]
@@ -50,7 +51,8 @@ class TrainCall:
     format the plans write (channels_last for the NHWC plans), so no call makes a view."""
 
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
-                 "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd")
+                 "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
+                 "conv_stats")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu):
         _ops._check(x, w, None, (None, None, None, None), residual, stride, padding, dilation)
@@ -84,11 +86,20 @@ class TrainCall:
                       "momentum": k1.slot["momentum"]}
         # channels-last 16-bit: the BatchNorm passes as one launch each where the GPU holds their grids at once
         # (docs/performance.md: bn-train-one-launch); None: the separate launches above
-        self.one_fwd = self.one_bwd = None
+        self.one_fwd = self.one_bwd = self.conv_stats = None
         if self.nhwc:
             self.one_fwd = train_kernel(dev, backward=False, dtype=dt, N=N, C=K, HW=P * Q,
                                         act=2 if self.relu else 0, res=self.res)
             self.one_bwd = train_kernel(dev, backward=True, dtype=dt, N=N, C=K, HW=P * Q)
+            # z's statistics from the conv's epilogue, where its kernel can write them: the forward pass then merges
+            # them instead of reading z (docs/performance.md: bn-stats-in-epilogue)
+            sp = stats_plan(xs, ws, dt, st, pd, dl, dev) if bn_stats_ok(self.plan.spec()) else None
+            tiles = sp.bn_stats_tiles if sp is not None else 0
+            kc = train_kernel(dev, backward=False, dtype=dt, N=N, C=K, HW=P * Q, act=2 if self.relu else 0,
+                              res=self.res, tiles=tiles) if tiles and self.one_fwd is not None else None
+            if kc is not None:
+                self.conv_stats = (sp, tiles, *kc)
+                self.slots["conv_fwd"] = kc[0].slots(_TRAIN_FWD_PTRS + ("tiles",))
         if self.one_fwd is not None:
             kf = self.one_fwd[0]
             self.slots.update(one_fwd=kf.slots(_TRAIN_FWD_PTRS), one_eps=kf.slot["eps"], one_mom=kf.slot["momentum"])
@@ -114,19 +125,31 @@ class TrainCall:
         z = torch.empty(self.y_shape, dtype=self.dtype, device=dev, memory_format=self.fmt)
         y = torch.empty(self.y_shape, dtype=self.dtype, device=dev, memory_format=self.fmt)
         zp, yp = z.data_ptr(), y.data_ptr()
-        self.plan._launch(h, True, w.data_ptr() % 16 == 0, x.data_ptr(), w.data_ptr(), zp, 0, 0,
-                          _ops._Vectors(None, None), False)
         words = (z.numel() + 31) // 32 if self.relu else 0
         gp, bp = gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0
         rp = residual.data_ptr() if residual is not None else 0
         rmp, rvp = (rm.data_ptr(), rv.data_ptr()) if rm is not None else (0, 0)
-        if self.one_fwd is not None:
-            k, nws = self.one_fwd
+        wa = w.data_ptr() % 16 == 0
+        if self.conv_stats is not None and wa:
+            # the conv writes z and its per-tile statistics (3·tiles·K floats, a transient buffer), then one launch
+            # merges them and runs the BatchNorm(-Add)-ReLU pass
+            sp, tiles, k, nws = self.conv_stats
+            part = torch.empty((3 * tiles * K,), dtype=torch.float32, device=dev)
+            sp._launch(h, True, True, x.data_ptr(), w.data_ptr(), zp, 0, part.data_ptr(), _ops._Vectors(None, None),
+                       False)
+            slots = self.slots["conv_fwd"]
+            extra = [part.data_ptr()]
+        else:
+            self.plan._launch(h, True, wa, x.data_ptr(), w.data_ptr(), zp, 0, 0, _ops._Vectors(None, None), False)
+            k, nws = self.one_fwd if self.one_fwd is not None else (None, 0)
+            slots = self.slots.get("one_fwd")
+            extra = []
+        if k is not None:
             buf = torch.empty((2 * K + nws + words,), dtype=torch.float32, device=dev)
             b = buf.data_ptr()
             in_kernel = nbt is not None and nbt.dtype is torch.int64 and nbt.device == dev
-            k.run(h, self.slots["one_fwd"], [zp, b + 8 * K, b, b + 4 * K, b, b + 4 * K, rmp, rvp, rp, yp,
-                                              b + 4 * (2 * K + nws), gp, bp, nbt.data_ptr() if in_kernel else 0],
+            k.run(h, slots, [zp, b + 8 * K, b, b + 4 * K, b, b + 4 * K, rmp, rvp, rp, yp, b + 4 * (2 * K + nws), gp,
+                             bp, nbt.data_ptr() if in_kernel else 0, *extra],
                   ((self.slots["one_eps"], self.eps), (self.slots["one_mom"], momentum)))
             if nbt is not None and not in_kernel:
                 nbt.add_(1)
@@ -234,6 +257,14 @@ class TrainCall:
             with g._lock:
                 g._run(h, x.data_ptr(), src, dw.data_ptr(), fp)
         return dx, dw, sums[2 * K:3 * K], sums[3 * K:4 * K], dres
+
+
+def stats_plan(xs, ws, dt: str, stride, padding, dilation, device, **where):
+    """The training forward's NHWC conv whose kernel also writes z's per-tile BatchNorm statistics where it can
+    (``Conv2dPlan.bn_stats_tiles``); ``device``: a CUDA index (cached), or "numpy" with ``arch``/``sms``."""
+    args = (xs, ws, dt, "NHWC", stride, padding, dilation)
+    make = lambda: Conv2dPlan(*args, device=device, _skeleton=True, _bn_stats=True, **where)   # noqa: E731
+    return make() if device == "numpy" else _cached(Conv2dPlan, ("bn_stats", *args, device), make)
 
 
 class _Link:

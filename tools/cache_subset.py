@@ -36,7 +36,8 @@ def main() -> int:
 
     import igemm.__main__ as M
     M.precompile(argparse.Namespace(epilogues=True, configs="float16:NHWC:strict,float16:NCHW:strict,"
-                                    "float32:NCHW:strict,bfloat16:NHWC:strict", jobs=1, arch=arch, batch=32))
+                                    "float32:NCHW:strict,bfloat16:NHWC:strict", jobs=1, arch=arch, batch=32,
+                                    backward=True))
     import importlib
     ia, pr, nm = (importlib.import_module(f"igemm.{m}") for m in ("index_add", "prelu", "norm"))
     ia.precompile(arch, 1)
@@ -49,10 +50,17 @@ def main() -> int:
         seen.append((name, stub))
     for b in (8, 1):                    # bench_conv --batch 8 / --batch 1
         M.precompile(argparse.Namespace(epilogues=False, configs="float16:NHWC:strict,float16:NCHW:strict",
-                                        jobs=1, arch=arch, batch=b))
+                                        jobs=1, arch=arch, batch=b, backward=False))
     sys.path.insert(0, str(ROOT / "tools"))
     import precompile_tests            # the GPU tests' non-default conv kernels
     seen.extend(precompile_tests.test_stubs().values())
+    import test_backward               # the backward tests and fuzz (300 problems, as precompile_all.sh), training
+    import test_train
+    import test_train_graphs
+    for stub, name in test_backward.stubs(300).items():
+        seen.append((name, stub))
+    test_train.precompile(arch)
+    test_train_graphs.precompile(arch)
     from igemm.baselines import compare
     try:
         compare.main(["--precompile", "--arch", arch])

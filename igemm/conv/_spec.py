@@ -13,7 +13,8 @@ from ._problem import PATCH_MAX_BYTES, ConvProblem, patch_bytes
 from ._tma import tma_kind, tma_unsupported
 
 __all__ = ["KernelSpec", "CONV_PARAMS", "stub", "validate_spec", "bn_stats_ok", "store_for", "regs_epilogue_ok",
-           "min_blocks_for", "max_ctas", "one_consumer_stages", "NCHW_STORES", "REGS_STORES", "SMEM_LIMIT", "SMEM_PER_SM"]
+           "min_blocks_for", "max_ctas", "one_consumer_stages", "NCHW_STORES", "REGS_STORES", "SMEM_LIMIT",
+           "SMEM_PER_SM"]
 
 #: The conv family's launch parameters, in order (the one definition; the stub is rendered from it).
 CONV_PARAMS = [

@@ -1,6 +1,7 @@
 """The launch step in C: ``csrc/host/launch.c``, a small CPython extension that calls the driver's
-``cuLaunchKernel`` for every :class:`~igemm._kernel.Launcher` (``raw``; ``coop``: ``cuLaunchCooperativeKernel``) and runs a conv plan's launch record --
-its argument binds and launches -- in one call (``launch``; see :class:`igemm.conv._launch.LaunchRecord`).
+``cuLaunchKernel`` for every :class:`~igemm._kernel.Launcher` (``raw``; ``coop``: ``cuLaunchCooperativeKernel``)
+and runs a conv plan's launch record -- its argument binds and launches -- in one call (``launch``; see
+:class:`igemm.conv._launch.LaunchRecord`).
 
 It is built on first use with the host's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) against this
 Python's headers, into the kernel cache (``$IGEMM_CACHE_DIR``), keyed by its source, the Python ABI and the
@@ -106,7 +107,8 @@ def get():
                 if m.init():
                     mod = m
                 else:
-                    why = "libcuda.so.1 not loaded, or without cuLaunchKernel / cuLaunchCooperativeKernel / cuCtxGetCurrent"
+                    why = ("libcuda.so.1 not loaded, or without cuLaunchKernel / cuLaunchCooperativeKernel / "
+                           "cuCtxGetCurrent")
             except (RuntimeError, OSError, ImportError, ValueError) as e:   # (ValueError: a bad cache dir)
                 why = f"not built: {e}"
             _state["why"] = why

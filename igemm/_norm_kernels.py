@@ -304,9 +304,8 @@ def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool 
     if backward:
         return _stub("norm_train.cuh", "igemm_bn_train_backward",
                      f"igemm::norm::bn_train_backward<{t}, 8, {f}>(p);", _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
-    b = lambda v: "true" if v else "false"   # noqa: E731
     return _stub("norm_train.cuh", "igemm_bn_train_forward",
-                 f"igemm::norm::bn_train_forward<{t}, 8, {act}, {b(res)}, {f}{', true' if conv else ''}>(p);",
+                 f"igemm::norm::bn_train_forward<{t}, 8, {act}, {str(res).lower()}, {f}{', true' if conv else ''}>(p);",
                  _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
 
 

@@ -127,14 +127,19 @@ static int read_launch(PyObject *const *args, Py_ssize_t nargs, const char *sig,
     return 1;
 }
 
+/* One cuLaunchKernel of raw's ten arguments, as a launch step with no binds. */
+static PyObject *plain_launch(const int64_t d[10]) {
+    const int64_t step[STEP] = {d[0], d[9], 0, d[1], d[2], d[3], d[4], d[5], d[6], d[7], 0};
+    return PyLong_FromLong(launch_step(step, (void *)(uintptr_t)d[8]));
+}
+
 /* raw(func, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult: one cuLaunchKernel */
 static PyObject *hl_raw(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t d[10];
     if (!read_launch(args, nargs, "raw(func, gx, gy, gz, bx, by, bz, smem, stream, params)", d))
         return NULL;
-    const int64_t step[STEP] = {d[0], d[9], 0, d[1], d[2], d[3], d[4], d[5], d[6], d[7], 0};
-    return PyLong_FromLong(launch_step(step, (void *)(uintptr_t)d[8]));
+    return plain_launch(d);
 }
 
 /* coop(func, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult: one cuLaunchCooperativeKernel (the grid
@@ -144,10 +149,8 @@ static PyObject *hl_coop(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int64_t d[10];
     if (!read_launch(args, nargs, "coop(func, gx, gy, gz, bx, by, bz, smem, stream, params)", d))
         return NULL;
-    if (g_coop == NULL) {
-        const int64_t step[STEP] = {d[0], d[9], 0, d[1], d[2], d[3], d[4], d[5], d[6], d[7], 0};
-        return PyLong_FromLong(launch_step(step, (void *)(uintptr_t)d[8]));
-    }
+    if (g_coop == NULL)                     /* (a stand-in driver: through its launch) */
+        return plain_launch(d);
     return PyLong_FromLong(g_coop((void *)(uintptr_t)d[0], (unsigned)d[1], (unsigned)d[2], (unsigned)d[3],
                                   (unsigned)d[4], (unsigned)d[5], (unsigned)d[6], (unsigned)d[7],
                                   (void *)(uintptr_t)d[8], (void **)(uintptr_t)d[9]));

@@ -98,7 +98,7 @@ class TrainCall:
             kc = train_kernel(dev, backward=False, dtype=dt, N=N, C=K, HW=P * Q, act=2 if self.relu else 0,
                               res=self.res, tiles=tiles) if tiles and self.one_fwd is not None else None
             if kc is not None:
-                self.conv_stats = (sp, tiles, *kc)
+                self.conv_stats = (sp, 3 * tiles * K, *kc)     # (the plan, its statistics' floats, the BN pass)
                 self.slots["conv_fwd"] = kc[0].slots(_TRAIN_FWD_PTRS + ("tiles",))
         if self.one_fwd is not None:
             kf = self.one_fwd[0]
@@ -133,8 +133,8 @@ class TrainCall:
         if self.conv_stats is not None and wa:
             # the conv writes z and its per-tile statistics (3·tiles·K floats, a transient buffer), then one launch
             # merges them and runs the BatchNorm(-Add)-ReLU pass
-            sp, tiles, k, nws = self.conv_stats
-            part = torch.empty((3 * tiles * K,), dtype=torch.float32, device=dev)
+            sp, nparts, k, nws = self.conv_stats
+            part = torch.empty((nparts,), dtype=torch.float32, device=dev)
             sp._launch(h, True, True, x.data_ptr(), w.data_ptr(), zp, 0, part.data_ptr(), _ops._Vectors(None, None),
                        False)
             slots = self.slots["conv_fwd"]

@@ -479,7 +479,15 @@ def launch_gather(ctx, *, in_dtype: str, cnt_dtype: str, C: int, W: int, rs: int
 
 
 def launch_sum_ranks(ctx, *, C: int, W: int, ptrs: dict) -> None:
-    _gather_plan(ctx.device_id, "float64", "float64", C, W, 0, 0, 2 * C, 0, 0, True)(ctx.stream, ptrs)
+    sync_kernels(ctx.device_id, C, W)[1](ctx.stream, ptrs)
+
+
+def sync_kernels(device_id: int, C: int, W: int) -> tuple:
+    """SyncBatchNorm's merges for a caller that launches them many times: ``(gather, sum_ranks)``, the first merging W
+    packed fp64 ``[3, C]`` (mean, var, count) rows into fp32 (mean, invstd, count) with the running update (mode 1),
+    the second summing W fp64 ``[2, C]`` (sum_dy, sum_dy_xmu) rows into fp32 (both in rank order)."""
+    return (_gather_plan(device_id, "float64", "float64", C, W, 1, 0, 3 * C, 3 * C, 1),
+            _gather_plan(device_id, "float64", "float64", C, W, 0, 0, 2 * C, 0, 0, True))
 
 
 def instances_for(layout: str, N: int, C: int, HW: int, dtype: str, *, sms: int, align: int = 16,

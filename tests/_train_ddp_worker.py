@@ -3,8 +3,9 @@ variables): a small ResNet converted with ``igemm.nn.convert(model, sync_bn=None
 default group) in ``DistributedDataParallel`` (on the CPU, where DDP refuses SyncBatchNorm, the gradients averaged
 by hand), one step on this rank's share of a batch split unevenly; the
 loss is scaled so that DDP's average of the ranks' gradients is the gradient of the whole batch's mean loss.
-Rank 0 also runs the PyTorch model (plain BatchNorm) on the whole batch in one process. Results (gradients,
-running statistics, outputs) go to OUT/rank<r>.pt.
+Rank 0 also runs the PyTorch model (plain BatchNorm) on the whole batch in one process. On CUDA the step runs again
+under fp16 autocast (igemm's eager training path, SyncBatchNorm synced there too) against igemm with plain
+BatchNorm on the whole batch. Results (gradients, running statistics, outputs) go to OUT/rank<r>.pt.
 
     python tests/_train_ddp_worker.py OUT_DIR {cpu,cuda} [BENCH_N]
 
@@ -81,6 +82,30 @@ def _bench(rank, world, device, n: int) -> dict:
     return res
 
 
+def _synced_fast_calls() -> int:
+    """How many layers ran igemm's eager training path with SyncBatchNorm (not the op path)."""
+    from igemm.nn import _train_fast
+    return sum(tc is not None and tc.sync is not None for per in _train_fast._calls.values() for tc in per.values())
+
+
+def _amp(base, rank, device, x, y, xs, ys, world) -> dict:
+    """The same step under fp16 autocast: DDP + igemm's SyncBatchNorm on the shares against igemm with plain
+    BatchNorm on the whole batch in one process (rank 0), both on igemm's eager training path."""
+    before = _synced_fast_calls()
+    m = inn.convert(copy.deepcopy(base).to(device), inplace=True, sync_bn=None).train()
+    ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
+    with torch.autocast("cuda", dtype=torch.float16):
+        _step(ddp, xs, ys, world / sum(SPLIT))
+    res = {"amp_grads": [p.grad.float().cpu() for p in m.parameters()],
+           "amp_fast_sync": _synced_fast_calls() - before}
+    if rank == 0:
+        ref = inn.convert(copy.deepcopy(base).to(device), inplace=True).train()
+        with torch.autocast("cuda", dtype=torch.float16):
+            _step(ref, x, y, 1 / sum(SPLIT))
+        res["amp_ref_grads"] = [p.grad.float().cpu() for p in ref.parameters()]
+    return res
+
+
 def main(out_dir: str, kind: str, bench_n: int = 0) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if kind == "cuda":
@@ -113,6 +138,8 @@ def main(out_dir: str, kind: str, bench_n: int = 0) -> None:
         res["ref_out"] = _step(ref, x, y, 1 / sum(SPLIT)).cpu()
         res["ref_grads"] = [p.grad.cpu() for p in ref.parameters()]
         res["ref_buffers"] = [b.cpu() for b in ref.buffers()]
+    if kind == "cuda":
+        res.update(_amp(base, rank, device, x, y, xs, ys, world))
     if bench_n:
         res["bench"] = _bench(rank, world, device, bench_n)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))

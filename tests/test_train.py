@@ -569,6 +569,12 @@ def test_gpu_ddp_sync_batchnorm_two_gpus(tmp_path):
     pytest.importorskip("torchvision")
     r0, r1 = _ddp(tmp_path, "cuda", 64)
     _check_ddp(r0, r1, 1e-4)
+    # fp16 autocast: every fused layer on the eager path, synced; the gradients equal one process's on the batch
+    from igemm.nn._modules import _ConvBN
+    n_fused = sum(isinstance(m, _ConvBN) for m in inn.convert(small_resnet()).modules())
+    assert r0["amp_fast_sync"] == r1["amp_fast_sync"] == n_fused > 0
+    for a, b, ref in zip(r0["amp_grads"], r1["amp_grads"], r0["amp_ref_grads"]):
+        assert torch.equal(a, b) and _rel(a, ref) < 1e-2
     for r, res in enumerate((r0, r1)):
         b = res["bench"]
         print(f"rank {r}, ResNet-50 AMP DDP step at 64 images a rank: igemm {b['igemm']['ms']:.1f} ms "

@@ -274,12 +274,12 @@ __device__ void grad_dz(const P& p) {
 // a = gamma·invstd, b = -gamma·invstd³·sum_dy_xmu/count, c = gamma·invstd·(mean·invstd²·sum_dy_xmu - sum_dy)/count:
 // PyTorch's BN backward (training statistics) written as dz = a·g + b·z + c, coef = [a; b; c] (3 x K floats).
 template <class P>
-__device__ void coefficients_at(const P& p, int k, float sum_dy, float sum_dy_xmu) {
+__device__ void coefficients_at(const P& p, int k, float sum_dy, float sum_dy_xmu, float count) {
   const float* g = static_cast<const float*>(p.gamma);
   const float gamma = g ? g[k] : 1.f;
   const float is = static_cast<const float*>(p.invstd)[k], mu = static_cast<const float*>(p.mean)[k];
-  const float m1 = sum_dy / p.count;
-  const float m2 = sum_dy_xmu / p.count;
+  const float m1 = sum_dy / count;
+  const float m2 = sum_dy_xmu / count;
   float* coef = static_cast<float*>(const_cast<void*>(p.coef));
   const float a = gamma * is;
   coef[k] = a;
@@ -288,10 +288,17 @@ __device__ void coefficients_at(const P& p, int k, float sum_dy, float sum_dy_xm
 }
 
 template <class P>
+__device__ void coefficients_at(const P& p, int k, float sum_dy, float sum_dy_xmu) {
+  coefficients_at(p, k, sum_dy, sum_dy_xmu, p.count);
+}
+
+// counts: the values per channel on the device (SyncBatchNorm's over every rank's batch), else the static count
+template <class P>
 __device__ void grad_coefficients(const P& p) {
   const int k = blockIdx.x * blockDim.x + threadIdx.x;
   if (k < p.K)
-    coefficients_at(p, k, static_cast<const float*>(p.sum_dy)[k], static_cast<const float*>(p.sum_dy_xmu)[k]);
+    coefficients_at(p, k, static_cast<const float*>(p.sum_dy)[k], static_cast<const float*>(p.sum_dy_xmu)[k],
+                    p.counts ? static_cast<const float*>(p.counts)[k] : p.count);
 }
 
 }  // namespace igemm::backward

@@ -30,7 +30,7 @@ _PARAMS = [*(ParamSpec(n, "ptr") for n in ("src", "dst", "mask", "z", "coef")),
            *(ParamSpec(f"fd{i}", "fastdiv") for i in (1, 2, 3))]
 _DZ_PARAMS = [*(ParamSpec(n, "ptr") for n in ("src", "dst", "mask", "z", "coef", "sel")), ParamSpec("M", "int64"),
               ParamSpec("K", "int32")]
-_COEF_PARAMS = [*(ParamSpec(n, "ptr") for n in ("gamma", "invstd", "mean", "sum_dy", "sum_dy_xmu", "coef")),
+_COEF_PARAMS = [*(ParamSpec(n, "ptr") for n in ("gamma", "invstd", "mean", "sum_dy", "sum_dy_xmu", "coef", "counts")),
                 ParamSpec("K", "int32"), ParamSpec("count", "float32")]
 _THREADS = 256
 
@@ -193,10 +193,11 @@ def _coef_template(K: int, count: float) -> _kernel.PackedArgs:
 
 
 def launch_coefficients(device_id: int, stream: int, K: int, count: int, *, gamma: int, invstd: int, mean: int,
-                        sum_dy: int, sum_dy_xmu: int, coef: int) -> None:
-    """coef[3, K] = [a; b; c] of the BN-backward prologue (csrc/conv/backward.cuh: grad_coefficients)."""
+                        sum_dy: int, sum_dy_xmu: int, coef: int, counts: int = 0) -> None:
+    """coef[3, K] = [a; b; c] of the BN-backward prologue (csrc/conv/backward.cuh: grad_coefficients); ``counts``:
+    a device pointer to the values per channel (fp32 [K]) instead of ``count``."""
     _coef_launcher(device_id, -(-K // _THREADS))(stream, _coef_template(K, float(count)).bind(dict(
-        gamma=gamma, invstd=invstd, mean=mean, sum_dy=sum_dy, sum_dy_xmu=sum_dy_xmu, coef=coef)))
+        gamma=gamma, invstd=invstd, mean=mean, sum_dy=sum_dy, sum_dy_xmu=sum_dy_xmu, coef=coef, counts=counts)))
 
 
 def _dz_stub(dtype: str, mode: int) -> str:

@@ -176,9 +176,9 @@ class _ConvBN(nn.Module):
             f = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
             rm, rv = bn.running_mean, bn.running_var
         group = _sync_group(bn) if self.training else False
-        if _ops.eager(x) and group is False:
+        if _ops.eager(x):
             out = _train_fast.train(self, x, w, bn.weight, bn.bias, res, rm, rv, f, bn.eps, c.stride, pad, c.dilation,
-                                    self.relu, nbt)
+                                    self.relu, nbt, group)
             if out is not None:
                 return out[0]
         if nbt is not None:

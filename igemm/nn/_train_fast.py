@@ -5,7 +5,8 @@ The op path (``torch.ops.igemm.conv2d_bn_train`` and its backward) validates eve
 calls: about 1 ms of host time per layer and step, four times the GPU time of a ResNet-50 layer's training step
 (docs/performance.md: train-eager-path). A ``TrainCall`` holds the conv plan, the dgrad and wgrad plans and the
 BatchNorm kernels' configurations; its forward and backward launch them on the current stream. Same kernels,
-same order, same results as the op. Used on plain CUDA tensors outside torch.compile (which sees the op).
+same order, same results as the op (SyncBatchNorm's collectives included). Used on plain CUDA tensors outside
+torch.compile (which sees the op).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch.autograd.graph import increment_version
 from .. import _runtime
 from .. import relu as _relu
 from .._kernel import bind_args
-from .._norm_kernels import elemt_kernel, reduction_kernels, train_kernel
+from .._norm_kernels import elemt_kernel, reduction_kernels, sync_kernels, train_kernel
 from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan, Conv2dPlan
 from ..conv._backward_functional import _cached
 from ..conv._moves import dz_fits, launch_coefficients, launch_dz
@@ -32,6 +33,9 @@ _PLAIN = {"mask": 0, "z": 0, "coef": 0}
 _STATS_PTRS = ("x", "out0", "out1", "part", "run_mean", "run_var")
 _FWD_PTRS = ("x", "res", "y", "mask", "mean", "invstd", "weight", "bias")
 _GRAD_PTRS = ("dy", "x", "mask", "mean", "invstd", "out0", "out1", "out2", "out3", "part")
+# SyncBatchNorm's: this rank's (mean, var, count) in fp64; the merge of every rank's (syncbn.sync_batch_norm_stats)
+_SYNC_STATS_PTRS = ("x", "out0", "out1", "out2", "part")
+_GATHER_PTRS = ("mean", "var", "cnt", "out0", "out1", "out2", "run_mean", "run_var")
 # the one-launch passes' (csrc/norm_train.cuh)
 _TRAIN_FWD_PTRS = ("x", "part", "out0", "out1", "mean", "invstd", "run_mean", "run_var", "res", "y", "mask", "weight",
                    "bias", "nbt")
@@ -52,9 +56,9 @@ class TrainCall:
 
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
-                 "conv_stats")
+                 "conv_stats", "sync")
 
-    def __init__(self, x, w, residual, eps, stride, padding, dilation, relu):
+    def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False):
         _ops._check(x, w, None, (None, None, None, None), residual, stride, padding, dilation)
         self.nhwc = _ops._nhwc(x)
         self.fmt = _CL if self.nhwc else torch.contiguous_format
@@ -86,8 +90,20 @@ class TrainCall:
                       "momentum": k1.slot["momentum"]}
         # channels-last 16-bit: the BatchNorm passes as one launch each where the GPU holds their grids at once
         # (docs/performance.md: bn-train-one-launch); None: the separate launches above
-        self.one_fwd = self.one_bwd = self.conv_stats = None
-        if self.nhwc:
+        self.one_fwd = self.one_bwd = self.conv_stats = self.sync = None
+        if group is not False:
+            # SyncBatchNorm (a torch.distributed group; None: the default one): the statistics and the backward's
+            # sums of every rank's batch, as igemm.syncbn does them (fp64 rows all-gathered, merged in rank order)
+            import torch.distributed as dist
+            W = dist.get_world_size(group)
+            sred = reduction_kernels(dev, grad=False, mode=0, f64=True, **geo)
+            gred = reduction_kernels(dev, grad=True, f64=True, **geo)
+            gather, sums = sync_kernels(dev, K, W)
+            self.sync = (group, W, sred, gred, gather, sums)
+            self.slots.update(sync_stats=sred[0].slots(_SYNC_STATS_PTRS), sync_grad=gred[0].slots(_GRAD_PTRS),
+                              gather=gather.slots(_GATHER_PTRS), g_eps=gather.slot["eps"],
+                              g_mom=gather.slot["momentum"], sum_ranks=sums.slots(("mean", "out0", "out1")))
+        elif self.nhwc:
             self.one_fwd = train_kernel(dev, backward=False, dtype=dt, N=N, C=K, HW=P * Q,
                                         act=2 if self.relu else 0, res=self.res)
             self.one_bwd = train_kernel(dev, backward=True, dtype=dt, N=N, C=K, HW=P * Q)
@@ -130,6 +146,9 @@ class TrainCall:
         rp = residual.data_ptr() if residual is not None else 0
         rmp, rvp = (rm.data_ptr(), rv.data_ptr()) if rm is not None else (0, 0)
         wa = w.data_ptr() % 16 == 0
+        if self.sync is not None:
+            self.plan._launch(h, True, wa, x.data_ptr(), w.data_ptr(), zp, 0, 0, _ops._Vectors(None, None), False)
+            return self._forward_sync(h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt)
         if self.conv_stats is not None and wa:
             # the conv writes z and its per-tile statistics (3·tiles·K floats, a transient buffer), then one launch
             # merges them and runs the BatchNorm(-Add)-ReLU pass
@@ -154,7 +173,7 @@ class TrainCall:
             if nbt is not None and not in_kernel:
                 nbt.add_(1)
             self._changed(rm, rv, nbt if in_kernel else None)
-            return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K]
+            return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], None
         if nbt is not None:
             nbt.add_(1)
         self._changed(rm, rv, None)
@@ -168,7 +187,32 @@ class TrainCall:
         if k2 is not None:
             k2.run(h, self.slots["stats"], ptrs, mom)
         self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, yp, b + 4 * (2 * K + nws), b, b + 4 * K, gp, bp])
-        return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K]
+        return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], None
+
+    def _forward_sync(self, h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt):
+        """SyncBatchNorm's forward after the conv: this rank's statistics, the all-gather, the merge (with the
+        running update), then the BN(-Add)-ReLU pass; the sixth result is the global count per channel."""
+        import torch.distributed as dist
+        group, W, (k1, k2, nws), _, gather, _ = self.sync
+        K, zp = self.K, z.data_ptr()
+        rows = torch.empty((3 * K * (W + 1),), dtype=torch.float64, device=dev)   # this rank's, then every rank's
+        # mean, invstd, count; kernel 2's partials; the mask's words (int32) after them
+        buf = torch.empty((3 * K + nws + words,), dtype=torch.float32, device=dev)
+        r, b = rows.data_ptr(), buf.data_ptr()
+        ptrs = [zp, r, r + 8 * K, r + 16 * K, b + 12 * K]
+        k1.run(h, self.slots["sync_stats"], ptrs)
+        if k2 is not None:
+            k2.run(h, self.slots["sync_stats"], ptrs)
+        dist.all_gather_into_tensor(rows[3 * K:], rows[:3 * K], group=group)
+        g = r + 24 * K
+        gather.run(h, self.slots["gather"], [g, g + 8 * K, g + 16 * K, b, b + 4 * K, b + 8 * K,
+                                             *((rm.data_ptr(), rv.data_ptr()) if rm is not None else (0, 0))],
+                   ((self.slots["g_eps"], self.eps), (self.slots["g_mom"], momentum)))
+        if nbt is not None:
+            nbt.add_(1)
+        self._changed(rm, rv, None)
+        self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, y.data_ptr(), b + 4 * (3 * K + nws), b, b + 4 * K, gp, bp])
+        return y, z, buf[3 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], buf[2 * K:3 * K]
 
     @staticmethod
     def _changed(rm, rv, nbt):
@@ -177,7 +221,7 @@ class TrainCall:
         if rm is not None:
             increment_version((rm, rv) if nbt is None else (rm, rv, nbt))
 
-    def backward(self, dy, x, w, z, mask, mean, invstd, gamma, need, add_to=None):
+    def backward(self, dy, x, w, z, mask, mean, invstd, gamma, need, add_to=None, count=None):
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = self.fmt
@@ -188,7 +232,7 @@ class TrainCall:
         dp, zp, mp = dy.data_ptr(), z.data_ptr(), mask.data_ptr() if self.relu else 0
         gp = gamma.data_ptr() if gamma is not None else 0
         sel = self.relu and need[4]
-        if self.one_bwd is not None and (need[0] or need[1]) and dz_fits(self.dt, K, dp, zp):
+        if self.one_bwd is not None and self.sync is None and (need[0] or need[1]) and dz_fits(self.dt, K, dp, zp):
             # the sums, the coefficients and dz = a·(bit ? dy : 0) + b·z + c (with the residual's gradient) in one
             # launch; dgrad and wgrad then run plain on dz
             k, nws = self.one_bwd
@@ -201,15 +245,19 @@ class TrainCall:
                                              dres.data_ptr() if sel else 0])
             return self._grads(h, dz.data_ptr(), _PLAIN, w, x, need, sums, dy if need[4] and not self.relu else dres,
                                add_to)
-        k1, k2, nws = self.grad_red
+        k1, k2, nws = self.grad_red if self.sync is None else self.sync[3]
         sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
         b = sums.data_ptr()
-        ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), b, b + 4 * K, b + 8 * K, b + 12 * K, b + 28 * K]
-        k1.run(h, self.slots["grad"], ptrs)
-        if k2 is not None:
-            k2.run(h, self.slots["grad"], ptrs)
+        if self.sync is None:
+            ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), b, b + 4 * K, b + 8 * K, b + 12 * K, b + 28 * K]
+            k1.run(h, self.slots["grad"], ptrs)
+            if k2 is not None:
+                k2.run(h, self.slots["grad"], ptrs)
+        else:
+            self._sums_sync(h, dev, dp, zp, mp, mean, invstd, b, k1, k2)
         launch_coefficients(dev.index, h, K, max(self.N * self.HW, 1), gamma=gp, invstd=invstd.data_ptr(),
-                            mean=mean.data_ptr(), sum_dy=b, sum_dy_xmu=b + 4 * K, coef=b + 16 * K)
+                            mean=mean.data_ptr(), sum_dy=b, sum_dy_xmu=b + 4 * K, coef=b + 16 * K,
+                            counts=count.data_ptr() if count is not None else 0)
         fp = {"mask": mp, "z": zp, "coef": b + 16 * K}
         src = dp
         dres = None
@@ -234,6 +282,21 @@ class TrainCall:
             else:
                 dres = dy
         return self._grads(h, src, fp, w, x, need, sums, dres, add_to)
+
+    def _sums_sync(self, h, dev, dp, zp, mp, mean, invstd, b, k1, k2):
+        """SyncBatchNorm's backward sums: this rank's (sum_dy, sum_dy_xmu) in fp64, all-gathered and added in rank
+        order into ``b`` (fp32); grad_weight and grad_bias stay this rank's, as PyTorch's SyncBatchNorm has them."""
+        import torch.distributed as dist
+        group, W, _, _, _, sum_ranks = self.sync
+        K = self.K
+        rows = torch.empty((2 * K * (W + 1),), dtype=torch.float64, device=dev)   # this rank's, then every rank's
+        r = rows.data_ptr()
+        ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), r, r + 8 * K, b + 8 * K, b + 12 * K, b + 28 * K]
+        k1.run(h, self.slots["sync_grad"], ptrs)
+        if k2 is not None:
+            k2.run(h, self.slots["sync_grad"], ptrs)
+        dist.all_gather_into_tensor(rows[2 * K:], rows[:2 * K], group=group)
+        sum_ranks.run(h, self.slots["sum_ranks"], [r + 16 * K, b, b + 4 * K])
 
     def _grads(self, h, src, fp, w, x, need, sums, dres, add_to):
         """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain) and the outputs of backward;
@@ -316,8 +379,8 @@ class _FastTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tc, x, w, gamma, beta, residual, rm, rv, momentum, nbt):
-        y, z, mask, mean, invstd = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
-        ctx.tc = tc
+        y, z, mask, mean, invstd, count = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
+        ctx.tc, ctx.count = tc, count           # (count: SyncBatchNorm's per channel, a tensor of no graph's)
         ctx.set_materialize_grads(False)          # (no zero tensors for the outputs that have no gradient)
         ctx.save_for_backward(x, w, z, mask, mean, invstd, gamma)
         ctx.mark_non_differentiable(z, mask, mean, invstd)
@@ -335,7 +398,7 @@ class _FastTrain(torch.autograd.Function):
             return (None, add_to) + (None,) * 8
         x, w, z, mask, mean, invstd, gamma = ctx.saved_tensors
         n = ctx.needs_input_grad
-        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, z, mask, mean, invstd, gamma, n[1:], add_to)
+        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, z, mask, mean, invstd, gamma, n[1:], add_to, ctx.count)
         if ctx.res_link is not None and dres is not None and n[5]:
             ctx.res_link.pending, dres = dres, None      # (the block's first layer adds it into its dx)
         return (None, dx, dw, dg if n[3] else None, db if n[4] else None, dres if n[5] else None, None, None, None,
@@ -346,18 +409,19 @@ _BACKWARD = _FastTrain._backward_cls
 
 
 def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: float, stride, padding, dilation,
-          relu: bool, nbt=None):
+          relu: bool, nbt=None, group=False):
     """A module's training forward on the eager path, or None where the op path must run it (nothing launched
-    then). ``nbt``: BatchNorm2d's num_batches_tracked, to be incremented here."""
+    then). ``nbt``: BatchNorm2d's num_batches_tracked, to be incremented here; ``group``: SyncBatchNorm's process
+    group (None: the default one), False: none."""
     per = _calls.get(owner)
     if per is None:
         per = _calls[owner] = {}
     key = (x.shape, x.stride(), x.dtype, x.get_device(), w.shape,
-           None if residual is None else (residual.shape, residual.stride()))
+           None if residual is None else (residual.shape, residual.stride()), group is not False, id(group))
     tc = per.get(key, False)
     if tc is False:
         ok = _ops.supported(x, w) and (_ops._nhwc(x) or x.is_contiguous()) and x.numel() > 0
-        tc = per[key] = TrainCall(x, w, residual, eps, stride, padding, dilation, relu) if ok else None
+        tc = per[key] = TrainCall(x, w, residual, eps, stride, padding, dilation, relu, group) if ok else None
     if tc is None or not tc.usable(x, w, gamma, beta, residual, rm, rv):
         return None
     return _FastTrain.apply(tc, x, w, gamma, beta, residual, rm, rv, float(momentum), nbt)

@@ -437,7 +437,8 @@ def test_gpu_gradcheck_fp32():
 def test_gpu_amp_training_step_matches_pytorch():
     """A small ResNet, channels_last, fp16 autocast: one step's gradients against the fp32 model's, no worse
     than twice PyTorch AMP's error (plus 1e-3); BN buffers after three steps equal PyTorch AMP's to 1e-3. Every
-    layer's statistics but the stem's come from its conv's epilogue (TrainCall.conv_stats)."""
+    layer's statistics but the stem's come from its conv's epilogue (TrainCall.conv_stats), and every layer takes the
+    fp32 weight itself (TrainCall.master: dw written in fp32)."""
     from igemm.nn import _train_fast
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(5)
@@ -460,6 +461,7 @@ def test_gpu_amp_training_step_matches_pytorch():
         assert torch.equal(a, b) if not a.is_floating_point() else _rel(a, b) < 1e-3, name
     calls = [tc for m in ig.modules() for tc in (_train_fast._calls.get(m) or {}).values()]
     assert len(calls) == 6 and all((tc.conv_stats is None) == (tc.plan.spec().load_a == "patch") for tc in calls)
+    assert all(tc.master for tc in calls)         # (fp32 weights cast per call, their gradients written in fp32)
 
 
 @pytest.mark.gpu

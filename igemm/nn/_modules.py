@@ -160,7 +160,8 @@ class _ConvBN(nn.Module):
     def _train(self, x, res, pad):
         """BatchNorm with batch statistics: the training op, then BatchNorm2d's running-statistics update."""
         c, bn = self._modules["conv"], self._modules["bn"]
-        x, w, res = _autocast(x, c.weight, res)
+        x, res = _autocast(x, res)
+        w = c.weight          # (under autocast the eager path casts it itself and returns its gradient in fp32)
         N, K, P, Q = _ops._out_size(x, w, c.stride, pad, c.dilation) if x.dim() == 4 else (0,) * 4
         if self.training and N * P * Q <= 1:           # (BatchNorm2d's own check)
             raise ValueError(f"Expected more than 1 value per channel when training, got input size "
@@ -176,11 +177,12 @@ class _ConvBN(nn.Module):
             f = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
             rm, rv = bn.running_mean, bn.running_var
         group = _sync_group(bn) if self.training else False
-        if _ops.eager(x):
+        if _ops.eager(x) and (w.dtype is x.dtype or torch.is_autocast_enabled("cuda")):
             out = _train_fast.train(self, x, w, bn.weight, bn.bias, res, rm, rv, f, bn.eps, c.stride, pad, c.dilation,
                                     self.relu, nbt, group)
             if out is not None:
                 return out[0]
+        (w,) = _autocast(w)
         if nbt is not None:
             nbt.add_(1)
         return _train_ops.conv2d_bn_train(x, w, bn.weight, bn.bias, bn.eps, res, c.stride, pad, c.dilation, self.relu,

@@ -52,13 +52,19 @@ class TrainCall:
     """conv -> BN (batch statistics) [-> + residual] [-> ReLU] for one input geometry: the plans and the BatchNorm
     kernels found once (the kernels for 16-byte aligned tensors: fresh outputs, and inputs ``usable`` checks).
     Tensors stay in the module's shapes: the kernels need only their pointers, outputs are allocated in the memory
-    format the plans write (channels_last for the NHWC plans), so no call makes a view."""
+    format the plans write (channels_last for the NHWC plans), so no call makes a view. An fp32 weight with a
+    16-bit x (autocast's master weight: ``master``) is cast per call here and its gradient written in fp32 by wgrad's
+    split sum, instead of autograd's cast each way (docs/performance.md: train-master-weight)."""
 
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
-                 "conv_stats", "sync")
+                 "conv_stats", "sync", "master", "wdtype")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False):
+        self.wdtype = w.dtype
+        self.master = w.dtype is torch.float32 and x.dtype is not torch.float32
+        if self.master:
+            w = w.detach().to(x.dtype)
         _ops._check(x, w, None, (None, None, None, None), residual, stride, padding, dilation)
         self.nhwc = _ops._nhwc(x)
         self.fmt = _CL if self.nhwc else torch.contiguous_format
@@ -70,9 +76,12 @@ class TrainCall:
         st, pd, dl = (tuple(v) for v in (stride, padding, dilation))
         self.dtype, self.dt, self.relu, self.res, self.eps = x.dtype, dt, bool(relu), residual is not None, eps
         self.dgrad, self.wgrad = (_cached(cls, (xs, ws, dt, layout, st, pd, dl, "strict", self.relu, True, *extra, dev),
-                                          lambda cls=cls: cls(xs, ws, dt, layout, st, pd, dl, mask=self.relu,
-                                                              prologue=True, device=dev))
-                                  for cls, extra in ((Conv2dGradInputPlan, ()), (Conv2dGradWeightPlan, (dt, False))))
+                                          lambda cls=cls, kw=kw: cls(xs, ws, dt, layout, st, pd, dl, mask=self.relu,
+                                                                     prologue=True, device=dev, **kw))
+                                  for cls, extra, kw in (
+                                      (Conv2dGradInputPlan, (), {}),
+                                      (Conv2dGradWeightPlan, ("float32" if self.master else dt, False),
+                                       {"out_dtype": "float32"} if self.master else {})))
         N, K, P, Q = _ops._out_size(x, w, st, pd, dl)
         self.N, self.K, self.HW, self.y_shape = N, K, P * Q, (N, K, P, Q)
         self.stream_of = torch._C._cuda_getCurrentRawStream
@@ -125,7 +134,7 @@ class TrainCall:
     def usable(self, x, w, gamma, beta, residual, rm, rv) -> bool:
         """Whether this call's tensors are as the plans want them (else the op path)."""
         fmt = self.fmt
-        return (x.is_contiguous(memory_format=fmt) and w.dtype is self.dtype and x.data_ptr() % 16 == 0
+        return (x.is_contiguous(memory_format=fmt) and w.dtype is self.wdtype and x.data_ptr() % 16 == 0
                 and (residual is None or (residual.is_contiguous(memory_format=fmt) and residual.dtype is self.dtype
                                           and residual.data_ptr() % 16 == 0))
                 and all(_f32(v) for v in (gamma, beta, rm, rv)) and (rm is None) == (rv is None)
@@ -134,6 +143,8 @@ class TrainCall:
     def forward(self, x, w, gamma, beta, residual, rm, rv, momentum, nbt=None):
         dev = x.device
         h = self.stream_of(dev.index)
+        if self.master:
+            w = w.to(self.dtype)          # (no autograd node: a Function's forward runs without grad)
         if not w.is_contiguous(memory_format=self.fmt):
             w = w.contiguous(memory_format=self.fmt)
         K = self.K
@@ -148,7 +159,7 @@ class TrainCall:
         wa = w.data_ptr() % 16 == 0
         if self.sync is not None:
             self.plan._launch(h, True, wa, x.data_ptr(), w.data_ptr(), zp, 0, 0, _ops._Vectors(None, None), False)
-            return self._forward_sync(h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt)
+            return self._forward_sync(h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt) + (w,)
         if self.conv_stats is not None and wa:
             # the conv writes z and its per-tile statistics (3·tiles·K floats, a transient buffer), then one launch
             # merges them and runs the BatchNorm(-Add)-ReLU pass
@@ -173,7 +184,7 @@ class TrainCall:
             if nbt is not None and not in_kernel:
                 nbt.add_(1)
             self._changed(rm, rv, nbt if in_kernel else None)
-            return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], None
+            return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], None, w
         if nbt is not None:
             nbt.add_(1)
         self._changed(rm, rv, None)
@@ -187,11 +198,12 @@ class TrainCall:
         if k2 is not None:
             k2.run(h, self.slots["stats"], ptrs, mom)
         self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, yp, b + 4 * (2 * K + nws), b, b + 4 * K, gp, bp])
-        return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], None
+        return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], None, w
 
     def _forward_sync(self, h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt):
         """SyncBatchNorm's forward after the conv: this rank's statistics, the all-gather, the merge (with the
-        running update), then the BN(-Add)-ReLU pass; the sixth result is the global count per channel."""
+        running update), then the BN(-Add)-ReLU pass; the sixth result is the global count per channel (the
+        seventh, the weight the conv read, :meth:`forward` adds)."""
         import torch.distributed as dist
         group, W, (k1, k2, nws), _, gather, _ = self.sync
         K, zp = self.K, z.data_ptr()
@@ -316,7 +328,7 @@ class TrainCall:
                 dx.add_(add_to)
         if need[1]:
             g = self.wgrad
-            dw = torch.empty(w.shape, dtype=self.dtype, device=dev, memory_format=fmt)
+            dw = torch.empty(w.shape, dtype=self.wdtype, device=dev, memory_format=fmt)
             with g._lock:
                 g._run(h, x.data_ptr(), src, dw.data_ptr(), fp)
         return dx, dw, sums[2 * K:3 * K], sums[3 * K:4 * K], dres
@@ -379,10 +391,10 @@ class _FastTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tc, x, w, gamma, beta, residual, rm, rv, momentum, nbt):
-        y, z, mask, mean, invstd, count = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
+        y, z, mask, mean, invstd, count, w = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
         ctx.tc, ctx.count = tc, count           # (count: SyncBatchNorm's per channel, a tensor of no graph's)
         ctx.set_materialize_grads(False)          # (no zero tensors for the outputs that have no gradient)
-        ctx.save_for_backward(x, w, z, mask, mean, invstd, gamma)
+        ctx.save_for_backward(x, w, z, mask, mean, invstd, gamma)     # (w: the conv's, cast from a master weight)
         ctx.mark_non_differentiable(z, mask, mean, invstd)
         _start(ctx, x)
         # (behind the ReLU the residual's gradient is a fresh tensor of the dz pass's: it may be added into)
@@ -416,11 +428,13 @@ def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: floa
     per = _calls.get(owner)
     if per is None:
         per = _calls[owner] = {}
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), w.shape,
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.dtype,
            None if residual is None else (residual.shape, residual.stride()), group is not False, id(group))
     tc = per.get(key, False)
     if tc is False:
-        ok = _ops.supported(x, w) and (_ops._nhwc(x) or x.is_contiguous()) and x.numel() > 0
+        # (an fp32 weight with a 16-bit x: autocast's master weight, which the module passes only under autocast)
+        wk = w.detach().to(x.dtype) if w.dtype is torch.float32 and x.dtype is not torch.float32 else w
+        ok = _ops.supported(x, wk) and (_ops._nhwc(x) or x.is_contiguous()) and x.numel() > 0
         tc = per[key] = TrainCall(x, w, residual, eps, stride, padding, dilation, relu, group) if ok else None
     if tc is None or not tc.usable(x, w, gamma, beta, residual, rm, rv):
         return None

@@ -5,7 +5,8 @@ by hand), one step on this rank's share of a batch split unevenly; the
 loss is scaled so that DDP's average of the ranks' gradients is the gradient of the whole batch's mean loss.
 Rank 0 also runs the PyTorch model (plain BatchNorm) on the whole batch in one process. On CUDA the step runs again
 under fp16 autocast (igemm's eager training path, SyncBatchNorm synced there too) against igemm with plain
-BatchNorm on the whole batch. Results (gradients, running statistics, outputs) go to OUT/rank<r>.pt.
+BatchNorm on the whole batch, and in fp32 with NCHW memory. Results (gradients, running statistics, outputs) go to
+OUT/rank<r>.pt.
 
     python tests/_train_ddp_worker.py OUT_DIR {cpu,cuda} [BENCH_N]
 
@@ -82,28 +83,38 @@ def _bench(rank, world, device, n: int) -> dict:
     return res
 
 
-def _synced_fast_calls() -> int:
-    """How many layers ran igemm's eager training path with SyncBatchNorm (not the op path)."""
+def _synced_fast_calls(model) -> int:
+    """How many of ``model``'s layers ran igemm's eager training path with SyncBatchNorm (not the op path)."""
     from igemm.nn import _train_fast
-    return sum(tc is not None and tc.sync is not None for per in _train_fast._calls.values() for tc in per.values())
+    return sum(tc is not None and tc.sync is not None for mod in model.modules()
+               for tc in (_train_fast._calls.get(mod) or {}).values())
 
 
 def _amp(base, rank, device, x, y, xs, ys, world) -> dict:
     """The same step under fp16 autocast: DDP + igemm's SyncBatchNorm on the shares against igemm with plain
     BatchNorm on the whole batch in one process (rank 0), both on igemm's eager training path."""
-    before = _synced_fast_calls()
     m = inn.convert(copy.deepcopy(base).to(device), inplace=True, sync_bn=None).train()
     ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
     with torch.autocast("cuda", dtype=torch.float16):
         _step(ddp, xs, ys, world / sum(SPLIT))
     res = {"amp_grads": [p.grad.float().cpu() for p in m.parameters()],
-           "amp_fast_sync": _synced_fast_calls() - before}
+           "amp_fast_sync": _synced_fast_calls(m)}
     if rank == 0:
         ref = inn.convert(copy.deepcopy(base).to(device), inplace=True).train()
         with torch.autocast("cuda", dtype=torch.float16):
             _step(ref, x, y, 1 / sum(SPLIT))
         res["amp_ref_grads"] = [p.grad.float().cpu() for p in ref.parameters()]
     return res
+
+
+def _nchw(base, rank, device, xs, ys, world) -> dict:
+    """The fp32 step again with the model and the input in NCHW (contiguous) memory: the same gradients."""
+    m = copy.deepcopy(base).to(device).to(memory_format=torch.contiguous_format)
+    params = list(m.parameters())           # (in the PyTorch model's order, as the reference's)
+    m = inn.convert(m, inplace=True, sync_bn=None).train()
+    ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
+    _step(ddp, xs.contiguous(), ys, world / sum(SPLIT))
+    return {"nchw_grads": [p.grad.cpu() for p in params], "nchw_fast_sync": _synced_fast_calls(m)}
 
 
 def main(out_dir: str, kind: str, bench_n: int = 0) -> None:
@@ -140,6 +151,7 @@ def main(out_dir: str, kind: str, bench_n: int = 0) -> None:
         res["ref_buffers"] = [b.cpu() for b in ref.buffers()]
     if kind == "cuda":
         res.update(_amp(base, rank, device, x, y, xs, ys, world))
+        res.update(_nchw(base, rank, device, xs, ys, world))
     if bench_n:
         res["bench"] = _bench(rank, world, device, bench_n)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -577,6 +577,10 @@ def test_gpu_ddp_sync_batchnorm_two_gpus(tmp_path):
     assert r0["amp_fast_sync"] == r1["amp_fast_sync"] == n_fused > 0
     for a, b, ref in zip(r0["amp_grads"], r1["amp_grads"], r0["amp_ref_grads"]):
         assert torch.equal(a, b) and _rel(a, ref) < 1e-2
+    # fp32 with NCHW memory: the same path in the other layout, against the PyTorch model on the batch
+    assert r0["nchw_fast_sync"] == r1["nchw_fast_sync"] == n_fused
+    for a, b, ref in zip(r0["nchw_grads"], r1["nchw_grads"], r0["ref_grads"]):
+        assert torch.equal(a, b) and _rel(a, ref) < 1e-4
     for r, res in enumerate((r0, r1)):
         b = res["bench"]
         print(f"rank {r}, ResNet-50 AMP DDP step at 64 images a rank: igemm {b['igemm']['ms']:.1f} ms "
@@ -603,9 +607,10 @@ def precompile(arch: str = "sm_90a") -> int:
                         x, torch.randn(8, 8, 3, 3), arch=arch, sms=132, backward=True)
     ig = inn.convert(small_resnet()).half().to(memory_format=CL).train()
     n += inn.precompile(ig, torch.randn(16, 3, 16, 16).half().contiguous(memory_format=CL), arch=arch, sms=132)
-    ig = inn.convert(small_resnet()).to(memory_format=CL).train()           # the DDP test's shares (fp32)
-    for share in (5, 3):
-        n += inn.precompile(ig, torch.randn(share, 3, 16, 16).contiguous(memory_format=CL), arch=arch, sms=132)
+    for mf in (CL, torch.contiguous_format):                                 # the DDP test's shares (fp32)
+        ig = inn.convert(small_resnet()).to(memory_format=mf).train()
+        for share in (5, 3):
+            n += inn.precompile(ig, torch.randn(share, 3, 16, 16).contiguous(memory_format=mf), arch=arch, sms=132)
     return n
 
 

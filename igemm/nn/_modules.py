@@ -4,8 +4,9 @@ Inference (eval mode): a forward is one ``torch.ops.igemm.conv2d`` call, one ige
 the BatchNorm (folded, re-folded when a parameter or running statistic changes), the residual and the ReLU in
 its epilogue; it is differentiable (``torch.ops.igemm.conv2d_backward``: igemm's dgrad and wgrad).
 Training (BatchNorm with batch statistics): one ``torch.ops.igemm.conv2d_bn_train`` call (conv, statistics,
-BN-Add-ReLU writing the 1-bit mask) whose backward is igemm's BN-backward reduction and the dgrad and wgrad
-with the BN backward fused into their load of dy; the running statistics are updated as ``BatchNorm2d`` does.
+BN-Add-ReLU writing the 1-bit mask) whose backward is igemm's BN-backward reduction, one pass writing the gradient
+that reaches the conv, then dgrad and wgrad; the running statistics are updated as ``BatchNorm2d`` does. Eager
+calls on plain CUDA tensors run the same kernels without the op's dispatch and checks (``_train_fast``).
 Under ``torch.autocast`` the convolution runs in the autocast dtype (BatchNorm's parameters stay fp32). Over a
 ``torch.nn.SyncBatchNorm`` (``convert(model, sync_bn=group)``) training syncs the statistics and the backward's
 sums across the process group's ranks.

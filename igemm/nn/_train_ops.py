@@ -6,7 +6,7 @@ Forward (CUDA): igemm's convolution writes z; one Welford pass gives the batch s
 ones in place (``BatchNorm2d``'s update, in the same kernel); one BN(-Add)-ReLU pass writes y and the 1-bit ReLU
 mask. Saved for the backward: x, w, z, the mask and the statistics (never y). Backward (CUDA): one BN-backward
 reduction (``conv2d_grad_prologue``: dgamma, dbeta and the per-channel coefficients), then dgrad and wgrad
-reading ``dz = a·(bit ? dy : 0) + b·z + c`` on load (dz never stored), and for a residual ``relu_backward``.
+reading ``dz = a·(bit ? dy : 0) + b·z + c`` (their pre-pass writes it once), and for a residual ``relu_backward``.
 
 The op mutates the running statistics, so ``torch.library.register_autograd`` (functional ops only) cannot
 carry its formula; the autograd.Function does, and torch.compile functionalises the op. On the CPU the same

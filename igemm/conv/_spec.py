@@ -332,6 +332,7 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         raise NotImplementedError(f"kernel config {spec.name()}: {why}")
     return why is None
 
+
 def bn_stats_ok(spec: KernelSpec) -> bool:
     """Whether ``spec``'s kernel writes its output's BatchNorm statistics (``bn_stats``) where asked: the per-tile
     wgmma kernels' NHWC register epilogue, not the patch kernel's (conv1 at N = 256: its epilogue +116 us against the

@@ -274,9 +274,9 @@ def _grad_kernels(key: tuple, arch: str, sms: int) -> dict:
     from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan
     xs, ws, dtype, layout, stride, padding, dilation, mask, prologue = key
     out = {}
-    # (16-bit: also wgrad writing fp32, the training path's gradient of autocast's master weight)
+    # (16-bit training: also wgrad writing fp32, the eager path's gradient of autocast's master weight)
     for cls, kw in ((Conv2dGradInputPlan, {}), (Conv2dGradWeightPlan, {}),
-                    *(((Conv2dGradWeightPlan, {"out_dtype": "float32"}),) if dtype != "float32" else ())):
+                    *(((Conv2dGradWeightPlan, {"out_dtype": "float32"}),) if prologue and dtype != "float32" else ())):
         plan = cls(xs, ws, dtype, layout, stride, padding, dilation, mask=mask, prologue=prologue, device="numpy",
                    arch=arch, sms=sms, **kw)
         for sub in plan.sub_plans():

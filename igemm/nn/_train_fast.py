@@ -60,11 +60,8 @@ class TrainCall:
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
                  "conv_stats", "sync", "master", "wdtype")
 
-    def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False):
-        self.wdtype = w.dtype
-        self.master = w.dtype is torch.float32 and x.dtype is not torch.float32
-        if self.master:
-            w = w.detach().to(x.dtype)
+    def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False, master=False):
+        self.master, self.wdtype = master, torch.float32 if master else w.dtype     # (w: in x's dtype)
         _ops._check(x, w, None, (None, None, None, None), residual, stride, padding, dilation)
         self.nhwc = _ops._nhwc(x)
         self.fmt = _CL if self.nhwc else torch.contiguous_format
@@ -109,9 +106,10 @@ class TrainCall:
             gred = reduction_kernels(dev, grad=True, f64=True, **geo)
             gather, sums = sync_kernels(dev, K, W)
             self.sync = (group, W, sred, gred, gather, sums)
-            self.slots.update(sync_stats=sred[0].slots(_SYNC_STATS_PTRS), sync_grad=gred[0].slots(_GRAD_PTRS),
-                              gather=gather.slots(_GATHER_PTRS), g_eps=gather.slot["eps"],
-                              g_mom=gather.slot["momentum"], sum_ranks=sums.slots(("mean", "out0", "out1")))
+            # (the fp64 reductions take the same parameters as the others: "grad"'s slots serve)
+            self.slots.update(sync_stats=sred[0].slots(_SYNC_STATS_PTRS), gather=gather.slots(_GATHER_PTRS),
+                              g_eps=gather.slot["eps"], g_mom=gather.slot["momentum"],
+                              sum_ranks=sums.slots(("mean", "out0", "out1")))
         elif self.nhwc:
             self.one_fwd = train_kernel(dev, backward=False, dtype=dt, N=N, C=K, HW=P * Q,
                                         act=2 if self.relu else 0, res=self.res)
@@ -157,9 +155,6 @@ class TrainCall:
         rp = residual.data_ptr() if residual is not None else 0
         rmp, rvp = (rm.data_ptr(), rv.data_ptr()) if rm is not None else (0, 0)
         wa = w.data_ptr() % 16 == 0
-        if self.sync is not None:
-            self.plan._launch(h, True, wa, x.data_ptr(), w.data_ptr(), zp, 0, 0, _ops._Vectors(None, None), False)
-            return self._forward_sync(h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt) + (w,)
         if self.conv_stats is not None and wa:
             # the conv writes z and its per-tile statistics (3·tiles·K floats, a transient buffer), then one launch
             # merges them and runs the BatchNorm(-Add)-ReLU pass
@@ -171,6 +166,8 @@ class TrainCall:
             extra = [part.data_ptr()]
         else:
             self.plan._launch(h, True, wa, x.data_ptr(), w.data_ptr(), zp, 0, 0, _ops._Vectors(None, None), False)
+            if self.sync is not None:
+                return self._forward_sync(h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt) + (w,)
             k, nws = self.one_fwd if self.one_fwd is not None else (None, 0)
             slots = self.slots.get("one_fwd")
             extra = []
@@ -204,8 +201,7 @@ class TrainCall:
         """SyncBatchNorm's forward after the conv: this rank's statistics, the all-gather, the merge (with the
         running update), then the BN(-Add)-ReLU pass; the sixth result is the global count per channel (the
         seventh, the weight the conv read, :meth:`forward` adds)."""
-        import torch.distributed as dist
-        group, W, (k1, k2, nws), _, gather, _ = self.sync
+        _, W, (k1, k2, nws), _, gather, _ = self.sync
         K, zp = self.K, z.data_ptr()
         rows = torch.empty((3 * K * (W + 1),), dtype=torch.float64, device=dev)   # this rank's, then every rank's
         # mean, invstd, count; kernel 2's partials; the mask's words (int32) after them
@@ -215,7 +211,7 @@ class TrainCall:
         k1.run(h, self.slots["sync_stats"], ptrs)
         if k2 is not None:
             k2.run(h, self.slots["sync_stats"], ptrs)
-        dist.all_gather_into_tensor(rows[3 * K:], rows[:3 * K], group=group)
+        self._all_gather(rows, 3 * K)
         g = r + 24 * K
         gather.run(h, self.slots["gather"], [g, g + 8 * K, g + 16 * K, b, b + 4 * K, b + 8 * K,
                                              *((rm.data_ptr(), rv.data_ptr()) if rm is not None else (0, 0))],
@@ -225,6 +221,11 @@ class TrainCall:
         self._changed(rm, rv, None)
         self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, y.data_ptr(), b + 4 * (3 * K + nws), b, b + 4 * K, gp, bp])
         return y, z, buf[3 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], buf[2 * K:3 * K]
+
+    def _all_gather(self, rows, n: int) -> None:
+        """Every rank's ``n`` values into ``rows[n:]`` after this rank's ``rows[:n]`` (rank order)."""
+        import torch.distributed as dist
+        dist.all_gather_into_tensor(rows[n:], rows[:n], group=self.sync[0])
 
     @staticmethod
     def _changed(rm, rv, nbt):
@@ -244,7 +245,7 @@ class TrainCall:
         dp, zp, mp = dy.data_ptr(), z.data_ptr(), mask.data_ptr() if self.relu else 0
         gp = gamma.data_ptr() if gamma is not None else 0
         sel = self.relu and need[4]
-        if self.one_bwd is not None and self.sync is None and (need[0] or need[1]) and dz_fits(self.dt, K, dp, zp):
+        if self.one_bwd is not None and (need[0] or need[1]) and dz_fits(self.dt, K, dp, zp):
             # the sums, the coefficients and dz = a·(bit ? dy : 0) + b·z + c (with the residual's gradient) in one
             # launch; dgrad and wgrad then run plain on dz
             k, nws = self.one_bwd
@@ -260,13 +261,18 @@ class TrainCall:
         k1, k2, nws = self.grad_red if self.sync is None else self.sync[3]
         sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
         b = sums.data_ptr()
-        if self.sync is None:
-            ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), b, b + 4 * K, b + 8 * K, b + 12 * K, b + 28 * K]
-            k1.run(h, self.slots["grad"], ptrs)
-            if k2 is not None:
-                k2.run(h, self.slots["grad"], ptrs)
-        else:
-            self._sums_sync(h, dev, dp, zp, mp, mean, invstd, b, k1, k2)
+        # SyncBatchNorm: this rank's (sum_dy, sum_dy_xmu) in fp64 rows, every rank's then added in rank order into b;
+        # grad_weight and grad_bias stay this rank's, as PyTorch's SyncBatchNorm has them
+        rows = None if self.sync is None else torch.empty((2 * K * (self.sync[1] + 1),), dtype=torch.float64,
+                                                          device=dev)
+        o, e = (b, 4) if rows is None else (rows.data_ptr(), 8)
+        ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), o, o + e * K, b + 8 * K, b + 12 * K, b + 28 * K]
+        k1.run(h, self.slots["grad"], ptrs)
+        if k2 is not None:
+            k2.run(h, self.slots["grad"], ptrs)
+        if rows is not None:
+            self._all_gather(rows, 2 * K)
+            self.sync[5].run(h, self.slots["sum_ranks"], [o + 16 * K, b, b + 4 * K])
         launch_coefficients(dev.index, h, K, max(self.N * self.HW, 1), gamma=gp, invstd=invstd.data_ptr(),
                             mean=mean.data_ptr(), sum_dy=b, sum_dy_xmu=b + 4 * K, coef=b + 16 * K,
                             counts=count.data_ptr() if count is not None else 0)
@@ -294,21 +300,6 @@ class TrainCall:
             else:
                 dres = dy
         return self._grads(h, src, fp, w, x, need, sums, dres, add_to)
-
-    def _sums_sync(self, h, dev, dp, zp, mp, mean, invstd, b, k1, k2):
-        """SyncBatchNorm's backward sums: this rank's (sum_dy, sum_dy_xmu) in fp64, all-gathered and added in rank
-        order into ``b`` (fp32); grad_weight and grad_bias stay this rank's, as PyTorch's SyncBatchNorm has them."""
-        import torch.distributed as dist
-        group, W, _, _, _, sum_ranks = self.sync
-        K = self.K
-        rows = torch.empty((2 * K * (W + 1),), dtype=torch.float64, device=dev)   # this rank's, then every rank's
-        r = rows.data_ptr()
-        ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), r, r + 8 * K, b + 8 * K, b + 12 * K, b + 28 * K]
-        k1.run(h, self.slots["sync_grad"], ptrs)
-        if k2 is not None:
-            k2.run(h, self.slots["sync_grad"], ptrs)
-        dist.all_gather_into_tensor(rows[2 * K:], rows[:2 * K], group=group)
-        sum_ranks.run(h, self.slots["sum_ranks"], [r + 16 * K, b, b + 4 * K])
 
     def _grads(self, h, src, fp, w, x, need, sums, dres, add_to):
         """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain) and the outputs of backward;
@@ -433,9 +424,10 @@ def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: floa
     tc = per.get(key, False)
     if tc is False:
         # (an fp32 weight with a 16-bit x: autocast's master weight, which the module passes only under autocast)
-        wk = w.detach().to(x.dtype) if w.dtype is torch.float32 and x.dtype is not torch.float32 else w
+        master = w.dtype is torch.float32 and x.dtype is not torch.float32
+        wk = w.detach().to(x.dtype) if master else w
         ok = _ops.supported(x, wk) and (_ops._nhwc(x) or x.is_contiguous()) and x.numel() > 0
-        tc = per[key] = TrainCall(x, w, residual, eps, stride, padding, dilation, relu, group) if ok else None
+        tc = per[key] = TrainCall(x, wk, residual, eps, stride, padding, dilation, relu, group, master) if ok else None
     if tc is None or not tc.usable(x, w, gamma, beta, residual, rm, rv):
         return None
     return _FastTrain.apply(tc, x, w, gamma, beta, residual, rm, rv, float(momentum), nbt)

@@ -526,6 +526,45 @@ def test_gpu_identity_gradient_added_by_dgrad(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["NCHW", "CL"])
+def test_gpu_an_input_made_by_bn_relu_is_remade_not_kept(monkeypatch, fmt):
+    """A layer whose input is another layer's ReLU(BN(z)) keeps that layer's z, not the input: y's memory is free
+    when the forward is done, and the layer's wgrad reads y remade from z (nn/_train_fast.py: _maker). The remade
+    y has the bits of the forward's, so every gradient and buffer equals what keeping y gives (fp16 autocast)."""
+    from igemm.nn import _train_fast
+    mf = CL if fmt == "CL" else torch.contiguous_format
+    torch.manual_seed(4)
+    base = nn.Sequential(nn.Conv2d(8, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                         nn.Conv2d(32, 48, 3, 2, 1, bias=False), nn.BatchNorm2d(48), nn.ReLU(),
+                         nn.Conv2d(48, 16, 1, bias=False), nn.BatchNorm2d(16, affine=False)
+                         ).cuda().to(memory_format=mf).train()
+    x = torch.randn(6, 8, 14, 14, device="cuda").contiguous(memory_format=mf)
+    runs, kept = [], []
+    for remade in (True, False):
+        twin = copy.deepcopy(base)
+        params, buffers = list(twin.parameters()), list(twin.buffers())
+        ig = inn.convert(twin, inplace=True).train()
+        assert sum(isinstance(m, inn.Conv2dBNReLU) for m in ig.modules()) == 2
+        with monkeypatch.context() as mp:
+            if not remade:
+                mp.setattr(_train_fast, "_maker", lambda x: None)
+            with torch.autocast("cuda", torch.float16):
+                ig(x)                                    # (the kernels found, the weights cast: not counted below)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                y = ig(x)
+            kept.append(torch.cuda.memory_allocated() - before)
+            y.float().square().sum().backward()
+        runs.append((y.detach(), [p.grad for p in params], [b.clone() for b in buffers]))
+    assert kept[1] - kept[0] >= 6 * (32 * 14 * 14 + 48 * 7 * 7) * 2      # the two layers' y, fp16
+    assert sum(tc is not None for per in _train_fast._calls.values() for tc in per.values()) >= 3
+    (ya, ga, ba), (yb, gb, bb) = runs
+    assert torch.equal(ya, yb)
+    for a, b in zip(ga + ba, gb + bb):
+        assert torch.equal(a, b)
+
+
 def _ddp(tmp_path, kind: str, bench_n: int = 0) -> list:
     """Both ranks of tests/_train_ddp_worker.py (two processes, env://): their results."""
     import os

@@ -58,7 +58,7 @@ class TrainCall:
 
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
-                 "conv_stats", "sync", "master", "wdtype")
+                 "conv_stats", "sync", "master", "wdtype", "x_shape", "geo", "remade")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False, master=False):
         self.master, self.wdtype = master, torch.float32 if master else w.dtype     # (w: in x's dtype)
@@ -80,9 +80,10 @@ class TrainCall:
                                       (Conv2dGradWeightPlan, ("float32" if self.master else dt, False),
                                        {"out_dtype": "float32"} if self.master else {})))
         N, K, P, Q = _ops._out_size(x, w, st, pd, dl)
-        self.N, self.K, self.HW, self.y_shape = N, K, P * Q, (N, K, P, Q)
+        self.N, self.K, self.HW, self.y_shape, self.x_shape = N, K, P * Q, (N, K, P, Q), tuple(x.shape)
         self.stream_of = torch._C._cuda_getCurrentRawStream
         geo = dict(dtype=dt, layout=layout, N=N, C=K, HW=P * Q, align=16)
+        self.geo, self.remade = (dev, geo), None
         self.stats = reduction_kernels(dev, grad=False, mode=1, **geo)
         self.bn_fwd = elemt_kernel(dev, backward=False, act_or_mask=2 if self.relu else 0, res=self.res, **geo)
         self.grad_red = reduction_kernels(dev, grad=True, **geo)
@@ -128,6 +129,21 @@ class TrainCall:
             self.slots.update(one_fwd=kf.slots(_TRAIN_FWD_PTRS), one_eps=kf.slot["eps"], one_mom=kf.slot["momentum"])
         if self.one_bwd is not None:
             self.slots["one_bwd"] = self.one_bwd[0].slots(_TRAIN_BWD_PTRS)
+
+    def remake(self, z, mean, invstd, gamma, beta, shape, stride):
+        """y = ReLU(BN(z)) as :meth:`forward` wrote it (the same elementwise arithmetic on the same mean and
+        invstd: the same bits), for the wgrad of the layer that read y, which kept z instead of y
+        (docs/performance.md: train-remake-input)."""
+        if self.remade is None:
+            dev, geo = self.geo
+            k = elemt_kernel(dev, backward=False, act_or_mask=1, res=False, **geo)
+            self.remade = (k, k.slots(_FWD_PTRS))
+        k, slots = self.remade
+        y = torch.empty_strided(shape, stride, dtype=self.dtype, device=z.device)
+        k.run(self.stream_of(z.device.index), slots,
+              [z.data_ptr(), 0, y.data_ptr(), 0, mean.data_ptr(), invstd.data_ptr(),
+               gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0])
+        return y
 
     def usable(self, x, w, gamma, beta, residual, rm, rv) -> bool:
         """Whether this call's tensors are as the plans want them (else the op path)."""
@@ -303,8 +319,9 @@ class TrainCall:
 
     def _grads(self, h, src, fp, w, x, need, sums, dres, add_to):
         """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain) and the outputs of backward;
-        ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can)."""
-        dev, fmt, K = x.device, self.fmt, self.K
+        ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can); ``x``: None where wgrad
+        does not run."""
+        dev, fmt, K = w.device, self.fmt, self.K
         dx = dw = None
         if need[0]:
             if not w.is_contiguous(memory_format=fmt):
@@ -312,7 +329,7 @@ class TrainCall:
             g = self.dgrad
             add = (add_to is not None and g.adds and add_to.dtype is self.dtype and add_to.data_ptr() % 16 == 0
                    and add_to.is_contiguous(memory_format=fmt))
-            dx = add_to if add else torch.empty(x.shape, dtype=self.dtype, device=dev, memory_format=fmt)
+            dx = add_to if add else torch.empty(self.x_shape, dtype=self.dtype, device=dev, memory_format=fmt)
             with g._lock:
                 g._run(h, src, w.data_ptr(), dx.data_ptr(), fp, add)
             if add_to is not None and not add:
@@ -385,8 +402,15 @@ class _FastTrain(torch.autograd.Function):
         y, z, mask, mean, invstd, count, w = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
         ctx.tc, ctx.count = tc, count           # (count: SyncBatchNorm's per channel, a tensor of no graph's)
         ctx.set_materialize_grads(False)          # (no zero tensors for the outputs that have no gradient)
-        ctx.save_for_backward(x, w, z, mask, mean, invstd, gamma)     # (w: the conv's, cast from a master weight)
+        # an input that is another layer's ReLU(BN(z)) is not kept: wgrad remakes it from that layer's z
+        # (docs/performance.md: train-remake-input)
+        src = _maker(x)
+        ctx.src_tc, ctx.x_meta = (src[0], (x.shape, x.stride())) if src is not None else (None, None)
+        ctx.save_for_backward(None if src is not None else x, w, z, mask, mean, invstd, gamma, beta,
+                              *(src[1:] if src is not None else ()))      # (w: the conv's, cast from a master weight)
         ctx.mark_non_differentiable(z, mask, mean, invstd)
+        # y's pointer and version: a later layer reading y unchanged may keep z in its place
+        ctx.y_made = (y.data_ptr(), y._version) if tc.relu and not tc.res else None
         _start(ctx, x)
         # (behind the ReLU the residual's gradient is a fresh tensor of the dz pass's: it may be added into)
         ctx.res_link = _joined(x, residual) if tc.relu and residual is not None and residual.requires_grad else None
@@ -399,8 +423,10 @@ class _FastTrain(torch.autograd.Function):
             add_to, link.pending = link.pending, None
         if dy is None:                            # (y took no part in what was differentiated)
             return (None, add_to) + (None,) * 8
-        x, w, z, mask, mean, invstd, gamma = ctx.saved_tensors
+        x, w, z, mask, mean, invstd, gamma, _, *src = ctx.saved_tensors
         n = ctx.needs_input_grad
+        if src and n[2]:
+            x = ctx.src_tc.remake(*src, *ctx.x_meta)
         dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, z, mask, mean, invstd, gamma, n[1:], add_to, ctx.count)
         if ctx.res_link is not None and dres is not None and n[5]:
             ctx.res_link.pending, dres = dres, None      # (the block's first layer adds it into its dx)
@@ -409,6 +435,19 @@ class _FastTrain(torch.autograd.Function):
 
 
 _BACKWARD = _FastTrain._backward_cls
+
+
+def _maker(x):
+    """Where ``x`` is the ReLU(BN(z)) output of a layer of this path (its y, with no residual), unchanged since:
+    that layer's TrainCall and what remakes x (z, mean, invstd, gamma, beta); None otherwise."""
+    fn = x.grad_fn
+    if type(fn) is not _BACKWARD or x.output_nr != 0 or fn.y_made != (x.data_ptr(), x._version):
+        return None
+    try:
+        _, _, z, _, mean, invstd, gamma, beta = fn.saved_tensors[:8]
+    except RuntimeError:                  # (that layer's backward ran and freed them: y is a plain input now)
+        return None
+    return fn.tc, z, mean, invstd, gamma, beta
 
 
 def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: float, stride, padding, dilation,

@@ -406,11 +406,12 @@ class _FastTrain(torch.autograd.Function):
         # (docs/performance.md: train-remake-input)
         src = _maker(x)
         ctx.src_tc, ctx.x_meta = (src[0], (x.shape, x.stride())) if src is not None else (None, None)
-        ctx.save_for_backward(None if src is not None else x, w, z, mask, mean, invstd, gamma, beta,
+        ctx.save_for_backward(None if src is not None else x, w, z, mask, mean, invstd, gamma,
                               *(src[1:] if src is not None else ()))      # (w: the conv's, cast from a master weight)
         ctx.mark_non_differentiable(z, mask, mean, invstd)
-        # y's pointer and version: a later layer reading y unchanged may keep z in its place
-        ctx.y_made = (y.data_ptr(), y._version) if tc.relu and not tc.res else None
+        # y's pointer and version, and what remakes y: a later layer reading y unchanged keeps these in its place
+        # (references until this backward runs; none of them depends on this node: no cycle)
+        ctx.y_made = (y.data_ptr(), y._version, z, mean, invstd, gamma, beta) if tc.relu and not tc.res else None
         _start(ctx, x)
         # (behind the ReLU the residual's gradient is a fresh tensor of the dz pass's: it may be added into)
         ctx.res_link = _joined(x, residual) if tc.relu and residual is not None and residual.requires_grad else None
@@ -419,11 +420,12 @@ class _FastTrain(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dz, _dmask, _dmean, _dinvstd):
         link, add_to = ctx.link, None
+        ctx.y_made = None
         if link is not None and link.pending is not None:
             add_to, link.pending = link.pending, None
         if dy is None:                            # (y took no part in what was differentiated)
             return (None, add_to) + (None,) * 8
-        x, w, z, mask, mean, invstd, gamma, _, *src = ctx.saved_tensors
+        x, w, z, mask, mean, invstd, gamma, *src = ctx.saved_tensors
         n = ctx.needs_input_grad
         if src and n[2]:
             x = ctx.src_tc.remake(*src, *ctx.x_meta)
@@ -441,13 +443,12 @@ def _maker(x):
     """Where ``x`` is the ReLU(BN(z)) output of a layer of this path (its y, with no residual), unchanged since:
     that layer's TrainCall and what remakes x (z, mean, invstd, gamma, beta); None otherwise."""
     fn = x.grad_fn
-    if type(fn) is not _BACKWARD or x.output_nr != 0 or fn.y_made != (x.data_ptr(), x._version):
+    if type(fn) is not _BACKWARD or x.output_nr != 0:
         return None
-    try:
-        _, _, z, _, mean, invstd, gamma, beta = fn.saved_tensors[:8]
-    except RuntimeError:                  # (that layer's backward ran and freed them: y is a plain input now)
+    made = fn.y_made                      # (None once that layer's backward ran: y is a plain input then)
+    if made is None or made[0] != x.data_ptr() or made[1] != x._version:
         return None
-    return fn.tc, z, mean, invstd, gamma, beta
+    return fn.tc, *made[2:]
 
 
 def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: float, stride, padding, dilation,

@@ -58,7 +58,7 @@ class TrainCall:
 
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
-                 "conv_stats", "sync", "master", "wdtype", "x_shape", "geo", "remade")
+                 "conv_stats", "sync", "master", "wdtype", "x_shape", "remade")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False, master=False):
         self.master, self.wdtype = master, torch.float32 if master else w.dtype     # (w: in x's dtype)
@@ -83,9 +83,11 @@ class TrainCall:
         self.N, self.K, self.HW, self.y_shape, self.x_shape = N, K, P * Q, (N, K, P, Q), tuple(x.shape)
         self.stream_of = torch._C._cuda_getCurrentRawStream
         geo = dict(dtype=dt, layout=layout, N=N, C=K, HW=P * Q, align=16)
-        self.geo, self.remade = (dev, geo), None
         self.stats = reduction_kernels(dev, grad=False, mode=1, **geo)
         self.bn_fwd = elemt_kernel(dev, backward=False, act_or_mask=2 if self.relu else 0, res=self.res, **geo)
+        # y = ReLU(BN(z)) again, without the mask, for a later layer that kept z instead of y (remake)
+        rk = elemt_kernel(dev, backward=False, act_or_mask=1, res=False, **geo) if self.relu and not self.res else None
+        self.remade = (rk, rk.slots(_FWD_PTRS)) if rk is not None else None
         self.grad_red = reduction_kernels(dev, grad=True, **geo)
         n = N * K * P * Q
         vec = 16 // x.element_size()
@@ -130,16 +132,12 @@ class TrainCall:
         if self.one_bwd is not None:
             self.slots["one_bwd"] = self.one_bwd[0].slots(_TRAIN_BWD_PTRS)
 
-    def remake(self, z, mean, invstd, gamma, beta, shape, stride):
+    def remake(self, z, mean, invstd, gamma, beta):
         """y = ReLU(BN(z)) as :meth:`forward` wrote it (the same elementwise arithmetic on the same mean and
-        invstd: the same bits), for the wgrad of the layer that read y, which kept z instead of y
-        (docs/performance.md: train-remake-input)."""
-        if self.remade is None:
-            dev, geo = self.geo
-            k = elemt_kernel(dev, backward=False, act_or_mask=1, res=False, **geo)
-            self.remade = (k, k.slots(_FWD_PTRS))
+        invstd: the same bits, in the same shape and memory format), for the wgrad of the layer that read y, which
+        kept z instead of y (docs/performance.md: train-remake-input)."""
         k, slots = self.remade
-        y = torch.empty_strided(shape, stride, dtype=self.dtype, device=z.device)
+        y = torch.empty(self.y_shape, dtype=self.dtype, device=z.device, memory_format=self.fmt)
         k.run(self.stream_of(z.device.index), slots,
               [z.data_ptr(), 0, y.data_ptr(), 0, mean.data_ptr(), invstd.data_ptr(),
                gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0])
@@ -405,7 +403,7 @@ class _FastTrain(torch.autograd.Function):
         # an input that is another layer's ReLU(BN(z)) is not kept: wgrad remakes it from that layer's z
         # (docs/performance.md: train-remake-input)
         src = _maker(x)
-        ctx.src_tc, ctx.x_meta = (src[0], (x.shape, x.stride())) if src is not None else (None, None)
+        ctx.src_tc = src[0] if src is not None else None
         ctx.save_for_backward(None if src is not None else x, w, z, mask, mean, invstd, gamma,
                               *(src[1:] if src is not None else ()))      # (w: the conv's, cast from a master weight)
         ctx.mark_non_differentiable(z, mask, mean, invstd)
@@ -428,7 +426,7 @@ class _FastTrain(torch.autograd.Function):
         x, w, z, mask, mean, invstd, gamma, *src = ctx.saved_tensors
         n = ctx.needs_input_grad
         if src and n[2]:
-            x = ctx.src_tc.remake(*src, *ctx.x_meta)
+            x = ctx.src_tc.remake(*src)
         dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, z, mask, mean, invstd, gamma, n[1:], add_to, ctx.count)
         if ctx.res_link is not None and dres is not None and n[5]:
             ctx.res_link.pending, dres = dres, None      # (the block's first layer adds it into its dx)

@@ -1,4 +1,5 @@
-"""Max pooling (igemm.nn.MaxPool2d's kernels) against PyTorch's, in the same run.
+"""Max pooling (igemm.nn.MaxPool2d's kernels) and global average pooling (igemm.nn.AdaptiveAvgPool2d's) against
+PyTorch's, in the same run.
 
     python benchmarks/bench_pool.py --out DIR [--quick] [--batches 32,128,256]
 
@@ -8,6 +9,10 @@ fp32 at the first batch). Forward: igemm keeping its one-byte window taps (the t
 ``F.max_pool2d``. Backward: igemm's gather against ``aten.max_pool2d_with_indices_backward``. Inputs rotate past L2;
 igemm's y and dx are checked against PyTorch's (torch.equal) before timing. GB/s count each side's own bytes; % copy
 is igemm's against the copy bandwidth measured in the same run.
+
+Global average pooling (a second table): ResNet-50's head, x (N, 2048, 7, 7) channels_last at N = 1 and the batches,
+fp16 (and bf16 and fp32 at the first batch), against ``F.adaptive_avg_pool2d(x, 1)`` (PyTorch's mean); igemm's y is
+checked against the float64 mean first.
 """
 from __future__ import annotations
 
@@ -82,6 +87,29 @@ def main(argv=None):
                   fwd_GBps=b_fwd / t_fwd / 1e9, torch_fwd_GBps=((nx + ny) * size + 8 * ny) / t_fwd_t / 1e9)
         sets = inds = idxs = None
         torch.cuda.empty_cache()
+    avg = Bench("bench_avgpool", args)
+    acases = [(N, "float16") for N in dict.fromkeys([1] + batches)] + [(batches[0], dt) for dt in ("bfloat16",
+                                                                                                  "float32")]
+    for N, dtype in acases[:1] if args.quick else acases:
+        tdt = getattr(torch, dtype)
+        C, H = 2048, 7
+        nbytes = N * C * (H * H + 1) * torch.empty((), dtype=tdt).element_size()
+        sets = _harness.rotating(lambda i: torch.randn((N, C, H, H), device="cuda", dtype=tdt).contiguous(
+            memory_format=torch.channels_last), nbytes)
+        x0 = sets[0]
+        ref = x0.double().mean((2, 3), keepdim=True)
+        err = float(((_pool._avg_forward(x0, dtype).double() - ref).abs().max() / ref.abs().max()))
+        assert err < (1e-5 if dtype == "float32" else 1e-2), f"igemm's mean: relative error {err}"
+        t_i = avg.time(lambda i: _pool._avg_forward(sets[i], dtype), len(sets))
+        t_t = avg.time(lambda i: F.adaptive_avg_pool2d(sets[i], 1), len(sets))
+        avg.row(x=f"{N}x{C}x{H}x{H}", dtype=dtype, igemm_us=t_i * 1e6, torch_us=t_t * 1e6, ratio=t_i / t_t,
+                pct_copy=100 * nbytes / t_i / bw, rel_err=err)
+        sets = None
+        torch.cuda.empty_cache()
+    avg.note("igemm: the global average pool's kernel into a new (N, C, 1, 1) channels-last tensor; torch: "
+             "F.adaptive_avg_pool2d(x, 1); % copy: x and y over the copy bandwidth; rel_err: max |y - mean| / max |mean| "
+             "against float64")
+    avg.finish()
     bench.note("train_fwd: y and the one-byte window taps (igemm) / y and int64 indices (torch "
                "max_pool2d_with_indices); infer: y only (F.max_pool2d); bwd: dx from dy and those indices. "
                "ratio: igemm / torch. % copy: igemm's bytes (x, y, taps; dy, taps, dx) over the copy bandwidth")

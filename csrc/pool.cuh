@@ -7,6 +7,8 @@
 //   maxpool_bwd  dx[n, h, w, c] = sum over the windows (oh, ow) that hold (h, w), in ascending (oh, ow) order, of
 //                dy[n, oh, ow, c] where idx says the maximum was (h, w): a gather (no atomics), in fp32, in
 //                PyTorch's order, so dx equals PyTorch's for the same choices (a zero's sign aside).
+//   avgpool_global  y[n, c] = (sum over the H·W pixels of x[n, ·, ·, c]) · inv, inv = float(1 / (H·W)) as PyTorch's
+//                mean scales its sum (adaptive_avg_pool2d to 1 x 1 is a mean); the sum in fp32 (below).
 // Thread i takes V channels of one pixel (an output pixel forward, an input pixel backward), grid-stride; pixel
 // and channel-vector indices by magic-number division (a pass has fewer than 2^31 vectors).
 #pragma once
@@ -31,8 +33,24 @@ IGEMM_DEVICE void take_tap(float (&m)[V], Vec<uint8_t, V>& k, const Vec<T, V>& r
   }
 }
 
+// Two 16-bit values' maxima in one instruction; max.NaN: a NaN in either gives NaN (sm_80+).
+template <class T>
+IGEMM_DEVICE uint32_t max_nan_x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, cutlass::half_t>)
+    asm("max.NaN.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("max.NaN.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+#endif
+  return d;
+}
+
 // KS > 0: a KS x KS window (ResNet's 3x3, VGG's 2x2) whose taps' loads all issue before the first compare (one
 // round trip to memory a pixel instead of KS² in turn; docs/performance.md: maxpool-taps-unrolled); 0: any window.
+// Without the taps (inference), 16-bit values take their maxima two a instruction from -inf (docs/performance.md:
+// maxpool-packed-max): PyTorch's values -- a NaN tap gives NaN, a window's first tap counts whatever its value --
+// a zero's sign aside.
 template <class T, int V, bool Idx, int KS, class P>
 __device__ void maxpool_fwd(const P& p) {
   const T* x = static_cast<const T*>(p.x);
@@ -65,6 +83,24 @@ __device__ void maxpool_fwd(const P& p) {
           in[kh][kw] = unsigned(ih) < unsigned(p.H) && unsigned(iw) < unsigned(p.W);
           if (in[kh][kw]) r[kh][kw] = *reinterpret_cast<const Vec<T, V>*>(xn + (int64_t(ih) * p.W + iw) * p.C);
         }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+      if constexpr (!Idx && sizeof(T) == 2 && V % 2 == 0) {
+        union { Vec<T, V> v; uint32_t u[V / 2]; } o;
+#pragma unroll
+        for (int j = 0; j < V / 2; ++j) o.u[j] = std::is_same_v<T, cutlass::half_t> ? 0xfc00fc00u : 0xff80ff80u;
+#pragma unroll
+        for (int kh = 0; kh < KS; ++kh)
+#pragma unroll
+          for (int kw = 0; kw < KS; ++kw)
+            if (in[kh][kw]) {
+              const uint32_t* u = reinterpret_cast<const uint32_t*>(&r[kh][kw]);
+#pragma unroll
+              for (int j = 0; j < V / 2; ++j) o.u[j] = max_nan_x2<T>(o.u[j], u[j]);
+            }
+        *reinterpret_cast<Vec<T, V>*>(y + i * V) = o.v;
+        continue;
+      }
+#endif
 #pragma unroll
       for (int kh = 0; kh < KS; ++kh)
 #pragma unroll
@@ -130,6 +166,57 @@ __device__ void maxpool_bwd(const P& p) {
 #pragma unroll
     for (int j = 0; j < V; ++j) r.v[j] = from_float<T>(acc[j]);
     *reinterpret_cast<Vec<T, V>*>(dx + i * V) = r;
+  }
+}
+
+// A block: kAvgVecs channel vectors of one image x kAvgLanes pixel lanes; lane l sums pixels l, l + kAvgLanes, ...
+// in order (four loads in flight), then lane 0 adds the other lanes' sums in lane order. An image's pixels are
+// read once; the blocks of one image share none (docs/performance.md: avgpool-global).
+constexpr int kAvgVecs = 32, kAvgLanes = 8;
+
+template <class T, int V, class P>
+__device__ void avgpool_global(const P& p) {
+  __shared__ float part[kAvgLanes - 1][V][kAvgVecs];
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(const_cast<void*>(p.y));
+  const int tx = threadIdx.x % kAvgVecs, lane = threadIdx.x / kAvgVecs;
+  const int n = blockIdx.x / p.cblocks, cv = (blockIdx.x % p.cblocks) * kAvgVecs + tx;
+  float acc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = 0.f;
+  if (cv < p.CV) {
+    const T* xp = x + int64_t(n) * p.HW * p.C + int64_t(cv) * V;
+    int pix = lane;
+    for (; pix + 3 * kAvgLanes < p.HW; pix += 4 * kAvgLanes) {
+      Vec<T, V> r[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) r[u] = *reinterpret_cast<const Vec<T, V>*>(xp + int64_t(pix + u * kAvgLanes) * p.C);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] += to_float(r[u].v[j]);
+    }
+    for (; pix < p.HW; pix += kAvgLanes) {
+      const Vec<T, V> r = *reinterpret_cast<const Vec<T, V>*>(xp + int64_t(pix) * p.C);
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] += to_float(r.v[j]);
+    }
+  }
+  if (lane > 0) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) part[lane - 1][j][tx] = acc[j];
+  }
+  __syncthreads();
+  if (lane == 0 && cv < p.CV) {
+    Vec<T, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      float s = acc[j];
+#pragma unroll
+      for (int l = 0; l < kAvgLanes - 1; ++l) s += part[l][j][tx];
+      o.v[j] = from_float<T>(s * p.inv);
+    }
+    *reinterpret_cast<Vec<T, V>*>(y + int64_t(n) * p.C + int64_t(cv) * V) = o;
   }
 }
 

@@ -1,4 +1,5 @@
-"""2-D max pooling of channels-last tensors (csrc/pool.cuh), the kernels behind :class:`igemm.nn.MaxPool2d`.
+"""Pooling of channels-last tensors (csrc/pool.cuh): 2-D max pooling, the kernels behind :class:`igemm.nn.MaxPool2d`,
+and global average pooling (:func:`launch_avg_global`), behind :class:`igemm.nn.AdaptiveAvgPool2d` to 1 x 1.
 
 The forward keeps, per output element, the window tap of its maximum in one byte (``kh * KW + kw``, PyTorch's
 choice of maximum: the first in window order, or the last NaN), instead of the int64 flat index PyTorch's
@@ -7,16 +8,22 @@ PyTorch's order and precision, so ``dx`` equals PyTorch's (``torch.equal``). One
 -inf sends its gradient to its first tap, where PyTorch's channels-last kernel sends it to the image's pixel
 (0, 0). The geometry is ``torch.nn.MaxPool2d``'s (kernel, stride, padding, dilation, ceil_mode); :func:`fits`
 says where these kernels run.
+
+Global average pooling is PyTorch's ``adaptive_avg_pool2d`` to 1 x 1, which PyTorch computes as a mean: the sum in
+fp32 times ``float(1 / (H * W))``, rounded once to the dtype (the sum's order is igemm's: csrc/pool.cuh).
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
+
 from . import _kernel
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
-__all__ = ["out_size", "fits", "launch_forward", "launch_backward", "all_variants", "precompile"]
+__all__ = ["out_size", "fits", "fits_avg", "launch_forward", "launch_backward", "launch_avg_global", "all_variants",
+           "precompile"]
 
 _GEOM = [*(ParamSpec(n, "int32") for n in ("C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw"))]
 _FWD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("x", "y", "idx")), ParamSpec("NV", "int64"),
@@ -25,6 +32,10 @@ _FWD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("x", "y", "idx")), ParamSpec("NV"
 _BWD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("dy", "idx", "dx")), ParamSpec("NV", "int64"),
                ParamSpec("OH", "int32"), ParamSpec("OW", "int32"), *_GEOM,
                *(ParamSpec(n, "fastdiv") for n in ("fd_CV", "fd_W", "fd_H"))]
+_AVG_PARAMS = [ParamSpec("x", "ptr"), ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("HW", "C", "CV",
+                                                                                                  "cblocks")),
+               ParamSpec("inv", "float32")]
+_AVG_VECS = 32                                 # a block's channel vectors (csrc/pool.cuh: kAvgVecs)
 _THREADS = 256
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -65,6 +76,18 @@ def fits(dtype: str, N: int, C: int, H: int, W: int, OH: int, OW: int, k: tuple,
 WINDOWS = (0, 2, 3)
 
 
+def fits_avg(dtype: str, N: int, C: int, H: int, W: int) -> str | None:
+    """Why the global average pooling kernel cannot run (None: it can): the dtype, an empty tensor, or more than
+    2^31 - 1 blocks or pixels."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (the kernels take {', '.join(DTYPES)})"
+    if min(N, C, H, W) <= 0:
+        return "an empty tensor"
+    if N * -(-C // _AVG_VECS) >= 2 ** 31 or H * W >= 2 ** 31:
+        return "2^31 blocks or pixels or more"
+    return None
+
+
 def _ks(k: tuple) -> int:
     """The forward kernel's window template argument for a ``k`` window."""
     return k[0] if k[0] == k[1] and k[0] in WINDOWS else 0
@@ -72,22 +95,28 @@ def _ks(k: tuple) -> int:
 
 def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
     t = DTYPE_CTYPE[dtype]
+    if kind == "avg":
+        return _kernel.render_kernel(include="pool.cuh", entry="igemm_avgpool_global", params=_AVG_PARAMS,
+                                     threads=_THREADS, body=f"igemm::pool::avgpool_global<{t}, {v}>(p);")
     if kind == "fwd":
+        # (4 blocks an SM: 64 registers instead of 73; docs/performance.md: maxpool-packed-max)
         return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_fwd", params=_FWD_PARAMS,
-                                     threads=_THREADS, body=f"igemm::pool::maxpool_fwd<{t}, {v}, "
+                                     threads=_THREADS, min_blocks=4, body=f"igemm::pool::maxpool_fwd<{t}, {v}, "
                                                             f"{str(idx).lower()}, {ks}>(p);")
     return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_bwd", params=_BWD_PARAMS,
                                  threads=_THREADS, body=f"igemm::pool::maxpool_bwd<{t}, {v}>(p);")
 
 
 def _name(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
+    if kind == "avg":
+        return f"avgpool_global_{dtype}_v{v}"
     return f"maxpool_{kind}_{dtype}_v{v}{'_idx' if idx else ''}{f'_k{ks}' if ks else ''}"
 
 
 @lru_cache(maxsize=64)
 def _launcher(kind: str, dtype: str, v: int, idx: bool, device_id: int, grid: int, ks: int = 0):
-    k = _kernel.load(_stub(kind, dtype, v, idx, ks), _name(kind, dtype, v, idx, ks), f"igemm_maxpool_{kind}",
-                     device_id)
+    entry = "igemm_avgpool_global" if kind == "avg" else f"igemm_maxpool_{kind}"
+    k = _kernel.load(_stub(kind, dtype, v, idx, ks), _name(kind, dtype, v, idx, ks), entry, device_id)
     return _kernel.Launcher(k, grid, _THREADS)
 
 
@@ -124,6 +153,21 @@ def launch_backward(device_id: int, stream: int, dtype: str, geom: tuple, dy: in
         stream, _template("bwd", v, *geom).bind(dict(dy=dy, idx=idx, dx=dx)))
 
 
+@lru_cache(maxsize=256)
+def _avg_template(v: int, C: int, HW: int) -> _kernel.PackedArgs:
+    cv = C // v
+    return _kernel.pack_args(_AVG_PARAMS, dict(HW=HW, C=C, CV=cv, cblocks=-(-cv // _AVG_VECS),
+                                               inv=np.float32(1.0) / np.float32(HW)))
+
+
+def launch_avg_global(device_id: int, stream: int, dtype: str, N: int, C: int, HW: int, x: int, y: int) -> None:
+    """y[n, c] = the mean of x[n, :, :, c] over its ``HW`` pixels (x channels-last, y (N, C)), with
+    :func:`fits_avg` true."""
+    v = vec(dtype, C, x, y)
+    grid = N * -(-(C // v) // _AVG_VECS)
+    _launcher("avg", dtype, v, False, device_id, grid)(stream, _avg_template(v, C, HW).bind(dict(x=x, y=y)))
+
+
 def all_variants() -> list[tuple[str, str]]:
     """Every (name, stub) the two passes can launch."""
     out = []
@@ -131,6 +175,7 @@ def all_variants() -> list[tuple[str, str]]:
         for v in sorted({1, 16 // DTYPE_SIZES[dt]}):
             out += [(_name("fwd", dt, v, i, ks), _stub("fwd", dt, v, i, ks)) for i in (False, True) for ks in WINDOWS]
             out.append((_name("bwd", dt, v), _stub("bwd", dt, v)))
+            out.append((_name("avg", dt, v), _stub("avg", dt, v)))
     return out
 
 

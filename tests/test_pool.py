@@ -1,7 +1,8 @@
-"""Max pooling (igemm/pool.py, csrc/pool.cuh, igemm.nn.MaxPool2d): the output geometry and where the kernels run
-(CPU), the module's fallback and ``convert`` (CPU), the kernels' compilation (nvcc), and on the GPU the forward and
-backward against PyTorch's: ties, NaN, -inf, padding, dilation, ceil_mode, odd channel counts, each dtype, outputs
-poisoned first."""
+"""Pooling (igemm/pool.py, csrc/pool.cuh, igemm.nn.MaxPool2d, igemm.nn.AdaptiveAvgPool2d): the output geometry and
+where the kernels run (CPU), the modules' fallbacks and ``convert`` (CPU), the kernels' compilation (nvcc), and on
+the GPU the max pool's forward and backward against PyTorch's (ties, NaN, -inf, padding, dilation, ceil_mode, odd
+channel counts, each dtype) and the global average pool against float64 and PyTorch's backward, outputs poisoned
+first."""
 from __future__ import annotations
 
 import itertools
@@ -77,33 +78,62 @@ class _Branchy(nn.Module):
         super().__init__()
         self.pool = nn.MaxPool2d(3, 2, 1)
         self.avg = nn.AvgPool2d(2)
+        self.head = nn.AdaptiveAvgPool2d((1, 1))
+        self.grid = nn.AdaptiveAvgPool2d(2)
 
     def forward(self, x):
-        return self.pool(x) if x.sum() > 0 else self.avg(x)
+        return self.head(self.pool(x)) if x.sum() > 0 else self.grid(self.avg(x))
 
 
-def test_convert_replaces_max_pools():
-    """Traced or walked, each nn.MaxPool2d becomes igemm.nn.MaxPool2d (other pools stay), named in the report."""
-    seq = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.MaxPool2d(3, 2, 1), nn.AvgPool2d(2))
+def test_convert_replaces_max_pools_and_global_average_pools():
+    """Traced or walked, each nn.MaxPool2d becomes igemm.nn.MaxPool2d and each nn.AdaptiveAvgPool2d to 1 x 1
+    igemm.nn.AdaptiveAvgPool2d (other pools stay), named in the report."""
+    seq = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.MaxPool2d(3, 2, 1), nn.AvgPool2d(2),
+                        nn.AdaptiveAvgPool2d(2), nn.AdaptiveAvgPool2d(1))
     conv, rep = inn.convert(seq, return_report=True)
-    assert rep["traced"] and rep["converted"]["1"] == "MaxPool2d" and "2" not in rep["converted"]
+    assert rep["traced"] and rep["converted"]["1"] == "MaxPool2d" and rep["converted"]["4"] == "AdaptiveAvgPool2d"
+    assert "2" not in rep["converted"] and "3" not in rep["converted"]
     assert sum(isinstance(m, inn.MaxPool2d) for m in conv.modules()) == 1
+    assert sum(isinstance(m, inn.AdaptiveAvgPool2d) for m in conv.modules()) == 1
     conv, rep = inn.convert(_Branchy(), return_report=True)
-    assert not rep["traced"] and rep["converted"] == {"pool": "MaxPool2d"}
+    assert not rep["traced"] and rep["converted"] == {"pool": "MaxPool2d", "head": "AdaptiveAvgPool2d"}
     assert isinstance(conv.pool, inn.MaxPool2d) and type(conv.avg) is nn.AvgPool2d
+    assert isinstance(conv.head, inn.AdaptiveAvgPool2d) and type(conv.grid) is nn.AdaptiveAvgPool2d
     x = torch.rand(2, 3, 8, 8)
     assert torch.equal(conv(x), _Branchy()(x))
 
 
+def test_fits_avg():
+    assert pool.fits_avg("float16", 2, 2048, 7, 7) is None and pool.fits_avg("float32", 1, 3, 1, 1) is None
+    assert "dtype" in pool.fits_avg("float64", 2, 8, 7, 7)
+    assert "empty" in pool.fits_avg("bfloat16", 2, 0, 7, 7)
+    assert "2^31" in pool.fits_avg("float16", 1, 8, 2 ** 16, 2 ** 15)
+
+
+def test_avg_module_falls_back_off_the_kernel():
+    """On the CPU, for an NCHW-contiguous tensor and for an output size other than 1 x 1 the module is
+    torch.nn.AdaptiveAvgPool2d: equal outputs and gradients; from_torch keeps the output size."""
+    torch.manual_seed(0)
+    for size in (1, (1, 1), (2, 3)):
+        ref = nn.AdaptiveAvgPool2d(size)
+        m = inn.AdaptiveAvgPool2d.from_torch(ref)
+        assert m.output_size == ref.output_size
+        x = torch.randn(2, 3, 11, 9, requires_grad=True)
+        y, yr = m(x), ref(x)
+        assert torch.equal(y, yr)
+        g = torch.randn_like(y)
+        assert torch.equal(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(yr, x, g)[0])
+
+
 def test_pool_kernels_compile():
-    """Both passes' kernels compile (nvcc; CI has it)."""
+    """Every pooling kernel compiles (nvcc; CI has it)."""
     from igemm import _build
     try:
         _build.find_toolchain()
     except Exception as e:          # (no toolchain: nothing to compile with)
         pytest.skip(f"no CUDA toolchain: {e}")
     ks = pool.all_variants()
-    assert len(ks) == 42 and _build.compile_many(ks, "sm_90a", 2) == 42
+    assert len(ks) == 48 and _build.compile_many(ks, "sm_90a", 2) == 48
 
 
 def _input(rng, shape, dtype):
@@ -154,14 +184,59 @@ def test_gpu_max_pool_is_pytorchs(geom, dtype, rng):
         assert torch.equal(m(x).nan_to_num(), yr.nan_to_num())
 
 
+#: (N, C, H, W): ResNet's head, one pixel, fp32's 4-channel vectors but not fp16's 8, one channel a thread, the
+#: four-pixel loop with a remainder, a second (partial) block of channel vectors
+AVG_SHAPES = [(2, 2048, 7, 7), (1, 64, 1, 1), (3, 12, 5, 9), (2, 5, 3, 4), (1, 40, 60, 61), (5, 264, 7, 7)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", AVG_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "offset"])
+def test_gpu_global_avg_pool(shape, dtype, aligned, rng):
+    """y against the float64 mean (relative error by dtype), through the module and through the launch into a
+    poisoned output, channels-last (N, C, 1, 1); x one element off 16 bytes runs one channel a thread; dx equals
+    PyTorch's backward through nn.AdaptiveAvgPool2d; no_grad keeps no graph."""
+    N, C, H, W = shape
+    dt = getattr(torch, dtype)
+    a = torch.tensor(rng.standard_normal((N, H, W, C)) + 1.0, dtype=dt, device="cuda")
+    if not aligned:
+        buf = torch.empty(a.numel() + 1, dtype=dt, device="cuda")
+        buf[1:] = a.reshape(-1)
+        a = buf[1:].view(N, H, W, C)
+    x = a.permute(0, 3, 1, 2).requires_grad_()
+    assert x.is_contiguous(memory_format=torch.channels_last) and (x.data_ptr() % 16 == 0) == aligned
+    ref = x.detach().double().mean((2, 3), keepdim=True)
+    tol = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 1e-5}[dtype]
+    torch_mod = nn.AdaptiveAvgPool2d(1)
+    m = inn.AdaptiveAvgPool2d.from_torch(torch_mod)
+    y = m(x)
+    assert y.shape == (N, C, 1, 1) and y.is_contiguous(memory_format=torch.channels_last)
+    assert "AvgPool" in type(y.grad_fn).__name__
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < tol
+    yp = torch.full((N, C, 1, 1), float("nan"), dtype=dt, device="cuda")
+    pool.launch_avg_global(0, torch.cuda.current_stream().cuda_stream, dtype, N, C, H * W, x.data_ptr(),
+                           yp.data_ptr())
+    assert torch.equal(yp, y)
+    g = torch.randn_like(y)
+    dx = torch.autograd.grad(y, x, g)[0]
+    dxr = torch.autograd.grad(torch_mod(x), x, g)[0]
+    assert torch.equal(dx, dxr)
+    with torch.no_grad():
+        y2 = m(x)
+    assert y2.grad_fn is None and torch.equal(y2, y.detach())
+
+
 @pytest.mark.gpu
 def test_gpu_max_pool_in_a_converted_model():
-    """A converted max pool -> conv model: y and x's gradient as PyTorch's (the pool routes exactly; the conv within
-    fp32 rounding), channels_last; an NCHW-contiguous input runs torch.nn.MaxPool2d's forward."""
+    """A converted max pool -> conv -> global average pool model: y and x's gradient as PyTorch's (the max pool
+    routes exactly; the conv and the mean within fp32 rounding), channels_last; an NCHW-contiguous input runs
+    torch.nn.MaxPool2d's forward."""
     torch.manual_seed(0)
-    base = nn.Sequential(nn.MaxPool2d(3, 2, 1), nn.Conv2d(64, 32, 1, bias=False)).cuda()
+    base = nn.Sequential(nn.MaxPool2d(3, 2, 1), nn.Conv2d(64, 32, 1, bias=False), nn.AdaptiveAvgPool2d(1)).cuda()
     conv = inn.convert(base).train()
     pool_mod = next(q for q in conv.modules() if isinstance(q, inn.MaxPool2d))
+    assert sum(isinstance(q, inn.AdaptiveAvgPool2d) for q in conv.modules()) == 1
     x = torch.randn(4, 64, 21, 20, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False

@@ -11,8 +11,9 @@
   differentiable.
 - Modules: :class:`Conv2d` (a drop-in ``torch.nn.Conv2d``), :class:`Conv2dBN`, :class:`Conv2dBNReLU`,
   :class:`Conv2dBNAddReLU` (inference: BatchNorm folded into the kernel; training: the training op).
-- :class:`MaxPool2d`: a drop-in ``torch.nn.MaxPool2d`` whose backward keeps one byte an output element.
-- :func:`convert`: a model's convolution patterns (and max pools) replaced by those modules; :func:`precompile`: their kernels
+- :class:`MaxPool2d`: a drop-in ``torch.nn.MaxPool2d`` whose backward keeps one byte an output element;
+  :class:`AdaptiveAvgPool2d`: a drop-in ``torch.nn.AdaptiveAvgPool2d`` (global average pooling on igemm's kernel).
+- :func:`convert`: a model's convolution patterns (and pools) replaced by those modules; :func:`precompile`: their kernels
   (a training model's backward included) compiled ahead of the first step (in parallel, no GPU needed).
 
 channels_last inputs run igemm's NHWC kernels without a copy and give channels_last outputs.
@@ -22,8 +23,9 @@ from . import _autograd  # noqa: F401  (conv2d's backward op and autograd formul
 from ._train_ops import conv2d_bn_train
 from ._more_ops import index_add, prelu
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU
-from ._pool import MaxPool2d
+from ._pool import AdaptiveAvgPool2d, MaxPool2d
 from ._convert import Report, convert
 
 __all__ = ["conv2d", "conv2d_bn_train", "prelu", "index_add", "precompile", "Conv2d", "Conv2dBN", "Conv2dBNReLU",
-           "Conv2dBNAddReLU", "MaxPool2d", "convert", "Report"]
+           "Conv2dBNAddReLU", "MaxPool2d", "AdaptiveAvgPool2d",
+           "convert", "Report"]

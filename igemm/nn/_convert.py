@@ -1,5 +1,5 @@
 """``igemm.nn.convert``: a model's conv -> BN (-> + identity) -> ReLU patterns, conv -> BN pairs, lone convs and
-``nn.MaxPool2d`` layers replaced by igemm modules.
+pooling layers (``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d`` to 1 x 1) replaced by igemm modules.
 
 A model that ``torch.fx.symbolic_trace`` traces (torchvision's CNNs do) is rewritten on its graph: the
 patterns are found by data flow, whatever the module structure (a ResNet block's ``out += identity; relu``
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU, _padding
-from ._pool import MaxPool2d
+from ._pool import AdaptiveAvgPool2d, MaxPool2d, _pair
 
 __all__ = ["convert", "Report"]
 
@@ -41,6 +41,15 @@ class Report(dict):
         return f"igemm.nn.convert ({'graph' if self['traced'] else 'module walk'}): converted {head}; left: {left}"
 
 
+def _igemm_pool(m):
+    """igemm's module for a PyTorch pooling module it runs (a max pool, a global average pool), else None."""
+    if type(m) is nn.MaxPool2d:
+        return MaxPool2d.from_torch(m)
+    if type(m) is nn.AdaptiveAvgPool2d and _pair(m.output_size) == (1, 1):
+        return AdaptiveAvgPool2d.from_torch(m)
+    return None
+
+
 def _convertible(conv) -> str | None:
     """Why this module stays PyTorch's (None: igemm runs it)."""
     if type(conv) is not nn.Conv2d:
@@ -55,8 +64,8 @@ def _convertible(conv) -> str | None:
 
 
 def convert(model: nn.Module, *, inplace: bool = False, return_report: bool = False, sync_bn=False):
-    """Replace ``model``'s convolutions (and the BN, residual add and ReLU after them) and its ``nn.MaxPool2d``
-    layers with igemm modules.
+    """Replace ``model``'s convolutions (and the BN, residual add and ReLU after them) and its ``nn.MaxPool2d`` and
+    global ``nn.AdaptiveAvgPool2d`` layers with igemm modules.
 
     Args:
         model: any ``nn.Module``; its parameters and buffers are shared by the result unless copied
@@ -131,10 +140,11 @@ def _rewrite(gm, report: Report, make=igemm_module, pools: bool = True) -> None:
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
-        if pools and type(modules.get(node.target)) is nn.MaxPool2d:
+        pool = _igemm_pool(modules.get(node.target)) if pools else None
+        if pool is not None:
             name = node.target.replace(".", "_") + "_igemm"
-            gm.add_submodule(name, MaxPool2d.from_torch(modules[node.target]))
-            report["converted"][node.target] = "MaxPool2d"
+            gm.add_submodule(name, pool)
+            report["converted"][node.target] = type(pool).__name__
             node.target = name
             continue
         if isinstance(modules.get(node.target), _OTHER_CONVS):
@@ -207,9 +217,10 @@ def _walk(module: nn.Module, prefix: str, report: Report) -> None:
                 report["converted"][path] = "Conv2d"
             else:
                 report["left"][path] = why
-        elif type(child) is nn.MaxPool2d:
-            setattr(module, name, MaxPool2d.from_torch(child))
-            report["converted"][path] = "MaxPool2d"
+        elif _igemm_pool(child) is not None:
+            pool = _igemm_pool(child)
+            setattr(module, name, pool)
+            report["converted"][path] = type(pool).__name__
         elif isinstance(child, _OTHER_CONVS):
             report["left"][path] = type(child).__name__
         elif not isinstance(child, (Conv2d, Conv2dBN, Conv2dBNReLU, Conv2dBNAddReLU)):

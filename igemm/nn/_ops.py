@@ -317,10 +317,10 @@ def fast(owner, x, residual, tensors: tuple, eps: float, stride, padding, dilati
 class FastCall:
     """One module's calls with one input geometry (x's shape, strides, dtype, device; the residual's): the
     arguments checked and the plan found once; the weight's kernel view and the folded vectors derived again
-    only when one of the tensors is another object or at another version; then pointers, an output from a
-    template, and the plan's launch record."""
+    only when one of the tensors is another object or at another version; then pointers, a new output, and the
+    plan's launch record."""
 
-    __slots__ = ("plan", "nhwc", "args", "tensors", "ids", "stamp", "wv", "vectors", "template", "res_ok",
+    __slots__ = ("plan", "nhwc", "args", "tensors", "ids", "stamp", "wv", "vectors", "proto", "out", "res_ok",
                  "stream_of")
 
     def __init__(self, x, residual, tensors, eps, stride, padding, dilation, relu):
@@ -331,8 +331,16 @@ class FastCall:
         self.plan = _plan(_plan_key(x, w, b, bn[2], residual, stride, padding, dilation, relu), x.device.index)
         fmt = _CL if self.nhwc else torch.contiguous_format
         self.res_ok = residual is None or residual.is_contiguous(memory_format=fmt)
-        ys = self.plan.y_shape
-        self.template = torch.empty((1,) * 4, dtype=x.dtype, device=x.device).expand(ys)
+        ys = self.plan.y_shape             # (N, P, Q, K) for an NHWC plan, else (N, K, P, Q)
+        # y made in its final shape and strides by one new_empty_strided (an NHWC empty_like and a permute cost
+        # ~3.5x its host time: docs/performance.md, nn-out-alloc)
+        if self.nhwc:
+            N, P, Q, K = ys
+            self.out = ((N, K, P, Q), (P * Q * K, 1, Q * K, K))
+        else:
+            N, K, P, Q = ys
+            self.out = ((N, K, P, Q), (K * P * Q, P * Q, Q, 1))
+        self.proto = torch.empty(0, dtype=x.dtype, device=x.device)
         self.stream_of = torch._C._cuda_getCurrentRawStream
         self.tensors, self.ids, self.stamp = None, None, None
 
@@ -364,6 +372,6 @@ class FastCall:
         if (xp & 15 or rp & 15 or wp & 15 or not self.res_ok
                 or _runtime.current_context() != plan._ctx_id):      # the general path: copies, checks, context
             return _conv2d_cuda(x, tensors[0], tensors[1], *tensors[2:], self.args[0], residual, *self.args[1:])
-        y = torch.empty_like(self.template)
+        y = self.proto.new_empty_strided(*self.out)
         plan._launch(self.stream_of(plan.device_id), True, True, xp, wp, y.data_ptr(), rp, 0, vectors, False)
-        return y.permute(0, 3, 1, 2) if self.nhwc else y
+        return y

@@ -99,7 +99,7 @@ def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
         return _kernel.render_kernel(include="pool.cuh", entry="igemm_avgpool_global", params=_AVG_PARAMS,
                                      threads=_THREADS, body=f"igemm::pool::avgpool_global<{t}, {v}>(p);")
     if kind == "fwd":
-        # (4 blocks an SM: 64 registers instead of 73; docs/performance.md: maxpool-packed-max)
+        # (4 blocks an SM: 64 registers instead of 70-73; docs/performance.md: maxpool-packed-max)
         return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_fwd", params=_FWD_PARAMS,
                                      threads=_THREADS, min_blocks=4, body=f"igemm::pool::maxpool_fwd<{t}, {v}, "
                                                             f"{str(idx).lower()}, {ks}>(p);")

@@ -217,8 +217,7 @@ def _walk(module: nn.Module, prefix: str, report: Report) -> None:
                 report["converted"][path] = "Conv2d"
             else:
                 report["left"][path] = why
-        elif _igemm_pool(child) is not None:
-            pool = _igemm_pool(child)
+        elif (pool := _igemm_pool(child)) is not None:
             setattr(module, name, pool)
             report["converted"][path] = type(pool).__name__
         elif isinstance(child, _OTHER_CONVS):

@@ -127,7 +127,9 @@ __device__ void maxpool_fwd(const P& p) {
   }
 }
 
-template <class T, int V, class P>
+// MW > 0: at most MW windows a dimension hold a pixel (ResNet's 3x3 / 2: 2), so their loads all issue before the
+// first add, which still goes in PyTorch's order (docs/performance.md: maxpool-bwd-unrolled); 0: any geometry.
+template <class T, int V, int MW, class P>
 __device__ void maxpool_bwd(const P& p) {
   const T* dy = static_cast<const T*>(p.dy);
   const uint8_t* idx = static_cast<const uint8_t*>(p.idx);
@@ -147,7 +149,35 @@ __device__ void maxpool_bwd(const P& p) {
     float acc[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0.f;
-    for (int oh = oh0; oh < oh1; ++oh) {
+    if constexpr (MW > 0) {
+      Vec<uint8_t, V> ks[MW][MW];
+      Vec<T, V> g[MW][MW];
+      uint8_t tap[MW][MW];
+      bool ok[MW][MW];
+#pragma unroll
+      for (int a = 0; a < MW; ++a)
+#pragma unroll
+        for (int b = 0; b < MW; ++b) {
+          const int oh = oh0 + a, ow = ow0 + b, rh = hh - oh * p.sh, rw = ww - ow * p.sw;
+          ok[a][b] = oh < oh1 && ow < ow1 && rh % p.dh == 0 && rw % p.dw == 0;
+          tap[a][b] = uint8_t((rh / p.dh) * p.KW + rw / p.dw);
+          if (ok[a][b]) {
+            const int64_t o = ((int64_t(n) * p.OH + oh) * p.OW + ow) * p.C + c;
+            ks[a][b] = *reinterpret_cast<const Vec<uint8_t, V>*>(idx + o);
+            g[a][b] = *reinterpret_cast<const Vec<T, V>*>(dy + o);
+          }
+        }
+#pragma unroll
+      for (int a = 0; a < MW; ++a)
+#pragma unroll
+        for (int b = 0; b < MW; ++b)
+          if (ok[a][b]) {
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+              if (ks[a][b].v[j] == tap[a][b]) acc[j] += to_float(g[a][b].v[j]);
+          }
+    }
+    for (int oh = oh0; MW == 0 && oh < oh1; ++oh) {
       const int rh = hh - oh * p.sh;
       if (rh % p.dh) continue;
       for (int ow = ow0; ow < ow1; ++ow) {

@@ -104,12 +104,14 @@ def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
                                      threads=_THREADS, min_blocks=4, body=f"igemm::pool::maxpool_fwd<{t}, {v}, "
                                                             f"{str(idx).lower()}, {ks}>(p);")
     return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_bwd", params=_BWD_PARAMS,
-                                 threads=_THREADS, body=f"igemm::pool::maxpool_bwd<{t}, {v}>(p);")
+                                 threads=_THREADS, body=f"igemm::pool::maxpool_bwd<{t}, {v}, {ks}>(p);")
 
 
 def _name(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
     if kind == "avg":
         return f"avgpool_global_{dtype}_v{v}"
+    if kind == "bwd":                      # (ks: at most this many windows a dimension hold a pixel; 0: any)
+        return f"maxpool_bwd_{dtype}_v{v}{f'_w{ks}' if ks else ''}"
     return f"maxpool_{kind}_{dtype}_v{v}{'_idx' if idx else ''}{f'_k{ks}' if ks else ''}"
 
 
@@ -149,7 +151,11 @@ def launch_backward(device_id: int, stream: int, dtype: str, geom: tuple, dy: in
     """dx of the forward that wrote ``idx``, from dy (channels-last, the forward's output geometry)."""
     N, C, H, W = geom[:4]
     v = vec(dtype, C, dy, idx, dx)
-    _launcher("bwd", dtype, v, False, device_id, _grid(N * H * W * C // v, sms))(
+    k, st, d = geom[6], geom[7], geom[9]
+    # 16-bit: the unrolled kernel where at most two windows a dimension hold a pixel (fp32 is slower on it:
+    # docs/performance.md, maxpool-bwd-unrolled)
+    mw = 2 if dtype != "float32" and all(-(-((k[i] - 1) * d[i] + 1) // st[i]) <= 2 for i in (0, 1)) else 0
+    _launcher("bwd", dtype, v, False, device_id, _grid(N * H * W * C // v, sms), mw)(
         stream, _template("bwd", v, *geom).bind(dict(dy=dy, idx=idx, dx=dx)))
 
 
@@ -174,7 +180,8 @@ def all_variants() -> list[tuple[str, str]]:
     for dt in DTYPES:
         for v in sorted({1, 16 // DTYPE_SIZES[dt]}):
             out += [(_name("fwd", dt, v, i, ks), _stub("fwd", dt, v, i, ks)) for i in (False, True) for ks in WINDOWS]
-            out.append((_name("bwd", dt, v), _stub("bwd", dt, v)))
+            out += [(_name("bwd", dt, v, ks=mw), _stub("bwd", dt, v, ks=mw))
+                    for mw in ((0, 2) if dt != "float32" else (0,))]
             out.append((_name("avg", dt, v), _stub("avg", dt, v)))
     return out
 

@@ -106,6 +106,15 @@ class PackedArgs:
         ptrs = self._starts * np.uint64(8) + np.uint64(data.ctypes.data)
         return ptrs, int(ptrs.ctypes.data)
 
+    def clone(self) -> "PackedArgs":
+        """An independent buffer with these values (a launch program's step owns one: igemm/nn/_program.py)."""
+        c = object.__new__(PackedArgs)
+        c.slots, c._tls, c._starts, c.kind_of = self.slots, None, self._starts, self.kind_of
+        c.data = self.data.copy()
+        c.u64, c.i32, c.f32 = c.data, c.data.view(np.int32), c.data.view(np.float32)
+        c.ptrs, c.address = self._pointers(c.data)
+        return c
+
     def copy(self) -> "PackedArgs":
         """These values in this thread's scratch buffer of the template (allocated once per thread):
         valid until the next ``copy()``/``bind()`` of the same template on the same thread -- launch it
@@ -116,12 +125,7 @@ class PackedArgs:
             tls = self._tls = threading.local()
         c = getattr(tls, "c", None)
         if c is None:
-            c = object.__new__(PackedArgs)
-            c.slots, c._tls, c._starts, c.kind_of = self.slots, None, self._starts, self.kind_of
-            c.data = self.data.copy()
-            c.u64, c.i32, c.f32 = c.data, c.data.view(np.int32), c.data.view(np.float32)
-            c.ptrs, c.address = self._pointers(c.data)
-            tls.c = c
+            c = tls.c = self.clone()
         else:
             c.data[...] = self.data
         return c

@@ -136,14 +136,19 @@ def _grid(nv: int, sms: int) -> int:
     return max(1, min(-(-nv // _THREADS), sms * 2048 // _THREADS))     # at most one wave of resident threads
 
 
+def forward_parts(device_id: int, dtype: str, geom: tuple, v: int, idx: bool, sms: int) -> tuple:
+    """The forward's (launcher, packed arguments with zero pointers) for channels of ``v`` a thread."""
+    N, C, H, W, OH, OW = geom[:6]
+    return (_launcher("fwd", dtype, v, idx, device_id, _grid(N * OH * OW * C // v, sms), _ks(geom[6])),
+            _template("fwd", v, *geom))
+
+
 def launch_forward(device_id: int, stream: int, dtype: str, geom: tuple, x: int, y: int, idx: int = 0,
                    sms: int = 132) -> None:
     """y (and, with ``idx``, the window taps) of x, channels-last; ``geom`` = (N, C, H, W, OH, OW, k, s, p, d)
     with :func:`fits` true; x, y and idx as :func:`vec` was given."""
-    N, C, H, W, OH, OW = geom[:6]
-    v = vec(dtype, C, x, y, idx)
-    _launcher("fwd", dtype, v, bool(idx), device_id, _grid(N * OH * OW * C // v, sms), _ks(geom[6]))(
-        stream, _template("fwd", v, *geom).bind(dict(x=x, y=y, idx=idx)))
+    launcher, args = forward_parts(device_id, dtype, geom, vec(dtype, geom[1], x, y, idx), bool(idx), sms)
+    launcher(stream, args.bind(dict(x=x, y=y, idx=idx)))
 
 
 def launch_backward(device_id: int, stream: int, dtype: str, geom: tuple, dy: int, idx: int, dx: int,
@@ -166,12 +171,16 @@ def _avg_template(v: int, C: int, HW: int) -> _kernel.PackedArgs:
                                                inv=np.float32(1.0) / np.float32(HW)))
 
 
+def avg_parts(device_id: int, dtype: str, N: int, C: int, HW: int, v: int) -> tuple:
+    """The global average pool's (launcher, packed arguments with zero pointers) for channels of ``v`` a thread."""
+    return _launcher("avg", dtype, v, False, device_id, N * -(-(C // v) // _AVG_VECS)), _avg_template(v, C, HW)
+
+
 def launch_avg_global(device_id: int, stream: int, dtype: str, N: int, C: int, HW: int, x: int, y: int) -> None:
     """y[n, c] = the mean of x[n, :, :, c] over its ``HW`` pixels (x channels-last, y (N, C)), with
     :func:`fits_avg` true."""
-    v = vec(dtype, C, x, y)
-    grid = N * -(-(C // v) // _AVG_VECS)
-    _launcher("avg", dtype, v, False, device_id, grid)(stream, _avg_template(v, C, HW).bind(dict(x=x, y=y)))
+    launcher, args = avg_parts(device_id, dtype, N, C, HW, vec(dtype, C, x, y))
+    launcher(stream, args.bind(dict(x=x, y=y)))
 
 
 def all_variants() -> list[tuple[str, str]]:

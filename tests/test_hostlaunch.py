@@ -188,6 +188,32 @@ def test_a_malformed_record_writes_nothing(hl, bad):
     assert buf[0] == 0x100 and buf[1] == 0x205 and driver.calls[0][0] == (0x1111, 1, 1, 1, 32, 1, 1, 0, 9, 0xAAA0)
 
 
+def test_a_program_binds_its_values_and_launches_every_step(hl):
+    """program(): more steps than a plan's record may hold, each bind from the values tuple (source i: vals[i]),
+    launched in order; a bind naming a source past the tuple is malformed (nothing written or launched)."""
+    bufs = [np.full(4, 0xDEAD, dtype=np.uint64) for _ in range(6)]
+    driver = Driver(hl, bufs)
+    f = [6]
+    for i, b in enumerate(bufs):             # step i: slot 0 <- vals[i % 5] + i, slot 3 <- the constant 0x99
+        f += [0x1000 + i, 0xA000 + i, int(b.ctypes.data), i + 1, 1, 1, 128, 1, 1, 0, 2, 0, i % 5, i, 3, 0, 0x99]
+    vals = (0, 0x10000, 0x20000, 0x30000, 0x40000)
+    assert hl.program(np.asarray(f, dtype=np.int64).tobytes(), 7, vals) == 0
+    assert [c[0] for c, _ in driver.calls] == [0x1000 + i for i in range(6)]
+    for i, (call, seen) in enumerate(driver.calls):
+        assert call == (0x1000 + i, i + 1, 1, 1, 128, 1, 1, 0, 7, 0xA000 + i)
+        assert seen[i][0] == vals[i % 5] + i and seen[i][3] == 0x99
+    bad = list(f)
+    bad[-5] = 5                                # the last step's first bind: source 5 of a 5-value tuple
+    for b in bufs:
+        b[:] = 0xDEAD
+    driver.calls.clear()
+    with pytest.raises(ValueError, match="malformed"):
+        hl.program(np.asarray(bad, dtype=np.int64).tobytes(), 7, vals)
+    assert driver.calls == [] and all((b == 0xDEAD).all() for b in bufs)
+    with pytest.raises(TypeError):
+        hl.program(np.asarray(f, dtype=np.int64).tobytes(), 7, tuple(range(65)))
+
+
 def test_raw_coop_and_ctx(hl):
     """raw and coop launch with their arguments as given (coop through the stand-in's launch: it has no cooperative
     entry point), and a malformed call raises."""

@@ -4,8 +4,11 @@ The CPU tests need only torch (CI); the GPU tests compare with float64 reference
 from __future__ import annotations
 
 import copy
+import functools
+import pickle
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -58,6 +61,21 @@ class Toy(nn.Module):
 
     def forward(self, x):
         return self.up(self.depthwise(self.grouped(self.head(self.blocks(self.stem(x))))))
+
+
+class Net(nn.Module):
+    """A small ResNet: a 7x7/2 stem, a max pool, two bottlenecks, a global average pool and a classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.blocks = nn.Sequential(Bottleneck(16, 8), Bottleneck(32, 8, stride=2))
+        self.avg = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.avg(self.blocks(self.pool(self.stem(x)))), 1))
 
 
 class Untraceable(Toy):
@@ -178,6 +196,48 @@ def test_convert_walks_a_model_that_does_not_trace():
     assert rep["converted"]["blocks.0.conv1"] == "Conv2d" and set(rep["left"]) == {"grouped", "depthwise", "up"}
     with torch.no_grad():
         assert torch.allclose(conv(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_program_offsets_share_bytes_only_between_values_that_never_meet():
+    """The launch program's workspace plan: aligned offsets; two values whose lifetimes meet never overlap; a
+    chain of values (each read by the next) needs two slots."""
+    from igemm.nn._program import plan_offsets
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 30))
+        sizes = [int(v) for v in rng.integers(1, 5000, n)]
+        starts = rng.integers(0, 20, n)
+        lives = [(int(a), int(a + rng.integers(0, 6))) for a in starts]
+        offs, total = plan_offsets(sizes, lives)
+        assert all(o % 256 == 0 for o in offs) and total >= max(sizes)
+        for i in range(n):
+            assert offs[i] + sizes[i] <= total
+            for j in range(i):
+                if lives[i][0] <= lives[j][1] and lives[j][0] <= lives[i][1]:
+                    assert offs[i] + sizes[i] <= offs[j] or offs[j] + sizes[j] <= offs[i], (i, j)
+    offs, total = plan_offsets([1000] * 6, [(i, i + 1) for i in range(6)])
+    assert total == 2 * 1024 and len(set(offs)) == 2
+
+
+def test_convert_installs_the_program_path_where_the_graph_was_rewritten():
+    """The converted GraphModule keeps its forward's signature; on the CPU it runs the modules (no program is
+    made); recompile() gives back fx's own forward."""
+    import inspect
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    model = _settle(Net(), x)
+    conv = inn.convert(model)
+    assert str(inspect.signature(conv.forward)) == "(x)"
+    with torch.no_grad():
+        assert torch.allclose(conv(x), model(x), rtol=1e-5, atol=1e-5)
+    assert conv._igemm_programs == {}
+    conv._igemm_programs["geometry"] = object()             # (a program holds kernels: copies start without)
+    dup = copy.deepcopy(conv)
+    assert dup._igemm_programs == {} and hasattr(type(dup).forward, "__wrapped__")
+    with torch.no_grad():
+        assert torch.equal(dup(x), conv(x)) and torch.equal(pickle.loads(pickle.dumps(conv))(x), conv(x))
+    conv.recompile()
+    assert not hasattr(type(conv).forward, "__wrapped__")
 
 
 def test_compile_fullgraph_and_export_on_the_cpu():
@@ -383,6 +443,81 @@ def test_gpu_converted_model_compiles_exports_and_captures():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, y) and not torch.equal(conv(xc), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["Net-channels_last", "Toy-NCHW"])
+def test_gpu_converted_model_runs_as_one_program(case, monkeypatch):
+    """A converted model's eager inference forward: the first call runs the modules and makes the program, later
+    calls run it -- one launch a layer, the modules' bits, a peak memory within the modules' own. An in-place
+    update or a replaced parameter is seen at once (the modules run) and a program is made again once the
+    tensors hold still; a hook, a misaligned input, wanted gradients and train mode each run the modules."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from igemm.nn import _program
+    runs = []                                    # each program run's result (a tensor, or a miss)
+    run = _program._Program.run
+    monkeypatch.setattr(_program._Program, "run", lambda self, *a: runs.append(run(self, *a)) or runs[-1])
+    done = lambda: sum(type(r) is torch.Tensor for r in runs)             # noqa: E731
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 64, 64)
+    name, fmt = case.split("-")
+    mf = CL if fmt == "channels_last" else torch.contiguous_format
+    conv = inn.convert(_settle({"Net": Net, "Toy": Toy}[name](), x).cuda().half().to(memory_format=mf))
+    modules = functools.partial(type(conv).forward.__wrapped__, conv)       # (fx's forward: the module calls)
+    xc = x.cuda().half().contiguous(memory_format=mf)
+    progs = conv._igemm_programs
+    entry = lambda: type(next(iter(progs.values())))                       # noqa: E731
+    with torch.no_grad():
+        y0 = conv(xc)
+        (prog,) = progs.values()
+        assert type(prog) is _program._Program and runs == []
+        tail = {"Net": ["flatten", "fc"], "Toy": ["grouped", "depthwise", "up"]}[name]
+        assert len(prog.mods) == {"Net": 11, "Toy": 10}[name] and [n.name for n in prog.tail] == tail
+        y1, want = conv(xc), modules(xc)
+        assert torch.equal(y1, want) and torch.equal(y0, want) and done() == 1
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            conv(xc)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert sum(n.startswith("igemm") for n in names) == len(prog.steps) and done() == 2, names
+        peaks = []
+        for f in (conv, modules):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            f(xc)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        assert peaks[0] <= 1.25 * peaks[1] + (1 << 20), peaks
+        conv.blocks_0_conv1_igemm.bn.running_var.mul_(2)                  # updated in place
+        y2, want2 = conv(xc), modules(xc)
+        assert torch.equal(y2, want2) and not torch.equal(y2, y1) and entry() is _program._Stale
+        assert torch.equal(conv(xc), want2) and entry() is _program._Program       # (made again)
+        n = done()
+        assert torch.equal(conv(xc), want2) and done() == n + 1
+        c3 = conv.blocks_1_conv3_igemm.conv
+        c3.weight = nn.Parameter(c3.weight * 2)                            # replaced
+        want3 = modules(xc)
+        assert not torch.equal(want3, want2)
+        for _ in range(3):
+            assert torch.equal(conv(xc), want3)
+        assert done() == n + 2 and entry() is _program._Program
+        seen = []
+        h = prog.mods[1].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        assert torch.equal(conv(xc), want3) and len(seen) == 1 and done() == n + 2
+        h.remove()
+        off = torch.empty(xc.numel() + 8, device="cuda", dtype=xc.dtype)
+        xm = off.as_strided(xc.shape, xc.stride(), 1).copy_(xc)
+        assert torch.equal(conv(xm), modules(xm)) and done() == n + 2
+        assert torch.equal(conv(xc), want3) and done() == n + 3
+    conv(xc)                                                               # gradients wanted
+    assert done() == n + 3
+    conv.train()
+    with torch.no_grad():
+        conv(xc)
+    assert done() == n + 3
 
 
 @pytest.mark.gpu

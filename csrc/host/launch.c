@@ -1,5 +1,6 @@
 /* igemm's launch step in C: a launch record's argument binds and cuLaunchKernel calls, for conv plan calls
- * (launch) and for every other launcher (raw; coop for a cooperative one). A CPython extension, built on first use
+ * (launch), for a converted model's whole inference forward (program: igemm/nn/_program.py) and for every other
+ * launcher (raw; coop for a cooperative one). A CPython extension, built on first use
  * by igemm/_hostlaunch.py with the host C compiler; no CUDA headers: the driver's cuLaunchKernel,
  * cuLaunchCooperativeKernel and cuCtxGetCurrent are found with dlsym in the libcuda.so.1 the process has loaded
  * (init), or set by set_driver (the CPU tests' stand-ins).
@@ -12,7 +13,8 @@
  *   CUfunction, kernelParams (void**), the argument buffer (uint64 slots), grid[3], block[3], shared memory,
  *   the number of binds (0..MAX_BINDS), then per bind: slot, source, base  ->  buffer[slot] = base + value,
  *   value = {0, x, w, y, residual, mask}[source].
- * The steps launch in order on one stream (a preparation's copies, then the conv).
+ * The steps launch in order on one stream (a preparation's copies, then the conv). A program is a record of up
+ * to MAX_PROGRAM steps whose binds take their values from the tuple it is called with (source i: vals[i]).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,7 +32,7 @@ static cu_launch_t g_launch = NULL;
 static cu_coop_t g_coop = NULL;   /* NULL with a stand-in driver that has none: coop goes through g_launch */
 static cu_ctx_get_t g_ctx_get = NULL;
 
-enum { STEP = 11, BIND = 3, MAX_STEPS = 4, MAX_BINDS = 16, SOURCES = 6 };
+enum { STEP = 11, BIND = 3, MAX_STEPS = 4, MAX_BINDS = 16, SOURCES = 6, MAX_PROGRAM = 4096, MAX_SOURCES = 64 };
 
 static int read_u64(PyObject *o, uint64_t *v) {
     *v = PyLong_AsUnsignedLongLong(o);
@@ -44,11 +46,11 @@ static int launch_step(const int64_t *d, void *stream) {
 
 /* The record's steps with these values: -1 (exception set) for a malformed record, else the first failing
  * CUresult (0: every step launched). Nothing is written for a malformed record: it is checked whole first. */
-static int run_record(PyObject *rec, void *stream, const uint64_t vals[SOURCES]) {
+static int run_record(PyObject *rec, void *stream, const uint64_t *vals, int64_t max_steps, int64_t sources) {
     const Py_ssize_t nbytes = PyBytes_GET_SIZE(rec);
     const int64_t *r = (const int64_t *)PyBytes_AS_STRING(rec);
     const Py_ssize_t n = nbytes / 8;
-    if (nbytes % 8 || n < 1 || r[0] < 1 || r[0] > MAX_STEPS)
+    if (nbytes % 8 || n < 1 || r[0] < 1 || r[0] > max_steps)
         goto bad;
     Py_ssize_t at = 1;
     for (int64_t s = 0; s < r[0]; ++s) {     /* the shape: every step and bind inside the record */
@@ -59,7 +61,7 @@ static int run_record(PyObject *rec, void *stream, const uint64_t vals[SOURCES])
         if (at + BIND * nb > n)
             goto bad;
         for (int64_t b = 0; b < nb; ++b)
-            if (r[at + BIND * b] < 0 || r[at + BIND * b + 1] < 0 || r[at + BIND * b + 1] >= SOURCES)
+            if (r[at + BIND * b] < 0 || r[at + BIND * b + 1] < 0 || r[at + BIND * b + 1] >= sources)
                 goto bad;
         at += BIND * nb;
     }
@@ -106,7 +108,28 @@ static PyObject *hl_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     for (int i = 1; i < SOURCES; ++i)
         if (!read_u64(args[i + 1], &vals[i]))
             return NULL;
-    const int err = run_record(args[0], (void *)(uintptr_t)stream, vals);
+    const int err = run_record(args[0], (void *)(uintptr_t)stream, vals, MAX_STEPS, SOURCES);
+    return err < 0 ? NULL : PyLong_FromLong(err);
+}
+
+/* program(rec: bytes, stream, vals: tuple of ints) -> CUresult (0: every step launched) */
+static PyObject *hl_program(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyTuple_Check(args[2])
+            || PyTuple_GET_SIZE(args[2]) > MAX_SOURCES) {
+        PyErr_SetString(PyExc_TypeError, "program(rec: bytes, stream, vals: tuple of at most 64 ints)");
+        return NULL;
+    }
+    if (!have_driver())
+        return NULL;
+    uint64_t stream, vals[MAX_SOURCES] = {0};
+    const Py_ssize_t nv = PyTuple_GET_SIZE(args[2]);
+    if (!read_u64(args[1], &stream))
+        return NULL;
+    for (Py_ssize_t i = 0; i < nv; ++i)
+        if (!read_u64(PyTuple_GET_ITEM(args[2], i), &vals[i]))
+            return NULL;
+    const int err = run_record(args[0], (void *)(uintptr_t)stream, vals, MAX_PROGRAM, nv);
     return err < 0 ? NULL : PyLong_FromLong(err);
 }
 
@@ -203,6 +226,7 @@ static PyObject *hl_set_driver(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))hl_launch, METH_FASTCALL, "a launch record's binds and launches"},
+    {"program", (PyCFunction)(void (*)(void))hl_program, METH_FASTCALL, "a program's binds and launches"},
     {"raw", (PyCFunction)(void (*)(void))hl_raw, METH_FASTCALL, "one cuLaunchKernel"},
     {"coop", (PyCFunction)(void (*)(void))hl_coop, METH_FASTCALL, "one cuLaunchCooperativeKernel"},
     {"ctx", hl_ctx, METH_NOARGS, "the current context as an int"},

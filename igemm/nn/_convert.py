@@ -3,8 +3,9 @@ pooling layers (``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d`` to 1 x 1) replaced by
 
 A model that ``torch.fx.symbolic_trace`` traces (torchvision's CNNs do) is rewritten on its graph: the
 patterns are found by data flow, whatever the module structure (a ResNet block's ``out += identity; relu``
-included). Otherwise the modules are walked: inside each ``nn.Sequential``, conv, BN (, ReLU) runs are fused;
-every other convertible ``nn.Conv2d`` becomes :class:`igemm.nn.Conv2d`. Convolutions igemm does not run
+included), and its eager inference forward runs its leading igemm layers as one launch program (``_program``).
+Otherwise the modules are walked: inside each ``nn.Sequential``, conv, BN (, ReLU) runs are fused; every other
+convertible ``nn.Conv2d`` becomes :class:`igemm.nn.Conv2d`. Convolutions igemm does not run
 (grouped, depthwise, 1-D/3-D, transposed, other padding modes) stay PyTorch modules.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import operator
 import torch
 from torch import nn
 
+from . import _program
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU, _padding
 from ._pool import AdaptiveAvgPool2d, MaxPool2d, _pair
 
@@ -96,6 +98,7 @@ def convert(model: nn.Module, *, inplace: bool = False, return_report: bool = Fa
     else:
         report["traced"] = True
         _rewrite(gm, report)
+        _program.install(gm)
         out = gm
     out.train(model.training)
     log.info("%s", report)

@@ -226,7 +226,8 @@ def test_choose_config_rules(monkeypatch):
         sp = _override(cs, _pb(N=8, H=7, W=7, C=512, K=512), cfg)
         assert sp.csplit == 1 and validate_spec(sp, _pb(N=8, H=7, W=7, C=512, K=512)), (cfg, sp.name())
     assert not validate_spec(dataclasses.replace(cs, csplit=3), _pb(N=8, H=7, W=7, C=512, K=512), raise_=False)
-    assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512, R=1, S=1)).math == "wgmma"   # no taps: per-tile
+    assert choose_config(_pb(N=1, H=7, W=7, C=512, K=512, R=1, S=1)).math == "wgmma_ws"   # a 1x1 of 8 k-tiles
+    assert choose_config(_pb(N=1, H=7, W=7, C=128, K=512, R=1, S=1)).math == "wgmma"    # 2 k-tiles: per-tile
     assert choose_config(_pb(N=32, H=28, W=28, C=128, K=128)).math == "wgmma"    # enough tiles
     # config overrides the persistent kernel cannot run fall back to the per-tile kernel
     xs, wsh = (8, 7, 7, 512), (512, 3, 3, 512)

@@ -244,8 +244,10 @@ RULES: tuple[tuple[Rule, ...], ...] = (
                      and (d.kt <= 48 or 4 * d.tiles >= d.sms)),
           lambda d: d.update(persistent=True)),
      Rule("persistent-one-wave", "at most one wave of single CTAs (128 columns if 64 would not): the persistent "
-          "kernel with one consumer and a deep ring (a 1x1 from 4 k-tiles, not an NCHW residual 1x1)",
-          lambda d: (_tma_64_rows(d) and d.splits == 1 and (d.taps > 1 or d.kt >= 4 and not d.nchw_residual)
+          "kernel with one consumer and a deep ring (a 1x1 of 16+ k-tiles, or 4+ within one wave of 64-column "
+          "tiles; not an NCHW residual 1x1)",
+          lambda d: (_tma_64_rows(d) and d.splits == 1
+                     and (d.taps > 1 or not d.nchw_residual and (d.kt >= 16 or d.kt >= 4 and d.tiles <= d.sms))
                      and (d.tiles <= d.sms or _wider(d))),
           lambda d: d.update(bn=128 if _wider(d) else d.bn, persistent=True))),
     (Rule("persistent-1x1-3ctas", "a few k-tiles a tile and several waves (1x1 over 64-256 channels) with a chain: "

@@ -1,4 +1,4 @@
-"""A converted model's eager inference forward as one launch program (docs/design.md §7b).
+"""A converted model's eager inference forward as one launch program (docs/design.md §4a).
 
 A model :func:`igemm.nn.convert` rewrote on its fx graph runs, in eval mode with no gradient to record, its
 leading run of igemm layers (from the input up to the first node that is not an igemm layer: a ResNet's whole
@@ -14,7 +14,8 @@ and is made by the first forward that can use one, while that forward runs the m
 checks first what the module calls would: no autocast, no gradient to record, no hooks, every layer in eval
 mode, the same parameter and buffer objects at the same versions, a 16-byte aligned input, the layers' CUDA
 context current; otherwise it runs the graph's modules. A program whose tensors changed is made again once they
-are unchanged over two forwards (an optimizer step between evaluations costs one forward on the modules).
+are unchanged over two forwards (an optimizer step between evaluations costs one forward on the modules). A deep
+copy of the model makes programs of its own; a pickled and loaded one runs its modules (``torch.fx`` rebuilds it).
 """
 from __future__ import annotations
 

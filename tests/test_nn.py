@@ -240,6 +240,31 @@ def test_convert_installs_the_program_path_where_the_graph_was_rewritten():
     assert not hasattr(type(conv).forward, "__wrapped__")
 
 
+def test_program_tail_runs_the_graph_as_fx_does():
+    """What follows a program's run executes node by node as torch.fx's generated forward would (modules,
+    functions, methods, attributes, a nested output), dropping each value after its last reader."""
+    from igemm.nn._program import _interpret, _last_uses
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+            self.register_buffer("shift", torch.randn(4))
+
+        def forward(self, x):
+            h = torch.flatten(x, 1).relu()
+            y = self.fc(h) + self.shift
+            return {"y": y.view(-1, 2, 2), "n": (h.sum(1), y.size(0))}
+    gm = torch.fx.symbolic_trace(Head())
+    x = torch.randn(3, 16, 1, 1)
+    nodes = list(gm.graph.nodes)
+    env = {nodes[0]: x}
+    drop = _last_uses(nodes[1:-1], nodes[-1])
+    got, want = _interpret(gm, nodes[1:-1], nodes[-1], env, drop), gm(x)
+    assert torch.equal(got["y"], want["y"]) and torch.equal(got["n"][0], want["n"][0]) and got["n"][1] == 3
+    assert set(env) == set(nodes[-1].all_input_nodes)        # (x and the others dropped after their last reader)
+
+
 def test_compile_fullgraph_and_export_on_the_cpu():
     """torch.compile(fullgraph=True) traces the converted model with no graph break (the op is opaque, its fake
     implementation gives shapes); torch.export exports it with the op in its graph."""

@@ -546,6 +546,32 @@ def test_gpu_converted_model_runs_as_one_program(case, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_program_gives_values_read_after_the_run_their_own_tensors():
+    """Features returned beside the logits: values the run reads and the graph's output returns are tensors of
+    their own (not views of the workspace), with the module calls' bits and strides."""
+    from igemm.nn import _program
+
+    class Features(Net):
+        def forward(self, x):
+            s = self.stem(x)
+            f = self.blocks(self.pool(s))
+            return s, f, self.fc(torch.flatten(self.avg(f), 1))
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 64, 64)
+    conv = inn.convert(_settle(Features(), x).cuda().half().to(memory_format=CL))
+    modules = functools.partial(type(conv).forward.__wrapped__, conv)
+    xc = x.cuda().half().contiguous(memory_format=CL)
+    with torch.no_grad():
+        conv(xc)
+        (prog,) = conv._igemm_programs.values()
+        got, want = conv(xc), modules(xc)
+    assert type(prog) is _program._Program and len(prog.exports) == 3        # s, f and the average pool's
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    assert len({t.untyped_storage().data_ptr() for t in got[:2]}) == 2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2", "resnext50_32x4d"])
 def test_gpu_torchvision_models(name):
     """Converted torchvision models (random weights, BN statistics from one train-mode forward), fp16

@@ -92,6 +92,11 @@ class Conv2d(nn.Conv2d):
         m._parameters, m._buffers, m._modules = dict(conv._parameters), dict(conv._buffers), dict(conv._modules)
         return m
 
+    def _tensors(self) -> tuple:
+        """(weight, bias, bn_weight, bn_bias, bn_mean, bn_var) as the eager call hands them to its FastCall."""
+        p = self._parameters
+        return p["weight"], p["bias"], None, None, None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pad = _padding(self)
         why = _why_not(self, x, pad)
@@ -100,8 +105,7 @@ class Conv2d(nn.Conv2d):
             return super().forward(x)
         p = self._parameters
         if _direct(x, self):
-            return _ops.fast(self, x, None, (p["weight"], p["bias"], None, None, None, None), 1e-5, self.stride, pad,
-                             self.dilation, False)
+            return _ops.fast(self, x, None, self._tensors(), 1e-5, self.stride, pad, self.dilation, False)
         x, w, b = _autocast(x, p["weight"], p["bias"])
         return _ops.conv2d(x, w, b, stride=self.stride, padding=pad, dilation=self.dilation)
 
@@ -132,6 +136,12 @@ class _ConvBN(nn.Module):
             raise ValueError(f"bn: {bn.num_features} features for the conv's {conv.out_channels} output channels")
         self.conv, self.bn = conv, bn
 
+    def _tensors(self) -> tuple:
+        """(weight, bias, bn_weight, bn_bias, bn_mean, bn_var) as the eager call hands them to its FastCall."""
+        c, bn = self._modules["conv"], self._modules["bn"]
+        cp, bp, bb = c._parameters, bn._parameters, bn._buffers
+        return cp["weight"], cp["bias"], bp["weight"], bp["bias"], bb.get("running_mean"), bb.get("running_var")
+
     def _torch(self, x, identity):
         y = self.bn(self.conv(x))
         if self.add:
@@ -140,7 +150,7 @@ class _ConvBN(nn.Module):
 
     def _forward(self, x: torch.Tensor, identity) -> torch.Tensor:
         c, bn = self._modules["conv"], self._modules["bn"]       # (not nn.Module.__getattr__: per-call cost)
-        cp, bp, bb = c._parameters, bn._parameters, bn._buffers
+        cp, bb = c._parameters, bn._buffers
         pad = _padding(c)
         why = _why_not(c, x, pad)
         batch_stats = self.training or bb.get("running_mean") is None
@@ -152,7 +162,7 @@ class _ConvBN(nn.Module):
         res = identity if self.add else None
         if batch_stats:
             return self._train(x, res, pad)
-        tensors = (cp["weight"], cp["bias"], bp["weight"], bp["bias"], bb["running_mean"], bb["running_var"])
+        tensors = self._tensors()
         if _direct(x, self) and (res is None or not res.requires_grad):
             return _ops.fast(self, x, res, tensors, bn.eps, c.stride, pad, c.dilation, self.relu)
         x, w, b, res = _autocast(x, cp["weight"], cp["bias"], res)

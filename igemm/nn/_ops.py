@@ -300,14 +300,19 @@ def eager(x) -> bool:
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # module -> {input geometry: FastCall}
 
 
+def call_key(x, residual) -> tuple:
+    """The input geometry a module's :class:`FastCall` belongs to (x's and the residual's)."""
+    return (x.shape, x.stride(), x.dtype, x.get_device(),
+            None if residual is None else (residual.shape, residual.stride(), residual.dtype))
+
+
 def fast(owner, x, residual, tensors: tuple, eps: float, stride, padding, dilation, relu: bool):
     """A module's eager forward: the op's result, computed by the module's :class:`FastCall` for this input
     geometry. ``tensors``: (weight, bias, bn_weight, bn_bias, bn_mean, bn_var)."""
     per = _calls.get(owner)
     if per is None:
         per = _calls[owner] = {}
-    key = (x.shape, x.stride(), x.dtype, x.get_device(),
-           None if residual is None else (residual.shape, residual.stride(), residual.dtype))
+    key = call_key(x, residual)
     fc = per.get(key)
     if fc is None:
         fc = per[key] = FastCall(x, residual, tensors, eps, tuple(stride), tuple(padding), tuple(dilation), relu)

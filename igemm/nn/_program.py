@@ -50,16 +50,6 @@ def _global_hooks() -> bool:
                 or _G._global_backward_pre_hooks)
 
 
-def _conv_tensors(m) -> tuple:
-    """The six tensors a conv module's eager call hands its FastCall (igemm/nn/_modules.py)."""
-    if type(m) is Conv2d:
-        p = m._parameters
-        return p["weight"], p["bias"], None, None, None, None
-    c, bn = m._modules["conv"], m._modules["bn"]
-    cp, bp, bb = c._parameters, bn._parameters, bn._buffers
-    return cp["weight"], cp["bias"], bp["weight"], bp["bias"], bb.get("running_mean"), bb.get("running_var")
-
-
 def plan_offsets(sizes, lives, align: int = _ALIGN) -> tuple[list[int], int]:
     """Workspace offsets for values of ``sizes`` bytes live over the inclusive step ranges ``lives``: two values
     share bytes only where their lifetimes do not meet (largest first, each at the lowest offset that fits).
@@ -99,12 +89,10 @@ def _conv_layer(m, node, args):
     x = args[0]
     res = args[1] if len(args) > 1 and type(m) is Conv2dBNAddReLU else None
     per = _ops._calls.get(m)
-    key = (x.shape, x.stride(), x.dtype, x.get_device(),
-           None if res is None else (res.shape, res.stride(), res.dtype))
-    fc = per.get(key) if per is not None else None
+    fc = per.get(_ops.call_key(x, res)) if per is not None else None
     if fc is None or fc.tensors is None or not fc.res_ok:
         return None
-    cur = _conv_tensors(m)
+    cur = m._tensors()
     if list(map(id, cur)) != fc.ids or [t._version for t in cur if t is not None] != fc.stamp:
         return None                              # (this forward took another path: autograd, autocast)
     wp = fc.wv.data_ptr()
@@ -171,7 +159,7 @@ class _Program:
         self.placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
         self.convs = [ly.module for ly in layers if type(ly.module) in _CONVS]
         self.mods = [ly.module for ly in layers]
-        self.tensors = [t for m in self.convs for t in _conv_tensors(m)]
+        self.tensors = [t for m in self.convs for t in m._tensors()]
         self.ids = list(map(id, self.tensors))
         self.stamp = [t._version for t in self.tensors if t is not None]
         self.keep = keep                          # what the records point at (weights' views, folded vectors)
@@ -211,7 +199,7 @@ class _Program:
         self.users_last = _last_uses(tail, out_node)
 
     def current(self) -> list:
-        return [t for m in self.convs for t in _conv_tensors(m)]
+        return [t for m in self.convs for t in m._tensors()]
 
     def same_tensors(self, cur: list) -> bool:
         """The same objects at the same versions (what a FastCall checks)."""
@@ -342,7 +330,7 @@ _NONE = _Stale(None)          # a geometry with no program: the modules' calls
 
 
 def _snapshot(gm) -> tuple:
-    cur = [t for m in gm.modules() if type(m) in _CONVS for t in _conv_tensors(m)]
+    cur = [t for m in gm.modules() if type(m) in _CONVS for t in m._tensors()]
     return list(map(id, cur)), [t._version for t in cur if t is not None]
 
 
@@ -355,7 +343,7 @@ def _can_make(gm, grad: bool) -> bool:
             if _hooked(m):
                 return False
             if type(m) in _CONVS and (m.training or grad and any(
-                    t is not None and t.requires_grad for t in _conv_tensors(m))):
+                    t is not None and t.requires_grad for t in m._tensors())):
                 return False
     return True
 

@@ -13,6 +13,11 @@ is igemm's against the copy bandwidth measured in the same run.
 Global average pooling (a second table): ResNet-50's head, x (N, 2048, 7, 7) channels_last at N = 1 and the batches,
 fp16 (and bf16 and fp32 at the first batch), against ``F.adaptive_avg_pool2d(x, 1)`` (PyTorch's mean); igemm's y is
 checked against the float64 mean first.
+
+The classifier head (a third table): ResNet-50's, x (N, 2048, 7, 7) channels_last -> (N, 1000), at N = 1 and 2 (the
+images its kernel takes) in fp16 and bf16: igemm's one kernel (``igemm.nn.AvgPoolLinear``) against igemm's pool then
+``F.linear`` (the module's path for more images) and PyTorch's ``adaptive_avg_pool2d`` -> flatten -> ``F.linear``;
+the kernel's y is checked against float64 first.
 """
 from __future__ import annotations
 
@@ -110,6 +115,35 @@ def main(argv=None):
              "F.adaptive_avg_pool2d(x, 1); % copy: x and y over the copy bandwidth; rel_err: max |y - mean| / max |mean| "
              "against float64")
     avg.finish()
+    head = Bench("bench_head", args)
+    hcases = [(N, dt) for dt in ("float16", "bfloat16") for N in (1, 2)]
+    for N, dtype in hcases[:1] if args.quick else hcases:
+        tdt = getattr(torch, dtype)
+        C, H, O = 2048, 7, 1000
+        lin = torch.nn.Linear(C, O).to("cuda", tdt).requires_grad_(False)
+        m = _pool.AvgPoolLinear.from_torch(lin)
+        sets = _harness.rotating(lambda i: torch.randn((N, C, H, H), device="cuda", dtype=tdt).contiguous(
+            memory_format=torch.channels_last), N * C * H * H * lin.weight.element_size())
+        x0 = sets[0]
+        assert m._dtype(x0) == dtype, "the head's kernel does not run"
+        ref = x0.double().mean((2, 3)).to(tdt).double() @ lin.weight.double().T + lin.bias.double()
+        with torch.no_grad():
+            err = float((m(x0).double() - ref).abs().max() / ref.abs().max())
+        assert err < 1e-2, f"igemm's head: relative error {err}"
+        with torch.no_grad():
+            t_k = head.time(lambda i: m(sets[i]), len(sets))
+            t_p = head.time(lambda i: F.linear(torch.flatten(_pool._avg_forward(sets[i], dtype), 1), lin.weight,
+                                               lin.bias), len(sets))
+            t_t = head.time(lambda i: F.linear(torch.flatten(F.adaptive_avg_pool2d(sets[i], 1), 1), lin.weight,
+                                               lin.bias), len(sets))
+        head.row(x=f"{N}x{C}x{H}x{H}", out=O, dtype=dtype, head_us=t_k * 1e6, pool_linear_us=t_p * 1e6,
+                 torch_us=t_t * 1e6, vs_pool_linear=t_k / t_p, vs_torch=t_k / t_t, rel_err=err)
+        sets = None
+        torch.cuda.empty_cache()
+    head.note("head: igemm.nn.AvgPoolLinear's one kernel; pool_linear: igemm's global average pool then F.linear "
+              "(cuBLAS); torch: F.adaptive_avg_pool2d -> flatten -> F.linear; rel_err: max |y - ref| / max |ref| "
+              "against float64 (the pool's mean rounded to the dtype)")
+    head.finish()
     bench.note("train_fwd: y and the one-byte window taps (igemm) / y and int64 indices (torch "
                "max_pool2d_with_indices); infer: y only (F.max_pool2d); bwd: dx from dy and those indices. "
                "ratio: igemm / torch. % copy: igemm's bytes (x, y, taps; dy, taps, dx) over the copy bandwidth")

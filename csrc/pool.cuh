@@ -9,9 +9,13 @@
 //                PyTorch's order, so dx equals PyTorch's for the same choices (a zero's sign aside).
 //   avgpool_global  y[n, c] = (sum over the H·W pixels of x[n, ·, ·, c]) · inv, inv = float(1 / (H·W)) as PyTorch's
 //                mean scales its sum (adaptive_avg_pool2d to 1 x 1 is a mean); the sum in fp32 (below).
+//   avgpool_linear  y[n, o] = sum over c of w[o, c] · m[n, c] + b[o], m = avgpool_global's y (rounded to T as
+//                PyTorch's pool output is): a classifier head (pool -> flatten -> nn.Linear) as one kernel for one
+//                or two images of 16 bits, in clusters of kHeadCluster CTAs (sm_90+; below).
 // Thread i takes V channels of one pixel (an output pixel forward, an input pixel backward), grid-stride; pixel
 // and channel-vector indices by magic-number division (a pass has fewer than 2^31 vectors).
 #pragma once
+#include <cooperative_groups.h>
 #include "common.cuh"
 
 namespace igemm::pool {
@@ -248,6 +252,140 @@ __device__ void avgpool_global(const P& p) {
     }
     *reinterpret_cast<Vec<T, V>*>(y + int64_t(n) * p.C + int64_t(cv) * V) = o;
   }
+}
+
+// The head for at most kHeadImages images. A cluster of kHeadCluster CTAs owns p.Og outputs; CTA r of it owns
+// channels [r·Cs, (r + 1)·Cs): it pools them (so the cluster reads each image once), takes the dot products of its
+// outputs' weight rows over them (a warp kHeadRows rows, a lane 16 bytes of each), and leaves the partial sums in
+// its shared memory; after the cluster barrier CTA r sums the kHeadCluster partials of its share of the outputs in
+// rank order through distributed shared memory (a fixed order: deterministic) and adds the bias. Every load a thread
+// makes is in flight at once: its first weight vectors are loaded before the pooling, and its pixels eight at a time
+// (docs/performance.md: classifier-head).
+// NI: the images a launch takes (at most; the registers a lane keeps for its rows' sums grow with it).
+constexpr int kHeadCluster = 8, kHeadImages = 2, kHeadChannels = 1024, kHeadOutputs = 128, kHeadThreads = 256;
+constexpr int kHeadRows = 8;                                 // weight rows a warp takes at once
+constexpr int kHeadPixels = 8;                               // pixel loads a thread has in flight
+
+template <class T, int V, int NI, class P>
+__device__ void avgpool_linear(const P& p) {
+  static_assert(NI <= kHeadImages);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  __shared__ alignas(16) float pooled[NI][kHeadChannels];
+  __shared__ alignas(16) float lanes[kHeadThreads][V];
+  __shared__ float part[NI][kHeadOutputs];
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank()), o0 = (blockIdx.x / kHeadCluster) * p.Og;
+  const int c0 = rank * p.Cs, cn = max(0, min(p.Cs, p.C - c0)), nv = cn / V;
+  const int og = max(0, min(p.Og, p.O - o0));
+  const T* x = static_cast<const T*>(p.x);
+  const T* w = static_cast<const T*>(p.w);
+  const int wp = threadIdx.x / 32, ln = threadIdx.x % 32;
+  // this lane's first weight vectors (rows wp·kHeadRows + i, channel vector ln), in flight during the pooling
+  Vec<T, V> first[kHeadRows];
+#pragma unroll
+  for (int i = 0; i < kHeadRows; ++i)
+    if (ln < nv && wp * kHeadRows + i < og)
+      first[i] = *reinterpret_cast<const Vec<T, V>*>(w + int64_t(o0 + wp * kHeadRows + i) * p.C + c0 + ln * V);
+  // pool: item (n, vector) summed by p.L lanes (pixels lane, lane + L, ...), the lanes added in lane order
+  const int items = p.N * nv;
+  for (int t0 = 0; t0 < items * p.L; t0 += kHeadThreads) {
+    const int t = t0 + threadIdx.x;
+    float acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0.f;
+    const int item = t % max(items, 1), lane = t / max(items, 1), n = item / max(nv, 1), cv = item % max(nv, 1);
+    if (t < items * p.L) {
+      const T* xp = x + int64_t(n) * p.HW * p.C + c0 + cv * V;
+      for (int pix = lane; pix < p.HW; pix += kHeadPixels * p.L) {
+        Vec<T, V> r[kHeadPixels];
+#pragma unroll
+        for (int u = 0; u < kHeadPixels; ++u)
+          if (pix + u * p.L < p.HW) r[u] = *reinterpret_cast<const Vec<T, V>*>(xp + int64_t(pix + u * p.L) * p.C);
+#pragma unroll
+        for (int u = 0; u < kHeadPixels; ++u)
+          if (pix + u * p.L < p.HW) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] += to_float(r[u].v[j]);
+          }
+      }
+    }
+    if (p.L == 1) {                                         // (one lane: many items, or one pixel)
+      if (t < items) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) pooled[n][cv * V + j] = to_float(from_float<T>(acc[j] * p.inv));
+      }
+    } else {                                                // (items · L <= kHeadThreads: one pass)
+#pragma unroll
+      for (int j = 0; j < V; ++j) lanes[threadIdx.x][j] = acc[j];
+      __syncthreads();
+      if (threadIdx.x < items) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          float s = 0.f;
+          for (int l = 0; l < p.L; ++l) s += lanes[l * items + threadIdx.x][j];
+          pooled[n][cv * V + j] = to_float(from_float<T>(s * p.inv));
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // the partial dot products: warp wp takes rows wp·kHeadRows + i, then the same kHeadThreads / 32 · kHeadRows on
+  for (int r0 = wp * kHeadRows; r0 < og; r0 += kHeadThreads / 32 * kHeadRows) {
+    float acc[kHeadRows][NI];
+#pragma unroll
+    for (int i = 0; i < kHeadRows; ++i)
+#pragma unroll
+      for (int n = 0; n < NI; ++n) acc[i][n] = 0.f;
+    for (int cv = ln; cv < nv; cv += 32) {
+      Vec<T, V> r[kHeadRows];
+#pragma unroll
+      for (int i = 0; i < kHeadRows; ++i) {
+        if (r0 == wp * kHeadRows && cv == ln)
+          r[i] = first[i];
+        else if (r0 + i < og)
+          r[i] = *reinterpret_cast<const Vec<T, V>*>(w + int64_t(o0 + r0 + i) * p.C + c0 + cv * V);
+      }
+#pragma unroll
+      for (int n = 0; n < NI; ++n) {
+        if (n < p.N) {
+          float m[V];
+#pragma unroll
+          for (int j = 0; j < V; j += 4) *reinterpret_cast<float4*>(m + j) =
+              *reinterpret_cast<const float4*>(&pooled[n][cv * V + j]);
+#pragma unroll
+          for (int i = 0; i < kHeadRows; ++i)
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[i][n] = fmaf(to_float(r[i].v[j]), m[j], acc[i][n]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kHeadRows; ++i)
+#pragma unroll
+      for (int n = 0; n < NI; ++n) {
+        if (n < p.N) {
+          float s = acc[i][n];
+#pragma unroll
+          for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+          if (ln == 0 && r0 + i < og) part[n][r0 + i] = s;
+        }
+      }
+  }
+  cluster.sync();
+  // CTA `rank` finishes outputs [rank·share, (rank + 1)·share) of the cluster's: the partials in rank order
+  const int share = (p.Og + kHeadCluster - 1) / kHeadCluster;
+  const int lo = rank * share, cnt = max(0, min(share, og - lo));
+  for (int t = threadIdx.x; t < p.N * cnt; t += kHeadThreads) {
+    const int n = t / cnt, o = lo + t % cnt;
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < kHeadCluster; ++q) s += cluster.map_shared_rank(&part[0][0], q)[n * kHeadOutputs + o];
+    if (p.b != nullptr) s += to_float(static_cast<const T*>(p.b)[o0 + o]);
+    static_cast<T*>(const_cast<void*>(p.y))[int64_t(n) * p.O + o0 + o] = from_float<T>(s);
+  }
+  cluster.sync();                                           // (no CTA leaves while another reads its partials)
+#endif
 }
 
 }  // namespace igemm::pool

@@ -11,6 +11,11 @@ says where these kernels run.
 
 Global average pooling is PyTorch's ``adaptive_avg_pool2d`` to 1 x 1, which PyTorch computes as a mean: the sum in
 fp32 times ``float(1 / (H * W))``, rounded once to the dtype (the sum's order is igemm's: csrc/pool.cuh).
+
+The classifier head (:func:`launch_avg_linear`, behind :class:`igemm.nn.AvgPoolLinear` for one or two images) is
+that pool, flattened, then ``torch.nn.functional.linear``: y = m @ w.T + b with m the pool's output in the dtype,
+the products summed in fp32 and rounded once; one kernel in clusters of CTAs (sm_90+, 16-bit; for more images and
+for fp32 the pool and cuBLAS are faster: docs/performance.md, classifier-head).
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ from . import _kernel
 from ._kernel import ParamSpec
 from ._runtime import DTYPE_CTYPE, DTYPE_SIZES
 
-__all__ = ["out_size", "fits", "fits_avg", "launch_forward", "launch_backward", "launch_avg_global", "all_variants",
-           "precompile"]
+__all__ = ["out_size", "fits", "fits_avg", "fits_head", "launch_forward", "launch_backward", "launch_avg_global",
+           "launch_avg_linear", "all_variants", "precompile"]
 
 _GEOM = [*(ParamSpec(n, "int32") for n in ("C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw"))]
 _FWD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("x", "y", "idx")), ParamSpec("NV", "int64"),
@@ -36,6 +41,12 @@ _AVG_PARAMS = [ParamSpec("x", "ptr"), ParamSpec("y", "ptr"), *(ParamSpec(n, "int
                                                                                                   "cblocks")),
                ParamSpec("inv", "float32")]
 _AVG_VECS = 32                                 # a block's channel vectors (csrc/pool.cuh: kAvgVecs)
+_HEAD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("x", "w", "b", "y")),
+                *(ParamSpec(n, "int32") for n in ("N", "HW", "C", "O", "Cs", "Og", "L")), ParamSpec("inv", "float32")]
+# csrc/pool.cuh: kHeadCluster, kHeadImages, kHeadChannels, kHeadOutputs, kHeadThreads
+HEAD_CLUSTER, HEAD_IMAGES, _HEAD_CHANNELS, _HEAD_OUTPUTS, _HEAD_THREADS = 8, 2, 1024, 128, 256
+_HEAD_NI = (1, 2)                              # the head's variants: the images a launch takes
+HEAD_DTYPES = ("float16", "bfloat16")
 _THREADS = 256
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -86,6 +97,80 @@ def fits_avg(dtype: str, N: int, C: int, H: int, W: int) -> str | None:
     if N * -(-C // _AVG_VECS) >= 2 ** 31 or H * W >= 2 ** 31:
         return "2^31 blocks or pixels or more"
     return None
+
+
+def fits_head(dtype: str, N: int, C: int, H: int, W: int, O: int, cc: tuple = (9, 0)) -> str | None:
+    """Why the classifier head's kernel cannot run (None: it can): the dtype, a device before sm_90 (clusters),
+    more than :data:`HEAD_IMAGES` images, C not a multiple of 16 bytes' elements or above
+    8 x 1024, an empty tensor, or 2^31 elements or more in x or w."""
+    if dtype not in HEAD_DTYPES:
+        return f"dtype {dtype} (the kernel takes {', '.join(HEAD_DTYPES)})"
+    if tuple(cc) < (9, 0):
+        return f"compute capability {cc[0]}.{cc[1]} (the kernel runs in clusters: 9.0 or later)"
+    if min(N, C, H, W, O) <= 0:
+        return "an empty tensor"
+    if N > HEAD_IMAGES:
+        return f"{N} images (at most {HEAD_IMAGES})"
+    v = 16 // DTYPE_SIZES[dtype]
+    if C % v or C > HEAD_CLUSTER * _HEAD_CHANNELS:
+        return f"{C} channels (a multiple of {v}, at most {HEAD_CLUSTER * _HEAD_CHANNELS})"
+    if N * H * W * C >= 2 ** 31 or O * C >= 2 ** 31:
+        return "a tensor of 2^31 elements or more"
+    return None
+
+
+def _head_shape(N: int, C: int, HW: int, O: int, v: int) -> tuple:
+    """(clusters, outputs a cluster, channels a CTA, pixel lanes): a CTA for each of 16 (at most) output slices
+    and 8 channel slices (ResNet-50's 1000 x 2048: 128 CTAs of 63 outputs x 256 channels), more slices where an
+    output slice would pass kHeadOutputs; lanes fill the CTA's threads with (image, vector) items."""
+    clusters = max(min(16, -(-O // 8)), -(-O // _HEAD_OUTPUTS))
+    og = -(-O // clusters)
+    cs = -(-(-(-C // HEAD_CLUSTER)) // v) * v
+    items = N * (cs // v)
+    lanes = 1
+    while items * lanes * 2 <= _HEAD_THREADS and lanes * 2 <= HW:
+        lanes *= 2
+    return clusters, og, cs, lanes
+
+
+@lru_cache(maxsize=256)
+def _head_template(N: int, C: int, HW: int, O: int, v: int) -> tuple:
+    clusters, og, cs, lanes = _head_shape(N, C, HW, O, v)
+    return clusters, _kernel.pack_args(_HEAD_PARAMS, dict(N=N, HW=HW, C=C, O=O, Cs=cs, Og=og, L=lanes,
+                                                          inv=np.float32(1.0) / np.float32(HW)))
+
+
+def _head_stub(dtype: str, ni: int) -> str:
+    return _kernel.render_kernel(include="pool.cuh", entry="igemm_avgpool_linear", params=_HEAD_PARAMS,
+                                 # (two CTAs an SM, a few registers spilled: faster than one, docs/performance.md)
+                                 threads=_HEAD_THREADS, cluster=HEAD_CLUSTER, min_blocks=2,
+                                 body=f"igemm::pool::avgpool_linear<{DTYPE_CTYPE[dtype]}, "
+                                      f"{16 // DTYPE_SIZES[dtype]}, {ni}>(p);")
+
+
+def _head_name(dtype: str, ni: int) -> str:
+    return f"avgpool_linear_{dtype}_n{ni}"
+
+
+@lru_cache(maxsize=64)
+def _head_launcher(dtype: str, ni: int, device_id: int, grid: int):
+    k = _kernel.load(_head_stub(dtype, ni), _head_name(dtype, ni), "igemm_avgpool_linear", device_id)
+    return _kernel.Launcher(k, grid, _HEAD_THREADS)
+
+
+def head_parts(device_id: int, dtype: str, N: int, C: int, HW: int, O: int) -> tuple:
+    """The classifier head's (launcher, packed arguments with zero pointers), :func:`fits_head` true."""
+    clusters, tmpl = _head_template(N, C, HW, O, 16 // DTYPE_SIZES[dtype])
+    ni = next(n for n in _HEAD_NI if n >= N)
+    return _head_launcher(dtype, ni, device_id, clusters * HEAD_CLUSTER), tmpl
+
+
+def launch_avg_linear(device_id: int, stream: int, dtype: str, N: int, C: int, HW: int, O: int, x: int, w: int,
+                      b: int, y: int) -> None:
+    """y[n, o] = linear(mean of x[n, :, :, :] over its ``HW`` pixels, w, b) (x channels-last (N, C, H, W), w
+    (O, C) row-major, b (O,) or 0, y (N, O)); x and w 16-byte aligned, :func:`fits_head` true."""
+    launcher, args = head_parts(device_id, dtype, N, C, HW, O)
+    launcher(stream, args.bind(dict(x=x, w=w, b=b, y=y)))
 
 
 def _ks(k: tuple) -> int:
@@ -183,8 +268,8 @@ def launch_avg_global(device_id: int, stream: int, dtype: str, N: int, C: int, H
     launcher(stream, args.bind(dict(x=x, y=y)))
 
 
-def all_variants() -> list[tuple[str, str]]:
-    """Every (name, stub) the two passes can launch."""
+def all_variants(arch: str = "sm_90a") -> list[tuple[str, str]]:
+    """Every (name, stub) the passes can launch on ``arch`` (the classifier head: sm_90 or later)."""
     out = []
     for dt in DTYPES:
         for v in sorted({1, 16 // DTYPE_SIZES[dt]}):
@@ -192,10 +277,12 @@ def all_variants() -> list[tuple[str, str]]:
             out += [(_name("bwd", dt, v, ks=mw), _stub("bwd", dt, v, ks=mw))
                     for mw in ((0, 2) if dt != "float32" else (0,))]
             out.append((_name("avg", dt, v), _stub("avg", dt, v)))
+        if int(arch[3:].rstrip("af")) >= 90 and dt in HEAD_DTYPES:
+            out += [(_head_name(dt, ni), _head_stub(dt, ni)) for ni in _HEAD_NI]
     return out
 
 
 def precompile(arch: str, jobs: int | None = None) -> int:
-    """Compile both passes' kernels for ``arch`` (dev machine: fills the kernel cache)."""
+    """Compile every pooling kernel for ``arch`` (dev machine: fills the kernel cache)."""
     from . import _build
-    return _build.compile_many(all_variants(), arch, jobs)
+    return _build.compile_many(all_variants(arch), arch, jobs)

@@ -1,8 +1,8 @@
-"""Pooling (igemm/pool.py, csrc/pool.cuh, igemm.nn.MaxPool2d, igemm.nn.AdaptiveAvgPool2d): the output geometry and
-where the kernels run (CPU), the modules' fallbacks and ``convert`` (CPU), the kernels' compilation (nvcc), and on
-the GPU the max pool's forward and backward against PyTorch's (ties, NaN, -inf, padding, dilation, ceil_mode, odd
-channel counts, each dtype) and the global average pool against float64 and PyTorch's backward, outputs poisoned
-first."""
+"""Pooling (igemm/pool.py, csrc/pool.cuh, igemm.nn.MaxPool2d, igemm.nn.AdaptiveAvgPool2d, igemm.nn.AvgPoolLinear): the
+output geometry and where the kernels run (CPU), the modules' fallbacks and ``convert`` (CPU), the kernels'
+compilation (nvcc), and on the GPU the max pool's forward and backward against PyTorch's (ties, NaN, -inf, padding,
+dilation, ceil_mode, odd channel counts, each dtype), the global average pool against float64 and PyTorch's
+backward, and the classifier head against float64, outputs poisoned first."""
 from __future__ import annotations
 
 import itertools
@@ -110,6 +110,106 @@ def test_fits_avg():
     assert "2^31" in pool.fits_avg("float16", 1, 8, 2 ** 16, 2 ** 15)
 
 
+def test_fits_head_and_its_shape():
+    """Where the classifier head's kernel runs, and its grid: every output and channel owned by one CTA, each within
+    the kernel's shared arrays (csrc/pool.cuh: kHeadOutputs, kHeadChannels), its pool's items and lanes in one pass of
+    the CTA's threads where there are several lanes."""
+    assert pool.fits_head("float16", 2, 2048, 7, 7, 1000) is None and pool.fits_head("bfloat16", 1, 8, 1, 1, 1) is None
+    assert "dtype" in pool.fits_head("float32", 1, 2048, 7, 7, 1000)
+    assert "9.0" in pool.fits_head("float16", 1, 2048, 7, 7, 1000, (8, 0))
+    assert "3 images (at most 2)" in pool.fits_head("float16", 3, 2048, 7, 7, 1000)
+    assert "multiple of 8" in pool.fits_head("bfloat16", 1, 2044, 7, 7, 1000)
+    assert "at most 8192" in pool.fits_head("float16", 1, 8200, 7, 7, 1000)
+    assert "empty" in pool.fits_head("float16", 1, 2048, 7, 7, 0)
+    assert "2^31" in pool.fits_head("float16", 2, 8192, 2 ** 12, 2 ** 5, 10)
+    assert pool._head_shape(1, 2048, 49, 1000, 8) == (16, 63, 256, 8)
+    for N, C, HW, O in itertools.product((1, 2), (8, 24, 512, 2048, 8192), (1, 3, 49), (1, 7, 1000, 21843)):
+        v = 8
+        clusters, og, cs, lanes = pool._head_shape(N, C, HW, O, v)
+        assert clusters * og >= O and (clusters - 1) * og < O and og <= 128
+        assert cs % v == 0 and 8 * cs >= C and cs <= 1024 and 1 <= lanes <= max(1, HW)
+        assert lanes == 1 or N * (cs // v) * lanes <= 256
+
+
+class _Head(nn.Module):
+    def __init__(self, flat):
+        super().__init__()
+        self.body = nn.Conv2d(3, 16, 3)
+        self.avg = nn.AdaptiveAvgPool2d(1)
+        self.flat = flat
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        f = self.avg(self.body(x))
+        f = {"function": lambda: torch.flatten(f, 1), "method": lambda: f.flatten(1), "kwarg": lambda: torch.flatten(
+            f, start_dim=1), "module": lambda: self.flat(f), "view": lambda: f.view(f.shape[0], -1)}[self.kind]()
+        return self.fc(f)
+
+
+@pytest.mark.parametrize("kind", ["function", "method", "kwarg", "module", "view"])
+def test_convert_makes_the_classifier_head_one_module(kind):
+    """A global average pool -> flatten -> nn.Linear becomes one igemm.nn.AvgPoolLinear sharing the Linear's
+    parameters (the flatten as a function, a method, with start_dim, or nn.Flatten()); on the CPU its forward is
+    the three modules'. A reshape by view is not matched: the pool alone is converted."""
+    torch.manual_seed(0)
+    model = _Head(nn.Flatten())
+    model.kind = kind
+    conv, rep = inn.convert(model, return_report=True)
+    heads = [m for m in conv.modules() if isinstance(m, inn.AvgPoolLinear)]
+    x = torch.randn(2, 3, 9, 8)
+    with torch.no_grad():
+        assert torch.allclose(conv(x), model(x), rtol=1e-6, atol=1e-6)
+    if kind == "view":
+        assert not heads and rep["converted"]["avg"] == "AdaptiveAvgPool2d" and "fc" not in rep["converted"]
+        return
+    (head,) = heads
+    assert rep["converted"]["avg"] == rep["converted"]["fc"] == "AvgPoolLinear"
+    assert head.weight is conv.fc_igemm.weight and head.in_features == 16 and head.out_features == 5
+    assert not any(type(m) in (nn.Linear, inn.AdaptiveAvgPool2d, nn.Flatten) for m in conv.modules())
+    assert sorted(conv.state_dict()) == ["body_igemm.bias", "body_igemm.weight", "fc_igemm.bias", "fc_igemm.weight"]
+
+
+def test_convert_leaves_heads_whose_values_are_read_elsewhere():
+    """The pattern needs each value read once: features returned beside the logits, a flatten to another
+    start_dim, or a pool of another size keep PyTorch's modules (the pools igemm runs converted alone)."""
+    class Feats(_Head):
+        def forward(self, x):
+            f = self.avg(self.body(x))
+            return f, self.fc(torch.flatten(f, 1))
+
+    class Grid(_Head):
+        def __init__(self):
+            super().__init__(None)
+            self.avg, self.fc = nn.AdaptiveAvgPool2d(2), nn.Linear(64, 5)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(self.avg(self.body(x)), 1))
+    for model in (Feats(None), Grid()):
+        model.kind = None
+        conv, rep = inn.convert(model, return_report=True)
+        assert not any(isinstance(m, inn.AvgPoolLinear) for m in conv.modules()) and "fc" not in rep["converted"]
+        x = torch.randn(2, 3, 9, 8)
+        for a, b in zip(torch.utils._pytree.tree_leaves(conv(x)), torch.utils._pytree.tree_leaves(model(x))):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_head_module_off_the_kernel_is_the_pytorch_chain():
+    """On the CPU (and wherever the kernel does not run) AvgPoolLinear is adaptive_avg_pool2d -> flatten ->
+    F.linear: the same output and gradients; made as nn.Linear's own (no bias too)."""
+    torch.manual_seed(0)
+    for bias in (True, False):
+        m = inn.AvgPoolLinear(12, 7, bias=bias)
+        assert m.weight.shape == (7, 12) and (m.bias is not None) == bias and "bias=" + str(bias) in repr(m)
+        x = torch.randn(3, 12, 5, 4, requires_grad=True)
+        y = m(x)
+        yr = F.linear(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1), m.weight, m.bias)
+        assert y.shape == (3, 7) and torch.equal(y, yr)
+        g = torch.randn_like(y)
+        got = torch.autograd.grad(y, [x, m.weight], g)
+        want = torch.autograd.grad(yr, [x, m.weight], g)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_avg_module_falls_back_off_the_kernel():
     """On the CPU, for an NCHW-contiguous tensor and for an output size other than 1 x 1 the module is
     torch.nn.AdaptiveAvgPool2d: equal outputs and gradients; from_torch keeps the output size."""
@@ -133,7 +233,8 @@ def test_pool_kernels_compile():
     except Exception as e:          # (no toolchain: nothing to compile with)
         pytest.skip(f"no CUDA toolchain: {e}")
     ks = pool.all_variants()
-    assert len(ks) == 52 and _build.compile_many(ks, "sm_90a", 2) == 52
+    assert len(ks) == 56 and _build.compile_many(ks, "sm_90a", 2) == 56
+    assert len(pool.all_variants("sm_80")) == 52                  # (the classifier head runs in clusters: sm_90+)
 
 
 def _input(rng, shape, dtype):
@@ -250,3 +351,66 @@ def test_gpu_max_pool_in_a_converted_model():
     assert torch.allclose(gx, gr, rtol=1e-5, atol=1e-5) and torch.equal(gx == 0, gr == 0)
     xn = torch.randn(4, 64, 16, 16, device="cuda")        # NCHW-contiguous: torch.nn.MaxPool2d's forward
     assert torch.equal(pool_mod(xn), F.max_pool2d(xn, 3, 2, 1))
+
+
+HEAD_SHAPES = [(1, 2048, 7, 7, 1000), (2, 2048, 7, 7, 1000), (2, 512, 7, 7, 1000), (2, 64, 1, 1, 10),
+               (1, 24, 5, 9, 3), (2, 8192, 2, 3, 129), (1, 128, 14, 14, 2500), (2, 40, 3, 3, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_classifier_head(shape, dtype, rng):
+    """AvgPoolLinear's kernel against float64 (the pool's mean rounded to the dtype as PyTorch's pool returns it,
+    then the linear) through the module and through the launch into a poisoned output, with a bias and without;
+    against PyTorch's pool -> flatten -> linear within the dtype's rounding; gradients wanted, more images than
+    the kernel takes, fp32, autocast and an NCHW input run that chain."""
+    N, C, H, W, O = shape
+    dt = getattr(torch, dtype)
+    x = torch.tensor(rng.standard_normal((N, H, W, C)) + 0.5, dtype=dt, device="cuda").permute(0, 3, 1, 2)
+    lin = nn.Linear(C, O).to("cuda", dt)
+    m = inn.AvgPoolLinear.from_torch(lin)
+    tol = 1e-2
+    for bias in (True, False):
+        b = lin.bias if bias else None
+        pooled = x.double().mean((2, 3)).to(dt).double()
+        ref = pooled @ lin.weight.double().T + (b.double() if bias else 0)
+        y = torch.full((N, O), float("nan"), dtype=dt, device="cuda")
+        pool.launch_avg_linear(0, torch.cuda.current_stream().cuda_stream, dtype, N, C, H * W, O, x.data_ptr(),
+                               lin.weight.data_ptr(), b.data_ptr() if bias else 0, y.data_ptr())
+        err = float((y.double() - ref).abs().max() / ref.abs().max())
+        assert err < tol, (bias, err)
+        if bias:
+            with torch.no_grad():
+                got = m(x)
+                want = F.linear(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1), lin.weight, lin.bias)
+            assert torch.equal(got, y) and got.grad_fn is None
+            assert float((got.double() - want.double()).abs().max() / want.double().abs().max()) < tol
+    with torch.no_grad():
+        assert m._dtype(x) == dtype
+        assert m._dtype(x.contiguous()) is None or C == 1 or H * W == 1
+        with torch.autocast("cuda"):
+            assert m._dtype(x) is None
+        big = x.repeat(3, 1, 1, 1).contiguous(memory_format=torch.channels_last)
+        assert m._dtype(big) is None
+        m32 = inn.AvgPoolLinear.from_torch(nn.Linear(C, O).cuda().requires_grad_(False))
+        assert m32._dtype(x.float()) is None
+    assert m._dtype(x) is None                                  # (the weight wants its gradient)
+    y = m(x)
+    assert y.grad_fn is not None
+
+
+@pytest.mark.gpu
+def test_gpu_converted_head_checks_its_arguments_before_launching():
+    """The head's kernel runs only on what it takes: a misaligned x or weight, a weight of another dtype or
+    non-contiguous run PyTorch's chain (same values within rounding)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 10).cuda().half().requires_grad_(False)
+    m = inn.AvgPoolLinear.from_torch(lin)
+    x = torch.randn(2, 64, 7, 7, device="cuda", dtype=torch.half).contiguous(memory_format=torch.channels_last)
+    assert m._dtype(x) == "float16"
+    buf = torch.empty(x.numel() + 8, device="cuda", dtype=x.dtype)
+    xm = buf[1:1 + x.numel()].as_strided(x.shape, x.stride()).copy_(x)
+    assert m._dtype(xm) is None and torch.allclose(m(xm), m(x), rtol=1e-2, atol=1e-3)
+    m.weight = nn.Parameter(lin.weight.detach().t().contiguous().t(), requires_grad=False)
+    assert m._dtype(x) is None and torch.allclose(m(x), lin(x.mean((2, 3))), rtol=1e-2, atol=1e-3)

@@ -12,8 +12,9 @@
 - Modules: :class:`Conv2d` (a drop-in ``torch.nn.Conv2d``), :class:`Conv2dBN`, :class:`Conv2dBNReLU`,
   :class:`Conv2dBNAddReLU` (inference: BatchNorm folded into the kernel; training: the training op).
 - :class:`MaxPool2d`: a drop-in ``torch.nn.MaxPool2d`` whose backward keeps one byte an output element;
-  :class:`AdaptiveAvgPool2d`: a drop-in ``torch.nn.AdaptiveAvgPool2d`` (global average pooling on igemm's kernel).
-- :func:`convert`: a model's convolution patterns (and pools) replaced by those modules; :func:`precompile`: their kernels
+  :class:`AdaptiveAvgPool2d`: a drop-in ``torch.nn.AdaptiveAvgPool2d`` (global average pooling on igemm's kernel);
+  :class:`AvgPoolLinear`: a classifier head (that pool, a flatten and an ``nn.Linear``) as one kernel for a few images.
+- :func:`convert`: a model's convolution patterns (and pools and classifier head) replaced by those modules; :func:`precompile`: their kernels
   (a training model's backward included) compiled ahead of the first step (in parallel, no GPU needed).
 
 channels_last inputs run igemm's NHWC kernels without a copy and give channels_last outputs.
@@ -23,9 +24,9 @@ from . import _autograd  # noqa: F401  (conv2d's backward op and autograd formul
 from ._train_ops import conv2d_bn_train
 from ._more_ops import index_add, prelu
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU
-from ._pool import AdaptiveAvgPool2d, MaxPool2d
+from ._pool import AdaptiveAvgPool2d, AvgPoolLinear, MaxPool2d
 from ._convert import Report, convert
 
 __all__ = ["conv2d", "conv2d_bn_train", "prelu", "index_add", "precompile", "Conv2d", "Conv2dBN", "Conv2dBNReLU",
-           "Conv2dBNAddReLU", "MaxPool2d", "AdaptiveAvgPool2d",
+           "Conv2dBNAddReLU", "MaxPool2d", "AdaptiveAvgPool2d", "AvgPoolLinear",
            "convert", "Report"]

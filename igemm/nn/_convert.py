@@ -1,5 +1,6 @@
-"""``igemm.nn.convert``: a model's conv -> BN (-> + identity) -> ReLU patterns, conv -> BN pairs, lone convs and
-pooling layers (``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d`` to 1 x 1) replaced by igemm modules.
+"""``igemm.nn.convert``: a model's conv -> BN (-> + identity) -> ReLU patterns, conv -> BN pairs, lone convs,
+pooling layers (``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d`` to 1 x 1) and classifier heads (that average pool ->
+flatten -> ``nn.Linear``) replaced by igemm modules.
 
 A model that ``torch.fx.symbolic_trace`` traces (torchvision's CNNs do) is rewritten on its graph: the
 patterns are found by data flow, whatever the module structure (a ResNet block's ``out += identity; relu``
@@ -19,7 +20,7 @@ from torch import nn
 
 from . import _program
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU, _padding
-from ._pool import AdaptiveAvgPool2d, MaxPool2d, _pair
+from ._pool import AdaptiveAvgPool2d, AvgPoolLinear, MaxPool2d, _pair
 
 __all__ = ["convert", "Report"]
 
@@ -50,6 +51,29 @@ def _igemm_pool(m):
     if type(m) is nn.AdaptiveAvgPool2d and _pair(m.output_size) == (1, 1):
         return AdaptiveAvgPool2d.from_torch(m)
     return None
+
+
+def _head(node, modules):
+    """(flatten node, linear node) where ``node`` (a global average pool module's call) starts a classifier head --
+    the pool's only reader ``torch.flatten(., 1)`` (or ``nn.Flatten()``, or ``.flatten(1)``), whose only reader is an
+    ``nn.Linear`` -- else None."""
+    m = modules.get(node.target)
+    if type(m) not in (nn.AdaptiveAvgPool2d, AdaptiveAvgPool2d) or _pair(m.output_size) != (1, 1):
+        return None
+    flat = _single_user(node)
+    if flat is None or flat.args[:1] != (node,):
+        return None
+    fm = modules.get(flat.target) if flat.op == "call_module" else None
+    if not ((flat.op == "call_function" and flat.target is torch.flatten or
+             flat.op == "call_method" and flat.target == "flatten")
+            and list(flat.args[1:]) + list(flat.kwargs.values()) in ([1], [1, -1])
+            or type(fm) is nn.Flatten and (fm.start_dim, fm.end_dim) == (1, -1) and len(flat.args) == 1):
+        return None
+    lin = _single_user(flat)
+    if (lin is None or lin.op != "call_module" or type(modules.get(lin.target)) is not nn.Linear
+            or lin.args != (flat,) or lin.kwargs):
+        return None
+    return flat, lin
 
 
 def _convertible(conv) -> str | None:
@@ -136,12 +160,26 @@ def igemm_module(kind: str, conv: nn.Conv2d, bn: nn.BatchNorm2d | None) -> nn.Mo
 
 def _rewrite(gm, report: Report, make=igemm_module, pools: bool = True) -> None:
     """The graph rewrite: each conv node, with what follows it, as one module call (``make(kind, conv, bn)``),
-    and (``pools``) each ``nn.MaxPool2d`` as igemm's (igemm/baselines/cudnn_fused.py builds its cuDNN peer with the
-    same rewrite, its pools left PyTorch's)."""
+    and (``pools``) each classifier head as :class:`AvgPoolLinear` and each other pool as igemm's
+    (igemm/baselines/cudnn_fused.py builds its cuDNN peer with the same rewrite, its pools and head left PyTorch's)."""
     modules = dict(gm.named_modules())
     graph = gm.graph
+    gone = set()
     for node in list(graph.nodes):
-        if node.op != "call_module":
+        if node.op != "call_module" or node in gone:
+            continue
+        head = _head(node, modules) if pools else None
+        if head is not None:
+            flat, lin = head
+            name = lin.target.replace(".", "_") + "_igemm"
+            gm.add_submodule(name, AvgPoolLinear.from_torch(modules[lin.target]))
+            with graph.inserting_before(lin):
+                new = graph.call_module(name, (node.args[0],))
+            lin.replace_all_uses_with(new)
+            for n in (lin, flat, node):
+                graph.erase_node(n)
+            gone.update((lin, flat))
+            report["converted"][node.target] = report["converted"][lin.target] = "AvgPoolLinear"
             continue
         pool = _igemm_pool(modules.get(node.target)) if pools else None
         if pool is not None:

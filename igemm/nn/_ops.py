@@ -257,11 +257,11 @@ def precompile(model, *inputs, arch: str | None = None, sms: int | None = None, 
     if backward and items:
         from ..conv import _moves
         items.update({src: name for name, src in _moves.all_variants()})
-    from ._pool import AdaptiveAvgPool2d, MaxPool2d
-    if isinstance(model, torch.nn.Module) and any(isinstance(m, (MaxPool2d, AdaptiveAvgPool2d))
+    from ._pool import AdaptiveAvgPool2d, AvgPoolLinear, MaxPool2d
+    if isinstance(model, torch.nn.Module) and any(isinstance(m, (MaxPool2d, AdaptiveAvgPool2d, AvgPoolLinear))
                                                   for m in model.modules()):
         from .. import pool
-        items.update({src: name for name, src in pool.all_variants()})
+        items.update({src: name for name, src in pool.all_variants(arch)})
     return _build.compile_many([(n, s) for s, n in items.items()], arch, jobs)
 
 

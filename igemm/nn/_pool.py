@@ -10,6 +10,10 @@ formats, ``return_indices``, the CPU, ``torch.compile`` and ``torch.export`` (wh
 ``AdaptiveAvgPool2d`` to 1 x 1 (global average pooling, a classifier's head) runs igemm's kernel on the same
 tensors; its backward is PyTorch's (the mean's: dy spread over the pixels and divided by their count), and every
 other output size or tensor runs ``torch.nn.AdaptiveAvgPool2d.forward``.
+
+``AvgPoolLinear`` is a classifier's head -- that pool, ``torch.flatten(., 1)`` and an ``nn.Linear`` -- as one module
+(``convert`` makes it from that pattern): for inference on one or two 16-bit images it is one kernel; otherwise the
+pool above and ``torch.nn.functional.linear`` (cuBLAS), which also give its gradients.
 """
 from __future__ import annotations
 
@@ -19,10 +23,18 @@ from torch import nn
 from .. import pool
 from . import _ops
 
-__all__ = ["MaxPool2d", "AdaptiveAvgPool2d"]
+__all__ = ["MaxPool2d", "AdaptiveAvgPool2d", "AvgPoolLinear"]
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _SMS: dict = {}
+_CC: dict = {}
+
+
+def _cc(dev: int) -> tuple:
+    c = _CC.get(dev)
+    if c is None:
+        c = _CC[dev] = torch.cuda.get_device_capability(dev)
+    return c
 
 
 def _pair(v) -> tuple:
@@ -135,16 +147,89 @@ class AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
 
     def _dtype(self, x: torch.Tensor) -> str | None:
         """The kernel's dtype, or None where ``torch.nn.AdaptiveAvgPool2d.forward`` runs."""
-        if (_pair(self.output_size) != (1, 1) or not _ops.eager(x) or x.dim() != 4 or x.dtype not in _DT
-                or not x.is_contiguous(memory_format=torch.channels_last)):
-            return None
-        dt = _DT[x.dtype]
-        return dt if pool.fits_avg(dt, *x.shape) is None else None
+        return _avg_dtype(x) if _pair(self.output_size) == (1, 1) else None
 
     def forward(self, x: torch.Tensor):
+        return _avg_pool(x) if _pair(self.output_size) == (1, 1) else super().forward(x)
+
+
+def _avg_dtype(x: torch.Tensor) -> str | None:
+    """The global average pool kernel's dtype for ``x``, or None where PyTorch's pool runs."""
+    if (not _ops.eager(x) or x.dim() != 4 or x.dtype not in _DT
+            or not x.is_contiguous(memory_format=torch.channels_last)):
+        return None
+    dt = _DT[x.dtype]
+    return dt if pool.fits_avg(dt, *x.shape) is None else None
+
+
+def _avg_pool(x: torch.Tensor) -> torch.Tensor:
+    """``adaptive_avg_pool2d(x, 1)`` on igemm's kernel where it runs, else PyTorch's."""
+    dt = _avg_dtype(x)
+    if dt is None:
+        return nn.functional.adaptive_avg_pool2d(x, 1)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AvgPool.apply(x, dt)
+    return _avg_forward(x, dt)
+
+
+class AvgPoolLinear(nn.Module):
+    """A classifier head: ``linear(flatten(adaptive_avg_pool2d(x, 1), 1), weight, bias)`` -- a global average pool, a
+    flatten and an ``nn.Linear`` -- as one module: ``x`` (N, C, H, W) -> (N, out_features). ``weight`` and ``bias`` are
+    ``nn.Linear``'s; ``AvgPoolLinear.from_torch(linear)`` shares a Linear's parameters.
+
+    Inference (no gradient to record, no autocast) on a channels-last fp16 or bf16 CUDA tensor of up to
+    ``pool.HEAD_IMAGES`` images of the weight's dtype runs one kernel (the pool's mean rounded to the dtype, as
+    PyTorch's pool returns it, then the products summed in fp32: igemm/pool.py); anything else runs
+    :class:`AdaptiveAvgPool2d`'s pool and ``torch.nn.functional.linear`` (cuBLAS, which is faster for more images
+    and for fp32: docs/performance.md, classifier-head)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        lin = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = lin.weight
+        self.register_parameter("bias", lin.bias)
+
+    @classmethod
+    def from_torch(cls, linear: nn.Linear) -> "AvgPoolLinear":
+        """The head over ``linear`` (its parameter objects, shared)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.in_features, m.out_features = linear.in_features, linear.out_features
+        m._parameters = dict(linear._parameters)
+        return m
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def _tensors(self) -> tuple:
+        p = self._parameters
+        return p["weight"], p["bias"]
+
+    def _dtype(self, x: torch.Tensor) -> str | None:
+        """The head kernel's dtype for ``x``, or None where the pool and ``linear`` run."""
+        w, b = self._parameters["weight"], self._parameters["bias"]
+        dt = _avg_dtype(x)
+        if (dt is None or x.shape[0] > pool.HEAD_IMAGES or w.dtype != x.dtype or w.device != x.device
+                or not w.is_contiguous() or w.shape != (self.out_features, x.shape[1])
+                or (x.data_ptr() | w.data_ptr()) & 15 or torch.is_autocast_enabled("cuda")
+                or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                                or b is not None and b.requires_grad)
+                or b is not None and (b.dtype != x.dtype or b.device != x.device or b.dim() != 1
+                                      or b.shape[0] != self.out_features or b.stride(0) != 1)):
+            return None
+        N, C, H, W = x.shape
+        dev = x.device.index
+        return dt if pool.fits_head(dt, N, C, H, W, self.out_features, _cc(dev)) is None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = self._dtype(x)
         if dt is None:
-            return super().forward(x)
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _AvgPool.apply(x, dt)
-        return _avg_forward(x, dt)
+            return nn.functional.linear(torch.flatten(_avg_pool(x), 1), self.weight, self.bias)
+        N, C, H, W = x.shape
+        b = self._parameters["bias"]
+        y = torch.empty((N, self.out_features), dtype=x.dtype, device=x.device)
+        pool.launch_avg_linear(x.device.index, torch.cuda.current_stream(x.device).cuda_stream, dt, N, C, H * W,
+                               self.out_features, x.data_ptr(), self.weight.data_ptr(),
+                               b.data_ptr() if b is not None else 0, y.data_ptr())
+        return y

@@ -108,7 +108,7 @@ def get():
                     mod = m
                 else:
                     why = ("libcuda.so.1 not loaded, or without cuLaunchKernel / cuLaunchCooperativeKernel / "
-                           "cuCtxGetCurrent")
+                           "cuCtxGetCurrent / cuEventRecord / cuStreamWaitEvent")
             except (RuntimeError, OSError, ImportError, ValueError) as e:   # (ValueError: a bad cache dir)
                 why = f"not built: {e}"
             _state["why"] = why

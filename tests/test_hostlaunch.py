@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(
 _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
                            ctypes.c_void_p, ctypes.c_void_p)
 _CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +35,16 @@ def hl(tmp_path_factory):
 
 
 class Driver:
-    """cuLaunchKernel and cuCtxGetCurrent stand-ins: each launch recorded with a copy of the watched buffers
-    at that moment (the C module gets their addresses; the Python path's fake launchers report the same)."""
+    """cuLaunchKernel, cuCtxGetCurrent, cuEventRecord and cuStreamWaitEvent stand-ins: each launch recorded with a
+    copy of the watched buffers at that moment (the C module gets their addresses; the Python path's fake
+    launchers report the same), each event record and wait as ("record", event, stream) / ("wait", stream, event)."""
 
     def __init__(self, hl, bufs, fail_at=-1, code=700):
         self.calls, self.bufs, self.fail_at, self.code = [], bufs, fail_at, code
         self.cb, self.ctx = _LAUNCH(self._launch), _CTX(self._ctx)    # (kept alive: C holds their addresses)
-        hl.set_driver(ctypes.cast(self.cb, ctypes.c_void_p).value, ctypes.cast(self.ctx, ctypes.c_void_p).value)
+        self.rec = _RECORD(lambda e, st: self.record(("record", e, st or 0)))
+        self.wait = _WAIT(lambda st, e, flags: self.record(("wait", st or 0, e)))
+        hl.set_driver(*(ctypes.cast(f, ctypes.c_void_p).value for f in (self.cb, self.ctx, self.rec, self.wait)))
 
     def _launch(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         return self.record((f, gx, gy, gz, bx, by, bz, smem, stream or 0, params))
@@ -212,6 +217,32 @@ def test_a_program_binds_its_values_and_launches_every_step(hl):
     assert driver.calls == [] and all((b == 0xDEAD).all() for b in bufs)
     with pytest.raises(TypeError):
         hl.program(np.asarray(f, dtype=np.int64).tobytes(), 7, tuple(range(65)))
+
+
+def test_a_program_runs_a_branch_on_a_second_stream(hl):
+    """Stream steps (function 0): FORK records the event on the call's stream and makes the second stream wait for
+    it, the next launches go there; MAIN brings them back; JOIN records the other event on the second stream and
+    makes the call's stream wait. A stream step with binds or an unknown operation is malformed (nothing
+    launched), and without the record and wait entry points a program with one raises."""
+    bufs = [np.zeros(2, dtype=np.uint64)]
+    driver = Driver(hl, bufs)
+    b = int(bufs[0].ctypes.data)
+    launch = lambda fn: [fn, 0xA0, b, 1, 1, 1, 32, 1, 1, 0, 0]                      # noqa: E731
+    sync = lambda op, ev: [0, 0, 0, op, ev, 0x5D, 0, 0, 0, 0, 0]                     # noqa: E731
+    f = [7, *sync(1, 0xE1), *launch(0x10), *sync(2, 0), *launch(0x11), *launch(0x12), *sync(3, 0xE2), *launch(0x13)]
+    assert hl.program(np.asarray(f, dtype=np.int64).tobytes(), 0x77, (0,)) == 0
+    got = [c if c[0] in ("record", "wait") else (c[0], c[8]) for c, _ in driver.calls]
+    assert got == [("record", 0xE1, 0x77), ("wait", 0x5D, 0xE1), (0x10, 0x5D), (0x11, 0x77), (0x12, 0x77),
+                   ("record", 0xE2, 0x5D), ("wait", 0x77, 0xE2), (0x13, 0x77)]
+    for bad in ([1, *sync(4, 0xE1)], [1, 0, 0, 0, 1, 0xE1, 0x5D, 0, 0, 0, 0, 1, 0, 0, 0]):
+        driver.calls.clear()
+        with pytest.raises(ValueError, match="malformed"):
+            hl.program(np.asarray(bad, dtype=np.int64).tobytes(), 0x77, (0,))
+        assert driver.calls == []
+    hl.set_driver(ctypes.cast(driver.cb, ctypes.c_void_p).value, ctypes.cast(driver.ctx, ctypes.c_void_p).value)
+    with pytest.raises(RuntimeError, match="cuEventRecord"):
+        hl.program(np.asarray(f, dtype=np.int64).tobytes(), 0x77, (0,))
+    assert driver.calls == []
 
 
 def test_raw_coop_and_ctx(hl):

@@ -219,6 +219,37 @@ def test_program_offsets_share_bytes_only_between_values_that_never_meet():
     assert total == 2 * 1024 and len(set(offs)) == 2
 
 
+def test_program_branches_are_residual_convs_with_layers_to_run_beside():
+    """A layer whose one reader adds it as the residual, reading one value with other layers between it and its
+    reader, is a branch (ResNet's downsample: placed after the layer it reads, joined before the add); none where
+    nothing runs beside it, where the reader takes it for more than the residual, or overlapping a kept one."""
+    from igemm.nn._program import branches
+
+    class Node:
+        args: tuple = ()
+
+    def run(spec):
+        # spec: per layer (its input indices (-1: the run's input), the layer it takes as the residual or None)
+        nodes = [Node() for _ in spec]
+        inp = Node()
+        for n, (ins, _) in zip(nodes, spec):
+            n.args = tuple(inp if i < 0 else nodes[i] for i in ins)
+        readers = {i: [j for j, (ins, _) in enumerate(spec) if i in ins] for i in range(len(spec))}
+        return branches(nodes, lambda i: readers[i][0] if len(readers[i]) == 1 else None,
+                        lambda j, i: spec[j][1] == i and spec[j][0].count(i) == 1 and spec[j][0][0] != i)
+    stem = [((-1,), None)]
+    assert run(stem + [((0,), None), ((1,), None), ((0,), None), ((2, 3), 3)]) == [(3, 0, 4)]
+    two = stem + [((0,), None), ((1,), None), ((0,), None), ((2, 3), 3),
+                  ((4,), None), ((5,), None), ((4,), None), ((6, 7), 7)]
+    assert run(two) == [(3, 0, 4), (7, 4, 8)]
+    assert run([((-1,), None), ((-1,), None), ((0, 1), 1)]) == [(1, -1, 2)]      # (from the input)
+    assert run(stem + [((0,), None), ((0, 1), 1)]) == []                           # (nothing beside it)
+    assert run(stem + [((0,), None), ((1,), None), ((0,), None), ((3, 2), 3)]) == []  # (its reader's x)
+    nested = stem + [((0,), None), ((0,), None), ((0,), None), ((3,), None), ((4, 2), 2), ((5,), None),
+                     ((6, 1), 1)]
+    assert run(nested) == [(1, 0, 7)]          # (layer 2's branch overlaps the first: dropped)
+
+
 def test_convert_installs_the_program_path_where_the_graph_was_rewritten():
     """The converted GraphModule keeps its forward's signature; on the CPU it runs the modules (no program is
     made); recompile() gives back fx's own forward."""
@@ -497,8 +528,9 @@ def test_gpu_converted_model_runs_as_one_program(case, monkeypatch):
         y0 = conv(xc)
         (prog,) = progs.values()
         assert type(prog) is _program._Program and runs == []
-        tail = {"Net": ["flatten", "fc"], "Toy": ["grouped", "depthwise", "up"]}[name]
-        assert len(prog.mods) == {"Net": 11, "Toy": 10}[name] and [n.name for n in prog.tail] == tail
+        tail = {"Net": ["fc_igemm"], "Toy": ["grouped", "depthwise", "up"]}[name]   # (4 images: the head's cuBLAS)
+        assert len(prog.mods) == 10 and [n.name for n in prog.tail] == tail
+        assert prog.branches == 2                                          # (each block's downsample)
         y1, want = conv(xc), modules(xc)
         assert torch.equal(y1, want) and torch.equal(y0, want) and done() == 1
         torch.cuda.synchronize()
@@ -506,7 +538,9 @@ def test_gpu_converted_model_runs_as_one_program(case, monkeypatch):
             conv(xc)
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-        assert sum(n.startswith("igemm") for n in names) == len(prog.steps) and done() == 2, names
+        kernels = [st for st in prog.steps if type(st.launcher) is not _program._Sync]
+        tail_kernels = {"Net": 1, "Toy": 0}[name]                          # (Net: the head's pool, in the tail)
+        assert sum(n.startswith("igemm") for n in names) == len(kernels) + tail_kernels and done() == 2, names
         peaks = []
         for f in (conv, modules):
             torch.cuda.synchronize()
@@ -546,6 +580,40 @@ def test_gpu_converted_model_runs_as_one_program(case, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_program_in_a_cuda_graph_runs_branches_beside_the_main_path():
+    """Captured into a CUDA graph, the program runs each block's downsample on a second stream (a fork before it, a
+    join before the add that reads it) and the classifier head (two images) as its last step: each replay gives the
+    module calls' bits; run eagerly, its layers stay in one stream."""
+    from igemm.nn import _program
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    conv = inn.convert(_settle(Net(), x).cuda().half().to(memory_format=CL))
+    modules = functools.partial(type(conv).forward.__wrapped__, conv)
+    xc = x.cuda().half().contiguous(memory_format=CL)
+    with torch.no_grad():
+        want = modules(xc)
+        conv(xc)
+        (prog,) = conv._igemm_programs.values()
+        assert prog.tail == [] and type(prog.mods[-1]) is inn.AvgPoolLinear
+        syncs = [st.launcher.grid[0] for st in prog.graph_steps if type(st.launcher) is _program._Sync]
+        assert syncs == [1, 2, 3] * 2 and not any(type(st.launcher) is _program._Sync for st in prog.steps)
+        assert torch.equal(conv(xc), want)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            conv(xc)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = conv(xc)
+        for _ in range(3):
+            y.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, want)
+
+
+@pytest.mark.gpu
 def test_gpu_program_gives_values_read_after_the_run_their_own_tensors():
     """Features returned beside the logits: values the run reads and the graph's output returns are tensors of
     their own (not views of the workspace), with the module calls' bits and strides."""
@@ -565,7 +633,7 @@ def test_gpu_program_gives_values_read_after_the_run_their_own_tensors():
         conv(xc)
         (prog,) = conv._igemm_programs.values()
         got, want = conv(xc), modules(xc)
-    assert type(prog) is _program._Program and len(prog.exports) == 3        # s, f and the average pool's
+    assert type(prog) is _program._Program and len(prog.exports) == 2        # s and f (the head: cuBLAS's)
     for a, b in zip(got, want):
         assert torch.equal(a, b) and a.stride() == b.stride()
     assert len({t.untyped_storage().data_ptr() for t in got[:2]}) == 2

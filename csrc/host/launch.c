@@ -2,8 +2,8 @@
  * (launch), for a converted model's whole inference forward (program: igemm/nn/_program.py) and for every other
  * launcher (raw; coop for a cooperative one). A CPython extension, built on first use
  * by igemm/_hostlaunch.py with the host C compiler; no CUDA headers: the driver's cuLaunchKernel,
- * cuLaunchCooperativeKernel and cuCtxGetCurrent are found with dlsym in the libcuda.so.1 the process has loaded
- * (init), or set by set_driver (the CPU tests' stand-ins).
+ * cuLaunchCooperativeKernel, cuCtxGetCurrent, cuEventRecord and cuStreamWaitEvent are found with dlsym in the
+ * libcuda.so.1 the process has loaded (init), or set by set_driver (the CPU tests' stand-ins).
  * Why C: the same binds through cuda.bindings cost a conv plan call ~1.8x the host time relative to PyTorch's
  * own call (docs/performance.md: host-c-bind-step).
  *
@@ -15,6 +15,11 @@
  *   value = {0, x, w, y, residual, mask}[source].
  * The steps launch in order on one stream (a preparation's copies, then the conv). A program is a record of up
  * to MAX_PROGRAM steps whose binds take their values from the tuple it is called with (source i: vals[i]).
+ * A step whose CUfunction is 0 is a stream step (no binds), grid[0] the operation, grid[1] a CUevent and grid[2]
+ * a second stream: FORK records the event on the call's stream, makes the second stream wait for it and
+ * launches the next steps there; MAIN launches the next steps on the call's stream again; JOIN records the
+ * event on the second stream and makes the call's stream wait for it (a branch of a program running beside
+ * the steps after it: igemm/nn/_program.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,12 +32,17 @@ typedef int (*cu_launch_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsig
 typedef int (*cu_coop_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                          unsigned smem, void *stream, void **params);
 typedef int (*cu_ctx_get_t)(void **ctx);
+typedef int (*cu_record_t)(void *event, void *stream);
+typedef int (*cu_wait_t)(void *stream, void *event, unsigned flags);
 
 static cu_launch_t g_launch = NULL;
 static cu_coop_t g_coop = NULL;   /* NULL with a stand-in driver that has none: coop goes through g_launch */
 static cu_ctx_get_t g_ctx_get = NULL;
+static cu_record_t g_record = NULL;
+static cu_wait_t g_wait = NULL;
 
 enum { STEP = 11, BIND = 3, MAX_STEPS = 4, MAX_BINDS = 16, SOURCES = 6, MAX_PROGRAM = 4096, MAX_SOURCES = 64 };
+enum { FORK = 1, MAIN = 2, JOIN = 3 };
 
 static int read_u64(PyObject *o, uint64_t *v) {
     *v = PyLong_AsUnsignedLongLong(o);
@@ -57,6 +67,12 @@ static int run_record(PyObject *rec, void *stream, const uint64_t *vals, int64_t
         if (at + STEP > n || r[at + 10] < 0 || r[at + 10] > MAX_BINDS)
             goto bad;
         const int64_t nb = r[at + 10];
+        if (r[at] == 0 && (r[at + 3] < FORK || r[at + 3] > JOIN || nb != 0))
+            goto bad;
+        if (r[at] == 0 && (g_record == NULL || g_wait == NULL)) {
+            PyErr_SetString(PyExc_RuntimeError, "igemm launch: a stream step needs cuEventRecord and cuStreamWaitEvent");
+            return -1;
+        }
         at += STEP;
         if (at + BIND * nb > n)
             goto bad;
@@ -68,13 +84,35 @@ static int run_record(PyObject *rec, void *stream, const uint64_t *vals, int64_t
     if (at != n)
         goto bad;
     at = 1;
+    void *cur = stream;
     for (int64_t s = 0; s < r[0]; ++s) {
         const int64_t *d = r + at;
+        if (d[0] == 0) {                         /* a stream step */
+            void *event = (void *)(uintptr_t)d[4], *side = (void *)(uintptr_t)d[5];
+            int err = 0;
+            if (d[3] == FORK) {
+                err = g_record(event, stream);
+                if (!err)
+                    err = g_wait(side, event, 0);
+                cur = side;
+            } else if (d[3] == JOIN) {
+                err = g_record(event, side);
+                if (!err)
+                    err = g_wait(stream, event, 0);
+                cur = stream;
+            } else {
+                cur = stream;
+            }
+            if (err)
+                return err;
+            at += STEP;
+            continue;
+        }
         uint64_t *u = (uint64_t *)(uintptr_t)d[2];
         const int64_t *b = d + STEP;
         for (int64_t i = 0; i < d[10]; ++i, b += BIND)
             u[b[0]] = (uint64_t)b[2] + vals[b[1]];
-        const int err = launch_step(d, stream);
+        const int err = launch_step(d, cur);
         if (err)
             return err;
         at += STEP + BIND * d[10];
@@ -193,7 +231,7 @@ static PyObject *hl_ctx(PyObject *self, PyObject *noargs) {
     return PyLong_FromUnsignedLongLong((uint64_t)(uintptr_t)c);
 }
 
-/* init() -> True when the loaded libcuda.so.1 provides the three entry points (it is not loaded here) */
+/* init() -> True when the loaded libcuda.so.1 provides the five entry points (it is not loaded here) */
 static PyObject *hl_init(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
@@ -202,25 +240,31 @@ static PyObject *hl_init(PyObject *self, PyObject *noargs) {
         g_launch = (cu_launch_t)dlsym(lib, "cuLaunchKernel");
         g_coop = (cu_coop_t)dlsym(lib, "cuLaunchCooperativeKernel");
         g_ctx_get = (cu_ctx_get_t)dlsym(lib, "cuCtxGetCurrent");
+        g_record = (cu_record_t)dlsym(lib, "cuEventRecord");
+        g_wait = (cu_wait_t)dlsym(lib, "cuStreamWaitEvent");
         dlclose(lib);   /* (NOLOAD took a reference; the process's own keeps it loaded) */
     }
-    return PyBool_FromLong(g_launch != NULL && g_coop != NULL && g_ctx_get != NULL);
+    return PyBool_FromLong(g_launch != NULL && g_coop != NULL && g_ctx_get != NULL && g_record != NULL
+                           && g_wait != NULL);
 }
 
-/* set_driver(launch_address, ctx_address): stand-in entry points (function pointers as ints); coop launches go
- * through the launch stand-in */
+/* set_driver(launch_address, ctx_address[, record_address, wait_address]): stand-in entry points (function
+ * pointers as ints; no record and wait: stream steps fail); coop launches go through the launch stand-in */
 static PyObject *hl_set_driver(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    uint64_t a, c;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "set_driver(launch_address, ctx_address)");
+    uint64_t a, c, e = 0, w = 0;
+    if (nargs != 2 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "set_driver(launch_address, ctx_address[, record_address, wait_address])");
         return NULL;
     }
-    if (!read_u64(args[0], &a) || !read_u64(args[1], &c))
+    if (!read_u64(args[0], &a) || !read_u64(args[1], &c)
+            || (nargs == 4 && (!read_u64(args[2], &e) || !read_u64(args[3], &w))))
         return NULL;
     g_launch = (cu_launch_t)(uintptr_t)a;
     g_coop = NULL;
     g_ctx_get = (cu_ctx_get_t)(uintptr_t)c;
+    g_record = (cu_record_t)(uintptr_t)e;
+    g_wait = (cu_wait_t)(uintptr_t)w;
     Py_RETURN_NONE;
 }
 

@@ -2,14 +2,20 @@
 
 A model :func:`igemm.nn.convert` rewrote on its fx graph runs, in eval mode with no gradient to record, its
 leading run of igemm layers (from the input up to the first node that is not an igemm layer: a ResNet's whole
-trunk up to the average pool) as one call into the C launch step (``csrc/host/launch.c``: ``program``), which
+forward where its classifier head runs as one kernel, else its trunk up to the head) as one call into the C launch step (``csrc/host/launch.c``: ``program``), which
 binds and launches every layer's kernels in order; the nodes after the run execute as the graph says. Each
 layer's launches are those its module's own eager call makes -- the same plan, kernel and arguments (the BN
 folded by the module's :class:`~igemm.nn._ops.FastCall`) -- so the outputs are the same bits, for a host time
 of one launch a kernel instead of a module call a layer (docs/performance.md: nn-eager-program).
 
-The run's values live in one workspace tensor per forward, placed by their lifetimes; a value the rest of the
-graph reads gets a tensor of its own. A program belongs to one input geometry (shape, strides, dtype, device)
+Captured into a CUDA graph, a residual branch -- a conv whose only reader is a Conv2dBNAddReLU taking it as its
+residual (a ResNet stage's downsample) -- runs on a second stream beside the main path's layers up to that reader
+(``branches``), which makes it a parallel branch of the graph: at a batch of one every layer's kernel leaves most
+SMs idle. Run eagerly the layers stay in one stream: there the waits between two streams cost more than the
+overlap gains (docs/performance.md: nn-program-branch).
+
+The run's values live in one workspace tensor per forward, placed by their lifetimes (a branch's input and output
+live until its join); a value the rest of the graph reads gets a tensor of its own. A program belongs to one input geometry (shape, strides, dtype, device)
 and is made by the first forward that can use one, while that forward runs the modules as usual. Each forward
 checks first what the module calls would: no autocast, no gradient to record, no hooks, every layer in eval
 mode, the same parameter and buffer objects at the same versions, a 16-byte aligned input, the layers' CUDA
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 
+import numpy as np
 import torch
 from torch import fx, nn
 
@@ -29,15 +37,17 @@ from .. import _hostlaunch, _kernel, _runtime, pool
 from ..conv._launch import pack_record
 from . import _ops
 from ._modules import Conv2d, Conv2dBN, Conv2dBNAddReLU, Conv2dBNReLU
-from ._pool import AdaptiveAvgPool2d, MaxPool2d, _sms
+from ._pool import AdaptiveAvgPool2d, AvgPoolLinear, MaxPool2d, _sms
 
 __all__ = ["install", "plan_offsets"]
 
 _CONVS = (Conv2d, Conv2dBN, Conv2dBNReLU, Conv2dBNAddReLU)
+_HELD = (*_CONVS, AvgPoolLinear)            # modules whose tensors a program reads (their ``_tensors()``)
 _ALIGN = 256                      # workspace offsets (the kernels' vector and TMA alignment, with room)
 _MIN_STEPS = 2                    # fewer launches than this: the modules' own calls
 _MISS, _STALE = object(), object()
 _INPUT, _WS = 1, 2                # program sources: 0 (constant), the input, the workspace, then the exports
+_FORK, _MAIN, _JOIN = 1, 2, 3     # stream steps (csrc/host/launch.c)
 _G = nn.modules.module
 
 
@@ -70,6 +80,37 @@ def plan_offsets(sizes, lives, align: int = _ALIGN) -> tuple[list[int], int]:
         placed.append(i)
     total = max((offsets[i] + rounded[i] for i in range(len(sizes))), default=0)
     return offsets, total
+
+
+class _Sync:
+    """A stream step of a program (csrc/host/launch.c: a step whose function is 0): ``grid`` = (operation, CUevent,
+    the second stream)."""
+
+    _fn, block, smem, coop = 0, (0, 0, 0), 0, False
+    NOARGS = types.SimpleNamespace(address=0, data=np.zeros(1, np.uint64))
+
+    def __init__(self, op: int, event: int, side: int):
+        self.grid = (op, event, side)
+
+
+def branches(nodes: list, reader_of, is_add) -> list[tuple[int, int, int]]:
+    """The residual branches of a run of layers (``nodes`` in graph order; ``reader_of(i)``: the index of layer
+    i's only reader inside the run, or None; ``is_add(j, i)``: whether layer j takes layer i's output as its residual
+    and nothing else of it): (branch, the layer whose output it reads or -1 for the input, its reader) for each
+    single-input layer whose one reader adds it, with other layers in between to run beside; branches do not
+    overlap (the first kept)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    out, free = [], -1
+    for b, n in enumerate(nodes):
+        j = reader_of(b)
+        if j is None or j <= b or len(n.args) != 1 or not is_add(j, b):
+            continue
+        p = index.get(n.args[0], -1)
+        if p < free or j - p - 1 < 2:             # (overlapping an earlier branch, or nothing to run beside)
+            continue
+        out.append((b, p, j))
+        free = j
+    return out
 
 
 class _Layer:
@@ -147,6 +188,20 @@ def _pool_layer(m, node, args):
     return [(launcher, a, [(a.slots["x"], node.args[0], 0), (a.slots["y"], node, 0)])], None
 
 
+def _head_layer(m, node, args):
+    """The launch step of a classifier head's inference forward on ``args[0]`` (its one kernel), or None."""
+    x = args[0]
+    dt = m._dtype(x)
+    if dt is None:
+        return None
+    N, C, H, W = x.shape
+    launcher, tmpl = pool.head_parts(x.device.index, dt, N, C, H * W, m.out_features)
+    a = tmpl.clone()
+    w, b = m._tensors()
+    return [(launcher, a, [(a.slots["x"], node.args[0], 0), (a.slots["w"], None, w.data_ptr()),
+                           (a.slots["b"], None, b.data_ptr() if b is not None else 0), (a.slots["y"], node, 0)])], (w, b)
+
+
 def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
 
@@ -158,8 +213,9 @@ class _Program:
     def __init__(self, gm, x, layers: list, tail: list, out_node, keep: list):
         self.placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
         self.convs = [ly.module for ly in layers if type(ly.module) in _CONVS]
+        self.held = [ly.module for ly in layers if type(ly.module) in _HELD]
         self.mods = [ly.module for ly in layers]
-        self.tensors = [t for m in self.convs for t in m._tensors()]
+        self.tensors = [t for m in self.held for t in m._tensors()]
         self.ids = list(map(id, self.tensors))
         self.stamp = [t._version for t in self.tensors if t is not None]
         self.keep = keep                          # what the records point at (weights' views, folded vectors)
@@ -169,9 +225,43 @@ class _Program:
         self.proto = torch.empty(0, dtype=x.dtype, device=x.device)
         self.stream_of = torch._C._cuda_getCurrentRawStream
         self.lock = threading.Lock()
+        # the order: each residual branch moved to just after the layer it reads, then the main path to its reader
+        nodes = [ly.node for ly in layers]
+        at = {n: i for i, n in enumerate(nodes)}
+        inside = set(at)
+
+        def reader_of(i):
+            users = list(nodes[i].users)
+            return at[users[0]] if len(users) == 1 and users[0] in inside else None
+
+        def is_add(j, i):
+            n = nodes[j]
+            return type(layers[j].module) is Conv2dBNAddReLU and n.args[1] is nodes[i] and n.args[0] is not nodes[i]
+        found = branches(nodes, reader_of, is_add)
+        moved = {b for b, _, _ in found}
+        seq = []
+        forks = {p: b for b, p, _ in found}
+        joins = {j for _, _, j in found}
+        if -1 in forks:
+            seq += [("fork", None), ("layer", forks[-1]), ("main", None)]
+        for i in range(len(layers)):
+            if i in moved:
+                continue
+            if i in joins:
+                seq.append(("join", None))
+            seq.append(("layer", i))
+            if i in forks:
+                seq += [("fork", None), ("layer", forks[i]), ("main", None)]
+        pos = {i: k for k, (what, i) in enumerate(seq) if what == "layer"}
+        # (the workspace offsets for this order hold for the eager order too: a branch only runs later there, and
+        # its input and output are live from the fork to the join)
+        until = {}                                # a branch's input: live until its join
+        for b, p, j in found:
+            if p >= 0:
+                until[p] = max(until.get(p, 0), pos[j])
+        self.branches = len(found)
+        serial = [("layer", i) for i in range(len(layers))]
         # values: the layers' outputs; those a later node outside the run reads are exports
-        index = {ly.node: i for i, ly in enumerate(layers)}
-        inside = set(index)
         outs, lives, exports = [], [], []
         for i, ly in enumerate(layers):
             users = list(ly.node.users)
@@ -179,27 +269,44 @@ class _Program:
                 exports.append(ly)
             else:
                 outs.append(ly)
-                lives.append((i, max(index[u] for u in users) if users else i))
+                end = max((pos[at[u]] for u in users), default=pos[i])
+                lives.append((pos[i], max(end, until.get(i, 0))))
         offsets, self.ws_bytes = plan_offsets([ly.out[3] for ly in outs], lives)
         where = {ly.node: (_WS, off) for ly, off in zip(outs, offsets)}
         for j, ly in enumerate(exports):
             where[ly.node] = (3 + j, 0)
         where[self.placeholder] = (_INPUT, 0)
         self.exports = [(ly.node, *ly.out[:3]) for ly in exports]
-        steps = []
-        for ly in layers:
-            for launcher, a, binds in ly.steps:
-                bs = []
-                for slot, value, base in binds:
-                    s, off = where[value] if value is not None else (_kernel.ZERO, 0)
-                    bs.append((slot, s, base + off))
-                steps.append(_kernel.Step(launcher, a, tuple(bs)))
-        self.steps = steps
-        self.record = pack_record(steps)
+        self.side = self.events = None
+        if found:                                 # (kept: the record holds their handles)
+            self.side = torch.cuda.Stream(x.device)
+            self.events = (torch.cuda.Event(), torch.cuda.Event())
+            for e in self.events:
+                e.record(self.side)               # (created at their first record)
+
+        def steps_of(order):
+            steps = []
+            for what, i in order:
+                if what != "layer":
+                    op = {"fork": _FORK, "main": _MAIN, "join": _JOIN}[what]
+                    ev = self.events[0 if op == _FORK else 1].cuda_event
+                    steps.append(_kernel.Step(_Sync(op, ev, self.side.cuda_stream), _Sync.NOARGS, ()))
+                    continue
+                for launcher, a, binds in layers[i].steps:
+                    bs = []
+                    for slot, value, base in binds:
+                        s, off = where[value] if value is not None else (_kernel.ZERO, 0)
+                        bs.append((slot, s, base + off))
+                    steps.append(_kernel.Step(launcher, a, tuple(bs)))
+            return steps
+        self.steps = steps_of(serial)             # eager
+        self.graph_steps = steps_of(seq) if found else self.steps     # captured into a CUDA graph
+        self.record = pack_record(self.steps)
+        self.graph_record = pack_record(self.graph_steps) if found else self.record
         self.users_last = _last_uses(tail, out_node)
 
     def current(self) -> list:
-        return [t for m in self.convs for t in m._tensors()]
+        return [t for m in self.held for t in m._tensors()]
 
     def same_tensors(self, cur: list) -> bool:
         """The same objects at the same versions (what a FastCall checks)."""
@@ -224,21 +331,41 @@ class _Program:
         outs = [self.proto.new_empty_strided(shape, strides, dtype=dt) for _, shape, strides, dt in self.exports]
         vals = (0, x.data_ptr(), ws.data_ptr() if ws is not None else 0, *(o.data_ptr() for o in outs))
         stream = self.stream_of(self.device)
+        graph = self.branches and torch.cuda.is_current_stream_capturing()
         mod = _hostlaunch.MOD
         if mod is not None and len(vals) <= 64:
-            err = mod.program(self.record, stream, vals)
+            err = mod.program(self.graph_record if graph else self.record, stream, vals)
             if err:
                 raise _kernel.launch_error(err)
         else:
             with self.lock:
-                for launcher, a, binds in self.steps:
+                cur = stream
+                for launcher, a, binds in self.graph_steps if graph else self.steps:
+                    if type(launcher) is _Sync:
+                        cur = _sync_step(launcher.grid, stream)
+                        continue
                     for slot, s, base in binds:
                         a.u64[slot] = base + vals[s]
-                    launcher.launch_current(stream, a)
+                    launcher.launch_current(cur, a)
         del ws
         env = {self.placeholder: x}
         env.update(zip((e[0] for e in self.exports), outs))
         return _interpret(gm, self.tail, self.out_node, env, self.users_last)
+
+
+def _sync_step(op_event_side: tuple, stream: int) -> int:
+    """A stream step through cuda.bindings (launch.c's, without the C module); the stream of the next launches."""
+    from cuda.bindings import driver
+    op, event, side = op_event_side
+    if op == _MAIN:
+        return stream
+    ev = driver.CUevent(event)
+    a, b = (stream, side) if op == _FORK else (side, stream)
+    for err in (driver.cuEventRecord(ev, _kernel._cu_stream(a))[0],
+                driver.cuStreamWaitEvent(_kernel._cu_stream(b), ev, 0)[0]):
+        if int(err):
+            raise _kernel.launch_error(int(err))
+    return side if op == _FORK else stream
 
 
 def _last_uses(tail: list, out_node) -> dict:
@@ -296,14 +423,15 @@ def _build(gm, x):
         if n.op != "call_module" or n.kwargs or not all(isinstance(a, fx.Node) for a in n.args):
             break
         m = gm.get_submodule(n.target)
-        if type(m) not in (*_CONVS, MaxPool2d, AdaptiveAvgPool2d) or "forward" in m.__dict__ or _hooked(m):
+        if type(m) not in (*_HELD, MaxPool2d, AdaptiveAvgPool2d) or "forward" in m.__dict__ or _hooked(m):
             break
         args = [env[a] for a in n.args]
         out = env[n] = m(*args)
         ran += 1
         made = None
         if type(out) is torch.Tensor and _dense(out) and out.device == x.device:
-            made = (_conv_layer if type(m) in _CONVS else _pool_layer)(m, n, args)
+            made = (_conv_layer if type(m) in _CONVS else _head_layer if type(m) is AvgPoolLinear
+                    else _pool_layer)(m, n, args)
         for d in drop.get(n, ()):
             env.pop(d, None)
         if made is None:
@@ -330,7 +458,7 @@ _NONE = _Stale(None)          # a geometry with no program: the modules' calls
 
 
 def _snapshot(gm) -> tuple:
-    cur = [t for m in gm.modules() if type(m) in _CONVS for t in m._tensors()]
+    cur = [t for m in gm.modules() if type(m) in _HELD for t in m._tensors()]
     return list(map(id, cur)), [t._version for t in cur if t is not None]
 
 

@@ -93,6 +93,28 @@ def _settle(model, x):
     return model.eval()
 
 
+def _converted(cls, n: int, fmt=CL):
+    """(a converted ``cls()`` in fp16 on the GPU in memory format ``fmt``, its fx forward -- the module calls --, an
+    input of ``n`` 64x64 images)."""
+    torch.manual_seed(0)
+    x = torch.randn(n, 3, 64, 64)
+    conv = inn.convert(_settle(cls(), x).cuda().half().to(memory_format=fmt))
+    return conv, functools.partial(type(conv).forward.__wrapped__, conv), x.cuda().half().contiguous(memory_format=fmt)
+
+
+def _capture(f, x):
+    """(a CUDA graph of f(x), its output), f warmed up on a side stream first as torch.cuda.graph wants."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        f(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(x)
+    return graph, out
+
+
 def _ref(x, w, b, bn, residual, stride, padding, dilation, relu):
     """float64 reference of the op."""
     d = lambda t: None if t is None else t.double()           # noqa: E731
@@ -484,14 +506,7 @@ def test_gpu_converted_model_compiles_exports_and_captures():
         ep = torch.export.export(conv, (xc,))
         assert torch.equal(ep.module()(xc), y)
         static = xc.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            conv(static)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = conv(static)
+        graph, out = _capture(conv, static)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, y)
@@ -515,13 +530,9 @@ def test_gpu_converted_model_runs_as_one_program(case, monkeypatch):
     run = _program._Program.run
     monkeypatch.setattr(_program._Program, "run", lambda self, *a: runs.append(run(self, *a)) or runs[-1])
     done = lambda: sum(type(r) is torch.Tensor for r in runs)             # noqa: E731
-    torch.manual_seed(0)
-    x = torch.randn(4, 3, 64, 64)
     name, fmt = case.split("-")
-    mf = CL if fmt == "channels_last" else torch.contiguous_format
-    conv = inn.convert(_settle({"Net": Net, "Toy": Toy}[name](), x).cuda().half().to(memory_format=mf))
-    modules = functools.partial(type(conv).forward.__wrapped__, conv)       # (fx's forward: the module calls)
-    xc = x.cuda().half().contiguous(memory_format=mf)
+    conv, modules, xc = _converted({"Net": Net, "Toy": Toy}[name], 4,
+                                   CL if fmt == "channels_last" else torch.contiguous_format)
     progs = conv._igemm_programs
     entry = lambda: type(next(iter(progs.values())))                       # noqa: E731
     with torch.no_grad():
@@ -585,11 +596,7 @@ def test_gpu_program_in_a_cuda_graph_runs_branches_beside_the_main_path():
     join before the add that reads it) and the classifier head (two images) as its last step: each replay gives the
     module calls' bits; run eagerly, its layers stay in one stream."""
     from igemm.nn import _program
-    torch.manual_seed(0)
-    x = torch.randn(2, 3, 64, 64)
-    conv = inn.convert(_settle(Net(), x).cuda().half().to(memory_format=CL))
-    modules = functools.partial(type(conv).forward.__wrapped__, conv)
-    xc = x.cuda().half().contiguous(memory_format=CL)
+    conv, modules, xc = _converted(Net, 2)
     with torch.no_grad():
         want = modules(xc)
         conv(xc)
@@ -598,14 +605,7 @@ def test_gpu_program_in_a_cuda_graph_runs_branches_beside_the_main_path():
         syncs = [st.launcher.grid[0] for st in prog.graph_steps if type(st.launcher) is _program._Sync]
         assert syncs == [1, 2, 3] * 2 and not any(type(st.launcher) is _program._Sync for st in prog.steps)
         assert torch.equal(conv(xc), want)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            conv(xc)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = conv(xc)
+        g, y = _capture(conv, xc)
         for _ in range(3):
             y.fill_(float("nan"))
             g.replay()
@@ -624,11 +624,7 @@ def test_gpu_program_gives_values_read_after_the_run_their_own_tensors():
             s = self.stem(x)
             f = self.blocks(self.pool(s))
             return s, f, self.fc(torch.flatten(self.avg(f), 1))
-    torch.manual_seed(0)
-    x = torch.randn(4, 3, 64, 64)
-    conv = inn.convert(_settle(Features(), x).cuda().half().to(memory_format=CL))
-    modules = functools.partial(type(conv).forward.__wrapped__, conv)
-    xc = x.cuda().half().contiguous(memory_format=CL)
+    conv, modules, xc = _converted(Features, 4)
     with torch.no_grad():
         conv(xc)
         (prog,) = conv._igemm_programs.values()

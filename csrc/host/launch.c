@@ -70,7 +70,8 @@ static int run_record(PyObject *rec, void *stream, const uint64_t *vals, int64_t
         if (r[at] == 0 && (r[at + 3] < FORK || r[at + 3] > JOIN || nb != 0))
             goto bad;
         if (r[at] == 0 && (g_record == NULL || g_wait == NULL)) {
-            PyErr_SetString(PyExc_RuntimeError, "igemm launch: a stream step needs cuEventRecord and cuStreamWaitEvent");
+            PyErr_SetString(PyExc_RuntimeError,
+                            "igemm launch: a stream step needs cuEventRecord and cuStreamWaitEvent");
             return -1;
         }
         at += STEP;

@@ -13,9 +13,10 @@
   :class:`Conv2dBNAddReLU` (inference: BatchNorm folded into the kernel; training: the training op).
 - :class:`MaxPool2d`: a drop-in ``torch.nn.MaxPool2d`` whose backward keeps one byte an output element;
   :class:`AdaptiveAvgPool2d`: a drop-in ``torch.nn.AdaptiveAvgPool2d`` (global average pooling on igemm's kernel);
-  :class:`AvgPoolLinear`: a classifier head (that pool, a flatten and an ``nn.Linear``) as one kernel for a few images.
-- :func:`convert`: a model's convolution patterns (and pools and classifier head) replaced by those modules; :func:`precompile`: their kernels
-  (a training model's backward included) compiled ahead of the first step (in parallel, no GPU needed).
+  :class:`AvgPoolLinear`: a classifier head (that pool, a flatten and an ``nn.Linear``), one kernel at 1-2 images.
+- :func:`convert`: a model's convolution patterns (and pools and classifier head) replaced by those modules;
+  :func:`precompile`: their kernels (a training model's backward included) compiled ahead of the first step (in
+  parallel, no GPU needed).
 
 channels_last inputs run igemm's NHWC kernels without a copy and give channels_last outputs.
 """

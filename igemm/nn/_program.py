@@ -2,8 +2,9 @@
 
 A model :func:`igemm.nn.convert` rewrote on its fx graph runs, in eval mode with no gradient to record, its
 leading run of igemm layers (from the input up to the first node that is not an igemm layer: a ResNet's whole
-forward where its classifier head runs as one kernel, else its trunk up to the head) as one call into the C launch step (``csrc/host/launch.c``: ``program``), which
-binds and launches every layer's kernels in order; the nodes after the run execute as the graph says. Each
+forward where its classifier head runs as one kernel, else its trunk up to the head) as one call into the C launch
+step (``csrc/host/launch.c``: ``program``), which binds and launches every layer's kernels in order; the nodes
+after the run execute as the graph says. Each
 layer's launches are those its module's own eager call makes -- the same plan, kernel and arguments (the BN
 folded by the module's :class:`~igemm.nn._ops.FastCall`) -- so the outputs are the same bits, for a host time
 of one launch a kernel instead of a module call a layer (docs/performance.md: nn-eager-program).
@@ -15,8 +16,9 @@ SMs idle. Run eagerly the layers stay in one stream: there the waits between two
 overlap gains (docs/performance.md: nn-program-branch).
 
 The run's values live in one workspace tensor per forward, placed by their lifetimes (a branch's input and output
-live until its join); a value the rest of the graph reads gets a tensor of its own. A program belongs to one input geometry (shape, strides, dtype, device)
-and is made by the first forward that can use one, while that forward runs the modules as usual. Each forward
+live until its join); a value the rest of the graph reads gets a tensor of its own. A program belongs to one input
+geometry (shape, strides, dtype, device) and is made by the first forward that can use one, while that forward runs
+the modules as usual. Each forward
 checks first what the module calls would: no autocast, no gradient to record, no hooks, every layer in eval
 mode, the same parameter and buffer objects at the same versions, a 16-byte aligned input, the layers' CUDA
 context current; otherwise it runs the graph's modules. A program whose tensors changed is made again once they
@@ -198,8 +200,9 @@ def _head_layer(m, node, args):
     launcher, tmpl = pool.head_parts(x.device.index, dt, N, C, H * W, m.out_features)
     a = tmpl.clone()
     w, b = m._tensors()
-    return [(launcher, a, [(a.slots["x"], node.args[0], 0), (a.slots["w"], None, w.data_ptr()),
-                           (a.slots["b"], None, b.data_ptr() if b is not None else 0), (a.slots["y"], node, 0)])], (w, b)
+    binds = [(a.slots["x"], node.args[0], 0), (a.slots["w"], None, w.data_ptr()),
+             (a.slots["b"], None, b.data_ptr() if b is not None else 0), (a.slots["y"], node, 0)]
+    return [(launcher, a, binds)], (w, b)
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -3,8 +3,10 @@
     python benchmarks/bench_epilogues.py --out DIR [--configs fp16-NHWC,fp16-NCHW]
 
 Per ResNet-50 layer (N=32): (a) igemm conv; (b) igemm conv+BN+ReLU with mask; (c) igemm
-conv+BN+Add+ReLU with mask; peers: eager ``relu(batch_norm(conv2d(x)))`` (eval) and ``+ residual``,
-``torch.cudnn_convolution_relu`` / ``torch.cudnn_convolution_add_relu`` with BN folded into w and b.
+conv+BN+Add+ReLU with mask; (b) through the function form, ``igemm.conv2d_bn_relu(x, w, gamma, beta, mean, var,
+return_mask=True)`` on torch tensors, called back to back (its BN fold cached between calls); peers: eager
+``relu(batch_norm(conv2d(x)))`` (eval) and ``+ residual``, ``torch.cudnn_convolution_relu`` /
+``torch.cudnn_convolution_add_relu`` with BN folded into w and b.
 Then ``relu_backward`` vs ``torch.ops.aten.threshold_backward`` on (16,32,112,112) fp32.
 """
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main(argv=None):
             tb = bench.time(lambda i: plan_b(xs[i], w, out=outs[i % 2], mask_out=masks[i % 2]), len(xs))
             tc = bench.time(lambda i: plan_c(xs[i], w, residual=res[i], out=outs[i % 2], mask_out=masks[i % 2]),
                             len(xs))
+            tf = bench.time(lambda i: igemm.conv2d_bn_relu(xs[i], w, g, b, m, v, 1e-5, st, pd, layout=layout,
+                                                           precision=precision, return_mask=True), len(xs))
             tv = [torch_views(x, w, layout) for x in xs]
             rv = [r.permute(0, 3, 1, 2) if layout == "NHWC" else r for r in res]
             def eager_b(i):
@@ -85,7 +89,7 @@ def main(argv=None):
                 bench.note(f"{cfg} {name}: cuDNN fused call failed: {type(e).__name__}: {str(e)[:120]}")
                 td_b = td_c = float("nan")
             st_ = stats.setdefault(cfg, {"b_over_a": [], "c_over_a": [], "b_over_eager": [], "b_over_dnn": [],
-                                         "c_over_dnn": [], "c_bound": []})
+                                         "c_over_dnn": [], "c_bound": [], "fn_over_dnn": []})
             # DRAM floor of (c): x, w, y, the residual and the mask once each at the measured copy bandwidth;
             # (c)/(a) cannot go below max(ta, floor) / ta, whatever the kernel
             c_floor = ((N * C * H * H + K * C * R * R + 2 * N * K * P * P) * eb + 4 * words) / bw
@@ -95,11 +99,13 @@ def main(argv=None):
             st_["b_over_eager"].append(tb / te_b)
             st_["b_over_dnn"].append(tb / td_b)
             st_["c_over_dnn"].append(tc / td_c)
+            st_["fn_over_dnn"].append(tf / td_b)
             bench.row(config=cfg, layer=name, conv_us=ta * 1e6, bn_relu_mask_us=tb * 1e6,
                       bn_add_relu_mask_us=tc * 1e6, b_over_a=tb / ta, c_over_a=tc / ta,
                       eager_bn_relu_us=te_b * 1e6, eager_bn_add_relu_us=te_c * 1e6, b_over_eager=tb / te_b,
                       cudnn_relu_us=td_b * 1e6, cudnn_add_relu_us=td_c * 1e6, b_over_cudnn=tb / td_b,
-                      c_over_cudnn=tc / td_c, c_floor_us=c_floor * 1e6, c_over_a_bound=max(ta, c_floor) / ta)
+                      c_over_cudnn=tc / td_c, fn_bn_relu_mask_us=tf * 1e6, fn_over_cudnn=tf / td_b,
+                      c_floor_us=c_floor * 1e6, c_over_a_bound=max(ta, c_floor) / ta)
             del xs, res, outs, masks
             torch.cuda.empty_cache()
     for cfg, s in stats.items():
@@ -107,6 +113,8 @@ def main(argv=None):
                    f"(bar <= 1.10); (b)/eager geomean {geomean(s['b_over_eager']):.3f} (bar <= 0.6); "
                    f"(b)/cudnn_convolution_relu geomean {geomean(s['b_over_dnn']):.3f}; "
                    f"(c)/cudnn_convolution_add_relu geomean {geomean(s['c_over_dnn']):.3f}; "
+                   f"conv2d_bn_relu(return_mask=True)/cudnn_convolution_relu geomean {geomean(s['fn_over_dnn']):.3f} "
+                   f"(bar <= 1.0); "
                    f"(c)/(a) lower bound from (c)'s DRAM bytes: worst {max(s['c_bound']):.2f}")
     # relu_backward vs threshold_backward
     shape = (16, 32, 112, 112)

@@ -123,7 +123,9 @@ class GpuTimer:
                 fn(i % n_inputs)
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
-        with torch.cuda.graph(g):
+        # captured on the stream it was warmed on: what a call keeps per stream (a function form's BN fold) is
+        # found in the capture as in a loop of calls, not made again inside the graph
+        with torch.cuda.graph(g, stream=s):
             for i in range(per):
                 fn(i % n_inputs)
         torch.cuda.synchronize()

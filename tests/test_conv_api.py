@@ -251,7 +251,8 @@ def test_conv2d_channels_last_and_cached_folds_gpu(rng):
 @pytest.mark.gpu
 def test_conv2d_bn_relu_repeated_calls_gpu(rng):
     """conv2d_bn_relu's repeated-call path (the plan and the fold reused) gives the first call's bits, sees an
-    in-place update of a statistic and other tensors, and still checks what changed (a wrong-length vector)."""
+    in-place update of a statistic and other tensors, keeps the folds of two vector sets alternated on one
+    geometry apart, and still checks what changed (a wrong-length vector)."""
     torch = pytest.importorskip("torch")
     x = torch.randn(2, 10, 10, 32, device="cuda").half()
     w = (torch.randn(48, 3, 3, 32, device="cuda") / 17).half()
@@ -271,5 +272,11 @@ def test_conv2d_bn_relu_repeated_calls_gpu(rng):
     assert torch.equal(y2, y3) and not torch.equal(y2, y0)
     y4, _ = call(g.clone(), b, m, v)
     assert torch.equal(y4, y2)
+    g2, b2, m2, v2 = (t * 1.5 for t in (g, b, m, v))      # another layer of the same geometry, alternated
+    y5, _ = call(g2, b2, m2, v2)
+    for _ in range(2):
+        assert torch.equal(call(g, b, m, v)[0], y2) and torch.equal(call(g2, b2, m2, v2)[0], y5)
+    b2.add_(0.5)
+    assert not torch.equal(call(g2, b2, m2, v2)[0], y5) and torch.equal(call(g, b, m, v)[0], y2)
     with pytest.raises(ValueError, match="gamma"):
         call(g[:40], b, m, v)

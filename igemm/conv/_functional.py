@@ -2,6 +2,7 @@
 chain's structure), the call's own epilogue vectors folded at every call."""
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 from .. import _runtime
@@ -226,13 +227,18 @@ def conv2d_bn_relu(x, w, gamma, beta, mean, var, eps: float = 1e-5, stride=1, pa
         key = (x.shape, w.shape, x.dtype, x.get_device(), layout, stride, padding, dilation, eps, precision,
                return_mask, None if residual is None else getattr(residual, "dtype", None))
         try:
-            plan = _BN_PLANS.get(key)
+            e = _BN_PLANS.get(key)
         except TypeError:           # (an unhashable argument: the general path)
-            plan = None
-        if plan is not None and x.is_contiguous():
-            sh, K = plan._torch.stream_of(plan.device_id), plan.problem.K
-            folded = _FOLDS.get((sh, K, (("BatchNorm", eps, None),)), (gamma, beta, mean, var),
-                                lambda: _bn_fold(gamma, beta, mean, var, eps, K, plan.device_id, sh))
+            e = None
+        if e is not None and x.is_contiguous():
+            plan = e.plan
+            sh, last = plan._torch.stream_of(plan.device_id), e.last.get(id(gamma))
+            if (last is not None and last[0] == sh and last[1]() is gamma and last[2]() is beta
+                    and last[3]() is mean and last[4]() is var
+                    and last[5] == (gamma._version, beta._version, mean._version, var._version)):
+                folded = last[6]
+            else:
+                folded = e.fold(gamma, beta, mean, var, eps, sh)
             return plan.run(x, w, None, residual, None, None, None, folded)
     chain = _bn_chain(gamma, beta, mean, var, eps, residual is not None, return_mask)
     r = conv2d(x, w, stride, padding, dilation, layout=layout, epilogue=chain, residual=residual, out=out,
@@ -244,6 +250,31 @@ def conv2d_bn_relu(x, w, gamma, beta, mean, var, eps: float = 1e-5, stride=1, pa
 
 
 _BN_PLANS: dict = {}
+
+
+class _BnEntry:
+    """A repeated conv2d_bn_relu call's plan and, by gamma's id, the last fold of each set of BN vectors it ran with
+    (stream, weak references to gamma, beta, mean and var, their versions, the folded vectors), checked in line: a
+    hit of the shared fold cache costs more host time (docs/performance.md: host-bn-repeat)."""
+
+    __slots__ = ("plan", "last")
+
+    def __init__(self, plan):
+        self.plan, self.last = plan, {}
+
+    def fold(self, gamma, beta, mean, var, eps, sh: int) -> FoldedVectors:
+        """The fold cache's value (made on a miss), kept as the last fold unless made inside a graph capture."""
+        plan = self.plan
+        K = plan.problem.K
+        folded = _FOLDS.get((sh, K, (("BatchNorm", eps, None),)), (gamma, beta, mean, var),
+                            lambda: _bn_fold(gamma, beta, mean, var, eps, K, plan.device_id, sh))
+        import torch
+        if not torch.cuda.is_current_stream_capturing():
+            if len(self.last) >= 64:
+                self.last.clear()
+            self.last[id(gamma)] = (sh, *map(weakref.ref, (gamma, beta, mean, var)),
+                                    (gamma._version, beta._version, mean._version, var._version), folded)
+        return folded
 
 
 def _bn_chain(gamma, beta, mean, var, eps, add: bool, mask: bool):
@@ -273,4 +304,4 @@ def _remember_bn(x, w, layout, stride, padding, dilation, chain, precision, resi
         return
     if len(_BN_PLANS) >= _CACHE_SIZE:
         _BN_PLANS.clear()
-    _BN_PLANS[key] = plan
+    _BN_PLANS[key] = _BnEntry(plan)

@@ -318,12 +318,16 @@ def test_program_tail_runs_the_graph_as_fx_does():
     assert set(env) == set(nodes[-1].all_input_nodes)        # (x and the others dropped after their last reader)
 
 
-def test_compile_fullgraph_and_export_on_the_cpu():
+@pytest.mark.parametrize("model", [Toy, Net])
+def test_compile_fullgraph_and_export_on_the_cpu(model):
     """torch.compile(fullgraph=True) traces the converted model with no graph break (the op is opaque, its fake
-    implementation gives shapes); torch.export exports it with the op in its graph."""
+    implementation gives shapes); torch.export exports it with the op in its graph (Net: with its pools and its
+    classifier head as igemm modules, which trace as PyTorch's ops)."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 32, 32)
-    conv = inn.convert(_settle(Toy(), x))
+    conv = inn.convert(_settle(model(), x))
+    if model is Net:
+        assert isinstance(conv.fc_igemm, inn.AvgPoolLinear)
     with torch.no_grad():
         want = conv(x)
         got = torch.compile(conv, fullgraph=True, backend="eager")(x)

@@ -605,7 +605,8 @@ def test_gpu_program_in_a_cuda_graph_runs_branches_beside_the_main_path():
         want = modules(xc)
         conv(xc)
         (prog,) = conv._igemm_programs.values()
-        assert prog.tail == [] and type(prog.mods[-1]) is inn.AvgPoolLinear
+        if torch.cuda.get_device_capability() >= (9, 0):            # (the head's kernel runs in clusters)
+            assert prog.tail == [] and type(prog.mods[-1]) is inn.AvgPoolLinear
         syncs = [st.launcher.grid[0] for st in prog.graph_steps if type(st.launcher) is _program._Sync]
         assert syncs == [1, 2, 3] * 2 and not any(type(st.launcher) is _program._Sync for st in prog.steps)
         assert torch.equal(conv(xc), want)

@@ -353,6 +353,11 @@ def test_gpu_max_pool_in_a_converted_model():
     assert torch.equal(pool_mod(xn), F.max_pool2d(xn, 3, 2, 1))
 
 
+def _need_clusters():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the classifier head's kernel runs in clusters (sm_90+)")
+
+
 HEAD_SHAPES = [(1, 2048, 7, 7, 1000), (2, 2048, 7, 7, 1000), (2, 512, 7, 7, 1000), (2, 64, 1, 1, 10),
                (1, 24, 5, 9, 3), (2, 8192, 2, 3, 129), (1, 128, 14, 14, 2500), (2, 40, 3, 3, 1)]
 
@@ -365,6 +370,7 @@ def test_gpu_classifier_head(shape, dtype, rng):
     then the linear) through the module and through the launch into a poisoned output, with a bias and without;
     against PyTorch's pool -> flatten -> linear within the dtype's rounding; gradients wanted, more images than
     the kernel takes, fp32, autocast and an NCHW input run that chain."""
+    _need_clusters()
     N, C, H, W, O = shape
     dt = getattr(torch, dtype)
     x = torch.tensor(rng.standard_normal((N, H, W, C)) + 0.5, dtype=dt, device="cuda").permute(0, 3, 1, 2)
@@ -404,6 +410,7 @@ def test_gpu_classifier_head(shape, dtype, rng):
 def test_gpu_converted_head_checks_its_arguments_before_launching():
     """The head's kernel runs only on what it takes: a misaligned x or weight, a weight of another dtype or
     non-contiguous run PyTorch's chain (same values within rounding)."""
+    _need_clusters()
     torch.manual_seed(0)
     lin = nn.Linear(64, 10).cuda().half().requires_grad_(False)
     m = inn.AvgPoolLinear.from_torch(lin)

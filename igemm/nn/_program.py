@@ -88,7 +88,7 @@ class _Sync:
     """A stream step of a program (csrc/host/launch.c: a step whose function is 0): ``grid`` = (operation, CUevent,
     the second stream)."""
 
-    _fn, block, smem, coop = 0, (0, 0, 0), 0, False
+    _fn, block, smem = 0, (0, 0, 0), 0
     NOARGS = types.SimpleNamespace(address=0, data=np.zeros(1, np.uint64))
 
     def __init__(self, op: int, event: int, side: int):

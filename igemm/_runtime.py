@@ -285,9 +285,11 @@ def current_context() -> int:
 def device(device_id: int):
     """The cuda.core Device, with its primary context current on this thread.
 
-    Callers leave the context current only for the duration of a public call: every public function is
-    wrapped in :func:`keeps_current_context`, which puts the caller's context (torch's current device)
-    back, as a torch ``DeviceGuard`` does. So the context found here is checked, not assumed."""
+    Callers leave the context current only for the duration of a public call: every public function's
+    general path is wrapped in :func:`keeps_current_context`, which puts the caller's context (torch's current
+    device) back, as a torch ``DeviceGuard`` does (the repeated-call paths of plans and function forms run only
+    where the plan's context is already current, and change nothing). So the context found here is checked,
+    not assumed."""
     devs = getattr(_tls, "devs", None)
     if devs is None:
         devs = _tls.devs = {}

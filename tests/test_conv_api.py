@@ -249,6 +249,63 @@ def test_conv2d_channels_last_and_cached_folds_gpu(rng):
 
 
 @pytest.mark.gpu
+def test_function_forms_fresh_output_path_gpu(rng, monkeypatch):
+    """Repeated function-form calls without a residual (conv2d; conv2d_bn_relu with and without the mask) launch
+    through the plan's fresh-output path: new outputs each call with the first call's bits, w as a tensor or a
+    module's Parameter; an in-place update of a BN vector is seen; a thread with no current context takes the
+    general path instead and is left with no context, as before the call."""
+    torch = pytest.importorskip("torch")
+    import threading
+    from igemm import _runtime
+    from igemm.conv import Conv2dPlan
+    x = torch.randn(2, 10, 10, 32, device="cuda").half()
+    w = (torch.randn(48, 3, 3, 32, device="cuda") / 17).half()
+    g, b, m, v = (torch.rand(48, device="cuda") + .5, torch.randn(48, device="cuda"),
+                  torch.randn(48, device="cuda"), torch.rand(48, device="cuda") + .5)
+    calls = [lambda wt: igemm.conv2d(x, wt, padding=1, layout="NHWC"),
+             lambda wt: igemm.conv2d_bn_relu(x, wt, g, b, m, v, 1e-5, 1, 1, layout="NHWC", return_mask=True),
+             lambda wt: igemm.conv2d_bn_relu(x, wt, g, b, m, v, 1e-5, 1, 1, layout="NHWC")]
+    first = [c(w) for c in calls]
+    fresh = []
+    inner = Conv2dPlan._fresh
+
+    def spy(self, *a):
+        r = inner(self, *a)
+        fresh.append(r is not None)
+        return r
+    monkeypatch.setattr(Conv2dPlan, "_fresh", spy)
+
+    def same(a, b):
+        a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+        return all(torch.equal(p.view(torch.int16) if p.is_floating_point() else p,
+                               q.view(torch.int16) if q.is_floating_point() else q) for p, q in zip(a, b))
+    for wt in (w, torch.nn.Parameter(w, requires_grad=False)):
+        for i, c in enumerate(calls):
+            r1, r2 = c(wt), c(wt)
+            assert same(r1, first[i]) and same(r2, first[i]), i
+            assert (r1[0] if i == 1 else r1).data_ptr() != (r2[0] if i == 1 else r2).data_ptr(), i
+    assert fresh == [True] * 12
+    v.mul_(2.0)
+    y2 = calls[2](w)
+    assert fresh[-1] and len(fresh) == 13 and not torch.equal(y2, first[2])
+    assert torch.equal(y2, igemm.conv2d(x, w, padding=1, layout="NHWC",
+                                        epilogue=ep.chain(ep.BatchNorm(g, b, m, v.clone()), ep.ReLU())))
+    v.div_(2.0)
+    seen = {}
+
+    def other_thread():
+        seen["before"] = _runtime.current_context()
+        seen["r"] = [c(w) for c in calls]
+        seen["after"] = _runtime.current_context()
+    fresh.clear()
+    th = threading.Thread(target=other_thread)
+    th.start()
+    th.join()
+    assert seen["before"] == 0 and seen["after"] == 0 and not any(fresh)
+    assert all(same(r, f) for r, f in zip(seen["r"], first))
+
+
+@pytest.mark.gpu
 def test_conv2d_bn_relu_repeated_calls_gpu(rng):
     """conv2d_bn_relu's repeated-call path (the plan and the fold reused) gives the first call's bits, sees an
     in-place update of a statistic and other tensors, keeps the folds of two vector sets alternated on one

@@ -104,7 +104,6 @@ def _conv2d_channels_last(x, w, stride, padding, dilation, bias, chain, residual
     return (y, m) if isinstance(r, tuple) else y
 
 
-@keeps_current_context
 def conv2d(x, w, stride=1, padding=0, dilation=1, *, bias=None, groups: int = 1, layout: str = "NCHW",
            epilogue=None, residual=None, out=None, mask_out=None, precision: str = "strict", stream=None):
     """2-D convolution (cross-correlation, as ``torch.nn.functional.conv2d``) by implicit GEMM.
@@ -144,7 +143,19 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, *, bias=None, groups: int = 1,
         except TypeError:           # (an unhashable stride, padding or dilation: the general path)
             plan = None
         if plan is not None:
-            return plan.run(x, w, out, None, None, stream)
+            if out is None and stream is None:
+                r = plan._fresh(x, w, None)
+                if r is not None:
+                    return r
+            return plan.run(x, w, out, None, None, stream)      # (its general path keeps the current context)
+    return _conv2d(x, w, stride, padding, dilation, bias, groups, layout, epilogue, residual, out, mask_out,
+                   precision, stream)
+
+
+@keeps_current_context
+def _conv2d(x, w, stride, padding, dilation, bias, groups, layout, epilogue, residual, out, mask_out, precision,
+            stream):
+    """conv2d's general path: any array kind and arguments, every argument checked before any launch."""
     for name, a in (("x", x), ("w", w)):
         if a is None:
             raise TypeError(f"{name}: expected an array, got None")
@@ -211,7 +222,6 @@ def _remember(x, w, plan: Conv2dPlan, args: tuple) -> None:
     _TORCH_PLANS[key] = plan
 
 
-@keeps_current_context
 def conv2d_bn_relu(x, w, gamma, beta, mean, var, eps: float = 1e-5, stride=1, padding=0, dilation=1, *,
                    layout: str = "NCHW", residual=None, return_mask: bool = False, out=None,
                    precision: str = "strict", stream=None):
@@ -231,18 +241,19 @@ def conv2d_bn_relu(x, w, gamma, beta, mean, var, eps: float = 1e-5, stride=1, pa
         except TypeError:           # (an unhashable argument: the general path)
             e = None
         if e is not None and x.is_contiguous():
-            plan = e.plan
-            sh, last = plan._torch.stream_of(plan.device_id), e.last.get(id(gamma))
-            if (last is not None and last[0] == sh and last[1]() is gamma and last[2]() is beta
-                    and last[3]() is mean and last[4]() is var
-                    and last[5] == (gamma._version, beta._version, mean._version, var._version)):
-                folded = last[6]
-            else:
-                folded = e.fold(gamma, beta, mean, var, eps, sh)
-            return plan.run(x, w, None, residual, None, None, None, folded)
+            r = e.call(x, w, gamma, beta, mean, var, eps, residual)
+            if r is not None:
+                return r
+    return _conv2d_bn_relu(x, w, gamma, beta, mean, var, eps, stride, padding, dilation, layout, residual,
+                           return_mask, out, precision, stream)
+
+
+@keeps_current_context
+def _conv2d_bn_relu(x, w, gamma, beta, mean, var, eps, stride, padding, dilation, layout, residual, return_mask,
+                    out, precision, stream):
+    """conv2d_bn_relu's general path (every argument checked); remembers the plan for the repeated-call path."""
     chain = _bn_chain(gamma, beta, mean, var, eps, residual is not None, return_mask)
-    r = conv2d(x, w, stride, padding, dilation, layout=layout, epilogue=chain, residual=residual, out=out,
-               precision=precision, stream=stream)
+    r = _conv2d(x, w, stride, padding, dilation, None, 1, layout, chain, residual, out, None, precision, stream)
     if type(x).__module__ == "torch" and type(x).__name__ == "Tensor" and x.is_contiguous():
         _remember_bn(x, w, layout, stride, padding, dilation, chain, precision, residual, key_args=(
             eps, precision, return_mask, None if residual is None else getattr(residual, "dtype", None)))
@@ -262,6 +273,25 @@ class _BnEntry:
     def __init__(self, plan):
         self.plan, self.last = plan, {}
 
+    def call(self, x, w, gamma, beta, mean, var, eps, residual):
+        """The call's outputs, or None (the general path then runs) unless the plan's context is current (so
+        nothing here changes it) and its launch takes the tensors as they are (x's key checked by the caller)."""
+        plan = self.plan
+        t = plan._torch
+        if t is None or _runtime.current_context() != plan._ctx_id:
+            return None
+        sh, last = t.stream_of(plan.device_id), self.last.get(id(gamma))
+        if (last is not None and last[0] == sh and last[1]() is gamma and last[2]() is beta
+                and last[3]() is mean and last[4]() is var
+                and last[5] == (gamma._version, beta._version, mean._version, var._version)):
+            folded = last[6]
+        else:
+            folded = self.fold(gamma, beta, mean, var, eps, sh)
+        if residual is None:
+            return plan._fresh(x, w, folded)
+        return plan.run(x, w, None, residual, None, None, None, folded)
+
+    @keeps_current_context
     def fold(self, gamma, beta, mean, var, eps, sh: int) -> FoldedVectors:
         """The fold cache's value (made on a miss), kept as the last fold unless made inside a graph capture."""
         plan = self.plan

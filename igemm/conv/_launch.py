@@ -353,6 +353,26 @@ class TorchCall:
             return None
         return out, mask_out, xp, wp, yp, rp, mp
 
+    def fresh(self, x, w):
+        """:meth:`pointers` of a call with no residual and fresh outputs whose x the caller's key has checked
+        (shape, dtype, device; contiguous): the function forms' repeated calls (docs/performance.md:
+        host-function-fresh)."""
+        T = self.Tensor
+        if ((type(w) is not T and type(w) is not self.Parameter) or w.dtype is not self.dtype
+                or w.get_device() != self.device_index or w.shape != self.w_shape or not w.is_contiguous()
+                or self.residual_op is not None):
+            return None
+        xp = x.data_ptr()
+        if xp % 16 and self.patch_nhwc:
+            return None
+        if self.y_template is None:
+            self._templates()
+        y = self.empty_like(self.y_template)
+        if self.want_mask:                         # (fresh allocations overlap nothing)
+            m = self.empty_like(self.mask_template)
+            return y, m, xp, w.data_ptr(), y.data_ptr(), 0, m.data_ptr()
+        return y, None, xp, w.data_ptr(), y.data_ptr(), 0, 0
+
 
 def _apart(p: int, n: int, extents) -> bool:
     """Whether bytes [p, p+n) overlap none of the (pointer, nbytes) extents."""

@@ -352,6 +352,22 @@ class Conv2dPlan:
                 return (y, m) if t.want_mask else y
         return self._call(x, w, out, residual, mask_out, stream, chain, folded)
 
+    def _fresh(self, x, w, folded):
+        """``run(x, w)`` for a repeated function-form call with no residual, no outputs given and the current
+        stream, whose x the caller's key has checked: the call's outputs, or None (the caller's general path
+        then runs) unless the plan's context is current and w is as the plan wants. Nothing here changes the
+        current context, so the caller needs no keeps_current_context."""
+        t = self._torch
+        if t is None or _runtime.current_context() != self._ctx_id:
+            return None
+        r = t.fresh(x, w)
+        if r is None:
+            return None
+        y, m, xp, wp, yp, _, mp = r
+        self._launch(t.stream_of(self.device_id), not xp & 15, not wp & 15, xp, wp, yp, 0, mp,
+                     folded or self._folded, False)
+        return (y, m) if m is not None else y
+
     def _launch(self, handle: int, xa: bool, wa: bool, x: int, w: int, y: int, res: int, mask: int,
                 folded: FoldedVectors, checked: bool = True) -> None:
         rec = self._records.get((xa, wa)) or self._record(xa, wa)

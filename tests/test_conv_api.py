@@ -251,13 +251,13 @@ def test_conv2d_channels_last_and_cached_folds_gpu(rng):
 @pytest.mark.gpu
 def test_function_forms_fresh_output_path_gpu(rng, monkeypatch):
     """Repeated function-form calls without a residual (conv2d; conv2d_bn_relu with and without the mask) launch
-    through the plan's fresh-output path: new outputs each call with the first call's bits, w as a tensor or a
+    on fresh outputs with x checked once (TorchCall.fresh): the first call's bits each call, w as a tensor or a
     module's Parameter; an in-place update of a BN vector is seen; a thread with no current context takes the
     general path instead and is left with no context, as before the call."""
     torch = pytest.importorskip("torch")
     import threading
     from igemm import _runtime
-    from igemm.conv import Conv2dPlan
+    from igemm.conv._launch import TorchCall
     x = torch.randn(2, 10, 10, 32, device="cuda").half()
     w = (torch.randn(48, 3, 3, 32, device="cuda") / 17).half()
     g, b, m, v = (torch.rand(48, device="cuda") + .5, torch.randn(48, device="cuda"),
@@ -267,13 +267,13 @@ def test_function_forms_fresh_output_path_gpu(rng, monkeypatch):
              lambda wt: igemm.conv2d_bn_relu(x, wt, g, b, m, v, 1e-5, 1, 1, layout="NHWC")]
     first = [c(w) for c in calls]
     fresh = []
-    inner = Conv2dPlan._fresh
+    inner = TorchCall.fresh
 
     def spy(self, *a):
         r = inner(self, *a)
         fresh.append(r is not None)
         return r
-    monkeypatch.setattr(Conv2dPlan, "_fresh", spy)
+    monkeypatch.setattr(TorchCall, "fresh", spy)
 
     def same(a, b):
         a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 from .. import _runtime
 from .._runtime import as_tensor, keeps_current_context
+from .._runtime import current_context as _current_context
 from ._launch import DerivedCache, FoldedVectors
 from ._plan import Conv2dPlan, as_epilogue
 from ._problem import DTYPES, geometry, pair
@@ -240,10 +241,21 @@ def conv2d_bn_relu(x, w, gamma, beta, mean, var, eps: float = 1e-5, stride=1, pa
             e = _BN_PLANS.get(key)
         except TypeError:           # (an unhashable argument: the general path)
             e = None
-        if e is not None and x.is_contiguous():
-            r = e.call(x, w, gamma, beta, mean, var, eps, residual)
-            if r is not None:
-                return r
+        if e is not None and x.is_contiguous() and e.ctx == _current_context():
+            # (in line, no helper frames: docs/performance.md: host-function-fresh)
+            t = e.t
+            sh, f = t.stream_of(e.dev), e.last.get(id(gamma))
+            if (f is not None and f[0] == sh and f[1]() is gamma and f[2]() is beta and f[3]() is mean
+                    and f[4]() is var and f[5] == (gamma._version, beta._version, mean._version, var._version)):
+                folded = f[6]
+            else:
+                folded = e.fold(gamma, beta, mean, var, eps, sh)
+            r = t.fresh(x, w) if residual is None else None
+            if r is None:               # (a residual, or a w the plan takes otherwise: its own checks)
+                return e.plan.run(x, w, None, residual, None, None, None, folded)
+            y, m, xp, wp, yp, _, mp = r
+            e.plan._launch(sh, not xp & 15, not wp & 15, xp, wp, yp, 0, mp, folded, False)
+            return (y, m) if m is not None else y
     return _conv2d_bn_relu(x, w, gamma, beta, mean, var, eps, stride, padding, dilation, layout, residual,
                            return_mask, out, precision, stream)
 
@@ -268,28 +280,11 @@ class _BnEntry:
     (stream, weak references to gamma, beta, mean and var, their versions, the folded vectors), checked in line: a
     hit of the shared fold cache costs more host time (docs/performance.md: host-bn-repeat)."""
 
-    __slots__ = ("plan", "last")
+    __slots__ = ("plan", "last", "t", "ctx", "dev")
 
     def __init__(self, plan):
-        self.plan, self.last = plan, {}
-
-    def call(self, x, w, gamma, beta, mean, var, eps, residual):
-        """The call's outputs, or None (the general path then runs) unless the plan's context is current (so
-        nothing here changes it) and its launch takes the tensors as they are (x's key checked by the caller)."""
-        plan = self.plan
-        t = plan._torch
-        if t is None or _runtime.current_context() != plan._ctx_id:
-            return None
-        sh, last = t.stream_of(plan.device_id), self.last.get(id(gamma))
-        if (last is not None and last[0] == sh and last[1]() is gamma and last[2]() is beta
-                and last[3]() is mean and last[4]() is var
-                and last[5] == (gamma._version, beta._version, mean._version, var._version)):
-            folded = last[6]
-        else:
-            folded = self.fold(gamma, beta, mean, var, eps, sh)
-        if residual is None:
-            return plan._fresh(x, w, folded)
-        return plan.run(x, w, None, residual, None, None, None, folded)
+        self.plan, self.last, self.t, self.dev = plan, {}, plan._torch, plan.device_id
+        self.ctx = plan._ctx_id if plan._torch is not None else None     # (None: no repeated-call path)
 
     @keeps_current_context
     def fold(self, gamma, beta, mean, var, eps, sh: int) -> FoldedVectors:

@@ -242,7 +242,8 @@ def dz_geometry(M: int, K: int, sms: int) -> tuple[int, int]:
 
 def all_variants() -> list[tuple[str, str]]:
     """Every (name, stub) the backward's moves can launch: plain moves between any two types (accumulating
-    into fp32), the mask / BN modes within one type; tiled, one element or 16 bytes a thread; the dz pass."""
+    into fp32), the mask / BN modes within one type; tiled, one element or 16 bytes a thread; the dz pass; the flat
+    fp32 -> 16-bit cast."""
     out = [("grad_coefficients", _coef_stub())]
     out += [(f"grad_dz_{dt}_m{m}", _dz_stub(dt, m)) for dt in ("float16", "bfloat16") for m in (1, 2)]
     dts = ("float16", "bfloat16", "float32")
@@ -254,6 +255,9 @@ def all_variants() -> list[tuple[str, str]]:
                         continue
                     for vec, tb in ((0, 0), (0, 2), (1, 0), (16 // max(DTYPE_SIZES[ts], DTYPE_SIZES[td]), 0)):
                         out.append((_name(ts, td, mode, acc, vec, tb), _stub(ts, td, mode, acc, vec, tb)))
+    # fp32 into 16 bits, flat: the training forward's cast of autocast's master weight (nn/_train_fast.py)
+    out += [(_name("float32", td, 0, False, vec, 0), _stub("float32", td, 0, False, vec, 0))
+            for td in ("float16", "bfloat16") for vec in (1, 4)]
     return out
 
 

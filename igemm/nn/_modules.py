@@ -170,9 +170,13 @@ class _ConvBN(nn.Module):
 
     def _train(self, x, res, pad):
         """BatchNorm with batch statistics: the training op, then BatchNorm2d's running-statistics update."""
-        c, bn = self._modules["conv"], self._modules["bn"]
-        x, res = _autocast(x, res)
-        w = c.weight          # (under autocast the eager path casts it itself and returns its gradient in fp32)
+        c, bn = self._modules["conv"], self._modules["bn"]       # (dicts, not nn.Module.__getattr__: per-call cost)
+        bp, bb = bn._parameters, bn._buffers
+        amp = torch.is_autocast_enabled("cuda")
+        if amp:
+            x, res = _autocast(x, res)
+        # (under autocast the eager path casts w itself and returns its gradient in fp32)
+        w = c._parameters["weight"] if "weight" in c._parameters else c.weight     # (else: a parametrization's)
         N, K, P, Q = _ops._out_size(x, w, c.stride, pad, c.dilation) if x.dim() == 4 else (0,) * 4
         if self.training and N * P * Q <= 1:           # (BatchNorm2d's own check)
             raise ValueError(f"Expected more than 1 value per channel when training, got input size "
@@ -180,23 +184,27 @@ class _ConvBN(nn.Module):
         rm = rv = nbt = None
         f = 0.0
         if self.training and bn.track_running_stats:     # (as BatchNorm2d.forward, momentum None included)
-            if bn.num_batches_tracked is not None:
+            n = bb["num_batches_tracked"] if "num_batches_tracked" in bb else bn.num_batches_tracked
+            if n is not None:
                 if bn.momentum is None:
-                    bn.num_batches_tracked.add_(1)
+                    n.add_(1)
                 else:                                   # (the eager path's kernel adds it, else add_ below)
-                    nbt = bn.num_batches_tracked
-            f = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
-            rm, rv = bn.running_mean, bn.running_var
+                    nbt = n
+            f = bn.momentum if bn.momentum is not None else 1.0 / float(n)
+            rm = bb["running_mean"] if "running_mean" in bb else bn.running_mean
+            rv = bb["running_var"] if "running_var" in bb else bn.running_var
         group = _sync_group(bn) if self.training else False
-        if _ops.eager(x) and (w.dtype is x.dtype or torch.is_autocast_enabled("cuda")):
-            out = _train_fast.train(self, x, w, bn.weight, bn.bias, res, rm, rv, f, bn.eps, c.stride, pad, c.dilation,
-                                    self.relu, nbt, group)
-            if out is not None:
-                return out[0]
+        gamma = bp["weight"] if "weight" in bp else bn.weight
+        beta = bp["bias"] if "bias" in bp else bn.bias
+        if _ops.eager(x) and (w.dtype is x.dtype or amp):
+            y = _train_fast.train(self, x, w, gamma, beta, res, rm, rv, f, bn.eps, c.stride, pad, c.dilation,
+                                  self.relu, nbt, group)
+            if y is not None:
+                return y
         (w,) = _autocast(w)
         if nbt is not None:
             nbt.add_(1)
-        return _train_ops.conv2d_bn_train(x, w, bn.weight, bn.bias, bn.eps, res, c.stride, pad, c.dilation, self.relu,
+        return _train_ops.conv2d_bn_train(x, w, gamma, beta, bn.eps, res, c.stride, pad, c.dilation, self.relu,
                                           running_mean=rm, running_var=rv, momentum=f, process_group=group)[0]
 
 

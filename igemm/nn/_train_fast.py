@@ -10,6 +10,7 @@ torch.compile (which sees the op).
 """
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -21,7 +22,7 @@ from .._kernel import bind_args
 from .._norm_kernels import elemt_kernel, reduction_kernels, sync_kernels, train_kernel
 from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan, Conv2dPlan
 from ..conv._backward_functional import _cached
-from ..conv._moves import dz_fits, launch_coefficients, launch_dz
+from ..conv._moves import Move, dz_fits, launch_coefficients, launch_dz
 from ..conv._spec import bn_stats_ok
 from . import _ops
 
@@ -42,6 +43,21 @@ _TRAIN_FWD_PTRS = ("x", "part", "out0", "out1", "mean", "invstd", "run_mean", "r
 _TRAIN_BWD_PTRS = ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1", "out2", "out3", "gamma", "coef",
                    "src", "dst", "z", "sel")
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # module -> {input geometry: TrainCall|None}
+_NO_VECTORS = _ops._Vectors(None, None)      # (the conv's epilogue has no per-call vectors; one object: bound once)
+_scratch: dict = {}          # (thread, device, stream) -> a float32 buffer for what one call writes and reads at once
+
+
+def _transient(dev, h: int, n: int):
+    """``n`` floats that only launches queued now on stream ``h`` write and read: the stream's scratch, which the
+    next call's launches reach only after these in the stream's order (per thread: two threads' launches on one
+    stream interleave); a fresh tensor while a CUDA graph is captured (its memory is the graph's)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty((n,), dtype=torch.float32, device=dev)
+    key = (threading.get_ident(), dev.index, h)
+    t = _scratch.get(key)
+    if t is None or t.numel() < n:
+        t = _scratch[key] = torch.empty((n,), dtype=torch.float32, device=dev)
+    return t
 
 
 def _f32(v) -> bool:
@@ -58,7 +74,7 @@ class TrainCall:
 
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
-                 "conv_stats", "sync", "master", "wdtype", "x_shape", "remade")
+                 "conv_stats", "sync", "master", "wdtype", "x_shape", "remade", "zb", "words", "w_shape", "wb", "cast")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False, master=False):
         self.master, self.wdtype = master, torch.float32 if master else w.dtype     # (w: in x's dtype)
@@ -81,6 +97,20 @@ class TrainCall:
                                        {"out_dtype": "float32"} if self.master else {})))
         N, K, P, Q = _ops._out_size(x, w, st, pd, dl)
         self.N, self.K, self.HW, self.y_shape, self.x_shape = N, K, P * Q, (N, K, P, Q), tuple(x.shape)
+        # what the backward reads is kept in one allocation (see forward): z (zb bytes, 256-aligned), a master
+        # weight's 16-bit copy (wb bytes), then fp32 mean, invstd (SyncBatchNorm: and the count), the BatchNorm
+        # launches' partials, the mask's words
+        self.zb = -(-N * K * P * Q * x.element_size() // 256) * 256
+        self.words = (N * K * P * Q + 31) // 32 if self.relu else 0
+        # (the master weight's copy, which dgrad reads too, is cast by a flat move kernel)
+        self.w_shape, n = tuple(w.shape), w.numel()
+        self.wb = -(-n * x.element_size() // 256) * 256 if master else 0
+        self.cast = None
+        if master:
+            mv, vec = Move((1, 1, 1, n), (n, n, n, 1), (n, n, n, 1)), 4 if n % 4 == 0 else 1
+            args = mv.args(0, 0, vec=vec).clone()
+            self.cast = (mv.launcher(dev, "float32", dt, vec, sms=self.dgrad.sms),
+                         args, args.slots["src"], args.slots["dst"], threading.Lock())
         self.stream_of = torch._C._cuda_getCurrentRawStream
         geo = dict(dtype=dt, layout=layout, N=N, C=K, HW=P * Q, align=16)
         self.stats = reduction_kernels(dev, grad=False, mode=1, **geo)
@@ -132,14 +162,16 @@ class TrainCall:
         if self.one_bwd is not None:
             self.slots["one_bwd"] = self.one_bwd[0].slots(_TRAIN_BWD_PTRS)
 
-    def remake(self, z, mean, invstd, gamma, beta):
+    def remake(self, keep, gamma, beta):
         """y = ReLU(BN(z)) as :meth:`forward` wrote it (the same elementwise arithmetic on the same mean and
-        invstd: the same bits, in the same shape and memory format), for the wgrad of the layer that read y, which
-        kept z instead of y (docs/performance.md: train-remake-input)."""
+        invstd, read from ``keep``: the same bits, in the same shape and memory format), for the wgrad of the layer
+        that read y, which kept z instead of y (docs/performance.md: train-remake-input)."""
         k, slots = self.remade
-        y = torch.empty(self.y_shape, dtype=self.dtype, device=z.device, memory_format=self.fmt)
-        k.run(self.stream_of(z.device.index), slots,
-              [z.data_ptr(), 0, y.data_ptr(), 0, mean.data_ptr(), invstd.data_ptr(),
+        zp = keep.data_ptr()
+        b = zp + self.zb + self.wb
+        y = torch.empty(self.y_shape, dtype=self.dtype, device=keep.device, memory_format=self.fmt)
+        k.run(self.stream_of(keep.device.index), slots,
+              [zp, 0, y.data_ptr(), 0, b, b + 4 * self.K,
                gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0])
         return y
 
@@ -149,78 +181,96 @@ class TrainCall:
         return (x.is_contiguous(memory_format=fmt) and w.dtype is self.wdtype and x.data_ptr() % 16 == 0
                 and (residual is None or (residual.is_contiguous(memory_format=fmt) and residual.dtype is self.dtype
                                           and residual.data_ptr() % 16 == 0))
-                and all(_f32(v) for v in (gamma, beta, rm, rv)) and (rm is None) == (rv is None)
+                and _f32(gamma) and _f32(beta) and _f32(rm) and _f32(rv) and (rm is None) == (rv is None)
                 and _runtime.current_context() == self.plan._ctx_id)
 
     def forward(self, x, w, gamma, beta, residual, rm, rv, momentum, nbt=None):
+        """The conv, z's statistics (with the running update) and BN(-Add)(-ReLU): ``(y, keep, mask, w)``.
+        ``keep`` (bytes) holds what the backward reads, in one allocation: z, a master weight's 16-bit copy, then
+        mean, invstd (SyncBatchNorm: and the count per channel) in fp32, the BatchNorm launches' partials and the
+        mask's words (``mask``: their address); ``w``: the weight the conv read where it is not in ``keep`` (else
+        None). Two allocations a call, y and keep: a layer's host time went mostly to allocations
+        (docs/performance.md: train-one-keep)."""
         dev = x.device
         h = self.stream_of(dev.index)
-        if self.master:
-            w = w.to(self.dtype)          # (no autograd node: a Function's forward runs without grad)
-        if not w.is_contiguous(memory_format=self.fmt):
-            w = w.contiguous(memory_format=self.fmt)
-        K = self.K
+        fmt, K = self.fmt, self.K
         # (y is an output of its own, not a view: autograd forbids in-place changes of a custom Function's views)
-        z = torch.empty(self.y_shape, dtype=self.dtype, device=dev, memory_format=self.fmt)
-        y = torch.empty(self.y_shape, dtype=self.dtype, device=dev, memory_format=self.fmt)
-        zp, yp = z.data_ptr(), y.data_ptr()
-        words = (z.numel() + 31) // 32 if self.relu else 0
+        y = torch.empty(self.y_shape, dtype=self.dtype, device=dev, memory_format=fmt)
+        # autocast's fp32 weight is cast here (no autograd node; dw is written in fp32), into keep where it can be
+        cast = self.master and w.data_ptr() % 16 == 0 and w.is_contiguous(memory_format=fmt)
+        if self.master and not cast:
+            w = w.to(self.dtype).contiguous(memory_format=fmt)      # (fresh: 16-byte aligned)
+        elif not w.is_contiguous(memory_format=fmt):
+            w = w.contiguous(memory_format=fmt)
+        wa = cast or w.data_ptr() % 16 == 0
+        cs, k = self.conv_stats if wa else None, None
+        if cs is not None:
+            sp, nparts, k, nws = cs
+        elif self.sync is not None:
+            nws = self.sync[2][2]
+        elif self.one_fwd is not None:
+            k, nws = self.one_fwd
+        else:
+            nws = self.stats[2]
+        nv = (3 if self.sync is not None else 2) * K
+        keep = torch.empty((self.zb + self.wb + 4 * (nv + nws + self.words),), dtype=torch.uint8, device=dev)
+        zp = keep.data_ptr()
+        b = zp + self.zb + self.wb
+        mp = b + 4 * (nv + nws)
+        if cast:
+            launcher, args, ss, sd, lock = self.cast
+            wp = zp + self.zb
+            with lock:
+                args.u64[ss], args.u64[sd] = w.data_ptr(), wp
+                launcher.launch_current(h, args)
+            w = None
+        else:
+            wp = w.data_ptr()
+        yp = y.data_ptr()
         gp, bp = gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0
         rp = residual.data_ptr() if residual is not None else 0
         rmp, rvp = (rm.data_ptr(), rv.data_ptr()) if rm is not None else (0, 0)
-        wa = w.data_ptr() % 16 == 0
-        if self.conv_stats is not None and wa:
+        if cs is not None:
             # the conv writes z and its per-tile statistics (3·tiles·K floats, a transient buffer), then one launch
             # merges them and runs the BatchNorm(-Add)-ReLU pass
-            sp, nparts, k, nws = self.conv_stats
-            part = torch.empty((nparts,), dtype=torch.float32, device=dev)
-            sp._launch(h, True, True, x.data_ptr(), w.data_ptr(), zp, 0, part.data_ptr(), _ops._Vectors(None, None),
-                       False)
-            slots = self.slots["conv_fwd"]
-            extra = [part.data_ptr()]
+            part = _transient(dev, h, nparts)
+            sp._launch(h, True, True, x.data_ptr(), wp, zp, 0, part.data_ptr(), _NO_VECTORS, False)
+            slots, extra = self.slots["conv_fwd"], [part.data_ptr()]
         else:
-            self.plan._launch(h, True, wa, x.data_ptr(), w.data_ptr(), zp, 0, 0, _ops._Vectors(None, None), False)
+            self.plan._launch(h, True, wa, x.data_ptr(), wp, zp, 0, 0, _NO_VECTORS, False)
             if self.sync is not None:
-                return self._forward_sync(h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt) + (w,)
-            k, nws = self.one_fwd if self.one_fwd is not None else (None, 0)
-            slots = self.slots.get("one_fwd")
-            extra = []
+                self._forward_sync(h, dev, zp, b, mp, yp, gp, bp, rp, rm, rv, momentum, nbt)
+                return y, keep, mp, w
+            slots, extra = self.slots.get("one_fwd"), []
         if k is not None:
-            buf = torch.empty((2 * K + nws + words,), dtype=torch.float32, device=dev)
-            b = buf.data_ptr()
             in_kernel = nbt is not None and nbt.dtype is torch.int64 and nbt.device == dev
-            k.run(h, slots, [zp, b + 8 * K, b, b + 4 * K, b, b + 4 * K, rmp, rvp, rp, yp, b + 4 * (2 * K + nws), gp,
-                             bp, nbt.data_ptr() if in_kernel else 0, *extra],
+            k.run(h, slots, [zp, b + 8 * K, b, b + 4 * K, b, b + 4 * K, rmp, rvp, rp, yp, mp, gp, bp,
+                             nbt.data_ptr() if in_kernel else 0, *extra],
                   ((self.slots["one_eps"], self.eps), (self.slots["one_mom"], momentum)))
             if nbt is not None and not in_kernel:
                 nbt.add_(1)
             self._changed(rm, rv, nbt if in_kernel else None)
-            return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], None, w
+            return y, keep, mp, w
         if nbt is not None:
             nbt.add_(1)
         self._changed(rm, rv, None)
-        k1, k2, nws = self.stats
-        # mean, invstd, kernel 2's partials; the mask's words (int32) after them
-        buf = torch.empty((2 * K + nws + words,), dtype=torch.float32, device=dev)
-        b = buf.data_ptr()
+        k1, k2, _ = self.stats
+        # mean, invstd, kernel 2's partials
         ptrs = [zp, b, b + 4 * K, b + 8 * K, rmp, rvp]
         mom = ((self.slots["eps"], self.eps), (self.slots["momentum"], momentum))
         k1.run(h, self.slots["stats"], ptrs, mom)
         if k2 is not None:
             k2.run(h, self.slots["stats"], ptrs, mom)
-        self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, yp, b + 4 * (2 * K + nws), b, b + 4 * K, gp, bp])
-        return y, z, buf[2 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], None, w
+        self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, yp, mp, b, b + 4 * K, gp, bp])
+        return y, keep, mp, w
 
-    def _forward_sync(self, h, dev, z, y, words, gp, bp, rp, rm, rv, momentum, nbt):
+    def _forward_sync(self, h, dev, zp, b, mp, yp, gp, bp, rp, rm, rv, momentum, nbt) -> None:
         """SyncBatchNorm's forward after the conv: this rank's statistics, the all-gather, the merge (with the
-        running update), then the BN(-Add)-ReLU pass; the sixth result is the global count per channel (the
-        seventh, the weight the conv read, :meth:`forward` adds)."""
-        _, W, (k1, k2, nws), _, gather, _ = self.sync
-        K, zp = self.K, z.data_ptr()
+        running update: mean, invstd and the global count per channel at ``b``), then the BN(-Add)-ReLU pass."""
+        _, W, (k1, k2, _), _, gather, _ = self.sync
+        K = self.K
         rows = torch.empty((3 * K * (W + 1),), dtype=torch.float64, device=dev)   # this rank's, then every rank's
-        # mean, invstd, count; kernel 2's partials; the mask's words (int32) after them
-        buf = torch.empty((3 * K + nws + words,), dtype=torch.float32, device=dev)
-        r, b = rows.data_ptr(), buf.data_ptr()
+        r = rows.data_ptr()
         ptrs = [zp, r, r + 8 * K, r + 16 * K, b + 12 * K]
         k1.run(h, self.slots["sync_stats"], ptrs)
         if k2 is not None:
@@ -233,8 +283,7 @@ class TrainCall:
         if nbt is not None:
             nbt.add_(1)
         self._changed(rm, rv, None)
-        self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, y.data_ptr(), b + 4 * (3 * K + nws), b, b + 4 * K, gp, bp])
-        return y, z, buf[3 * K + nws:].view(torch.int32), buf[:K], buf[K:2 * K], buf[2 * K:3 * K]
+        self.bn_fwd.run(h, self.slots["fwd"], [zp, rp, yp, mp, b, b + 4 * K, gp, bp])
 
     def _all_gather(self, rows, n: int) -> None:
         """Every rank's ``n`` values into ``rows[n:]`` after this rank's ``rows[:n]`` (rank order)."""
@@ -248,7 +297,9 @@ class TrainCall:
         if rm is not None:
             increment_version((rm, rv) if nbt is None else (rm, rv, nbt))
 
-    def backward(self, dy, x, w, z, mask, mean, invstd, gamma, need, add_to=None, count=None):
+    def backward(self, dy, x, w, keep, mp, gamma, need, add_to=None):
+        """dx, dw, dgamma, dbeta and the residual's gradient (those ``need`` asks for) from dy and what
+        :meth:`forward` returned (``w``, ``keep``, the mask at ``mp``)."""
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = self.fmt
@@ -256,7 +307,10 @@ class TrainCall:
         if dy.data_ptr() % 16:                    # (the kernels were found for aligned tensors)
             dy = dy.clone(memory_format=fmt)
         K = self.K
-        dp, zp, mp = dy.data_ptr(), z.data_ptr(), mask.data_ptr() if self.relu else 0
+        dp, zp, mp = dy.data_ptr(), keep.data_ptr(), mp if self.relu else 0
+        wp = w.data_ptr() if w is not None else zp + self.zb        # (None: the weight's cast in keep)
+        mean = zp + self.zb + self.wb
+        invstd, count = mean + 4 * K, mean + 8 * K if self.sync is not None else 0
         gp = gamma.data_ptr() if gamma is not None else 0
         sel = self.relu and need[4]
         if self.one_bwd is not None and (need[0] or need[1]) and dz_fits(self.dt, K, dp, zp):
@@ -267,10 +321,10 @@ class TrainCall:
             b = sums.data_ptr()
             dz = torch.empty_like(dy)
             dres = torch.empty_like(dy) if sel else None
-            k.run(h, self.slots["one_bwd"], [zp, dp, mp, mean.data_ptr(), invstd.data_ptr(), b + 28 * K, b, b + 4 * K,
+            k.run(h, self.slots["one_bwd"], [zp, dp, mp, mean, invstd, b + 28 * K, b, b + 4 * K,
                                              b + 8 * K, b + 12 * K, gp, b + 16 * K, dp, dz.data_ptr(), zp,
                                              dres.data_ptr() if sel else 0])
-            return self._grads(h, dz.data_ptr(), _PLAIN, w, x, need, sums, dy if need[4] and not self.relu else dres,
+            return self._grads(h, dz.data_ptr(), _PLAIN, wp, x, need, sums, dy if need[4] and not self.relu else dres,
                                add_to)
         k1, k2, nws = self.grad_red if self.sync is None else self.sync[3]
         sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
@@ -280,16 +334,15 @@ class TrainCall:
         rows = None if self.sync is None else torch.empty((2 * K * (self.sync[1] + 1),), dtype=torch.float64,
                                                           device=dev)
         o, e = (b, 4) if rows is None else (rows.data_ptr(), 8)
-        ptrs = [dp, zp, mp, mean.data_ptr(), invstd.data_ptr(), o, o + e * K, b + 8 * K, b + 12 * K, b + 28 * K]
+        ptrs = [dp, zp, mp, mean, invstd, o, o + e * K, b + 8 * K, b + 12 * K, b + 28 * K]
         k1.run(h, self.slots["grad"], ptrs)
         if k2 is not None:
             k2.run(h, self.slots["grad"], ptrs)
         if rows is not None:
             self._all_gather(rows, 2 * K)
             self.sync[5].run(h, self.slots["sum_ranks"], [o + 16 * K, b, b + 4 * K])
-        launch_coefficients(dev.index, h, K, max(self.N * self.HW, 1), gamma=gp, invstd=invstd.data_ptr(),
-                            mean=mean.data_ptr(), sum_dy=b, sum_dy_xmu=b + 4 * K, coef=b + 16 * K,
-                            counts=count.data_ptr() if count is not None else 0)
+        launch_coefficients(dev.index, h, K, max(self.N * self.HW, 1), gamma=gp, invstd=invstd, mean=mean, sum_dy=b,
+                            sum_dy_xmu=b + 4 * K, coef=b + 16 * K, counts=count)
         fp = {"mask": mp, "z": zp, "coef": b + 16 * K}
         src = dp
         dres = None
@@ -313,28 +366,26 @@ class TrainCall:
                 launcher(h, bind_args(_relu._BWD_PARAMS, {"dy": dp, "mask": mp, "dx": dres.data_ptr(), "n": n}))
             else:
                 dres = dy
-        return self._grads(h, src, fp, w, x, need, sums, dres, add_to)
+        return self._grads(h, src, fp, wp, x, need, sums, dres, add_to)
 
-    def _grads(self, h, src, fp, w, x, need, sums, dres, add_to):
-        """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain) and the outputs of backward;
-        ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can); ``x``: None where wgrad
-        does not run."""
-        dev, fmt, K = w.device, self.fmt, self.K
+    def _grads(self, h, src, fp, wp, x, need, sums, dres, add_to):
+        """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain), the conv's weight at ``wp`` and
+        the outputs of backward; ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can);
+        ``x``: None where wgrad does not run."""
+        dev, fmt, K = sums.device, self.fmt, self.K
         dx = dw = None
         if need[0]:
-            if not w.is_contiguous(memory_format=fmt):
-                w = w.contiguous(memory_format=fmt)
             g = self.dgrad
             add = (add_to is not None and g.adds and add_to.dtype is self.dtype and add_to.data_ptr() % 16 == 0
                    and add_to.is_contiguous(memory_format=fmt))
             dx = add_to if add else torch.empty(self.x_shape, dtype=self.dtype, device=dev, memory_format=fmt)
             with g._lock:
-                g._run(h, src, w.data_ptr(), dx.data_ptr(), fp, add)
+                g._run(h, src, wp, dx.data_ptr(), fp, add)
             if add_to is not None and not add:
                 dx.add_(add_to)
         if need[1]:
             g = self.wgrad
-            dw = torch.empty(w.shape, dtype=self.wdtype, device=dev, memory_format=fmt)
+            dw = torch.empty(self.w_shape, dtype=self.wdtype, device=dev, memory_format=fmt)
             with g._lock:
                 g._run(h, x.data_ptr(), src, dw.data_ptr(), fp)
         return dx, dw, sums[2 * K:3 * K], sums[3 * K:4 * K], dres
@@ -359,6 +410,18 @@ class _Link:
         self.pending = None
 
 
+class _Pair:
+    """A downsampling block's input gradient (docs/performance.md: train-downsample-add): the block's first layer and
+    its downsampling layer read the same input, so x's gradient is the sum of their dx. Armed by the block's last
+    layer's backward when it passes a gradient to both (then both backwards run); the first of the two to run hands
+    its dx over, the second's dgrad adds it as it stores. Unarmed, each returns its own dx to autograd."""
+
+    __slots__ = ("armed", "ran", "pending")
+
+    def __init__(self):
+        self.armed, self.ran, self.pending = False, 0, None
+
+
 # an input of a layer on this path, (pointer, shape, strides) -> (id of its grad_fn, its version, that layer's _Link)
 # (ids, not the nodes: nothing here keeps a graph alive; a match is checked through the layer's own x_fn below)
 _starts: dict = {}
@@ -367,12 +430,14 @@ _starts: dict = {}
 def _start(ctx, x) -> None:
     """Record ``x`` as this layer's input, where a later layer's residual may be the same autograd value."""
     ctx.x_fn = fn = x.grad_fn
-    ctx.link = None
+    ctx.link = ctx.pair = ctx.x_key = None
     if fn is not None:
         ctx.link = link = _Link()
         if len(_starts) > 4096:
             _starts.clear()
-        _starts[(x.data_ptr(), x.shape, x.stride())] = (id(fn), x._version, link)
+        key = (x.data_ptr(), x.shape, x.stride())
+        _starts[key] = (id(fn), x._version, link)
+        ctx.x_key = (key, x._version, x.output_nr)
 
 
 def _joined(x, r):
@@ -392,46 +457,80 @@ def _joined(x, r):
     return None
 
 
+def _paired(x, r):
+    """A _Pair for the layer whose y is the residual ``r`` (the downsampling layer) and the layer that took the same
+    input, from which this layer's input ``x`` comes through at most two such layers (a ResNet block: conv1
+    [-> conv2] -> this); None where there is none, or either already has a pair."""
+    d = r.grad_fn
+    if type(d) is not _BACKWARD or r.output_nr != 0 or d.x_key is None or d.pair is not None:
+        return None
+    n = x.grad_fn
+    for _ in range(3):
+        if type(n) is not _BACKWARD:
+            return None
+        if n.x_fn is d.x_fn and n.x_key == d.x_key and n is not d:
+            if n.pair is not None:
+                return None
+            n.pair = d.pair = p = _Pair()
+            return p
+        n = n.x_fn
+    return None
+
+
 class _FastTrain(torch.autograd.Function):
-    """nn.conv2d_bn_train's y through a TrainCall (the same formula as the op's autograd.Function)."""
+    """nn.conv2d_bn_train's y through a TrainCall (the same formula as the op's autograd.Function). Its one output
+    is y: z, the statistics and the mask are saved, not returned (an output costs autograd's bookkeeping; a view an
+    allocation's worth of host time)."""
 
     @staticmethod
-    def forward(ctx, tc, x, w, gamma, beta, residual, rm, rv, momentum, nbt):
-        y, z, mask, mean, invstd, count, w = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
-        ctx.tc, ctx.count = tc, count           # (count: SyncBatchNorm's per channel, a tensor of no graph's)
-        ctx.set_materialize_grads(False)          # (no zero tensors for the outputs that have no gradient)
+    def forward(ctx, tc, x, w, gamma, beta, residual, bn):
+        rm, rv, momentum, nbt = bn
+        y, keep, mp, w = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
+        ctx.tc, ctx.mp = tc, mp
+        ctx.set_materialize_grads(False)
         # an input that is another layer's ReLU(BN(z)) is not kept: wgrad remakes it from that layer's z
         # (docs/performance.md: train-remake-input)
         src = _maker(x)
         ctx.src_tc = src[0] if src is not None else None
-        ctx.save_for_backward(None if src is not None else x, w, z, mask, mean, invstd, gamma,
+        ctx.save_for_backward(None if src is not None else x, w, gamma, keep,
                               *(src[1:] if src is not None else ()))      # (w: the conv's, cast from a master weight)
-        ctx.mark_non_differentiable(z, mask, mean, invstd)
         # y's pointer and version, and what remakes y: a later layer reading y unchanged keeps these in its place
         # (references until this backward runs; none of them depends on this node: no cycle)
-        ctx.y_made = (y.data_ptr(), y._version, z, mean, invstd, gamma, beta) if tc.relu and not tc.res else None
+        ctx.y_made = (y.data_ptr(), y._version, keep, gamma, beta) if tc.relu and not tc.res else None
         _start(ctx, x)
         # (behind the ReLU the residual's gradient is a fresh tensor of the dz pass's: it may be added into)
-        ctx.res_link = _joined(x, residual) if tc.relu and residual is not None and residual.requires_grad else None
-        return y, z, mask, mean, invstd
+        res = residual is not None and residual.requires_grad
+        ctx.res_link = _joined(x, residual) if tc.relu and res else None
+        ctx.arms = _paired(x, residual) if res and ctx.res_link is None else None
+        return y
 
     @staticmethod
-    def backward(ctx, dy, _dz, _dmask, _dmean, _dinvstd):
-        link, add_to = ctx.link, None
+    def backward(ctx, dy):
+        link, pair, add_to, first = ctx.link, ctx.pair, None, False
         ctx.y_made = None
         if link is not None and link.pending is not None:
             add_to, link.pending = link.pending, None
+        if pair is not None and pair.armed:      # (this layer and the downsampling one read the same x)
+            pair.ran += 1
+            first = pair.ran == 1
+            if not first:
+                p, pair.armed, pair.ran, pair.pending = pair.pending, False, 0, None
+                if p is not None:
+                    add_to = p if add_to is None else add_to + p
         if dy is None:                            # (y took no part in what was differentiated)
-            return (None, add_to) + (None,) * 8
-        x, w, z, mask, mean, invstd, gamma, *src = ctx.saved_tensors
+            return (None, add_to) + (None,) * 5
+        x, w, gamma, keep, *src = ctx.saved_tensors
         n = ctx.needs_input_grad
         if src and n[2]:
             x = ctx.src_tc.remake(*src)
-        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, z, mask, mean, invstd, gamma, n[1:], add_to, ctx.count)
+        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, keep, ctx.mp, gamma, n[1:], add_to)
+        if first:
+            pair.pending, dx = dx, None                  # (the other layer of the pair adds it into its dx)
+        if ctx.arms is not None and dx is not None and dres is not None and n[5]:
+            ctx.arms.armed, ctx.arms.ran, ctx.arms.pending = True, 0, None     # (both of the pair's backwards run)
         if ctx.res_link is not None and dres is not None and n[5]:
             ctx.res_link.pending, dres = dres, None      # (the block's first layer adds it into its dx)
-        return (None, dx, dw, dg if n[3] else None, db if n[4] else None, dres if n[5] else None, None, None, None,
-                None)
+        return None, dx, dw, dg if n[3] else None, db if n[4] else None, dres if n[5] else None, None
 
 
 _BACKWARD = _FastTrain._backward_cls
@@ -439,7 +538,7 @@ _BACKWARD = _FastTrain._backward_cls
 
 def _maker(x):
     """Where ``x`` is the ReLU(BN(z)) output of a layer of this path (its y, with no residual), unchanged since:
-    that layer's TrainCall and what remakes x (z, mean, invstd, gamma, beta); None otherwise."""
+    that layer's TrainCall and what remakes x (its kept z and statistics, gamma, beta); None otherwise."""
     fn = x.grad_fn
     if type(fn) is not _BACKWARD or x.output_nr != 0:
         return None
@@ -451,9 +550,9 @@ def _maker(x):
 
 def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: float, stride, padding, dilation,
           relu: bool, nbt=None, group=False):
-    """A module's training forward on the eager path, or None where the op path must run it (nothing launched
-    then). ``nbt``: BatchNorm2d's num_batches_tracked, to be incremented here; ``group``: SyncBatchNorm's process
-    group (None: the default one), False: none."""
+    """A module's training forward on the eager path (its output y), or None where the op path must run it
+    (nothing launched then). ``nbt``: BatchNorm2d's num_batches_tracked, to be incremented here; ``group``:
+    SyncBatchNorm's process group (None: the default one), False: none."""
     per = _calls.get(owner)
     if per is None:
         per = _calls[owner] = {}
@@ -468,4 +567,4 @@ def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: floa
         tc = per[key] = TrainCall(x, wk, residual, eps, stride, padding, dilation, relu, group, master) if ok else None
     if tc is None or not tc.usable(x, w, gamma, beta, residual, rm, rv):
         return None
-    return _FastTrain.apply(tc, x, w, gamma, beta, residual, rm, rv, float(momentum), nbt)
+    return _FastTrain.apply(tc, x, w, gamma, beta, residual, (rm, rv, float(momentum), nbt))

@@ -487,7 +487,7 @@ class _FastTrain(torch.autograd.Function):
         rm, rv, momentum, nbt = bn
         y, keep, mp, w = tc.forward(x, w, gamma, beta, residual, rm, rv, momentum, nbt)
         ctx.tc, ctx.mp = tc, mp
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)          # (dy None, not zeros, where y has no gradient)
         # an input that is another layer's ReLU(BN(z)) is not kept: wgrad remakes it from that layer's z
         # (docs/performance.md: train-remake-input)
         src = _maker(x)

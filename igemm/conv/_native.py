@@ -195,14 +195,22 @@ class _Kernel2:
         self.launcher = _kernel.Launcher(k, grid, spec.threads, spec.smem)
         s = self.args.slots
         self.maps = (MapTemplate(map_a), MapTemplate(map_b), s["tmA"], s["tmB"], s["y"])
-        self.written = False
+        self.patch = None          # both maps written, each with an address word: (slot, offset) of each word
 
     def __call__(self, h: int, a: int, b: int, y: int) -> None:
         ma, mb, sa, sb, sy = self.maps
         u = self.args.u64
-        ma.write(u, sa, a, not self.written)
-        mb.write(u, sb, b, not self.written)
-        self.written = ma.word >= 0 and mb.word >= 0
+        p = self.patch
+        if p is None:
+            ma.write(u, sa, a, True)
+            mb.write(u, sb, b, True)
+            if ma.word >= 0 and mb.word >= 0:
+                self.patch = (sa + ma.word, int(ma.base[ma.word]) - ma.addr0,
+                              sb + mb.word, int(mb.base[mb.word]) - mb.addr0)
+        else:
+            ia, da, ib, db = p
+            u[ia] = (da + a) & 0xFFFFFFFFFFFFFFFF
+            u[ib] = (db + b) & 0xFFFFFFFFFFFFFFFF
         u[sy] = y
         self.launcher(h, self.args)
 

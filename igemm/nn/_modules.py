@@ -73,8 +73,12 @@ def _autocast(*ts):
     if not torch.is_autocast_enabled("cuda"):
         return ts
     dt = torch.get_autocast_dtype("cuda")
-    return tuple(t.to(dt) if t is not None and t.dtype is not dt and t.is_floating_point() and t.is_cuda else t
-                 for t in ts)
+    return tuple(_cast(t, dt) for t in ts)
+
+
+def _cast(t, dt):
+    """``t`` in autocast's ``dt`` where autocast casts it (a floating-point CUDA tensor), else ``t``."""
+    return t.to(dt) if t is not None and t.dtype is not dt and t.is_floating_point() and t.is_cuda else t
 
 
 class Conv2d(nn.Conv2d):
@@ -174,9 +178,15 @@ class _ConvBN(nn.Module):
         bp, bb = bn._parameters, bn._buffers
         amp = torch.is_autocast_enabled("cuda")
         if amp:
-            x, res = _autocast(x, res)
+            dt = torch.get_autocast_dtype("cuda")
+            if x.dtype is not dt:
+                x = _cast(x, dt)
+            if res is not None and res.dtype is not dt:
+                res = _cast(res, dt)
         # (under autocast the eager path casts w itself and returns its gradient in fp32)
-        w = c._parameters["weight"] if "weight" in c._parameters else c.weight     # (else: a parametrization's)
+        w = c._parameters.get("weight")
+        if w is None:
+            w = c.weight                                # (a parametrization's)
         N, K, P, Q = _ops._out_size(x, w, c.stride, pad, c.dilation) if x.dim() == 4 else (0,) * 4
         if self.training and N * P * Q <= 1:           # (BatchNorm2d's own check)
             raise ValueError(f"Expected more than 1 value per channel when training, got input size "
@@ -194,8 +204,11 @@ class _ConvBN(nn.Module):
             rm = bb["running_mean"] if "running_mean" in bb else bn.running_mean
             rv = bb["running_var"] if "running_var" in bb else bn.running_var
         group = _sync_group(bn) if self.training else False
-        gamma = bp["weight"] if "weight" in bp else bn.weight
-        beta = bp["bias"] if "bias" in bp else bn.bias
+        gamma, beta = bp.get("weight"), bp.get("bias")
+        if gamma is None:
+            gamma = bn.weight                           # (a parametrization's, or None: affine=False)
+        if beta is None:
+            beta = bn.bias
         if _ops.eager(x) and (w.dtype is x.dtype or amp):
             y = _train_fast.train(self, x, w, gamma, beta, res, rm, rv, f, bn.eps, c.stride, pad, c.dilation,
                                   self.relu, nbt, group)

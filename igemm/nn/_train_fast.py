@@ -60,8 +60,12 @@ def _transient(dev, h: int, n: int):
     return t
 
 
-def _f32(v) -> bool:
-    return v is None or (v.dtype is torch.float32 and v.is_cuda and v.is_contiguous())
+def _f32(*vs) -> bool:
+    """Whether each of ``vs`` is None or a contiguous fp32 CUDA tensor."""
+    for v in vs:
+        if v is not None and not (v.dtype is torch.float32 and v.is_cuda and v.is_contiguous()):
+            return False
+    return True
 
 
 class TrainCall:
@@ -74,7 +78,8 @@ class TrainCall:
 
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
-                 "conv_stats", "sync", "master", "wdtype", "x_shape", "remade", "zb", "words", "w_shape", "wb", "cast")
+                 "conv_stats", "sync", "master", "wdtype", "x_shape", "remade", "zb", "words", "w_shape", "wb", "cast",
+                 "_plain", "_conv_way")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False, master=False):
         self.master, self.wdtype = master, torch.float32 if master else w.dtype     # (w: in x's dtype)
@@ -161,6 +166,21 @@ class TrainCall:
             self.slots.update(one_fwd=kf.slots(_TRAIN_FWD_PTRS), one_eps=kf.slot["eps"], one_mom=kf.slot["momentum"])
         if self.one_bwd is not None:
             self.slots["one_bwd"] = self.one_bwd[0].slots(_TRAIN_BWD_PTRS)
+        # the forward's two ways, found once: (statistics plan, its floats, BatchNorm pass, its partials, keep's bytes,
+        # the mask's offset in keep); the second (no statistics from the conv) has the first two None
+        nv = (3 if self.sync is not None else 2) * K
+        head = self.zb + self.wb + 4 * nv
+        if self.sync is not None:
+            k, nws = None, self.sync[2][2]
+        elif self.one_fwd is not None:
+            k, nws = self.one_fwd
+        else:
+            k, nws = None, self.stats[2]
+        self._plain = (None, 0, k, nws, head + 4 * (nws + self.words), head + 4 * nws)
+        self._conv_way = None
+        if self.conv_stats is not None:
+            sp, nparts, kc, nws = self.conv_stats
+            self._conv_way = (sp, nparts, kc, nws, head + 4 * (nws + self.words), head + 4 * nws)
 
     def remake(self, keep, gamma, beta):
         """y = ReLU(BN(z)) as :meth:`forward` wrote it (the same elementwise arithmetic on the same mean and
@@ -181,7 +201,7 @@ class TrainCall:
         return (x.is_contiguous(memory_format=fmt) and w.dtype is self.wdtype and x.data_ptr() % 16 == 0
                 and (residual is None or (residual.is_contiguous(memory_format=fmt) and residual.dtype is self.dtype
                                           and residual.data_ptr() % 16 == 0))
-                and _f32(gamma) and _f32(beta) and _f32(rm) and _f32(rv) and (rm is None) == (rv is None)
+                and _f32(gamma, beta, rm, rv) and (rm is None) == (rv is None)
                 and _runtime.current_context() == self.plan._ctx_id)
 
     def forward(self, x, w, gamma, beta, residual, rm, rv, momentum, nbt=None):
@@ -193,30 +213,27 @@ class TrainCall:
         (docs/performance.md: train-one-keep)."""
         dev = x.device
         h = self.stream_of(dev.index)
-        fmt, K = self.fmt, self.K
+        fmt = self.fmt
         # (y is an output of its own, not a view: autograd forbids in-place changes of a custom Function's views)
         y = torch.empty(self.y_shape, dtype=self.dtype, device=dev, memory_format=fmt)
+        wp = w.data_ptr()
         # autocast's fp32 weight is cast here (no autograd node; dw is written in fp32), into keep where it can be
-        cast = self.master and w.data_ptr() % 16 == 0 and w.is_contiguous(memory_format=fmt)
-        if self.master and not cast:
-            w = w.to(self.dtype).contiguous(memory_format=fmt)      # (fresh: 16-byte aligned)
+        cast = False
+        if self.master:
+            cast = not wp & 15 and w.is_contiguous(memory_format=fmt)
+            if not cast:
+                w = w.to(self.dtype).contiguous(memory_format=fmt)      # (fresh: 16-byte aligned)
+                wp = w.data_ptr()
         elif not w.is_contiguous(memory_format=fmt):
             w = w.contiguous(memory_format=fmt)
-        wa = cast or w.data_ptr() % 16 == 0
-        cs, k = self.conv_stats if wa else None, None
-        if cs is not None:
-            sp, nparts, k, nws = cs
-        elif self.sync is not None:
-            nws = self.sync[2][2]
-        elif self.one_fwd is not None:
-            k, nws = self.one_fwd
-        else:
-            nws = self.stats[2]
-        nv = (3 if self.sync is not None else 2) * K
-        keep = torch.empty((self.zb + self.wb + 4 * (nv + nws + self.words),), dtype=torch.uint8, device=dev)
+            wp = w.data_ptr()
+        wa = cast or not wp & 15
+        way = self._conv_way if wa and self._conv_way is not None else self._plain
+        sp, nparts, k, nws, nbytes, mo = way
+        keep = torch.empty((nbytes,), dtype=torch.uint8, device=dev)
         zp = keep.data_ptr()
         b = zp + self.zb + self.wb
-        mp = b + 4 * (nv + nws)
+        mp = zp + mo
         if cast:
             launcher, args, ss, sd, lock = self.cast
             wp = zp + self.zb
@@ -224,18 +241,17 @@ class TrainCall:
                 args.u64[ss], args.u64[sd] = w.data_ptr(), wp
                 launcher.launch_current(h, args)
             w = None
-        else:
-            wp = w.data_ptr()
         yp = y.data_ptr()
         gp, bp = gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0
         rp = residual.data_ptr() if residual is not None else 0
         rmp, rvp = (rm.data_ptr(), rv.data_ptr()) if rm is not None else (0, 0)
-        if cs is not None:
+        K = self.K
+        if sp is not None:
             # the conv writes z and its per-tile statistics (3·tiles·K floats, a transient buffer), then one launch
             # merges them and runs the BatchNorm(-Add)-ReLU pass
-            part = _transient(dev, h, nparts)
-            sp._launch(h, True, True, x.data_ptr(), wp, zp, 0, part.data_ptr(), _NO_VECTORS, False)
-            slots, extra = self.slots["conv_fwd"], [part.data_ptr()]
+            pp = _transient(dev, h, nparts).data_ptr()
+            sp._launch(h, True, True, x.data_ptr(), wp, zp, 0, pp, _NO_VECTORS, False)
+            slots, extra = self.slots["conv_fwd"], [pp]
         else:
             self.plan._launch(h, True, wa, x.data_ptr(), wp, zp, 0, 0, _NO_VECTORS, False)
             if self.sync is not None:
@@ -303,11 +319,14 @@ class TrainCall:
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = self.fmt
-        dy = dy.contiguous(memory_format=fmt)
-        if dy.data_ptr() % 16:                    # (the kernels were found for aligned tensors)
+        if not dy.is_contiguous(memory_format=fmt):
+            dy = dy.contiguous(memory_format=fmt)
+        dp = dy.data_ptr()
+        if dp & 15:                               # (the kernels were found for aligned tensors)
             dy = dy.clone(memory_format=fmt)
+            dp = dy.data_ptr()
         K = self.K
-        dp, zp, mp = dy.data_ptr(), keep.data_ptr(), mp if self.relu else 0
+        zp, mp = keep.data_ptr(), mp if self.relu else 0
         wp = w.data_ptr() if w is not None else zp + self.zb        # (None: the weight's cast in keep)
         mean = zp + self.zb + self.wb
         invstd, count = mean + 4 * K, mean + 8 * K if self.sync is not None else 0
@@ -534,6 +553,10 @@ class _FastTrain(torch.autograd.Function):
 
 
 _BACKWARD = _FastTrain._backward_cls
+# autograd.Function.apply's own call (its Python wrapper binds no defaults here and, without functorch transforms,
+# only unwraps dead functorch wrappers, which an input with a data pointer is not): a few us a layer
+_APPLY = super(torch.autograd.Function, _FastTrain).apply
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def _maker(x):
@@ -567,4 +590,5 @@ def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: floa
         tc = per[key] = TrainCall(x, wk, residual, eps, stride, padding, dilation, relu, group, master) if ok else None
     if tc is None or not tc.usable(x, w, gamma, beta, residual, rm, rv):
         return None
-    return _FastTrain.apply(tc, x, w, gamma, beta, residual, (rm, rv, float(momentum), nbt))
+    apply = _FastTrain.apply if _transforms_active() else _APPLY
+    return apply(tc, x, w, gamma, beta, residual, (rm, rv, float(momentum), nbt))

@@ -537,17 +537,18 @@ class _BlockDownLast(Block):
 @pytest.mark.gpu
 def test_gpu_downsample_gradient_added_by_dgrad(monkeypatch):
     """A downsampling block's input gradient: of its first layer and its downsampling layer, which read the same x,
-    the one whose backward runs first hands its dx over and the other's dgrad adds it as it stores (nn/_train_fast.py:
-    _Pair) -- the same bits as autograd adding the two, every other gradient and the input's too; the pair is
-    disarmed after the backward. With the branch computed first, convert gives the add to the downsampling conv
-    (the first conv in the graph whose BN an add follows): no pair there, and the same bits again."""
+    the one whose backward runs first (the downsampling one) defers its dgrad, which the other runs after its own,
+    adding into its dx as it stores (nn/_train_fast.py: _Pair, _Dgrad; the strided dgrad then zeroes no rows) --
+    the same bits as autograd adding the two, every other gradient and the input's too; the pair is disarmed after
+    the backward. With the branch computed first, convert gives the add to the downsampling conv (the first conv in
+    the graph whose BN an add follows): no pair there, and the same bits again."""
     from igemm.nn import _train_fast
     torch.manual_seed(6)
     base = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), Block(32, 64, 2),
-                         _BlockDownLast(64, 96, 2)).cuda().to(memory_format=CL).train()
+                         _BlockDownLast(64, 128, 2)).cuda().to(memory_format=CL).train()
     x = torch.randn(4, 3, 16, 16, device="cuda").contiguous(memory_format=CL)
-    runs, pairs = [], []
-    real = _train_fast._paired
+    runs, pairs, added = [], [], []
+    real, real_run = _train_fast._paired, _train_fast._Dgrad.run
     for paired in (True, False):
         twin = copy.deepcopy(base)
         params = list(twin.parameters())
@@ -556,11 +557,13 @@ def test_gpu_downsample_gradient_added_by_dgrad(monkeypatch):
         with monkeypatch.context() as mp:
             mp.setattr(_train_fast, "_paired", (lambda *a: pairs.append(real(*a)) or pairs[-1]) if paired
                        else (lambda *a: None))
+            mp.setattr(_train_fast._Dgrad, "run", lambda self, dx: added.append(dx is not None) or real_run(self, dx))
             with torch.autocast("cuda", torch.float16):
                 y = ig(xi)
             y.float().square().sum().backward()
         runs.append([xi.grad] + [p.grad for p in params])
     assert sum(p is not None for p in pairs) == 1 and not any(p.armed or p.pending is not None for p in pairs if p)
+    assert added == [True]                    # (the deferred dgrad ran once, into the other layer's dx)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 

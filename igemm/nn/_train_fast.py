@@ -79,7 +79,7 @@ class TrainCall:
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
                  "conv_stats", "sync", "master", "wdtype", "x_shape", "remade", "zb", "words", "w_shape", "wb", "cast",
-                 "_plain", "_conv_way")
+                 "_plain", "_conv_way", "defers")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False, master=False):
         self.master, self.wdtype = master, torch.float32 if master else w.dtype     # (w: in x's dtype)
@@ -100,6 +100,9 @@ class TrainCall:
                                       (Conv2dGradInputPlan, (), {}),
                                       (Conv2dGradWeightPlan, ("float32" if self.master else dt, False),
                                        {"out_dtype": "float32"} if self.master else {})))
+        # a dgrad that zeroes rows no tap reaches (a strided one) is deferred where it can add into another dx instead
+        # (_Dgrad: no zeroing, no dx of its own)
+        self.defers = self.dgrad.native is not None and self.dgrad.native.zero
         N, K, P, Q = _ops._out_size(x, w, st, pd, dl)
         self.N, self.K, self.HW, self.y_shape, self.x_shape = N, K, P * Q, (N, K, P, Q), tuple(x.shape)
         # what the backward reads is kept in one allocation (see forward): z (zb bytes, 256-aligned), a master
@@ -313,9 +316,10 @@ class TrainCall:
         if rm is not None:
             increment_version((rm, rv) if nbt is None else (rm, rv, nbt))
 
-    def backward(self, dy, x, w, keep, mp, gamma, need, add_to=None):
+    def backward(self, dy, x, w, keep, mp, gamma, need, add_to=None, defer=False):
         """dx, dw, dgamma, dbeta and the residual's gradient (those ``need`` asks for) from dy and what
-        :meth:`forward` returned (``w``, ``keep``, the mask at ``mp``)."""
+        :meth:`forward` returned (``w``, ``keep``, the mask at ``mp``). ``defer``: where :attr:`defers`, dgrad is not
+        run; in dx's place a :class:`_Dgrad` that runs it later, adding into another layer's dx."""
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = self.fmt
@@ -344,7 +348,7 @@ class TrainCall:
                                              b + 8 * K, b + 12 * K, gp, b + 16 * K, dp, dz.data_ptr(), zp,
                                              dres.data_ptr() if sel else 0])
             return self._grads(h, dz.data_ptr(), _PLAIN, wp, x, need, sums, dy if need[4] and not self.relu else dres,
-                               add_to)
+                               add_to, (dz, w, keep) if defer else None)
         k1, k2, nws = self.grad_red if self.sync is None else self.sync[3]
         sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
         b = sums.data_ptr()
@@ -385,15 +389,19 @@ class TrainCall:
                 launcher(h, bind_args(_relu._BWD_PARAMS, {"dy": dp, "mask": mp, "dx": dres.data_ptr(), "n": n}))
             else:
                 dres = dy
-        return self._grads(h, src, fp, wp, x, need, sums, dres, add_to)
+        return self._grads(h, src, fp, wp, x, need, sums, dres, add_to,
+                           (dz if src != dp else dy, w, keep) if defer else None)
 
-    def _grads(self, h, src, fp, wp, x, need, sums, dres, add_to):
+    def _grads(self, h, src, fp, wp, x, need, sums, dres, add_to, defer=None):
         """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain), the conv's weight at ``wp`` and
         the outputs of backward; ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can);
-        ``x``: None where wgrad does not run."""
+        ``x``: None where wgrad does not run; ``defer``: the tensors behind ``src`` and ``wp`` (dgrad deferred where
+        :attr:`defers` and no gradient is to be added here: dx is a :class:`_Dgrad`)."""
         dev, fmt, K = sums.device, self.fmt, self.K
         dx = dw = None
-        if need[0]:
+        if need[0] and defer is not None and add_to is None and self.defers:
+            dx = _Dgrad(self, src, wp, fp, (defer, sums))
+        elif need[0]:
             g = self.dgrad
             add = (add_to is not None and g.adds and add_to.dtype is self.dtype and add_to.data_ptr() % 16 == 0
                    and add_to.is_contiguous(memory_format=fmt))
@@ -416,6 +424,31 @@ def stats_plan(xs, ws, dt: str, stride, padding, dilation, device, **where):
     args = (xs, ws, dt, "NHWC", stride, padding, dilation)
     make = lambda: Conv2dPlan(*args, device=device, _skeleton=True, _bn_stats=True, **where)   # noqa: E731
     return make() if device == "numpy" else _cached(Conv2dPlan, ("bn_stats", *args, device), make)
+
+
+class _Dgrad:
+    """A layer's dgrad, deferred (``TrainCall.backward(defer=True)``): run by the layer that reads the same input,
+    adding into its dx (docs/performance.md: train-downsample-add). Holds the tensors its pointers are in."""
+
+    __slots__ = ("tc", "src", "wp", "fp", "refs")
+
+    def __init__(self, tc, src, wp, fp, refs):
+        self.tc, self.src, self.wp, self.fp, self.refs = tc, src, wp, fp, refs
+
+    def run(self, dx):
+        """dx + this gradient, added by the kernel's store into ``dx`` where it can; ``dx`` None: the gradient."""
+        tc = self.tc
+        g, fmt = tc.dgrad, tc.fmt
+        h = tc.stream_of(self.refs[1].device.index)
+        add = (dx is not None and dx.dtype is tc.dtype and dx.data_ptr() % 16 == 0
+               and dx.is_contiguous(memory_format=fmt))
+        out = dx if add else torch.empty(tc.x_shape, dtype=tc.dtype, device=self.refs[1].device, memory_format=fmt)
+        with g._lock:
+            g._run(h, self.src, self.wp, out.data_ptr(), self.fp, add)
+        self.refs = None
+        if dx is not None and not add:
+            out = dx + out
+        return out
 
 
 class _Link:
@@ -529,11 +562,17 @@ class _FastTrain(torch.autograd.Function):
         ctx.y_made = None
         if link is not None and link.pending is not None:
             add_to, link.pending = link.pending, None
+        job = None
         if pair is not None and pair.armed:      # (this layer and the downsampling one read the same x)
             pair.ran += 1
             first = pair.ran == 1
             if not first:
                 p, pair.armed, pair.ran, pair.pending = pair.pending, False, 0, None
+                if type(p) is _Dgrad:             # (the other's dgrad, deferred: it adds into this one's dx)
+                    if dy is None:
+                        p = p.run(None)
+                    else:
+                        job, p = p, None
                 if p is not None:
                     add_to = p if add_to is None else add_to + p
         if dy is None:                            # (y took no part in what was differentiated)
@@ -542,9 +581,13 @@ class _FastTrain(torch.autograd.Function):
         n = ctx.needs_input_grad
         if src and n[2]:
             x = ctx.src_tc.remake(*src)
-        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, keep, ctx.mp, gamma, n[1:], add_to)
+        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, keep, ctx.mp, gamma, n[1:], add_to, defer=first)
+        if job is not None:
+            dx = job.run(dx)
         if first:
-            pair.pending, dx = dx, None                  # (the other layer of the pair adds it into its dx)
+            # (the other layer of the pair adds it into its dx: this dx, or this dgrad run later into that dx, which
+            # spares a strided dgrad the zeroing of the rows no tap reaches)
+            pair.pending, dx = dx, None
         if ctx.arms is not None and dx is not None and dres is not None and n[5]:
             ctx.arms.armed, ctx.arms.ran, ctx.arms.pending = True, 0, None     # (both of the pair's backwards run)
         if ctx.res_link is not None and dres is not None and n[5]:

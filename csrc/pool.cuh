@@ -133,13 +133,16 @@ __device__ void maxpool_fwd(const P& p) {
 
 // MW > 0: at most MW windows a dimension hold a pixel (ResNet's 3x3 / 2: 2), so their loads all issue before the
 // first add, which still goes in PyTorch's order (docs/performance.md: maxpool-bwd-unrolled); 0: any geometry.
-template <class T, int V, int MW, class P>
+// SS > 0: stride SS and dilation 1 in both dimensions, known here: the window arithmetic's divisions by them are
+// shifts, not a division each (docs/performance.md: maxpool-bwd-stride-known); 0: read from p.
+template <class T, int V, int MW, int SS, class P>
 __device__ void maxpool_bwd(const P& p) {
   const T* dy = static_cast<const T*>(p.dy);
   const uint8_t* idx = static_cast<const uint8_t*>(p.idx);
   T* dx = static_cast<T*>(const_cast<void*>(p.dx));
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int ext_h = (p.KH - 1) * p.dh + 1, ext_w = (p.KW - 1) * p.dw + 1;
+  const int sh = SS ? SS : p.sh, sw = SS ? SS : p.sw, dh = SS ? 1 : p.dh, dw = SS ? 1 : p.dw;
+  const int ext_h = (p.KH - 1) * dh + 1, ext_w = (p.KW - 1) * dw + 1;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.NV; i += stride) {
     int pix, cv, t, h, w, n;
     p.fd_CV.divmod(pix, cv, int(i));
@@ -148,8 +151,8 @@ __device__ void maxpool_bwd(const P& p) {
     const int c = cv * V;
     const int hh = h + p.ph, ww = w + p.pw;
     // the windows that hold (h, w): PyTorch's p_start / p_end
-    const int oh0 = hh < ext_h ? 0 : (hh - ext_h) / p.sh + 1, oh1 = min(hh / p.sh + 1, p.OH);
-    const int ow0 = ww < ext_w ? 0 : (ww - ext_w) / p.sw + 1, ow1 = min(ww / p.sw + 1, p.OW);
+    const int oh0 = hh < ext_h ? 0 : (hh - ext_h) / sh + 1, oh1 = min(hh / sh + 1, p.OH);
+    const int ow0 = ww < ext_w ? 0 : (ww - ext_w) / sw + 1, ow1 = min(ww / sw + 1, p.OW);
     float acc[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0.f;
@@ -162,9 +165,9 @@ __device__ void maxpool_bwd(const P& p) {
       for (int a = 0; a < MW; ++a)
 #pragma unroll
         for (int b = 0; b < MW; ++b) {
-          const int oh = oh0 + a, ow = ow0 + b, rh = hh - oh * p.sh, rw = ww - ow * p.sw;
-          ok[a][b] = oh < oh1 && ow < ow1 && rh % p.dh == 0 && rw % p.dw == 0;
-          tap[a][b] = uint8_t((rh / p.dh) * p.KW + rw / p.dw);
+          const int oh = oh0 + a, ow = ow0 + b, rh = hh - oh * sh, rw = ww - ow * sw;
+          ok[a][b] = oh < oh1 && ow < ow1 && rh % dh == 0 && rw % dw == 0;
+          tap[a][b] = uint8_t((rh / dh) * p.KW + rw / dw);
           if (ok[a][b]) {
             const int64_t o = ((int64_t(n) * p.OH + oh) * p.OW + ow) * p.C + c;
             ks[a][b] = *reinterpret_cast<const Vec<uint8_t, V>*>(idx + o);
@@ -182,12 +185,12 @@ __device__ void maxpool_bwd(const P& p) {
           }
     }
     for (int oh = oh0; MW == 0 && oh < oh1; ++oh) {
-      const int rh = hh - oh * p.sh;
-      if (rh % p.dh) continue;
+      const int rh = hh - oh * sh;
+      if (rh % dh) continue;
       for (int ow = ow0; ow < ow1; ++ow) {
-        const int rw = ww - ow * p.sw;
-        if (rw % p.dw) continue;
-        const uint8_t tap = uint8_t((rh / p.dh) * p.KW + rw / p.dw);
+        const int rw = ww - ow * sw;
+        if (rw % dw) continue;
+        const uint8_t tap = uint8_t((rh / dh) * p.KW + rw / dw);
         const int64_t o = ((int64_t(n) * p.OH + oh) * p.OW + ow) * p.C + c;
         const Vec<uint8_t, V> ks = *reinterpret_cast<const Vec<uint8_t, V>*>(idx + o);
         const Vec<T, V> g = *reinterpret_cast<const Vec<T, V>*>(dy + o);

@@ -178,7 +178,7 @@ def _ks(k: tuple) -> int:
     return k[0] if k[0] == k[1] and k[0] in WINDOWS else 0
 
 
-def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
+def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0, ss: int = 0) -> str:
     t = DTYPE_CTYPE[dtype]
     if kind == "avg":
         return _kernel.render_kernel(include="pool.cuh", entry="igemm_avgpool_global", params=_AVG_PARAMS,
@@ -189,21 +189,21 @@ def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
                                      threads=_THREADS, min_blocks=4, body=f"igemm::pool::maxpool_fwd<{t}, {v}, "
                                                             f"{str(idx).lower()}, {ks}>(p);")
     return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_bwd", params=_BWD_PARAMS,
-                                 threads=_THREADS, body=f"igemm::pool::maxpool_bwd<{t}, {v}, {ks}>(p);")
+                                 threads=_THREADS, body=f"igemm::pool::maxpool_bwd<{t}, {v}, {ks}, {ss}>(p);")
 
 
-def _name(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0) -> str:
+def _name(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0, ss: int = 0) -> str:
     if kind == "avg":
         return f"avgpool_global_{dtype}_v{v}"
-    if kind == "bwd":                      # (ks: at most this many windows a dimension hold a pixel; 0: any)
-        return f"maxpool_bwd_{dtype}_v{v}{f'_w{ks}' if ks else ''}"
+    if kind == "bwd":      # (ks: at most this many windows a dimension hold a pixel, 0: any; ss: the stride, 0: any)
+        return f"maxpool_bwd_{dtype}_v{v}{f'_w{ks}' if ks else ''}{f'_s{ss}' if ss else ''}"
     return f"maxpool_{kind}_{dtype}_v{v}{'_idx' if idx else ''}{f'_k{ks}' if ks else ''}"
 
 
 @lru_cache(maxsize=64)
-def _launcher(kind: str, dtype: str, v: int, idx: bool, device_id: int, grid: int, ks: int = 0):
+def _launcher(kind: str, dtype: str, v: int, idx: bool, device_id: int, grid: int, ks: int = 0, ss: int = 0):
     entry = "igemm_avgpool_global" if kind == "avg" else f"igemm_maxpool_{kind}"
-    k = _kernel.load(_stub(kind, dtype, v, idx, ks), _name(kind, dtype, v, idx, ks), entry, device_id)
+    k = _kernel.load(_stub(kind, dtype, v, idx, ks, ss), _name(kind, dtype, v, idx, ks, ss), entry, device_id)
     return _kernel.Launcher(k, grid, _THREADS)
 
 
@@ -245,7 +245,9 @@ def launch_backward(device_id: int, stream: int, dtype: str, geom: tuple, dy: in
     # 16-bit: the unrolled kernel where at most two windows a dimension hold a pixel (fp32 is slower on it:
     # docs/performance.md, maxpool-bwd-unrolled)
     mw = 2 if dtype != "float32" and all(-(-((k[i] - 1) * d[i] + 1) // st[i]) <= 2 for i in (0, 1)) else 0
-    _launcher("bwd", dtype, v, False, device_id, _grid(N * H * W * C // v, sms), mw)(
+    # (there, stride 2 and dilation 1 as the kernel's constants: docs/performance.md, maxpool-bwd-stride-known)
+    ss = 2 if mw and tuple(st) == (2, 2) and tuple(d) == (1, 1) else 0
+    _launcher("bwd", dtype, v, False, device_id, _grid(N * H * W * C // v, sms), mw, ss)(
         stream, _template("bwd", v, *geom).bind(dict(dy=dy, idx=idx, dx=dx)))
 
 
@@ -274,8 +276,8 @@ def all_variants(arch: str = "sm_90a") -> list[tuple[str, str]]:
     for dt in DTYPES:
         for v in sorted({1, 16 // DTYPE_SIZES[dt]}):
             out += [(_name("fwd", dt, v, i, ks), _stub("fwd", dt, v, i, ks)) for i in (False, True) for ks in WINDOWS]
-            out += [(_name("bwd", dt, v, ks=mw), _stub("bwd", dt, v, ks=mw))
-                    for mw in ((0, 2) if dt != "float32" else (0,))]
+            out += [(_name("bwd", dt, v, ks=mw, ss=ss), _stub("bwd", dt, v, ks=mw, ss=ss))
+                    for mw, ss in (((0, 0), (2, 0), (2, 2)) if dt != "float32" else ((0, 0),))]
             out.append((_name("avg", dt, v), _stub("avg", dt, v)))
         if int(arch[3:].rstrip("af")) >= 90 and dt in HEAD_DTYPES:
             out += [(_head_name(dt, ni), _head_stub(dt, ni)) for ni in _HEAD_NI]

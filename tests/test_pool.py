@@ -233,8 +233,8 @@ def test_pool_kernels_compile():
     except Exception as e:          # (no toolchain: nothing to compile with)
         pytest.skip(f"no CUDA toolchain: {e}")
     ks = pool.all_variants()
-    assert len(ks) == 56 and _build.compile_many(ks, "sm_90a", 2) == 56
-    assert len(pool.all_variants("sm_80")) == 52                  # (the classifier head runs in clusters: sm_90+)
+    assert len(ks) == 60 and _build.compile_many(ks, "sm_90a", 2) == 60
+    assert len(pool.all_variants("sm_80")) == 56                  # (the classifier head runs in clusters: sm_90+)
 
 
 def _input(rng, shape, dtype):
@@ -297,7 +297,8 @@ AVG_SHAPES = [(2, 2048, 7, 7), (1, 64, 1, 1), (3, 12, 5, 9), (2, 5, 3, 4), (1, 4
 def test_gpu_global_avg_pool(shape, dtype, aligned, rng):
     """y against the float64 mean (relative error by dtype), through the module and through the launch into a
     poisoned output, channels-last (N, C, 1, 1); x one element off 16 bytes runs one channel a thread; dx equals
-    PyTorch's backward through nn.AdaptiveAvgPool2d; no_grad keeps no graph."""
+    PyTorch's backward through nn.AdaptiveAvgPool2d, channels-last as x (and with create_graph); no_grad keeps no
+    graph."""
     N, C, H, W = shape
     dt = getattr(torch, dtype)
     a = torch.tensor(rng.standard_normal((N, H, W, C)) + 1.0, dtype=dt, device="cuda")
@@ -322,7 +323,9 @@ def test_gpu_global_avg_pool(shape, dtype, aligned, rng):
     g = torch.randn_like(y)
     dx = torch.autograd.grad(y, x, g)[0]
     dxr = torch.autograd.grad(torch_mod(x), x, g)[0]
-    assert torch.equal(dx, dxr)
+    assert torch.equal(dx, dxr) and dx.is_contiguous(memory_format=torch.channels_last)
+    dx2 = torch.autograd.grad(m(x), x, g, create_graph=True)[0]       # (differentiable: PyTorch's ops)
+    assert torch.equal(dx2, dxr)
     with torch.no_grad():
         y2 = m(x)
     assert y2.grad_fn is None and torch.equal(y2, y.detach())

@@ -133,7 +133,12 @@ class _AvgPool(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         N, C, H, W = ctx.shape
-        return dy.expand(N, C, H, W) / (H * W), None
+        if torch.is_grad_enabled():                  # (a double backward: differentiable ops only)
+            return dy.expand(N, C, H, W) / (H * W), None
+        # the same division, written channels-last as x is (the next layer's backward reads it so): one pass, where
+        # the expanded quotient would be copied again (docs/performance.md: avgpool-bwd-channels-last)
+        dx = torch.empty((N, C, H, W), dtype=dy.dtype, device=dy.device, memory_format=torch.channels_last)
+        return torch.div(dy.expand(N, C, H, W), H * W, out=dx), None
 
 
 class AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):

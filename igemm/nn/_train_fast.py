@@ -44,19 +44,23 @@ _TRAIN_BWD_PTRS = ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1", 
                    "src", "dst", "z", "sel")
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # module -> {input geometry: TrainCall|None}
 _NO_VECTORS = _ops._Vectors(None, None)      # (the conv's epilogue has no per-call vectors; one object: bound once)
-_scratch: dict = {}          # (thread, device, stream) -> a float32 buffer for what one call writes and reads at once
+_local = threading.local()   # .scratch: (device, stream) -> a float32 buffer for what one call writes and reads at once
 
 
 def _transient(dev, h: int, n: int):
     """``n`` floats that only launches queued now on stream ``h`` write and read: the stream's scratch, which the
     next call's launches reach only after these in the stream's order (per thread: two threads' launches on one
-    stream interleave); a fresh tensor while a CUDA graph is captured (its memory is the graph's)."""
+    stream interleave; a thread's scratch goes with the thread); a fresh tensor while a CUDA graph is captured (its
+    memory is the graph's)."""
     if torch.cuda.is_current_stream_capturing():
         return torch.empty((n,), dtype=torch.float32, device=dev)
-    key = (threading.get_ident(), dev.index, h)
-    t = _scratch.get(key)
+    d = getattr(_local, "scratch", None)
+    if d is None:
+        d = _local.scratch = {}
+    key = (dev.index, h)
+    t = d.get(key)
     if t is None or t.numel() < n:
-        t = _scratch[key] = torch.empty((n,), dtype=torch.float32, device=dev)
+        t = d[key] = torch.empty((n,), dtype=torch.float32, device=dev)
     return t
 
 

@@ -1,6 +1,6 @@
 """ResNet-50 training step through igemm.nn.convert against PyTorch eager and torch.compile, AMP fp16 channels_last.
 
-    python benchmarks/bench_train.py [--batches 128,256] [--steps 20] [--compile] [--graphs] [--no-check]
+    python benchmarks/bench_train.py [--batches 128,256] [--steps 20] [--compile] [--graphs] [--host] [--no-check]
         [--loss-steps 100] [--out DIR] [--quick]
 
 torchvision resnet50, random weights (``torch.manual_seed(0)``), channels_last model and input,
@@ -23,7 +23,11 @@ no graph: the GradScaler synchronises), the median reported, with p10-p90 spread
 ``vs_pytorch`` / ``vs_compile``: the peer's step time over that peer's (below 1: faster). ``peak_GB``:
 ``torch.cuda.max_memory_allocated()`` over one step (after ``reset_peak_memory_stats``), model, gradients and
 optimizer state included; ``mem_vs_pytorch``: over eager's (both blank for the graphed peers: their graphs'
-memory pools are allocated at capture and not counted there).
+memory pools are allocated at capture and not counted there). With --host, ``host_fwd_ms`` / ``host_bwd_ms``: the
+process's CPU time (every thread: the backward runs on autograd's device thread) to queue a step's forward
+(zero_grad, the model, the loss) and its backward, with the GPU kept busy in front (``torch.cuda._sleep``, ~0.1 s)
+so that nothing waits for it; medians of 10 steps after the timed ones. Where it exceeds the GPU's time for the same
+part, an eager step is bound by the host.
 
 --check (default; --no-check skips it), at N = 32 from the same initial weights and batch:
   (a) gradients of one step: each parameter's, for igemm AMP and PyTorch AMP (loss scaled by 2^16, halved until
@@ -131,7 +135,33 @@ def _time_one(bench: Bench, base, peer: str, x, y) -> dict:
     step()
     torch.cuda.synchronize()
     r["peak"] = torch.cuda.max_memory_allocated()
+    if bench.args.host:
+        r["host"] = _host(run, opt, scaler, x, y, peer.endswith("+graphs"))
     return r
+
+
+def _host(model, opt, scaler, x, y, graphs: bool, n: int = 10) -> tuple:
+    """(forward, backward): medians over ``n`` steps of the process's CPU time to queue them, the GPU kept busy in
+    front (module doc)."""
+    import torch
+    import torch.nn.functional as F
+    fwd, bwd = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)           # (~0.1 s of GPU clock cycles: longer than the host's step)
+        c0 = time.process_time()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=not graphs):
+            loss = F.cross_entropy(model(x), y)
+        c1 = time.process_time()
+        scaler.scale(loss).backward()
+        c2 = time.process_time()
+        scaler.step(opt)
+        scaler.update()
+        fwd.append(c1 - c0)
+        bwd.append(c2 - c1)
+    torch.cuda.synchronize()
+    return statistics.median(fwd), statistics.median(bwd)
 
 
 def time_peers(bench: Bench, base, N: int, peers: list) -> None:
@@ -159,6 +189,8 @@ def time_peers(bench: Bench, base, N: int, peers: list) -> None:
         row["peak_GB"] = "" if graphed else r["peak"] / 1e9
         row["mem_vs_pytorch"] = (r["peak"] / res["pytorch"]["peak"] if "peak" in res["pytorch"] and not graphed
                                  else "")
+        if "host" in r:
+            row["host_fwd_ms"], row["host_bwd_ms"] = (v * 1e3 for v in r["host"])
         row["warmup_s"] = r["warm_s"] + r["setup_s"]
         bench.row(**row)
     del x, y
@@ -291,6 +323,8 @@ def main() -> int:
     p.add_argument("--compile-warmup", type=int, default=10, help="extra warm-up steps for torch.compile")
     p.add_argument("--graphs", action="store_true", help="also time igemm and PyTorch with the forward and backward "
                    "captured in CUDA graphs (torch.cuda.make_graphed_callables)")
+    p.add_argument("--host", action="store_true", help="also measure the host's time to queue a step's forward and "
+                   "backward (process CPU time, the GPU kept busy in front)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help=f"gradient, running-statistics and loss checks at N={CHECK_N}")
     p.add_argument("--loss-steps", type=int, default=100, help="steps of the loss check (c)")

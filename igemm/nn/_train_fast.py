@@ -432,7 +432,7 @@ def stats_plan(xs, ws, dt: str, stride, padding, dilation, device, **where):
 
 class _Dgrad:
     """A layer's dgrad, deferred (``TrainCall.backward(defer=True)``): run by the layer that reads the same input,
-    adding into its dx (docs/performance.md: train-downsample-add). Holds the tensors its pointers are in."""
+    adding into its dx (docs/performance.md: train-downsample-defer). Holds the tensors its pointers are in."""
 
     __slots__ = ("tc", "src", "wp", "fp", "refs")
 

@@ -46,7 +46,7 @@ def test_train_stubs_compile():
 def test_conv_statistics_kernels_compile(xs, K, R, st):
     """The training forward's conv with z's statistics (KernelSpec.bn_stats): its kernel, BN 64 and 128."""
     from igemm import _build
-    from igemm.nn._train_fast import stats_plan
+    from igemm.nn._train_call import stats_plan
     try:
         _build.find_toolchain()
     except _build.ToolchainNotFoundError:
@@ -113,7 +113,7 @@ def test_gpu_train_forward_from_conv_statistics(dtype, act, res, xs, K, R, st):
     bit, and the forward pass from those statistics gives every output the pass over z gives (float64 bounds)."""
     torch = _torch()
     from igemm.nn import _ops
-    from igemm.nn._train_fast import stats_plan
+    from igemm.nn._train_call import stats_plan
     td = getattr(torch, dtype)
     g = torch.Generator("cuda").manual_seed(xs[0] * K + R + act)
     x = torch.randn(*xs, device="cuda", generator=g).to(td)

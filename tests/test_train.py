@@ -536,37 +536,37 @@ class _BlockDownLast(Block):
 
 @pytest.mark.gpu
 def test_gpu_transient_scratch_is_the_threads():
-    """The eager path's scratch (nn/_train_fast.py: _transient) is reused per thread and stream, grows to the largest
+    """The eager path's scratch (nn/_train_call.py: _transient) is reused per thread and stream, grows to the largest
     request, and is freed with its thread (a program training from short-lived threads keeps none of theirs)."""
     import gc
     import threading
     import weakref
 
-    from igemm.nn import _train_fast
+    from igemm.nn import _train_call
     dev, h = torch.device("cuda", 0), torch.cuda.current_stream().cuda_stream
     refs = []
 
     def work():
-        t = _train_fast._transient(dev, h, 100)
-        assert _train_fast._transient(dev, h, 60) is t and t.numel() >= 100
+        t = _train_call._transient(dev, h, 100)
+        assert _train_call._transient(dev, h, 60) is t and t.numel() >= 100
         refs.append(weakref.ref(t))
-        assert _train_fast._transient(dev, h, 1000).numel() >= 1000
-        refs.append(weakref.ref(_train_fast._transient(dev, h, 1)))
+        assert _train_call._transient(dev, h, 1000).numel() >= 1000
+        refs.append(weakref.ref(_train_call._transient(dev, h, 1)))
 
-    mine = _train_fast._transient(dev, h, 10)
+    mine = _train_call._transient(dev, h, 10)
     th = threading.Thread(target=work)
     th.start()
     th.join()
     gc.collect()
     assert len(refs) == 2 and refs[0]() is None and refs[1]() is None
-    assert _train_fast._transient(dev, h, 10) is mine
+    assert _train_call._transient(dev, h, 10) is mine
 
 
 @pytest.mark.gpu
 def test_gpu_downsample_gradient_added_by_dgrad(monkeypatch):
     """A downsampling block's input gradient: of its first layer and its downsampling layer, which read the same x,
     the one whose backward runs first (the downsampling one) defers its dgrad, which the other runs after its own,
-    adding into its dx as it stores (nn/_train_fast.py: _Pair, _Dgrad; the strided dgrad then zeroes no rows) --
+    adding into its dx as it stores (nn/_train_fast.py: _Pair; nn/_train_call.py: _Dgrad; the strided dgrad then zeroes no rows) --
     the same bits as autograd adding the two, every other gradient and the input's too; the pair is disarmed after
     the backward. With the branch computed first, convert gives the add to the downsampling conv (the first conv in
     the graph whose BN an add follows): no pair there, and the same bits again."""

@@ -123,7 +123,7 @@ def conv_statistics_stubs() -> dict:
     statistics and the plain one it is compared with."""
     from test_norm_train import CONV_GEOMS
 
-    from igemm.nn._train_fast import stats_plan
+    from igemm.nn._train_call import stats_plan
     specs = {}
     for xs, K, R, st in CONV_GEOMS:
         for dtype in ("float16", "bfloat16"):

@@ -255,7 +255,7 @@ def all_variants() -> list[tuple[str, str]]:
                         continue
                     for vec, tb in ((0, 0), (0, 2), (1, 0), (16 // max(DTYPE_SIZES[ts], DTYPE_SIZES[td]), 0)):
                         out.append((_name(ts, td, mode, acc, vec, tb), _stub(ts, td, mode, acc, vec, tb)))
-    # fp32 into 16 bits, flat: the training forward's cast of autocast's master weight (nn/_train_fast.py)
+    # fp32 into 16 bits, flat: the training forward's cast of autocast's master weight (nn/_train_call.py)
     out += [(_name("float32", td, 0, False, vec, 0), _stub("float32", td, 0, False, vec, 0))
             for td in ("float16", "bfloat16") for vec in (1, 4)]
     return out

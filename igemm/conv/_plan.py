@@ -127,7 +127,7 @@ class Conv2dPlan:
         N, C, H, W, K, R, S, P, Q, s, p, d = geometry(x_shape, w_shape, layout, stride, padding, dilation)
         self.chain = as_epilogue(epilogue)
         # (the training forward's conv: its kernel also writes y's per-tile BatchNorm statistics where it can;
-        # the launch's mask pointer is then their buffer -- igemm/nn/_train_fast.py)
+        # the launch's mask pointer is then their buffer -- igemm/nn/_train_call.py)
         self._bn_stats = bool(_bn_stats) and not self.chain.ops
         if not _skeleton:
             self.chain.validate(K)

@@ -284,7 +284,7 @@ def _grad_kernels(key: tuple, arch: str, sms: int) -> dict:
             name, src = sub.kernel()
             out[src] = name
     if prologue and layout == "NHWC":     # (the training forward's conv with z's statistics)
-        from ._train_fast import stats_plan
+        from ._train_call import stats_plan
         name, src = stats_plan(xs, ws, dtype, stride, padding, dilation, "numpy", arch=arch, sms=sms).kernel()
         out[src] = name
     return out

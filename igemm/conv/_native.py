@@ -24,7 +24,7 @@ from .. import _kernel, _runtime
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 from ._problem import ConvProblem
-from ._tma import BK, MapTemplate, _encode, _encode_im2col, tma_unsupported
+from ._tma import BK, MapPair, MapTemplate, _encode, _encode_im2col, tma_unsupported
 
 __all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupported", "dgrad_unsupported", "choose_spec",
            "choose_dgrad_spec", "NativeWgrad", "NativeDgrad", "all_variants"]
@@ -194,24 +194,16 @@ class _Kernel2:
         self.args = _kernel.pack_args(params, values)
         self.launcher = _kernel.Launcher(k, grid, spec.threads, spec.smem)
         s = self.args.slots
-        self.maps = (MapTemplate(map_a), MapTemplate(map_b), s["tmA"], s["tmB"], s["y"])
-        self.patch = None          # both maps written, each with an address word: (slot, offset) of each word
+        self.maps, self.slot_y = MapPair(MapTemplate(map_a), MapTemplate(map_b), s["tmA"], s["tmB"]), s["y"]
 
     def __call__(self, h: int, a: int, b: int, y: int) -> None:
-        ma, mb, sa, sb, sy = self.maps
-        u = self.args.u64
-        p = self.patch
+        u, p = self.args.u64, self.maps.patch
         if p is None:
-            ma.write(u, sa, a, True)
-            mb.write(u, sb, b, True)
-            if ma.word >= 0 and mb.word >= 0:
-                self.patch = (sa + ma.word, int(ma.base[ma.word]) - ma.addr0,
-                              sb + mb.word, int(mb.base[mb.word]) - mb.addr0)
-        else:
-            ia, da, ib, db = p
-            u[ia] = (da + a) & 0xFFFFFFFFFFFFFFFF
-            u[ib] = (db + b) & 0xFFFFFFFFFFFFFFFF
-        u[sy] = y
+            self.maps.write(u, a, b, True)
+        else:                                 # (the maps are in the buffer: their address words only)
+            u[p[0]] = (p[1] + a) & 0xFFFFFFFFFFFFFFFF
+            u[p[2]] = (p[3] + b) & 0xFFFFFFFFFFFFFFFF
+        u[self.slot_y] = y
         self.launcher(h, self.args)
 
 

@@ -182,20 +182,16 @@ class PatchMap:
             self.patch = (self.slot_a + self.a.word, int(self.a.base[self.a.word]) - self.a.addr0, None, None)
 
 
-class ConvMaps:
-    """The two maps of one conv kernel (x im2col-mode, w tiled), written into a plan's argument buffer."""
+class MapPair:
+    """A kernel's two maps (:class:`MapTemplate` ``a`` and ``b``), written into its argument buffer at ``slot_a`` and
+    ``slot_b``."""
 
     __slots__ = ("a", "b", "slot_a", "slot_b", "patch")
 
-    def __init__(self, kproblem, spec, slot_a: int, slot_b: int):
-        if spec.load_a == "tmamn":
-            self.a = MapTemplate(lambda addr: _encode_nchw(kproblem, addr))
-        else:
-            self.a = MapTemplate(lambda addr: _encode_im2col(kproblem, spec.bm, addr))
-        self.b = MapTemplate(lambda addr: _encode_tiled(kproblem, spec.bn, addr))
-        self.slot_a, self.slot_b = slot_a, slot_b
+    def __init__(self, a: MapTemplate, b: MapTemplate, slot_a: int, slot_b: int):
+        self.a, self.b, self.slot_a, self.slot_b = a, b, slot_a, slot_b
         #: after the first write, where both maps have one address word: (index, offset) per map, so that a
-        #: call whose buffer already holds these maps sets ``u64[index] = offset + address`` (the plan inlines it)
+        #: call whose buffer already holds these maps sets ``u64[index] = offset + address`` (callers inline it)
         self.patch = None
 
     def write(self, u64: np.ndarray, x: int, w: int, full: bool) -> None:
@@ -205,3 +201,16 @@ class ConvMaps:
         if self.patch is None and self.a.word >= 0 and self.b.word >= 0:
             self.patch = (self.slot_a + self.a.word, int(self.a.base[self.a.word]) - self.a.addr0,
                           self.slot_b + self.b.word, int(self.b.base[self.b.word]) - self.b.addr0)
+
+
+class ConvMaps(MapPair):
+    """The two maps of one conv kernel (x im2col-mode, w tiled), written into a plan's argument buffer."""
+
+    __slots__ = ()
+
+    def __init__(self, kproblem, spec, slot_a: int, slot_b: int):
+        if spec.load_a == "tmamn":
+            a = MapTemplate(lambda addr: _encode_nchw(kproblem, addr))
+        else:
+            a = MapTemplate(lambda addr: _encode_im2col(kproblem, spec.bm, addr))
+        super().__init__(a, MapTemplate(lambda addr: _encode_tiled(kproblem, spec.bn, addr)), slot_a, slot_b)

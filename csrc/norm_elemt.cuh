@@ -49,8 +49,9 @@ IGEMM_DEVICE float relu_keep_nan(float t) { return (t > 0.f || t != t) ? t : 0.f
 
 // Act: 0 = none, 1 = ReLU, 2 = ReLU + mask. The grid's block blk of nblk (a kernel of its own: blockIdx.x of
 // gridDim.x; norm_train.cuh runs the blocks of this grid on the blocks of its own, with Nc false: its mean and
-// invstd were written by the same kernel, so they are not read through the non-coherent path).
-template <class T, int V, int Layout, int Act, bool Res, bool Nc = true, class P>
+// invstd were written by the same kernel, so they are not read through the non-coherent path). Rev: each thread's
+// vectors last to first (where the grid is `fixed`), so the grid walks the tensor from its end.
+template <class T, int V, int Layout, int Act, bool Res, bool Nc = true, bool Rev = false, class P>
 IGEMM_DEVICE void bn_forward_block(const P& p, int64_t blk, int64_t nblk) {
   constexpr int CV = Layout == kNHWC ? V : 1;  // channels per vector
   constexpr int U = (CV == 8 && Res) ? 1 : 2;   // vectors in flight per thread (U = 2 would spill there)
@@ -80,7 +81,14 @@ IGEMM_DEVICE void bn_forward_block(const P& p, int64_t blk, int64_t nblk) {
     }
   };
   if (p.fixed) coef(pos.c);
-  for (; vw < NV; vw += U * G, v += U * G) {
+  int64_t step = U * G;
+  const int64_t iters = vw < NV ? (NV - vw + step - 1) / step : 0;
+  if (Rev && p.fixed && iters > 1) {  // (a fixed grid's channels do not move, so pos is not needed)
+    vw += (iters - 1) * step;
+    v += (iters - 1) * step;
+    step = -step;
+  }
+  for (int64_t it = 0; it < iters; ++it, vw += step, v += step) {
     Vec<T, V> rx[U] = {}, rr[U] = {};
     int64_t cc[U];
 #pragma unroll

@@ -11,6 +11,8 @@
 // conv/backward.cuh), on a grid of 3 blocks an SM (the statistics' slices, and so their fp32 rounding, are that
 // grid's); one launch instead of three or four saves the host a launch call each (docs/performance.md:
 // bn-train-one-launch). Final: kernel 1's grid has one slice per channel and phase 1 writes the merged results itself.
+// Both last phases walk the tensor from its end (Rev), so what the next kernel reads first (the start of y or dz) is
+// what they wrote last, still in L2 (docs/performance.md: bn-pass-reversed).
 #pragma once
 #include <cooperative_groups.h>
 
@@ -65,7 +67,8 @@ IGEMM_DEVICE void bn_train_forward(const P& p) {
       stats_merge<T, !Conv>(p, c, threadIdx.x & 31);  // (whole warps: c is warp-uniform)
     cg::this_grid().sync();
   }
-  for (int64_t b = blockIdx.x; b < p.ewb; b += gridDim.x) bn_forward_block<T, V, kNHWC, Act, Res, false>(p, b, p.ewb);
+  for (int64_t b = blockIdx.x; b < p.ewb; b += gridDim.x)
+    bn_forward_block<T, V, kNHWC, Act, Res, false, true>(p, b, p.ewb);
 }
 
 // Phase 3's blocks: the dz pass's grid (p.dzb blocks of p.dzt <= kThreads threads) over this grid, in order, two
@@ -91,7 +94,7 @@ IGEMM_DEVICE void bn_train_backward(const P& p) {
   cg::this_grid().sync();
   if (threadIdx.x < p.dzt)
     for (int64_t b = blockIdx.x; b < p.dzb; b += gridDim.x)
-      igemm::backward::grad_dz_block<igemm::backward::kBn, T, false, 2>(p, b, p.dzt, p.dzb);
+      igemm::backward::grad_dz_block<igemm::backward::kBn, T, false, 2, true>(p, b, p.dzt, p.dzb);
 }
 
 }  // namespace igemm::norm

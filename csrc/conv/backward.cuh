@@ -198,8 +198,8 @@ __device__ void grad_copy(const P& p) {
 // docs/performance.md, grad-dz-pass).
 // The grid's block blk of nblk blocks of bdim threads, U chunks in flight a thread (a kernel of its own: blockIdx.x,
 // blockDim.x, gridDim.x; norm_train.cuh runs them on the blocks of its own grid, with Nc false: it wrote coef itself,
-// so coef is not read through the non-coherent path).
-template <int Mode, class T, bool Nc = true, int U = 4, class P>
+// so coef is not read through the non-coherent path). Rev: each thread's pixels last to first.
+template <int Mode, class T, bool Nc = true, int U = 4, bool Rev = false, class P>
 __device__ void grad_dz_block(const P& p, int64_t blk, int bdim, int64_t nblk) {
   static_assert(sizeof(T) == 2 && Mode != kPlain, "16-bit; the mask or the BN prologue");
   const int kc = p.K / 8;
@@ -223,7 +223,13 @@ __device__ void grad_dz_block(const P& p, int64_t blk, int bdim, int64_t nblk) {
   const uint4* zs = static_cast<const uint4*>(p.z);
   uint4* dst = static_cast<uint4*>(const_cast<void*>(p.dst));
   uint4* sel = static_cast<uint4*>(const_cast<void*>(p.sel));
-  for (int64_t m = t / kc; m < p.M; m += U * step) {
+  int64_t m = t / kc, mstep = U * step;
+  const int64_t iters = m < p.M ? (p.M - m + mstep - 1) / mstep : 0;
+  if (Rev && iters > 1) {
+    m += (iters - 1) * mstep;
+    mstep = -mstep;
+  }
+  for (int64_t it = 0; it < iters; ++it, m += mstep) {
     uint4 d[U], z[U];
     uint32_t bits[U];
 #pragma unroll

@@ -18,9 +18,10 @@ Fused rows (fp16-NHWC only, when it is among --configs):
   <op>+mask  the plan built with mask=True, called with the forward ReLU bitmask; overhead = masked / unmasked
              plan time (unmasked_us); cudnn_us is PyTorch's chain threshold_backward + convolution_backward.
   bn-chain   the conv -> BN -> ReLU backward for the selected ops: igemm's conv2d_grad_prologue + dgrad plan +
-             wgrad plan (prologue=True, mask=True) against threshold_backward -> native_batch_norm_backward ->
-             convolution_backward (output_mask [T,T,F]), each timed as one callable; errors are the max over dx,
-             dw, dgamma, dbeta against the float64 chain. z is the conv output, y = ReLU(BN(z)) gives the mask.
+             wgrad plan (prologue=True, mask=True; both ops: conv2d_backward, one dz pass for the two) against
+             threshold_backward -> native_batch_norm_backward -> convolution_backward (output_mask [T,T,F]), each
+             timed as one callable; errors are the max over dx, dw, dgamma, dbeta against the float64 chain. z is
+             the conv output, y = ReLU(BN(z)) gives the mask.
 """
 from __future__ import annotations
 
@@ -221,6 +222,9 @@ class Runner:
 
         def ours(s, dxo=None, dwo=None):
             pro = igemm.conv2d_grad_prologue(s.dy, s.z, s.mean, s.invstd, gamma, mask=s.mask, layout=c.layout)
+            if dplan and wplan:                 # (both gradients: the one call that forms dz once for both)
+                dx, dw = igemm.conv2d_backward(s.dy, s.x, w, c.st, c.pd, layout=c.layout, mask=s.mask, prologue=pro)
+                return dx, dw, pro.grad_weight, pro.grad_bias
             dx = dplan(s.dy, w, mask=s.mask, prologue=pro, out=dxo) if dplan else None
             dw = wplan(s.x, s.dy, mask=s.mask, prologue=pro, out=dwo) if wplan else None
             return dx, dw, pro.grad_weight, pro.grad_bias

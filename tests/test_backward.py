@@ -216,6 +216,26 @@ def test_channels_last_numpy(numpy_backend, rng):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_conv2d_backward_numpy(numpy_backend, layout, rng):
+    """conv2d_backward is conv2d_grad_input and conv2d_grad_weight with the same arguments (mask and prologue
+    included); a dy that is no output of the problem raises, naming dy, before anything runs."""
+    p = dict(N=2, C=3, H=7, W=6, K=5, R=3, S=3, stride=(2, 2), padding=(1, 1), dilation=(1, 1), P=4, Q=3)
+    xs, ws, ys = shapes(p, layout)
+    x, w, dy, z = (rng.standard_normal(s).astype(np.float32) for s in (xs, ws, ys, ys))
+    mask = reference.pack_mask(rng.random(dy.size) > 0.5)
+    pro = igemm.GradPrologue(z, rng.standard_normal((3, 5)).astype(np.float32), None, None)
+    for kw in ({}, {"mask": mask}, {"mask": mask, "prologue": pro}):
+        dx, dw = igemm.conv2d_backward(dy, x, w, 2, 1, layout=layout, **kw)
+        np.testing.assert_array_equal(dx, igemm.conv2d_grad_input(dy, w, xs, 2, 1, layout=layout, **kw))
+        np.testing.assert_array_equal(dw, igemm.conv2d_grad_weight(x, dy, ws, 2, 1, layout=layout, **kw))
+    before = [a.copy() for a in (x, w, dy)]
+    with pytest.raises(ValueError, match="dy"):
+        igemm.conv2d_backward(dy[:1], x, w, 2, 1, layout=layout, mask=mask)
+    for a, b in zip((x, w, dy), before):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_prologue_numpy_matches_bn_backward(numpy_backend, rng):
     """conv2d_grad_prologue's coefficients give batch_norm_backward_elemt's gradient."""
     z = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
@@ -397,6 +417,48 @@ def test_gpu_channels_last(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_gpu_conv2d_backward_forms_dz_once(layout, rng, monkeypatch):
+    """conv2d_backward on 16-bit torch tensors with NHWC memory: one dz pass for both gradients (counted), dx and dw
+    those of conv2d_grad_input and conv2d_grad_weight to one rounding, and within fp16 tolerance of float64."""
+    torch = pytest.importorskip("torch")
+    from igemm.conv import _backward_functional as bf
+    calls = []
+    real = bf.launch_dz
+    monkeypatch.setattr(bf, "launch_dz", lambda *a, **k: (calls.append(k["mode"]), real(*a, **k))[1])
+    cl = torch.channels_last
+    x = torch.randn(4, 64, 12, 12, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
+    w = torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
+    dy = torch.randn(4, 64, 12, 12, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
+    z = torch.randn_like(dy)
+    mask = igemm.relu_mask(torch.randn_like(dy).permute(0, 2, 3, 1))
+    mean, invstd = z.float().mean((0, 2, 3)), 1 / (z.float().var((0, 2, 3), unbiased=False) + 1e-5).sqrt()
+    pro = igemm.conv2d_grad_prologue(dy, z, mean, invstd, torch.rand(64, device="cuda") + 0.5, mask=mask)
+    v = (lambda t: t.permute(0, 2, 3, 1)) if layout == "NHWC" else (lambda t: t)
+    if layout == "NHWC":
+        pro = igemm.GradPrologue(v(z), pro.coef, pro.grad_weight, pro.grad_bias)
+    for kw, mode in (({"mask": mask}, "mask"), ({"mask": mask, "prologue": pro}, "bn")):
+        calls.clear()
+        dx, dw = igemm.conv2d_backward(v(dy), v(x), v(w), 1, 1, layout=layout, **kw)
+        assert calls == [mode]
+        ex = igemm.conv2d_grad_input(v(dy), v(w), tuple(v(x).shape), 1, 1, layout=layout, **kw)
+        ew = igemm.conv2d_grad_weight(v(x), v(dy), tuple(v(w).shape), 1, 1, layout=layout, **kw)
+        assert dx.shape == ex.shape and dw.shape == ew.shape and dx.stride() == ex.stride()
+        assert rel_err(to_numpy(dx), to_numpy(ex)) < 2e-3 and rel_err(to_numpy(dw), to_numpy(ew)) < 2e-3
+        if mode == "bn":
+            # the float64 chain: dz = a·(bit ? dy : 0) + b·z + c, then both gradients
+            a, b, c = to_numpy(pro.coef).astype(np.float64)
+            g = reference.grad_prologue_ref(to_numpy(dy.permute(0, 2, 3, 1)), to_numpy(mask).view(np.uint32),
+                                            (to_numpy(z.permute(0, 2, 3, 1)), a, b, c), "NHWC")
+            xn, wn = to_numpy(x.permute(0, 2, 3, 1)), to_numpy(w.permute(0, 2, 3, 1))
+            rx = reference.conv2d_grad_input_ref(g, wn, xn.shape, 1, 1, 1, "NHWC")
+            rw = reference.conv2d_grad_weight_ref(xn, g, wn.shape, 1, 1, 1, "NHWC")
+            nhwc = (lambda t: t) if layout == "NHWC" else (lambda t: t.permute(0, 2, 3, 1))
+            assert rel_err(to_numpy(nhwc(dx)), rx) < TOL["float16"]
+            assert rel_err(to_numpy(nhwc(dw)), rw) < TOL["float16"]
+
+
+@pytest.mark.gpu
 def test_gpu_array_kinds(rng):
     """numpy arrays (copied), CuPy arrays and torch tensors give the same dx."""
     torch = pytest.importorskip("torch")
@@ -425,6 +487,12 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
                        device="numpy", arch="sm_90a", sms=132).sub_plans():
             name, s = sub.kernel(True, True)
             out[s] = name
+    for cls in (igemm.Conv2dGradInputPlan, igemm.Conv2dGradWeightPlan):      # test_gpu_conv2d_backward_forms_dz_once
+        for mask, pro in ((False, False), (True, False), (True, True)):
+            for sub in cls((4, 12, 12, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, mask=mask, prologue=pro,
+                           device="numpy", arch="sm_90a", sms=132).sub_plans():
+                name, s = sub.kernel(True, True)
+                out[s] = name
     for C, K, st in ((96, 128, 1), (128, 60, 1), (96, 128, 2)):          # test_gpu_wgrad_gemm_form
         p = one_by_one(dict(N=2, C=C, H=16, W=16, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
         xs, ws, _ = shapes(p, "NHWC")

@@ -4,7 +4,7 @@
 (paths and kernel overrides); ``KernelSpec`` and ``choose_config`` (the kernel choice, a pure function of the
 problem, :data:`RULES`); ``FFMA_CONFIG`` (strict fp32 on IEEE FFMA). See docs/design.md for how a call flows.
 """
-from ._backward_functional import conv2d_grad_input, conv2d_grad_prologue, conv2d_grad_weight
+from ._backward_functional import conv2d_backward, conv2d_grad_input, conv2d_grad_prologue, conv2d_grad_weight
 from ._backward_plan import Conv2dGradInputPlan, Conv2dGradWeightPlan, GradPrologue
 from ._functional import conv2d, conv2d_bn_relu
 from ._options import Conv2dOptions
@@ -14,5 +14,5 @@ from ._rules import FFMA_CONFIG, RULES, candidates, choose_config
 from ._spec import KernelSpec
 
 __all__ = ["Conv2dPlan", "Conv2dOptions", "conv2d", "conv2d_bn_relu", "Conv2dGradInputPlan", "Conv2dGradWeightPlan",
-           "GradPrologue", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_prologue", "ConvProblem", "KernelSpec", "choose_config",
-           "candidates", "RULES", "FFMA_CONFIG"]
+           "GradPrologue", "conv2d_backward", "conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_prologue",
+           "ConvProblem", "KernelSpec", "choose_config", "candidates", "RULES", "FFMA_CONFIG"]

@@ -1,5 +1,6 @@
 """The backward's function forms: ``conv2d_grad_input``, ``conv2d_grad_weight`` (a plan from an LRU cache per
-problem) and ``conv2d_grad_prologue`` (the BN-backward reduction and the prologue's coefficients)."""
+problem), ``conv2d_backward`` (both, the gradient reaching the conv formed once) and ``conv2d_grad_prologue`` (the
+BN-backward reduction and the prologue's coefficients)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -12,9 +13,10 @@ from .._dispatch import CallContext
 from .._runtime import as_tensor, keeps_current_context
 from ._backward_plan import Conv2dGradInputPlan, Conv2dGradWeightPlan, GradPrologue
 from ._functional import _channels_last, _nhwc_view, _permute
+from ._moves import dz_fits, launch_dz
 from ._problem import DTYPES, geometry, pair
 
-__all__ = ["conv2d_grad_input", "conv2d_grad_weight", "conv2d_grad_prologue"]
+__all__ = ["conv2d_grad_input", "conv2d_grad_weight", "conv2d_backward", "conv2d_grad_prologue"]
 
 _PLANS: OrderedDict = OrderedDict()
 _CACHE_SIZE = 256
@@ -99,12 +101,16 @@ def conv2d_grad_input(dy, w, x_shape, stride=1, padding=0, dilation=1, *, layout
         return out if out is not None else _permute(dx, (0, 3, 1, 2))
     dt, x_shape, w_shape, (st, pd, dl) = _problem(x_shape, "x_shape", w, "w", dy, layout, stride, padding,
                                                   dilation, True)
-    dev = _device_of(dt)
-    key = (x_shape, w_shape, dt.dtype, layout, st, pd, dl, precision, mask is not None, prologue is not None, dev)
-    plan = _cached(Conv2dGradInputPlan, key, lambda: Conv2dGradInputPlan(
-        x_shape, w_shape, dt.dtype, layout, st, pd, dl, precision=precision, mask=mask is not None,
-        prologue=prologue is not None, device=dev if dev is not None else "numpy"))
+    plan = _dgrad_plan(dt, x_shape, w_shape, layout, (st, pd, dl), precision, mask is not None, prologue is not None)
     return plan(dy, w, mask=mask, prologue=prologue, out=out, stream=stream)
+
+
+def _dgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask: bool, prologue: bool) -> Conv2dGradInputPlan:
+    dev = _device_of(dt)
+    key = (x_shape, w_shape, dt.dtype, layout, *geo, precision, mask, prologue, dev)
+    return _cached(Conv2dGradInputPlan, key, lambda: Conv2dGradInputPlan(
+        x_shape, w_shape, dt.dtype, layout, *geo, precision=precision, mask=mask, prologue=prologue,
+        device=dev if dev is not None else "numpy"))
 
 
 @keeps_current_context
@@ -142,15 +148,101 @@ def conv2d_grad_weight(x, dy, w_shape, stride=1, padding=0, dilation=1, *, layou
     out_dtype = as_tensor(out, "out").dtype if out is not None else dt.dtype
     if out_dtype not in (dt.dtype, "float32"):
         raise TypeError(f"out: expected dtype {dt.dtype} or float32, got {out_dtype}")
-    dev = _device_of(dt)
     accumulate = check_flag(accumulate, "accumulate")
-    key = (x_shape, w_shape, dt.dtype, layout, st, pd, dl, precision, mask is not None, prologue is not None,
-           out_dtype, accumulate, dev)
-    plan = _cached(Conv2dGradWeightPlan, key, lambda: Conv2dGradWeightPlan(
-        x_shape, w_shape, dt.dtype, layout, st, pd, dl, precision=precision, mask=mask is not None,
-        prologue=prologue is not None, out_dtype=out_dtype, accumulate=accumulate,
-        device=dev if dev is not None else "numpy"))
+    plan = _wgrad_plan(dt, x_shape, w_shape, layout, (st, pd, dl), precision, mask is not None, prologue is not None,
+                       out_dtype, accumulate)
     return plan(x, dy, mask=mask, prologue=prologue, out=out, stream=stream)
+
+
+def _wgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask: bool, prologue: bool, out_dtype: str,
+                accumulate: bool) -> Conv2dGradWeightPlan:
+    dev = _device_of(dt)
+    key = (x_shape, w_shape, dt.dtype, layout, *geo, precision, mask, prologue, out_dtype, accumulate, dev)
+    return _cached(Conv2dGradWeightPlan, key, lambda: Conv2dGradWeightPlan(
+        x_shape, w_shape, dt.dtype, layout, *geo, precision=precision, mask=mask, prologue=prologue,
+        out_dtype=out_dtype, accumulate=accumulate, device=dev if dev is not None else "numpy"))
+
+
+@keeps_current_context
+def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, layout: str = "NCHW", mask=None, prologue=None,
+                    precision: str = "strict", stream=None) -> tuple:
+    """Both gradients of ``conv2d``, ``(dx, dw)`` (``torch.ops.aten.convolution_backward`` with
+    ``output_mask=[True, True, False]``): :func:`conv2d_grad_input` and :func:`conv2d_grad_weight` with the same
+    arguments, ``x_shape`` and ``w_shape`` taken from ``x`` and ``w``.
+
+    With ``mask`` or ``prologue``, the gradient reaching the conv (``bit ? dy : 0``, or the prologue's
+    ``a[k]·g + b[k]·z + c[k]``) is formed once for both kernels where the two calls would each form it: torch CUDA
+    tensors of 16 bits with NHWC memory (``layout="NHWC"``, or ``channels_last``), K % 8 == 0, on the current
+    stream. Elsewhere it is the two calls. dx and dw are fresh, in x's dtype.
+
+    >>> import numpy as np, igemm
+    >>> x, w = np.ones((1, 2, 4, 4), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    >>> dx, dw = igemm.conv2d_backward(np.ones((1, 3, 4, 4), np.float32), x, w, padding=1)
+    >>> dx[0, 0, 0].tolist(), dw[0, 0, 0].tolist()
+    ([12.0, 18.0, 18.0, 12.0], [9.0, 12.0, 9.0])
+    """
+    require_array(dy, "dy")
+    require_array(x, "x")
+    require_array(w, "w")
+    check_stream(stream)
+    check_layout(layout)
+    if (mask is not None or prologue is not None) and stream is None:
+        both = _dz_once(dy, x, w, stride, padding, dilation, layout, mask, prologue, precision)
+        if both is not None:
+            return both
+    return (conv2d_grad_input(dy, w, tuple(x.shape), stride, padding, dilation, layout=layout, mask=mask,
+                              prologue=prologue, precision=precision, stream=stream),
+            conv2d_grad_weight(x, dy, tuple(w.shape), stride, padding, dilation, layout=layout, mask=mask,
+                               prologue=prologue, precision=precision, stream=stream))
+
+
+def _dz_once(dy, x, w, stride, padding, dilation, layout, mask, prologue, precision):
+    """:func:`conv2d_backward` with the gradient reaching the conv formed by one dz pass (csrc/conv/backward.cuh:
+    grad_dz) and both plans run plain on it; None where the call is not of that kind (nothing launched then).
+    Every check of the two plans' torch paths passes before the pass (docs/performance.md: grad-dz-once)."""
+    import sys
+    torch = sys.modules.get("torch")
+    T = torch.Tensor if torch is not None else None
+    if T is None or type(dy) is not T or type(x) is not T or not isinstance(w, T) or dy.dim() != 4 or not dy.is_cuda:
+        return None
+    if layout == "NCHW":
+        if not (_channels_last(dy) and _channels_last(x) and _channels_last(w)):
+            return None
+        z = getattr(prologue, "z", None)
+        if prologue is not None and not (isinstance(z, T) and _channels_last(z)):
+            return None
+        p = prologue if prologue is None else GradPrologue(z.permute(0, 2, 3, 1), prologue.coef,
+                                                            prologue.grad_weight, prologue.grad_bias)
+        v = (0, 2, 3, 1)
+        both = _dz_once(dy.permute(v), x.permute(v), w.permute(v), stride, padding, dilation, "NHWC", mask, p,
+                        precision)
+        return None if both is None else (both[0].permute(0, 3, 1, 2), both[1].permute(0, 3, 1, 2))
+    if dy.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    dt = as_tensor(dy, "dy")
+    try:
+        _, x_shape, w_shape, geo = _problem(tuple(x.shape), "x_shape", w, "w", dy, layout, stride, padding,
+                                            dilation, True)
+    except (TypeError, ValueError):
+        return None                               # (the two calls raise the precise error)
+    if tuple(w.shape) != w_shape:
+        return None
+    dplan = _dgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, prologue is not None)
+    wplan = _wgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, prologue is not None,
+                        dt.dtype, False)
+    g = dplan.problem
+    fd = dplan._torch_fast(dy, w, g.dy_shape, g.w_shape, mask, prologue, None, None)
+    fw = wplan._torch_fast(x, dy, g.x_shape, g.dy_shape, mask, prologue, None, None)
+    if fd is None or fw is None:
+        return None
+    fp = fd[2]
+    if not dz_fits(dplan.dtype, g.K, dy.data_ptr(), fp["z"], fp["coef"]):
+        return None
+    dz = torch.empty_like(dy)
+    launch_dz(dplan.device_id, fd[1], dplan.dtype, dy.numel() // g.K, g.K, dy.data_ptr(), dz.data_ptr(),
+              mode="bn" if fp["coef"] else "mask", sms=dplan.sms, **fp)
+    return (conv2d_grad_input(dz, w, x_shape, *geo, layout=layout, precision=precision),
+            conv2d_grad_weight(x, dz, w_shape, *geo, layout=layout, precision=precision))
 
 
 @keeps_current_context

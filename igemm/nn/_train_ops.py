@@ -178,7 +178,7 @@ torch.library.register_fake("igemm::conv2d_bn_train", _forward_fake, lib=_ops._l
 # ------------------------------------------------------------------------------------------------ backward
 def _backward_cuda(grad, x, weight, z, mask, mean, invstd, count, bn_weight, stride, padding, dilation, relu,
                    residual, output_mask, group=0):
-    from .. import (conv2d_grad_input, conv2d_grad_prologue, conv2d_grad_weight, relu_backward,
+    from .. import (conv2d_backward, conv2d_grad_input, conv2d_grad_prologue, conv2d_grad_weight, relu_backward,
                     sync_batch_norm_backward_reduce)
     from ..conv._backward_plan import GradPrologue
     if not _ops.supported(x, weight):
@@ -199,9 +199,13 @@ def _backward_cuda(grad, x, weight, z, mask, mean, invstd, count, bn_weight, str
         p = conv2d_grad_prologue(dy, z, mean, invstd, _f32(bn_weight), mask=m)
     st, pd, dl = tuple(stride), tuple(padding), tuple(dilation)
     empty = x.new_empty(0)
-    dx = conv2d_grad_input(dy, weight.contiguous(memory_format=fmt), tuple(x.shape), st, pd, dl, mask=m,
-                           prologue=p) if output_mask[0] else empty
-    dw = conv2d_grad_weight(x, dy, tuple(weight.shape), st, pd, dl, mask=m, prologue=p) if output_mask[1] else empty
+    w = weight.contiguous(memory_format=fmt)
+    if output_mask[0] and output_mask[1]:                # (dz formed once for both)
+        dx, dw = conv2d_backward(dy, x, w, st, pd, dl, mask=m, prologue=p)
+    else:
+        dx = conv2d_grad_input(dy, w, tuple(x.shape), st, pd, dl, mask=m, prologue=p) if output_mask[0] else empty
+        dw = conv2d_grad_weight(x, dy, tuple(weight.shape), st, pd, dl, mask=m, prologue=p) if output_mask[1] \
+            else empty
     dres = empty
     if residual and output_mask[3]:
         dres = (_nhwc_back(relu_backward(_nhwc(dy), m)) if fmt == torch.channels_last else relu_backward(dy, m)) \

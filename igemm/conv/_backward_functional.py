@@ -225,8 +225,6 @@ def _dz_once(dy, x, w, stride, padding, dilation, layout, mask, prologue, precis
                                             dilation, True)
     except (TypeError, ValueError):
         return None                               # (the two calls raise the precise error)
-    if tuple(w.shape) != w_shape:
-        return None
     dplan = _dgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, prologue is not None)
     wplan = _wgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, prologue is not None,
                         dt.dtype, False)

@@ -393,6 +393,19 @@ class TrainCall:
         return self._grads(h, src, fp, wp, x, need, sums, dres, add_to,
                            (dz if src != dp else dy, w, keep) if defer else None)
 
+    def dgrad_into(self, h, src, wp, fp, add_to, dev):
+        """dx from ``src`` (with the prologue ``fp``) and the weight at ``wp``; ``add_to`` (None: none): a gradient of
+        x's that dx includes, added by dgrad's store where it can (then dx is ``add_to``)."""
+        g, fmt = self.dgrad, self.fmt
+        add = (add_to is not None and g.adds and add_to.dtype is self.dtype and add_to.data_ptr() % 16 == 0
+               and add_to.is_contiguous(memory_format=fmt))
+        dx = add_to if add else torch.empty(self.x_shape, dtype=self.dtype, device=dev, memory_format=fmt)
+        with g._lock:
+            g._run(h, src, wp, dx.data_ptr(), fp, add)
+        if add_to is not None and not add:
+            dx.add_(add_to)
+        return dx
+
     def _grads(self, h, src, fp, wp, x, need, sums, dres, add_to, defer=None):
         """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain), the conv's weight at ``wp`` and
         the outputs of backward; ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can);
@@ -403,14 +416,7 @@ class TrainCall:
         if need[0] and defer is not None and add_to is None and self.defers:
             dx = _Dgrad(self, src, wp, fp, (defer, sums))
         elif need[0]:
-            g = self.dgrad
-            add = (add_to is not None and g.adds and add_to.dtype is self.dtype and add_to.data_ptr() % 16 == 0
-                   and add_to.is_contiguous(memory_format=fmt))
-            dx = add_to if add else torch.empty(self.x_shape, dtype=self.dtype, device=dev, memory_format=fmt)
-            with g._lock:
-                g._run(h, src, wp, dx.data_ptr(), fp, add)
-            if add_to is not None and not add:
-                dx.add_(add_to)
+            dx = self.dgrad_into(h, src, wp, fp, add_to, dev)
         if need[1]:
             g = self.wgrad
             dw = torch.empty(self.w_shape, dtype=self.wdtype, device=dev, memory_format=fmt)
@@ -438,15 +444,7 @@ class _Dgrad:
 
     def run(self, dx):
         """dx + this gradient, added by the kernel's store into ``dx`` where it can; ``dx`` None: the gradient."""
-        tc = self.tc
-        g, fmt = tc.dgrad, tc.fmt
-        h = tc.stream_of(self.refs[1].device.index)
-        add = (dx is not None and dx.dtype is tc.dtype and dx.data_ptr() % 16 == 0
-               and dx.is_contiguous(memory_format=fmt))
-        out = dx if add else torch.empty(tc.x_shape, dtype=tc.dtype, device=self.refs[1].device, memory_format=fmt)
-        with g._lock:
-            g._run(h, self.src, self.wp, out.data_ptr(), self.fp, add)
+        dev = self.refs[1].device
+        out = self.tc.dgrad_into(self.tc.stream_of(dev.index), self.src, self.wp, self.fp, dx, dev)
         self.refs = None
-        if dx is not None and not add:
-            out = dx + out
         return out

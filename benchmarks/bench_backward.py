@@ -18,7 +18,7 @@ Fused rows (fp16-NHWC only, when it is among --configs):
   <op>+mask  the plan built with mask=True, called with the forward ReLU bitmask; overhead = masked / unmasked
              plan time (unmasked_us); cudnn_us is PyTorch's chain threshold_backward + convolution_backward.
   bn-chain   the conv -> BN -> ReLU backward for the selected ops: igemm's conv2d_grad_prologue + dgrad plan +
-             wgrad plan (prologue=True, mask=True; both ops: conv2d_backward, one dz pass for the two) against
+             wgrad plan (prologue=True, mask=True; both ops: conv2d_bn_backward, BN's sums and dz one launch) against
              threshold_backward -> native_batch_norm_backward -> convolution_backward (output_mask [T,T,F]), each
              timed as one callable; errors are the max over dx, dw, dgamma, dbeta against the float64 chain. z is
              the conv output, y = ReLU(BN(z)) gives the mask.
@@ -221,10 +221,10 @@ class Runner:
         wplan = self.plan(c, "wgrad", sets[0].x, w, mask=True, prologue=True) if "wgrad" in ops else None
 
         def ours(s, dxo=None, dwo=None):
+            if dplan and wplan:                 # (both gradients: the block's backward in one call)
+                return igemm.conv2d_bn_backward(s.dy, s.x, w, s.z, s.mean, s.invstd, gamma, c.st, c.pd,
+                                                mask=s.mask, layout=c.layout)[:4]
             pro = igemm.conv2d_grad_prologue(s.dy, s.z, s.mean, s.invstd, gamma, mask=s.mask, layout=c.layout)
-            if dplan and wplan:                 # (both gradients: the one call that forms dz once for both)
-                dx, dw = igemm.conv2d_backward(s.dy, s.x, w, c.st, c.pd, layout=c.layout, mask=s.mask, prologue=pro)
-                return dx, dw, pro.grad_weight, pro.grad_bias
             dx = dplan(s.dy, w, mask=s.mask, prologue=pro, out=dxo) if dplan else None
             dw = wplan(s.x, s.dy, mask=s.mask, prologue=pro, out=dwo) if wplan else None
             return dx, dw, pro.grad_weight, pro.grad_bias

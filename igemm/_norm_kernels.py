@@ -24,7 +24,7 @@ __all__ = ["RedConfig", "EwConfig", "reduction_config", "elemt_config", "launch_
            "elemt_kernel", "launch_gather",
            "launch_sum_ranks", "launch_elemt", "instances_for", "compile_stubs", "precompile", "stub_stats_k1",
            "stub_finalize", "stub_gather", "stub_sum_ranks", "stub_forward", "stub_backward", "finalize_per_block",
-           "stub_train", "train_stubs", "train_kernel",
+           "stub_train", "train_stubs", "train_kernel", "TRAIN_BWD_PTRS",
            "align_of", "LAYOUTS", "THREADS"]
 
 LAYOUTS = ("NCHW", "NHWC")
@@ -58,6 +58,9 @@ _TRAIN_PARAMS = _RED_PARAMS + [ParamSpec(n, "ptr") for n in ("res", "y", "weight
                 [ParamSpec(n, "int32") for n in ("fixed", "K", "dzt", "ntiles")] + \
                 [ParamSpec(n, "int64") for n in ("NV", "dhw", "dc", "ewb", "dzb", "M")] + \
                 [ParamSpec("count", "float32")]
+#: the pointer parameters of the one-launch backward pass a call sets (``_Kern.run``'s order; the rest are static)
+TRAIN_BWD_PTRS = ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1", "out2", "out3", "gamma", "coef", "src",
+                  "dst", "z", "sel")
 _CNT_CTYPE = {"float32": "float", "float64": "double", "int32": "int32_t", "int64": "int64_t"}
 _STAT_CTYPE = {"float32": "float", "float64": "double"}
 

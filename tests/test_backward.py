@@ -236,6 +236,46 @@ def test_conv2d_backward_numpy(numpy_backend, layout, rng):
         np.testing.assert_array_equal(a, b)
 
 
+def _bn_chain_ref(dy, x, w, z, mean, invstd, gamma, mask, st, pd, layout):
+    """The float64 backward of conv -> BN (batch statistics) [-> ReLU]: (dx, dw, dgamma, dbeta, bit ? dy : 0)."""
+    K = z.shape[1] if layout == "NCHW" else z.shape[3]
+    sums = reference.batch_norm_backward_reduce_ref(dy, z, mean, invstd, layout, mask)
+    dz = reference.batch_norm_backward_elemt_ref(dy, z, mean, invstd, gamma, sums[0], sums[1], z.size // K,
+                                                 layout=layout, mask=mask)
+    g = np.asarray(dy, np.float64) if mask is None else reference.relu_backward(np.asarray(dy, np.float64), mask)
+    return (reference.conv2d_grad_input_ref(dz, w, x.shape, st, pd, 1, layout),
+            reference.conv2d_grad_weight_ref(x, dz, w.shape, st, pd, 1, layout), sums[2], sums[3], g)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_conv2d_bn_backward_numpy(numpy_backend, layout, rng):
+    """conv2d_bn_backward is the float64 chain (BN's sums, dz, both conv gradients, the residual's); bad arguments
+    raise naming the argument and change nothing."""
+    p = dict(N=2, C=3, H=7, W=6, K=5, R=3, S=3, stride=(2, 2), padding=(1, 1), dilation=(1, 1), P=4, Q=3)
+    xs, ws, ys = shapes(p, layout)
+    x, w, dy, z = (rng.standard_normal(s).astype(np.float32) for s in (xs, ws, ys, ys))
+    ax = (0, 2, 3) if layout == "NCHW" else (0, 1, 2)
+    mean = z.mean(ax).astype(np.float32)
+    invstd = (1 / np.sqrt(z.var(ax) + 1e-5)).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, 5).astype(np.float32)
+    mask = reference.pack_mask(rng.random(dy.size) > 0.5)
+    for m, gm in ((None, None), (mask, gamma)):
+        got = igemm.conv2d_bn_backward(dy, x, w, z, mean, invstd, gm, 2, 1, mask=m, layout=layout, residual=True)
+        want = _bn_chain_ref(dy, x, w, z, mean, invstd, np.ones(5) if gm is None else gm, m, 2, 1, layout)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and rel_err(a, b) < 1e-5
+        assert igemm.conv2d_bn_backward(dy, x, w, z, mean, invstd, gm, 2, 1, mask=m, layout=layout)[4] is None
+    before = [a.copy() for a in (x, w, dy, z, mean, invstd)]
+    for kw, name in (({"mean": mean[:4]}, "mean"), ({"w": w[:, :2]}, "w"), ({"mask": mask[:1]}, "mask"),
+                     ({"precision": "fp8"}, "precision"), ({"z": z[:1]}, "z")):
+        a = dict(dy=dy, x=x, w=w, z=z, mean=mean, invstd=invstd, gamma=gamma, mask=mask, precision="strict") | kw
+        with pytest.raises((ValueError, TypeError), match=name):
+            igemm.conv2d_bn_backward(a.pop("dy"), a.pop("x"), a.pop("w"), a.pop("z"), a.pop("mean"), a.pop("invstd"),
+                                     a.pop("gamma"), 2, 1, layout=layout, **a)
+    for a, b in zip((x, w, dy, z, mean, invstd), before):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_prologue_numpy_matches_bn_backward(numpy_backend, rng):
     """conv2d_grad_prologue's coefficients give batch_norm_backward_elemt's gradient."""
     z = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
@@ -459,6 +499,52 @@ def test_gpu_conv2d_backward_forms_dz_once(layout, rng, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype", [("NCHW", "float16"), ("NHWC", "float16"), ("NHWC", "bfloat16")])
+def test_gpu_conv2d_bn_backward_one_launch(layout, dtype, rng, monkeypatch):
+    """conv2d_bn_backward on 16-bit torch tensors with NHWC memory takes the one-launch path (no separate dz pass),
+    and gives the composed calls' results to one rounding and the float64 chain's within the dtype's tolerance."""
+    torch = pytest.importorskip("torch")
+    from igemm.conv import _backward_functional as bf
+    fast = []
+    real = bf._bn_once
+    monkeypatch.setattr(bf, "_bn_once", lambda *a: (lambda r: (fast.append(r is not None), r)[1])(real(*a)))
+    cl, td = torch.channels_last, getattr(torch, dtype)
+    x = torch.randn(4, 64, 12, 12, device="cuda", dtype=td).contiguous(memory_format=cl)
+    w = (torch.randn(64, 64, 3, 3, device="cuda", dtype=td) / 24).contiguous(memory_format=cl)
+    dy = torch.randn(4, 64, 12, 12, device="cuda", dtype=td).contiguous(memory_format=cl)
+    z = (torch.randn_like(dy) * 2 + 0.5).contiguous(memory_format=cl)
+    zf = z.float()
+    mean, invstd = zf.mean((0, 2, 3)), 1 / (zf.var((0, 2, 3), unbiased=False) + 1e-5).sqrt()
+    gamma = torch.rand(64, device="cuda") + 0.5
+    mask = igemm.relu_mask(torch.randn_like(dy).permute(0, 2, 3, 1))
+    v = (lambda t: t.permute(0, 2, 3, 1)) if layout == "NHWC" else (lambda t: t)
+    nhwc = (lambda t: t) if layout == "NHWC" else (lambda t: t.permute(0, 2, 3, 1))
+    for m, gm in ((mask, gamma), (None, None)):
+        fast.clear()
+        got = igemm.conv2d_bn_backward(v(dy), v(x), v(w), v(z), mean, invstd, gm, 1, 1, mask=m, layout=layout,
+                                       residual=True)
+        assert fast == [True] * (2 if layout == "NCHW" else 1)      # (NCHW: the NHWC call on views inside)
+        pro = igemm.conv2d_grad_prologue(v(dy), v(z), mean, invstd, gm, mask=m, layout=layout)
+        ex, ew = igemm.conv2d_backward(v(dy), v(x), v(w), 1, 1, layout=layout, mask=m, prologue=pro)
+        for a, b in zip(got, (ex, ew, pro.grad_weight, pro.grad_bias)):
+            assert a.shape == b.shape and a.stride() == b.stride() and rel_err(to_numpy(a), to_numpy(b)) < 2e-3
+        if m is None:
+            assert got[4] is v(dy) or torch.equal(got[4], v(dy))
+        else:
+            assert torch.equal(nhwc(got[4]), igemm.relu_backward(dy.permute(0, 2, 3, 1), m))
+        n = [to_numpy(t.permute(0, 2, 3, 1)).astype(np.float64) for t in (dy, x, w, z)]
+        want = _bn_chain_ref(*n, to_numpy(mean), to_numpy(invstd), to_numpy(gm) if gm is not None else np.ones(64),
+                             None if m is None else to_numpy(m).view(np.uint32), 1, 1, "NHWC")
+        for a, b in zip((nhwc(got[0]), nhwc(got[1]), got[2], got[3]), want):
+            assert rel_err(to_numpy(a).astype(np.float64), b) < TOL[dtype]
+    before = [t.clone() for t in (dy, x, w, z, mean)]
+    fast.clear()
+    with pytest.raises(ValueError, match="mean"):          # (not the one launch's kind: the composed calls raise)
+        igemm.conv2d_bn_backward(v(dy), v(x), v(w), v(z), mean[:32], invstd, gamma, 1, 1, mask=mask, layout=layout)
+    assert not any(fast) and all(torch.equal(a, b) for a, b in zip((dy, x, w, z, mean), before))
+
+
+@pytest.mark.gpu
 def test_gpu_array_kinds(rng):
     """numpy arrays (copied), CuPy arrays and torch tensors give the same dx."""
     torch = pytest.importorskip("torch")
@@ -488,8 +574,9 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
             name, s = sub.kernel(True, True)
             out[s] = name
     for cls in (igemm.Conv2dGradInputPlan, igemm.Conv2dGradWeightPlan):      # test_gpu_conv2d_backward_forms_dz_once
-        for mask, pro in ((False, False), (True, False), (True, True)):
-            for sub in cls((4, 12, 12, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, mask=mask, prologue=pro,
+        for dt, mask, pro in (("float16", False, False), ("float16", True, False), ("float16", True, True),
+                              ("bfloat16", False, False)):               # (bf16: ..._bn_backward_one_launch)
+            for sub in cls((4, 12, 12, 64), (64, 3, 3, 64), dt, "NHWC", 1, 1, mask=mask, prologue=pro,
                            device="numpy", arch="sm_90a", sms=132).sub_plans():
                 name, s = sub.kernel(True, True)
                 out[s] = name

@@ -217,8 +217,8 @@ def cuda_path_on_numpy(monkeypatch, numpy_backend):
         return torch.from_numpy(a.view(np.int32) if a.dtype == np.uint32 else a) if isinstance(a, np.ndarray) else a
 
     for name in ("batch_norm_stats", "batch_norm_relu", "batch_norm_elemt", "conv2d_grad_input", "conv2d_grad_weight",
-                 "conv2d_backward", "conv2d_grad_prologue", "relu_backward", "relu_mask", "sync_batch_norm_stats",
-                 "sync_batch_norm_backward_reduce"):
+                 "conv2d_backward", "conv2d_bn_backward", "conv2d_grad_prologue", "relu_backward", "relu_mask",
+                 "sync_batch_norm_stats", "sync_batch_norm_backward_reduce"):
         f = getattr(igemm, name)
         monkeypatch.setattr(igemm, name, lambda *a, f=f, **k: to_torch(f(*map(to_np, a),
                                                                           **{n: to_np(v) for n, v in k.items()})))

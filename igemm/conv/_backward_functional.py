@@ -1,6 +1,7 @@
 """The backward's function forms: ``conv2d_grad_input``, ``conv2d_grad_weight`` (a plan from an LRU cache per
-problem), ``conv2d_backward`` (both, the gradient reaching the conv formed once) and ``conv2d_grad_prologue`` (the
-BN-backward reduction and the prologue's coefficients)."""
+problem), ``conv2d_backward`` (both, the gradient reaching the conv formed once), ``conv2d_grad_prologue`` (the
+BN-backward reduction and the prologue's coefficients) and ``conv2d_bn_backward`` (a conv -> BN [-> ReLU] block's
+backward: the reduction, dz and both gradients)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -14,9 +15,9 @@ from .._runtime import as_tensor, keeps_current_context
 from ._backward_plan import Conv2dGradInputPlan, Conv2dGradWeightPlan, GradPrologue
 from ._functional import _channels_last, _nhwc_view, _permute
 from ._moves import dz_fits, launch_dz
-from ._problem import DTYPES, geometry, pair
+from ._problem import DTYPES, PRECISIONS, geometry, pair
 
-__all__ = ["conv2d_grad_input", "conv2d_grad_weight", "conv2d_backward", "conv2d_grad_prologue"]
+__all__ = ["conv2d_grad_input", "conv2d_grad_weight", "conv2d_backward", "conv2d_grad_prologue", "conv2d_bn_backward"]
 
 _PLANS: OrderedDict = OrderedDict()
 _CACHE_SIZE = 256
@@ -271,6 +272,10 @@ def conv2d_grad_prologue(dy, z, mean, invstd, gamma=None, *, mask=None, layout: 
     t = as_tensor(dy, "dy")
     if t.ndim != 4:
         raise ValueError(f"dy: expected a 4-D {layout} tensor, got shape {tuple(t.shape)}")
+    zt = as_tensor(z, "z")                         # (the reduction would name z its x)
+    if tuple(zt.shape) != tuple(t.shape) or zt.dtype != t.dtype:
+        raise ValueError(f"z: expected dy's shape {tuple(t.shape)} and dtype {t.dtype}, got {tuple(zt.shape)} "
+                         f"{zt.dtype}")
     K = t.shape[1] if layout == "NCHW" else t.shape[3]
     count = t.numel // K if K else 0
     if gamma is not None:
@@ -298,3 +303,124 @@ def conv2d_grad_prologue(dy, z, mean, invstd, gamma=None, *, mask=None, layout: 
                             sum_dy=ctx.device_view("sum_dy").ptr, sum_dy_xmu=ctx.device_view("sum_dy_xmu").ptr,
                             coef=c_dev.ptr)
     return GradPrologue(z, ctx.finish(c_obj), grad_weight, grad_bias)
+
+
+@keeps_current_context
+def conv2d_bn_backward(dy, x, w, z, mean, invstd, gamma=None, stride=1, padding=0, dilation=1, *, mask=None,
+                       layout: str = "NCHW", residual: bool = False, precision: str = "strict") -> tuple:
+    """The backward of one conv -> BatchNorm (training statistics) [-> + residual] [-> ReLU] block:
+    ``(dx, dw, grad_weight, grad_bias, grad_residual)``, the conv's gradients, BN's (dgamma, dbeta) and, with
+    ``residual=True``, the residual branch's gradient (``bit ? dy : 0`` with ``mask``, else dy itself; None without).
+
+    It is :func:`conv2d_grad_prologue` and then :func:`conv2d_backward` with that prologue, with their arguments and
+    semantics. Where those calls would take torch CUDA tensors of 16 bits with NHWC memory (``layout="NHWC"``, or
+    ``channels_last``), K % 8 == 0 and the GPU holds the pass's grid at once, BN's sums, the prologue's coefficients
+    and dz (and the residual's gradient) are one cooperative launch (csrc/norm_train.cuh: bn_train_backward), and
+    dgrad and wgrad run plain on dz (docs/performance.md: bn-backward-one-launch).
+
+    Args:
+        dy: the gradient of the block's output; x, w: the conv's input and weight; z: the conv's output (dy's shape).
+        mean, invstd: BN's batch statistics of z (fp32, K); gamma: BN's weight (fp32, K; None: ones).
+        mask: the forward's ReLU bit mask (of the BN(+residual) output); None: no ReLU.
+
+    >>> import numpy as np, igemm
+    >>> x, w = np.ones((1, 2, 4, 4), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    >>> z = igemm.conv2d(x, w, padding=1)
+    >>> mean, invstd = z.mean((0, 2, 3)), 1 / np.sqrt(z.var((0, 2, 3)) + 1e-5)
+    >>> dy = np.tile(np.arange(4, dtype=np.float32), (1, 3, 4, 1))
+    >>> dx, dw, dgamma, dbeta, dres = igemm.conv2d_bn_backward(dy, x, w, z, mean, invstd, padding=1)
+    >>> dbeta.tolist(), dres is None
+    ([24.0, 24.0, 24.0], True)
+    """
+    require_array(dy, "dy")
+    require_array(x, "x")
+    require_array(w, "w")
+    require_array(z, "z")
+    check_layout(layout)
+    check_flag(residual, "residual")
+    got = _bn_once(dy, x, w, z, mean, invstd, gamma, stride, padding, dilation, layout, mask, residual, precision)
+    if got is not None:
+        return got
+    # the conv's arguments checked before the reduction launches (its own are checked by conv2d_grad_prologue)
+    _problem(tuple(x.shape), "x_shape", w, "w", dy, layout, stride, padding, dilation, True)
+    _problem(tuple(w.shape), "w_shape", x, "x", dy, layout, stride, padding, dilation, False)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected 'strict' or 'tf32', got {precision!r}")
+    p = conv2d_grad_prologue(dy, z, mean, invstd, gamma, mask=mask, layout=layout)
+    dx, dw = conv2d_backward(dy, x, w, stride, padding, dilation, layout=layout, mask=mask, prologue=p,
+                             precision=precision)
+    dres = None
+    if residual:
+        from ..relu import relu_backward
+        if mask is None:
+            dres = dy
+        elif layout == "NCHW" and _channels_last(dy):      # (the mask is over the memory order)
+            dres = _permute(relu_backward(_permute(dy, (0, 2, 3, 1)), mask), (0, 3, 1, 2))
+        else:
+            dres = relu_backward(dy, mask)
+    return dx, dw, p.grad_weight, p.grad_bias, dres
+
+
+_BWD_SLOTS: dict = {}        # one-launch backward kernel -> its pointer slots
+
+
+def _bn_once(dy, x, w, z, mean, invstd, gamma, stride, padding, dilation, layout, mask, residual, precision):
+    """:func:`conv2d_bn_backward` with BN's sums, the coefficients and dz in one launch and both plans plain on dz;
+    None where the call is not of that kind (nothing launched then: the composed calls raise the precise error)."""
+    import sys
+    torch = sys.modules.get("torch")
+    T = torch.Tensor if torch is not None else None
+    if (T is None or type(dy) is not T or type(x) is not T or not isinstance(w, T) or type(z) is not T
+            or dy.dim() != 4 or not dy.is_cuda):
+        return None
+    if layout == "NCHW":
+        if not all(_channels_last(t) for t in (dy, x, w, z)):
+            return None
+        v, u = (0, 2, 3, 1), (0, 3, 1, 2)
+        got = _bn_once(dy.permute(v), x.permute(v), w.permute(v), z.permute(v), mean, invstd, gamma, stride, padding,
+                       dilation, "NHWC", mask, residual, precision)
+        return None if got is None else (got[0].permute(u), got[1].permute(u), got[2], got[3],
+                                         None if got[4] is None else got[4].permute(u))
+    if dy.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    dt = as_tensor(dy, "dy")
+    try:
+        _, x_shape, w_shape, geo = _problem(tuple(x.shape), "x_shape", w, "w", dy, layout, stride, padding,
+                                            dilation, True)
+    except (TypeError, ValueError):
+        return None
+    N, P, Q, K = dy.shape
+    dev = dy.get_device()
+    for t in (mean, invstd) if gamma is None else (mean, invstd, gamma):
+        if (type(t) is not T or t.dtype is not torch.float32 or tuple(t.shape) != (K,) or not t.is_contiguous()
+                or t.get_device() != dev):
+            return None
+    from .._norm_kernels import TRAIN_BWD_PTRS, train_kernel
+    one = train_kernel(dev, backward=True, dtype=dt.dtype, N=N, C=K, HW=P * Q)
+    if one is None:
+        return None
+    k, nws = one
+    sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dy.device)
+    # sums: sum_dy, sum_dy_xmu, (unused), dbeta (K each), the coefficients (3 x K), the partials; dgamma its own
+    # (no two returns share memory: torch.library's rule for the op path's outputs)
+    dgamma = torch.empty((K,), dtype=torch.float32, device=dy.device)
+    coef = sums[4 * K:7 * K].view(3, K)
+    dplan = _dgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, True)
+    wplan = _wgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, True, dt.dtype, False)
+    g, pro = dplan.problem, GradPrologue(z, coef)
+    fd = dplan._torch_fast(dy, w, g.dy_shape, g.w_shape, mask, pro, None, None)
+    fw = wplan._torch_fast(x, dy, g.x_shape, g.dy_shape, mask, pro, None, None)
+    if fd is None or fw is None or not dz_fits(dplan.dtype, K, dy.data_ptr(), z.data_ptr()):
+        return None
+    slots = _BWD_SLOTS.get(k)
+    if slots is None:
+        slots = _BWD_SLOTS[k] = k.slots(TRAIN_BWD_PTRS)
+    dz = torch.empty_like(dy)
+    sel = torch.empty_like(dy) if residual and mask is not None else None
+    b, dp, zp = sums.data_ptr(), dy.data_ptr(), z.data_ptr()
+    k.run(fd[1], slots, [zp, dp, fd[2]["mask"], mean.data_ptr(), invstd.data_ptr(), b + 28 * K, b, b + 4 * K,
+                         dgamma.data_ptr(), b + 12 * K, gamma.data_ptr() if gamma is not None else 0, b + 16 * K, dp,
+                         dz.data_ptr(), zp, sel.data_ptr() if sel is not None else 0])
+    dx = conv2d_grad_input(dz, w, x_shape, *geo, layout=layout, precision=precision)
+    dw = conv2d_grad_weight(x, dz, w_shape, *geo, layout=layout, precision=precision)
+    return dx, dw, dgamma, sums[3 * K:4 * K], sel if sel is not None else (dy if residual else None)

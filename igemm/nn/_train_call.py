@@ -17,7 +17,7 @@ from torch.autograd.graph import increment_version
 from .. import _runtime
 from .. import relu as _relu
 from .._kernel import bind_args
-from .._norm_kernels import elemt_kernel, reduction_kernels, sync_kernels, train_kernel
+from .._norm_kernels import TRAIN_BWD_PTRS, elemt_kernel, reduction_kernels, sync_kernels, train_kernel
 from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan, Conv2dPlan
 from ..conv._backward_functional import _cached
 from ..conv._moves import Move, dz_fits, launch_coefficients, launch_dz
@@ -35,11 +35,9 @@ _GRAD_PTRS = ("dy", "x", "mask", "mean", "invstd", "out0", "out1", "out2", "out3
 # SyncBatchNorm's: this rank's (mean, var, count) in fp64; the merge of every rank's (syncbn.sync_batch_norm_stats)
 _SYNC_STATS_PTRS = ("x", "out0", "out1", "out2", "part")
 _GATHER_PTRS = ("mean", "var", "cnt", "out0", "out1", "out2", "run_mean", "run_var")
-# the one-launch passes' (csrc/norm_train.cuh)
+# the one-launch forward pass's (csrc/norm_train.cuh; the backward's: TRAIN_BWD_PTRS)
 _TRAIN_FWD_PTRS = ("x", "part", "out0", "out1", "mean", "invstd", "run_mean", "run_var", "res", "y", "mask", "weight",
                    "bias", "nbt")
-_TRAIN_BWD_PTRS = ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1", "out2", "out3", "gamma", "coef",
-                   "src", "dst", "z", "sel")
 _NO_VECTORS = _ops._Vectors(None, None)      # (the conv's epilogue has no per-call vectors; one object: bound once)
 _local = threading.local()   # .scratch: (device, stream) -> a float32 buffer for what one call writes and reads at once
 
@@ -169,7 +167,7 @@ class TrainCall:
             kf = self.one_fwd[0]
             self.slots.update(one_fwd=kf.slots(_TRAIN_FWD_PTRS), one_eps=kf.slot["eps"], one_mom=kf.slot["momentum"])
         if self.one_bwd is not None:
-            self.slots["one_bwd"] = self.one_bwd[0].slots(_TRAIN_BWD_PTRS)
+            self.slots["one_bwd"] = self.one_bwd[0].slots(TRAIN_BWD_PTRS)
         # the forward's two ways, found once: (statistics plan, its floats, BatchNorm pass, its partials, keep's bytes,
         # the mask's offset in keep); the second (no statistics from the conv) has the first two None
         nv = (3 if self.sync is not None else 2) * K

@@ -178,8 +178,8 @@ torch.library.register_fake("igemm::conv2d_bn_train", _forward_fake, lib=_ops._l
 # ------------------------------------------------------------------------------------------------ backward
 def _backward_cuda(grad, x, weight, z, mask, mean, invstd, count, bn_weight, stride, padding, dilation, relu,
                    residual, output_mask, group=0):
-    from .. import (conv2d_backward, conv2d_grad_input, conv2d_grad_prologue, conv2d_grad_weight, relu_backward,
-                    sync_batch_norm_backward_reduce)
+    from .. import (conv2d_backward, conv2d_bn_backward, conv2d_grad_input, conv2d_grad_prologue, conv2d_grad_weight,
+                    relu_backward, sync_batch_norm_backward_reduce)
     from ..conv._backward_plan import GradPrologue
     if not _ops.supported(x, weight):
         return _backward_torch(grad, x, weight, z, mask, mean, invstd, count, bn_weight, stride, padding, dilation,
@@ -189,6 +189,13 @@ def _backward_cuda(grad, x, weight, z, mask, mean, invstd, count, bn_weight, str
         x = x.contiguous(memory_format=fmt)
     dy = grad.contiguous(memory_format=fmt)              # (the mask is over z's memory order)
     m = mask if relu else None
+    st, pd, dl = tuple(stride), tuple(padding), tuple(dilation)
+    empty = x.new_empty(0)
+    w = weight.contiguous(memory_format=fmt)
+    if not group and output_mask[0] and output_mask[1]:  # (BN's sums, dz and the residual's gradient in one launch)
+        dx, dw, gw, gb, dres = conv2d_bn_backward(dy, x, w, z, mean, invstd, _f32(bn_weight), st, pd, dl, mask=m,
+                                                  residual=bool(residual and output_mask[3]))
+        return dx, dw, gw, gb, dres if dres is not None else empty
     if group:                  # SyncBatchNorm: the sums of every rank (NCCL), the coefficients with their count
         nhwc = fmt == torch.channels_last
         sdy, sdx, gw, gb = sync_batch_norm_backward_reduce(
@@ -197,9 +204,6 @@ def _backward_cuda(grad, x, weight, z, mask, mean, invstd, count, bn_weight, str
         p = GradPrologue(z, _coefficients(sdy, sdx, mean, invstd, bn_weight, count), gw, gb)
     else:
         p = conv2d_grad_prologue(dy, z, mean, invstd, _f32(bn_weight), mask=m)
-    st, pd, dl = tuple(stride), tuple(padding), tuple(dilation)
-    empty = x.new_empty(0)
-    w = weight.contiguous(memory_format=fmt)
     if output_mask[0] and output_mask[1]:                # (dz formed once for both)
         dx, dw = conv2d_backward(dy, x, w, st, pd, dl, mask=m, prologue=p)
     else:

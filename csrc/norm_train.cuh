@@ -8,8 +8,9 @@
 //                      channel adds them: sum_dy, sum_dy_xmu, dgamma, dbeta (grad_merge) and the dz coefficients
 //                      a, b, c (coefficients_at) | (3) dz = a·dy' + b·z + c [and sel = dy'] (grad_dz's blocks)
 // The same device functions in the same order as the separate launches (norm_stats.cuh, norm_elemt.cuh,
-// conv/backward.cuh), on a grid of 3 blocks an SM (the statistics' slices, and so their fp32 rounding, are that
-// grid's); one launch instead of three or four saves the host a launch call each (docs/performance.md:
+// conv/backward.cuh), on a grid of 3 blocks an SM (the backward's 1 or 2 for a small tensor, whose phases are
+// latency: igemm/_norm_kernels.py train_backward_blocks_per_sm; the statistics' slices, and so their fp32 rounding,
+// are that grid's); one launch instead of three or four saves the host a launch call each (docs/performance.md:
 // bn-train-one-launch). Final: kernel 1's grid has one slice per channel and phase 1 writes the merged results itself.
 // Both last phases walk the tensor from its end (Rev), so what the next kernel reads first (the start of y or dz) is
 // what they wrote last, still in L2 (docs/performance.md: bn-pass-reversed).

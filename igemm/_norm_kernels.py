@@ -35,6 +35,13 @@ _EW_UNROLL = 2
 _BLOCKS_PER_SM = 4  # __launch_bounds__(256, 4): every grid below is at most one resident wave
 _TRAIN_BLOCKS_PER_SM = 3  # the one-launch passes: 80 registers (their phases spill at 64)
 
+
+def train_backward_blocks_per_sm(nbytes: int, sms: int) -> int:
+    """Blocks an SM of the one-launch backward pass over a 16-bit tensor of ``nbytes``: fewer where the tensor is
+    small, whose phases are then latency, not bandwidth (docs/performance.md: bn-backward-blocks)."""
+    per_sm = nbytes // sms
+    return 1 if per_sm < 32 << 10 else 2 if per_sm < 64 << 10 else _TRAIN_BLOCKS_PER_SM
+
 _RED_PARAMS = [ParamSpec(n, "ptr") for n in ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1",
                                              "out2", "out3", "run_mean", "run_var")] + \
               [ParamSpec(n, "int32") for n in ("C", "S", "gx", "tx", "txs", "P", "mode", "f64")] + \
@@ -334,7 +341,7 @@ def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, 
         return None
     sms = _sms(device_id)
     cfg = reduction_config("NHWC", N, C, HW, 2, 16, sms, _GRAD_UNROLL if backward else _STATS_UNROLL,
-                           _TRAIN_BLOCKS_PER_SM)
+                           train_backward_blocks_per_sm(2 * N * HW * C, sms) if backward else _TRAIN_BLOCKS_PER_SM)
     static = dict(_red_static(cfg, C, HW, N * HW, 1, 0), K=C, M=N * HW, count=float(N * HW))
     if backward:                          # (a block of the dz pass for each of this grid's)
         _, dzt = dz_geometry(N * HW, C, sms)

@@ -9,7 +9,8 @@ import pytest
 
 from igemm import _norm_kernels as nk
 
-GEOMS = [(2, 64, 49), (8, 200, 196), (4, 2048, 49), (32, 256, 784)]   # (N, C, HW)
+# (N, C, HW); the backward's grid at 1, 1, 1, 2 and 3 blocks an SM (train_backward_blocks_per_sm, 132 SMs)
+GEOMS = [(2, 64, 49), (8, 200, 196), (4, 2048, 49), (32, 128, 784), (32, 256, 784)]
 
 
 def test_train_grids_are_one_resident_wave():
@@ -23,6 +24,7 @@ def test_train_grids_are_one_resident_wave():
                 ec = nk.elemt_config("NHWC", N, C, HW, 2, 16, sms, cfg.blocks)
                 assert ec.blocks <= cfg.blocks and ec.fixed == nk.elemt_config("NHWC", N, C, HW, 2, 16, sms).fixed
     assert nk._TRAIN_BLOCKS_PER_SM == 3
+    assert [nk.train_backward_blocks_per_sm(2 * N * C * HW, 132) for N, C, HW in GEOMS] == [1, 1, 1, 2, 3]
     for s in (nk.stub_train("float16", False, False, 2, True), nk.stub_train("bfloat16", True, True)):
         assert "__launch_bounds__(256, 3)" in s
     assert len(set(nk.train_stubs())) == 28

@@ -125,6 +125,13 @@ def test_wgrad_native_choice():
     assert s.out == "float16" and _native.choose_spec(wide, "float16", "float16", True, 132).out == "float32"
     deep = GradWeightProblem((256, 7, 7, 512), (512, 3, 3, 512), "NHWC", 1, 1, 1)    # 8x the reduction: split
     assert _native.choose_spec(deep, "float16", "float16", False, 132).splits == 3
+    few = GradWeightProblem((32, 7, 7, 512), (2048, 1, 1, 512), "NHWC", 1, 0, 1)      # 64 tiles, one split
+    s = _native.choose_spec(few, "float16", "float16", False, 132)
+    assert (s.bm, s.bn, s.ws, s.splits, s.out) == (128, 64, True, 1, "float16")
+    for N, splits in ((32, 33), (256, 66)):          # a 1x1 of 4 tiles: two CTAs an SM where splits stay deep
+        one = GradWeightProblem((N, 56, 56, 64), (256, 1, 1, 64), "NHWC", 1, 0, 1)
+        s = _native.choose_spec(one, "float16", "float16", False, 132)
+        assert (s.bm, s.bn, s.ws, s.splits) == (64, 64, False, splits)
     for tiles, kt in ((1, 1), (9, 1568), (36, 98), (144, 49), (7, 5)):
         sp = _native._best_splits(tiles, kt, 2 ** 20, 132)
         assert 1 <= sp <= kt and (sp - 1) * -(-kt // sp) < kt, (tiles, kt, sp)      # no empty split

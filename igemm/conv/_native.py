@@ -143,23 +143,29 @@ def _best_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
 def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int) -> WgradSpec:
     """The kernel for ``g`` (docs/performance.md: wgrad-native-tiles, wgrad-ws-128):
     - K and R·S·C multiples of 128: 128 x 128 tiles in the persistent kernel (4 stages, a CTA an SM), the reduction
-      split by :func:`_best_splits`;
+      split by :func:`_best_splits`; where that leaves one split and at most half the SMs a tile, 128 x 64 tiles
+      (twice as many CTAs; wgrad-ws-128x64);
     - else per-tile 64-row tiles, 128 wide where R·S·C is a multiple of 128 and at least 512 (else 64), 4 stages,
-      the reduction split so that the tiles x splits fill the CTAs an SM holds (a 1x1: one CTA an SM), none empty.
+      the reduction split so that the tiles x splits fill the CTAs an SM holds (a 1x1: one CTA an SM, two where each
+      split still runs 128 k-tiles: wgrad-1x1-two-ctas), none empty.
     ``out``: dw's dtype; one split without accumulation stores dw itself, else fp32 partials."""
     rsc = g.R * g.S * g.C
     kt = -(-g.N * g.P * g.Q // BK)
     if g.K % 128 == 0 and rsc % 128 == 0:
         tiles = g.K // 128 * (rsc // 128)
         splits = _best_splits(tiles, kt, g.K * rsc, sms)
-        return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", 128, 128, 4, splits, True)
+        bn = 64 if splits == 1 and 2 * tiles <= sms else 128
+        return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", 128, bn, 4, splits, True)
     bm, bn = 64, (128 if rsc % 128 == 0 and rsc >= 512 else 64)
     tiles = -(-g.K // bm) * -(-rsc // bn)
     spec = WgradSpec(dtype, "float32", bm, bn, 4)
-    slots = sms if g.R * g.S == 1 else max(1, _SM_SMEM // (spec.smem + 1024)) * sms
+    if g.R * g.S == 1:
+        slots = 2 * sms if kt >= -(-2 * sms // tiles) * 128 else sms
+    else:
+        slots = max(1, _SM_SMEM // (spec.smem + 1024)) * sms
     splits = 1
     if tiles < slots:
-        splits = min(-(-sms // tiles) if g.R * g.S == 1 else slots // tiles, kt)
+        splits = min(-(-slots // tiles) if g.R * g.S == 1 else slots // tiles, kt)
         splits = -(-kt // -(-kt // splits))          # (no empty split)
     return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", bm, bn, 4, splits)
 
@@ -379,7 +385,7 @@ def all_variants() -> list[tuple[str, str]]:
     tools fill the cache with them: the tiles depend only on the channel counts, wgrad's stored type on its split)."""
     dts = ("float16", "bfloat16")
     out = [WgradSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
-    out += [WgradSpec(dt, o, 128, 128, 4, 1, True).kernel() for dt in dts for o in (dt, "float32")]
+    out += [WgradSpec(dt, o, 128, bn, 4, 1, True).kernel() for dt in dts for o in (dt, "float32") for bn in (64, 128)]
     out += [DgradSpec(dt, *t, add).kernel() for dt in dts for add in (False, True)
             for t in ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True), (128, 128, 3, False))]
     return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

@@ -197,6 +197,20 @@ def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, layout: str = 
                                prologue=prologue, precision=precision, stream=stream))
 
 
+def _fast_problem(torch, dy, x, w, layout, stride, padding, dilation):
+    """``(dy's view, x_shape, w_shape, geometry)`` of a 16-bit NHWC call the one-pass forms may take; None otherwise
+    (the composed calls then raise the precise error)."""
+    if dy.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    dt = as_tensor(dy, "dy")
+    try:
+        _, x_shape, w_shape, geo = _problem(tuple(x.shape), "x_shape", w, "w", dy, layout, stride, padding,
+                                            dilation, True)
+    except (TypeError, ValueError):
+        return None
+    return dt, x_shape, w_shape, geo
+
+
 def _dz_once(dy, x, w, stride, padding, dilation, layout, mask, prologue, precision):
     """:func:`conv2d_backward` with the gradient reaching the conv formed by one dz pass (csrc/conv/backward.cuh:
     grad_dz) and both plans run plain on it; None where the call is not of that kind (nothing launched then).
@@ -218,14 +232,10 @@ def _dz_once(dy, x, w, stride, padding, dilation, layout, mask, prologue, precis
         both = _dz_once(dy.permute(v), x.permute(v), w.permute(v), stride, padding, dilation, "NHWC", mask, p,
                         precision)
         return None if both is None else (both[0].permute(0, 3, 1, 2), both[1].permute(0, 3, 1, 2))
-    if dy.dtype not in (torch.float16, torch.bfloat16):
+    got = _fast_problem(torch, dy, x, w, layout, stride, padding, dilation)
+    if got is None:
         return None
-    dt = as_tensor(dy, "dy")
-    try:
-        _, x_shape, w_shape, geo = _problem(tuple(x.shape), "x_shape", w, "w", dy, layout, stride, padding,
-                                            dilation, True)
-    except (TypeError, ValueError):
-        return None                               # (the two calls raise the precise error)
+    dt, x_shape, w_shape, geo = got
     dplan = _dgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, prologue is not None)
     wplan = _wgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, prologue is not None,
                         dt.dtype, False)
@@ -381,14 +391,10 @@ def _bn_once(dy, x, w, z, mean, invstd, gamma, stride, padding, dilation, layout
                        dilation, "NHWC", mask, residual, precision)
         return None if got is None else (got[0].permute(u), got[1].permute(u), got[2], got[3],
                                          None if got[4] is None else got[4].permute(u))
-    if dy.dtype not in (torch.float16, torch.bfloat16):
+    got = _fast_problem(torch, dy, x, w, layout, stride, padding, dilation)
+    if got is None:
         return None
-    dt = as_tensor(dy, "dy")
-    try:
-        _, x_shape, w_shape, geo = _problem(tuple(x.shape), "x_shape", w, "w", dy, layout, stride, padding,
-                                            dilation, True)
-    except (TypeError, ValueError):
-        return None
+    dt, x_shape, w_shape, geo = got
     N, P, Q, K = dy.shape
     dev = dy.get_device()
     for t in (mean, invstd) if gamma is None else (mean, invstd, gamma):

@@ -23,8 +23,9 @@ __all__ = ["ParamSpec", "PackedArgs", "render_kernel", "pack_args", "Launcher", 
 class ParamSpec:
     """One launch parameter: ``ctype`` is ``ptr`` (a Python int), ``fastdiv`` (a divisor, passed as
     ``int32 d, uint32 mul, uint32 shr`` and rebuilt as ``igemm::FastDiv``), ``int32``, ``uint32``,
-    ``int64``, ``float32`` or ``tmap`` (a 128-byte TMA tensor map, ``CUtensorMap``'s bytes, passed as a
-    ``__grid_constant__`` parameter; the kernel sees its address as ``const void*``)."""
+    ``int64``, ``float32``, ``tmap`` (a 128-byte TMA tensor map, ``CUtensorMap``'s bytes, passed as a
+    ``__grid_constant__`` parameter; the kernel sees its address as ``const void*``) or ``blob`` (128 bytes of
+    launch values passed the same way: a struct the kernel reads through that address)."""
     name: str
     ctype: str
 
@@ -41,7 +42,7 @@ def render_kernel(*, include: str, entry: str, params: list[ParamSpec], body: st
     fields, sig, init = [], [], []
     tmap_type = ""
     for p in params:
-        if p.ctype == "tmap":
+        if p.ctype in ("tmap", "blob"):
             tmap_type = "struct alignas(64) IgemmTensorMap { unsigned long long bytes[16]; };\n"
             fields.append(f"  const void* {p.name};")
             sig.append(f"const __grid_constant__ IgemmTensorMap {p.name}")
@@ -68,7 +69,7 @@ def render_kernel(*, include: str, entry: str, params: list[ParamSpec], body: st
 
 
 class PackedArgs:
-    """Launch arguments packed once into one buffer: 8 bytes a slot (16 for a ``tmap``), plus the
+    """Launch arguments packed once into one buffer: 8 bytes a slot (16 for a ``tmap`` or ``blob``), plus the
     ``void*[]`` that ``cuLaunchKernel`` takes. A plan builds it once and only rewrites its pointer slots
     per call."""
 
@@ -87,7 +88,7 @@ class PackedArgs:
         starts, n = [], 0
         for e in entries:
             starts.append(n)
-            n += 16 if e[1] == "tmap" else 1
+            n += 16 if e[1] in ("tmap", "blob") else 1
         self._starts = np.asarray(starts, dtype=np.uint64)
         self._tls = None
         self.data = np.zeros(n, dtype=np.uint64)
@@ -96,7 +97,7 @@ class PackedArgs:
         self.f32 = self.data.view(np.float32)
         self.slots = {}
         for (name, ctype, v), i in zip(entries, starts):
-            if ctype not in ("ptr", "int64", "int32", "uint32", "float32", "tmap"):
+            if ctype not in ("ptr", "int64", "int32", "uint32", "float32", "tmap", "blob"):
                 raise ValueError(f"unknown parameter type {ctype!r} for {name}")
             self.slots[name] = i
             self._put(i, ctype, v)
@@ -141,7 +142,7 @@ class PackedArgs:
         """Slot ``i`` = ``v`` as its parameter type (int32/uint32/float32 in the slot's low word)."""
         if kind == "ptr":
             self.u64[i] = int(v)
-        elif kind == "tmap":
+        elif kind in ("tmap", "blob"):
             self.u64[i:i + 16] = np.frombuffer(bytes(v), dtype=np.uint64) if v else 0
         elif kind == "int64":
             self.data.view(np.int64)[i] = int(v)

@@ -189,37 +189,71 @@ def test_gpu_dz_pass(M, K, dtype, rng):
             assert rel_err(to_numpy(sel), reference.grad_prologue_ref(d, bits, None, "NHWC")) == 0, mode
 
 
-def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation):
-    """The native dgrad kernel's arithmetic in numpy (NHWC), phase by phase as csrc/conv/grad_sm90.cuh: dgrad
-    launches it: the sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j − pad + u·dil) (zero outside) times
-    w at the filter's tap (last − t·step, ...), and lands at dx (ph + st·(i − crop), ...) inside the phase's rows."""
+def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation, bm=128, bn=64):
+    """The native dgrad kernel's arithmetic in numpy (NHWC), unit by unit as csrc/conv/grad_sm90.cuh runs it, from
+    the launch values igemm/conv/_native.py packs (the phases' ``DgradPhase`` bytes decoded by _PHASE_FIELDS): unit u
+    belongs to the last phase whose u0 <= u; its sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j − pad +
+    u·dil) (zero outside) times w at the filter's tap (last − t·step, ...), and lands at dx (ph + st·(i − crop), ...)
+    inside the phase's rows."""
+    from igemm.conv import _native
     g = GradInputProblem(x_shape, w.shape, "NHWC", stride, padding, dilation)
     dx = np.zeros(x_shape)
-    for ph in g.phases:
-        if ph.zero:
-            continue
-        h, v = ph.h, ph.w
-        dyp = np.zeros((g.N, g.P + 2 * h.pad + 64, g.Q + 2 * v.pad + 64, g.K))
-        dyp[:, h.pad:h.pad + g.P, v.pad:v.pad + g.Q] = dy
-        sub = np.zeros((g.N, h.out, v.out, g.C))
-        for t in range(h.taps):
-            for u in range(v.taps):
-                a = dyp[:, t * h.dil:t * h.dil + h.out, u * v.dil:u * v.dil + v.out]
-                sub += a @ w[:, h.last - t * h.step, v.last - u * v.step]
-        rows = sub[:, h.crop:h.crop + h.rows, v.crop:v.crop + v.rows]
-        dx[:, h.ph::g.stride[0], v.ph::g.stride[1]][:, :h.rows, :v.rows] = rows
+    live = _native._live_phases(g)
+    nf = len(_native._PHASE_FIELDS)
+    for i0 in range(0, len(live), _native.MAX_PHASES):
+        v = _native.launch_values(g, live[i0:i0 + _native.MAX_PHASES], bm, bn)
+        fs = []
+        for i in range(v["nph"]):
+            raw = np.frombuffer(v[f"f{i}"], dtype=np.int32)
+            f = dict(zip(_native._PHASE_FIELDS, raw[:nf].tolist()))
+            f.update({n: int(raw[nf + 3 * j]) for j, n in enumerate(_native._PHASE_DIVS)})   # (the divisors' d)
+            fs.append(f)
+        kb, tn = v["fd_KB"], -(-g.C // bn)
+        for u in range(v["units"]):
+            f = fs[sum(1 for j in range(1, v["nph"]) if u >= fs[j]["u0"])]
+            m0, n0 = (u - f["u0"]) // tn * bm, (u - f["u0"]) % tn * bn
+            rows = np.arange(m0, min(m0 + bm, f["M"]))
+            n, ij = np.divmod(rows, f["fd_PQ"])
+            i, j = np.divmod(ij, f["fd_Q"])
+            acc = np.zeros((len(rows), min(bn, g.C - n0)))
+            assert f["KT"] == f["fd_T"] * (f["KT"] // (f["fd_T"] * kb)) * kb
+            for tap in range(f["KT"] // kb):
+                t, uu = divmod(tap, f["fd_T"])
+                hh, ww = i - f["ph"] + t * f["dh"], j - f["pw"] + uu * f["dw"]
+                ok = (hh >= 0) & (hh < g.P) & (ww >= 0) & (ww < g.Q)
+                a = np.where(ok[:, None], dy[n, np.clip(hh, 0, g.P - 1), np.clip(ww, 0, g.Q - 1)], 0)
+                acc += a @ w[:, f["lh"] - t * f["eh"], f["lw"] - uu * f["ew"], n0:n0 + acc.shape[1]]
+            i, j = i - f["crop_h"], j - f["crop_w"]
+            keep = (i >= 0) & (i < f["rows_h"]) & (j >= 0) & (j < f["rows_w"])
+            dx[n[keep], f["ph_h"] + v["st_h"] * i[keep], f["ph_w"] + v["st_w"] * j[keep], n0:n0 + acc.shape[1]] = \
+                acc[keep]
     return dx
 
 
+def test_dgrad_phase_struct():
+    """_PHASE_FIELDS and _PHASE_DIVS name csrc/conv/grad_sm90.cuh's DgradPhase fields in its order (the launch packs
+    them by position)."""
+    import re
+    from igemm import _build
+    from igemm.conv import _native
+    src = (_build.csrc_dir() / "conv" / "grad_sm90.cuh").read_text()
+    body = re.search(r"struct DgradPhase \{(.*?)\};", src, re.S).group(1)
+    ints = re.search(r"int32_t ([^;]*);", body).group(1)
+    divs = re.search(r"FastDiv ([^;]*);", body).group(1)
+    assert [n.strip() for n in ints.split(",")] == list(_native._PHASE_FIELDS)
+    assert [n.strip() for n in divs.split(",")] == list(_native._PHASE_DIVS)
+
+
 def test_native_dgrad_emulated(rng):
-    """The native dgrad's phase mapping (taps, padding, crop, where a phase's rows land) equals the reference."""
+    """The native dgrad's units and phase mapping (which phase a unit is, its taps, padding, crop, where its rows
+    land), as packed for the kernel, equal the reference."""
     for case in NATIVE_DGRAD:
         p = _geometry(*case)
         xs, ws, ys = shapes(p, "NHWC")
         dy, w = rng.standard_normal(ys), rng.standard_normal(ws)
-        got = emulate_native_dgrad(dy, w, xs, *geom(p))
         want = reference.conv2d_grad_input_ref(dy, w, xs, *geom(p), "NHWC")
-        assert rel_err(got, want) < 1e-12, case
+        for bm, bn in ((128, 64), (64, 128)):
+            assert rel_err(emulate_native_dgrad(dy, w, xs, *geom(p), bm, bn), want) < 1e-12, (case, bm, bn)
 
 
 def test_dgrad_native_choice():
@@ -243,10 +277,17 @@ def test_dgrad_native_choice():
         s = _native.choose_dgrad_spec(GradInputProblem(xs, ws, "NHWC", st, pad, 1), "float16", 132)
         return s.bm, s.bn, s.stages, s.ws
     assert spec((32, 56, 56, 64), (64, 3, 3, 64)) == (128, 64, 3, True)              # C = 64
-    assert spec((32, 14, 14, 1024), (256, 1, 1, 1024), pad=0) == (128, 64, 3, True)  # 4 k-tiles
+    assert spec((32, 56, 56, 256), (64, 1, 1, 256), pad=0) == (128, 64, 2, True)     # 1 k-tile
+    assert spec((32, 28, 28, 512), (128, 1, 1, 512), pad=0) == (128, 64, 2, True)    # 2
+    assert spec((32, 14, 14, 1024), (256, 1, 1, 1024), pad=0) == (128, 128, 3, False)  # 4
     assert spec((32, 7, 7, 512), (512, 3, 3, 512)) == (64, 128, 6, True)             # 52 tiles of 128 x 128
     assert spec((32, 28, 28, 128), (128, 3, 3, 128)) == (128, 128, 3, False)         # 196
-    assert spec((256, 28, 28, 128), (128, 3, 3, 128)) == (128, 128, 5, True)         # 1568
+    assert spec((256, 28, 28, 128), (128, 3, 3, 128)) == (128, 128, 3, False)        # 1568, 18 k-tiles
+    assert spec((256, 7, 7, 512), (512, 3, 3, 512)) == (128, 128, 5, True)           # 416, 72 k-tiles
+    assert spec((256, 14, 14, 512), (2048, 1, 1, 512), pad=0) == (128, 128, 5, True)  # 1568, 32 k-tiles
+    # a strided 3x3: four phases in one launch, 4 x 8 k-tiles at most
+    assert spec((32, 28, 28, 512), (512, 3, 3, 512), 2) == (128, 128, 3, False)
+    assert spec((256, 14, 14, 512), (512, 3, 3, 512), 2) == (128, 128, 3, False)
 
 
 #: every kernel all_variants() gives, on problems that give it partial tiles (dgrad: strided, with a zero phase)

@@ -13,12 +13,13 @@
 //          contiguous, one row per pixel: MN-major operands. Units: tiles × splits; split z runs k-tiles
 //          [z · kt_per_split, ...) and stores its tile into the z-th M × N matrix at p.y (fp32 partials, or dw
 //          itself with one split).
-//   dgrad  one output phase of dx (igemm/conv/_backward.py: phases_1d; stride 1 has one): the stride-1 convolution
-//          of dy (padding ph, pw and dilation dh, dw of the phase) with the phase's taps of the flipped filter,
-//          GEMM M = N × the sub-output's pixels, N = C, reduction = taps × K, a k-tile = one tap × 64 channels of
-//          dy. A = dy through an im2col map (K-major, as the forward's A), B = w as [K][R·S][C] (tiled map: 64
-//          channels of dy × 64 of x at the filter's tap lh − t·eh, lw − u·ew): MN-major. No filter move; the
-//          store puts the phase's rows of the sub-output into dx (no interleave).
+//   dgrad  up to four output phases of dx a launch (igemm/conv/_backward.py: phases_1d; stride 1 has one), each the
+//          stride-1 convolution of dy (padding ph, pw and dilation dh, dw of the phase) with the phase's taps of the
+//          flipped filter, GEMM M = N × the sub-output's pixels, N = C, reduction = taps × K, a k-tile = one tap ×
+//          64 channels of dy. A = dy through the phase's im2col map (K-major, as the forward's A), B = w as
+//          [K][R·S][C] (tiled map: 64 channels of dy × 64 of x at the filter's tap lh − t·eh, lw − u·ew): MN-major.
+//          No filter move; the store puts the phase's rows of the sub-output into dx (no interleave). The phases'
+//          tiles are one list of units, so a strided dgrad is one launch (docs/performance.md: dgrad-one-launch).
 //   split_sum  dst (+)= wgrad's partials summed in split order (deterministic), 4 elements a thread.
 #pragma once
 #include "conv/persistent_sm90.cuh"
@@ -162,8 +163,8 @@ IGEMM_DEVICE void grad_stage(uint32_t sa, uint32_t sb, float* acc) {
 
 // A kernel's work (DgradWork, WgradWork): units() units of work, each one BM × BN tile over some k-tiles; unit(u)
 // its coordinates (m0, n0, nkt and what issue needs); issue(unit, i, stage, bar) (one thread) fills a stage with
-// its k-tile i (A at the stage's start, B after BM rows) and sets the mbarrier's bytes; out(unit), row_at(row), M,
-// Ncol say where the tile goes.
+// its k-tile i (A at the stage's start, B after BM rows) and sets the mbarrier's bytes; out(unit), row_at(unit,
+// row), M(unit), Ncol say where the tile goes.
 //
 // The per-tile kernel (grad_tile): unit blockIdx.x. Thread 0 fills each of the Stages stages; iteration i waits for
 // stage i's bytes -> its wgmma group -> waits until only that group is in flight -> barrier (stage i-1 is free in
@@ -203,10 +204,11 @@ IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   // (a uniform branch: the accumulators' first reads outside the last wait's basic block, else ptxas serialises
   // the mainloop's wgmmas, warning C7514)
-  if (un.m0 >= wk.M()) return;
+  if (un.m0 >= wk.M(un)) return;
   __syncthreads();                          // (every warpgroup is done with the stages: the C tile takes them)
   store_tile<TO, BM, BN, BM * 2>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
-                                 [&](int row) { return wk.row_at(row); }, un.m0, un.n0, wk.M(), wk.Ncol(), CtaSync{},
+                                 [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un), wk.Ncol(),
+                                 CtaSync{},
                                  wk.add());
 }
 
@@ -266,10 +268,10 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
     if (prev >= 0) mbar_arrive(&empty[prev]);
-    if (un.m0 >= wk.M()) continue;          // (uniform)
+    if (un.m0 >= wk.M(un)) continue;        // (uniform)
     const ConsumerSync sync{NT};
-    store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(row); }, un.m0,
-                               un.n0, wk.M(), wk.Ncol(), sync, wk.add());
+    store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(un, row); },
+                               un.m0, un.n0, wk.M(un), wk.Ncol(), sync, wk.add());
     sync();                                 // the C tile is free for the next unit
   }
 }
@@ -294,7 +296,7 @@ struct WgradWork {
   };
   IGEMM_DEVICE int tiles() const { return ((p.M + BM - 1) / BM) * ((p.Ncol + BN - 1) / BN); }
   IGEMM_DEVICE int units() const { return tiles() * p.splits; }
-  IGEMM_DEVICE int M() const { return p.M; }
+  IGEMM_DEVICE int M(const Unit&) const { return p.M; }
   IGEMM_DEVICE int Ncol() const { return p.Ncol; }
   IGEMM_DEVICE Unit unit(int u) const {
     Unit un;
@@ -330,7 +332,7 @@ struct WgradWork {
   IGEMM_DEVICE TO* out(const Unit& un) const {
     return static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(un.z) * p.M * p.Ncol;
   }
-  IGEMM_DEVICE int64_t row_at(int row) const { return int64_t(row) * p.Ncol; }
+  IGEMM_DEVICE int64_t row_at(const Unit&, int row) const { return int64_t(row) * p.Ncol; }
   IGEMM_DEVICE bool add() const { return false; }
 };
 
@@ -339,8 +341,19 @@ __device__ void wgrad(const P& p) {
   grad_run<T, TO, BM, BN, Stages, Ws, false>(WgradWork<TO, BM, BN, P>{p}, p.tmA, p.tmB);
 }
 
-// dgrad's units: the sub-output's tiles, every one over all taps × K / 64 k-tiles. Add: dx += the tile (the training
-// path's identity gradient, igemm/nn/_train_fast.py: _Link).
+// One dgrad phase of a launch: a 128-byte launch parameter (igemm/conv/_native.py packs it, _PHASE_FIELDS): the
+// sub-output's pixels M, its k-tiles KT (taps × K / 64) and first unit u0 in the launch; the stride-1
+// sub-convolution's padding (ph, pw) and dilation (dh, dw); the filter's taps (lh − t·eh, lw − u·ew); where its rows
+// go in dx (crop, rows, ph_h, ph_w); its divisors (sub-output pixels an image, a row; taps a row).
+struct DgradPhase {
+  int32_t M, KT, u0, ph, pw, dh, dw, lh, lw, eh, ew, crop_h, crop_w, rows_h, rows_w, ph_h, ph_w;
+  FastDiv fd_PQ, fd_Q, fd_T;
+};
+static_assert(sizeof(DgradPhase) <= 128, "a phase is one 128-byte parameter");
+
+// dgrad's units: the tiles of up to four output phases in one launch (p.nph of them, heaviest first: u0 ascending),
+// every tile over all its phase's taps × K / 64 k-tiles; a phase's dy through its own im2col map. Add: dx += the
+// tile (the training path's identity gradient, igemm/nn/_train_fast.py: _Link).
 template <class T, int BM, int BN, bool Add, class P>
 struct DgradWork {
   static constexpr int NB = BN / 64;
@@ -348,43 +361,58 @@ struct DgradWork {
   struct Unit {
     int m0, n0, nkt;
     TileOrigin o;                           // sub-output pixel m0 -> dy coordinate of its tap (0, 0)
+    const DgradPhase* f;                    // (in the launch's parameters)
+    const void* map;                        // the phase's im2col map of dy
   };
-  IGEMM_DEVICE int units() const { return ((p.M + BM - 1) / BM) * ((p.C + BN - 1) / BN); }
-  IGEMM_DEVICE int M() const { return p.M; }
+  IGEMM_DEVICE const DgradPhase* phase(int i) const {
+    return static_cast<const DgradPhase*>(i == 0 ? p.f0 : i == 1 ? p.f1 : i == 2 ? p.f2 : p.f3);
+  }
+  IGEMM_DEVICE int units() const { return p.units; }
+  IGEMM_DEVICE int M(const Unit& un) const { return un.f->M; }
   IGEMM_DEVICE int Ncol() const { return p.C; }
   IGEMM_DEVICE Unit unit(int u) const {
-    const TileCoord tc = grad_tile_coord<BM, BN>(u, p.C);
-    return {tc.m0, tc.n0, p.KT, tile_origin(p, tc.m0)};
+    int i = 0;
+#pragma unroll
+    for (int j = 1; j < 4; ++j) i += j < p.nph && u >= phase(j)->u0;
+    const DgradPhase* f = phase(i);
+    const TileCoord tc = grad_tile_coord<BM, BN>(u - f->u0, p.C);
+    int n, pq, pp, qq;
+    f->fd_PQ.divmod(n, pq, tc.m0);
+    f->fd_Q.divmod(pp, qq, pq);
+    return {tc.m0, tc.n0, f->KT, {n, pp - f->ph, qq - f->pw}, f,
+            i == 0 ? p.tmA0 : i == 1 ? p.tmA1 : i == 2 ? p.tmA2 : p.tmA3};
   }
   // k-tile kt = sub-filter tap (t, u) × dy channels kb·64 ..
   IGEMM_DEVICE void issue(const Unit& un, int kt, uint8_t* a, uint64_t* bar) const {
+    const DgradPhase& f = *un.f;
     int tap, kb, t, u;
     p.fd_KB.divmod(tap, kb, kt);
-    p.fd_T.divmod(t, u, tap);
+    f.fd_T.divmod(t, u, tap);
     mbar_expect_tx(bar, (BM + BN) * BK * 2);
-    tma_load_im2col_4d(a, p.tmA, bar, kb * BK, un.o.w0, un.o.h0, un.o.n, uint16_t(u * p.dw), uint16_t(t * p.dh));
-    const int wtap = (p.lh - t * p.eh) * p.S + (p.lw - u * p.ew);     // the filter's tap, flipped
+    tma_load_im2col_4d(a, un.map, bar, kb * BK, un.o.w0, un.o.h0, un.o.n, uint16_t(u * f.dw), uint16_t(t * f.dh));
+    const int wtap = (f.lh - t * f.eh) * p.S + (f.lw - u * f.ew);     // the filter's tap, flipped
 #pragma unroll
     for (int j = 0; j < NB; ++j) tma_load_3d(a + BM * BK * 2 + j * BOX, p.tmB, bar, un.n0 + 64 * j, wtap, kb * BK);
   }
   IGEMM_DEVICE T* out(const Unit&) const { return static_cast<T*>(const_cast<void*>(p.y)); }
   // sub-output pixel (n, i, j) -> dx pixel (n, ph_h + st_h·(i − crop_h), ph_w + st_w·(j − crop_w)), rows i and
   // columns j outside the phase's [crop, crop + rows) not stored
-  IGEMM_DEVICE int64_t row_at(int row) const {
+  IGEMM_DEVICE int64_t row_at(const Unit& un, int row) const {
+    const DgradPhase& f = *un.f;
     int n, ij, i, j;
-    p.fd_PQ.divmod(n, ij, row);
-    p.fd_Q.divmod(i, j, ij);
-    i -= p.crop_h;
-    j -= p.crop_w;
-    if (unsigned(i) >= unsigned(p.rows_h) || unsigned(j) >= unsigned(p.rows_w)) return -1;
-    return ((int64_t(n) * p.H + p.ph_h + p.st_h * i) * p.W + p.ph_w + p.st_w * j) * p.C;
+    f.fd_PQ.divmod(n, ij, row);
+    f.fd_Q.divmod(i, j, ij);
+    i -= f.crop_h;
+    j -= f.crop_w;
+    if (unsigned(i) >= unsigned(f.rows_h) || unsigned(j) >= unsigned(f.rows_w)) return -1;
+    return ((int64_t(n) * p.H + f.ph_h + p.st_h * i) * p.W + f.ph_w + p.st_w * j) * p.C;
   }
   IGEMM_DEVICE bool add() const { return Add; }
 };
 
 template <class T, int BM, int BN, int Stages, bool Ws, bool Add, class P>
 __device__ void dgrad(const P& p) {
-  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, P>{p}, p.tmA, p.tmB);
+  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, P>{p}, p.tmA0, p.tmB);
 }
 
 // dst[i] (+)= sum over z of src[z·n + i], z = 0, 1, ... in order; n % 4 == 0, src 16-byte aligned, grid-stride.

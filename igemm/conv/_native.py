@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from .. import _kernel, _runtime
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
+from ..fastdiv import magic
 from ._problem import ConvProblem
-from ._tma import BK, MapPair, MapTemplate, _encode, _encode_im2col, tma_unsupported
+from ._tma import BK, MapTemplate, _encode, _encode_im2col, tma_unsupported
 
 __all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupported", "dgrad_unsupported", "choose_spec",
            "choose_dgrad_spec", "NativeWgrad", "NativeDgrad", "all_variants"]
@@ -34,14 +37,17 @@ WGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "N
                                                                          "sh", "sw", "ph", "pw", "dh", "dw")),
                 *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_C", "fd_S")),
                 ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
-#: the dgrad kernel's, per output phase: the sub-output's pixels M (and tile_origin's fields: stride 1, the phase's
-#: padding and dilation), the filter's taps (lh − t·eh, lw − u·eh of S a row), where the phase's rows go in dx
+#: dgrad's launch: what its phases share, then up to four phases (heaviest first), each a 128-byte ``blob``
+#: (``DgradPhase``: _PHASE_FIELDS) and its im2col map of dy
 DGRAD_PARAMS = [ParamSpec("y", "ptr"),
-                *(ParamSpec(n, "int32") for n in ("M", "C", "KT", "S", "sh", "sw", "ph", "pw", "dh", "dw", "lh", "lw",
-                                                  "eh", "ew", "crop_h", "crop_w", "rows_h", "rows_w", "H", "W", "ph_h",
-                                                  "ph_w", "st_h", "st_w")),
-                *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_KB", "fd_T")),
-                ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
+                *(ParamSpec(n, "int32") for n in ("C", "S", "H", "W", "st_h", "st_w", "nph", "units")),
+                ParamSpec("fd_KB", "fastdiv"), ParamSpec("tmB", "tmap"),
+                *(ParamSpec(f"f{i}", "blob") for i in range(4)), *(ParamSpec(f"tmA{i}", "tmap") for i in range(4))]
+#: csrc/conv/grad_sm90.cuh's ``DgradPhase``, in order: int32 fields, then fast divisors (d, mul, shr)
+_PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew", "crop_h", "crop_w", "rows_h",
+                 "rows_w", "ph_h", "ph_w")
+_PHASE_DIVS = ("fd_PQ", "fd_Q", "fd_T")
+MAX_PHASES = 4
 _SUM_PARAMS = [ParamSpec("src", "ptr"), ParamSpec("dst", "ptr"), ParamSpec("n", "int64"), ParamSpec("splits", "int32")]
 _THREADS = 256
 _SM_SMEM = 233472                       # shared memory an sm_90 SM holds (228 KB); a CTA reserves 1 KB of it
@@ -191,24 +197,33 @@ class _SplitSum:
         return self.name(), _sum_stub(self.td, self.accumulate)
 
 
-class _Kernel2:
-    """A native kernel's launch: its packed arguments (written once) and two tensor maps whose address words a call
-    patches (:class:`~._tma.MapTemplate`)."""
+class _Launch:
+    """A native kernel's launch: its packed arguments (written once) and its tensor maps, each a
+    :class:`~._tma.MapTemplate` at a parameter, re-addressed per call to operand ``a`` or ``b`` (``maps``: (parameter,
+    encode(address), 0 for a / 1 for b))."""
 
-    def __init__(self, spec, entry: str, params, values: dict, grid, device_id: int, map_a, map_b):
+    def __init__(self, spec, entry: str, params, values: dict, grid, device_id: int, maps):
         k = _kernel.load(spec.stub(), spec.name(), entry, device_id, smem=spec.smem)
         self.args = _kernel.pack_args(params, values)
         self.launcher = _kernel.Launcher(k, grid, spec.threads, spec.smem)
         s = self.args.slots
-        self.maps, self.slot_y = MapPair(MapTemplate(map_a), MapTemplate(map_b), s["tmA"], s["tmB"]), s["y"]
+        self.maps = [(s[name], MapTemplate(encode), op) for name, encode, op in maps]
+        self.slot_y = s["y"]
+        #: after the first write, where every map has one address word: (index, offset, operand) per map, so that a
+        #: call sets ``u64[index] = offset + address``
+        self.patch = None
 
     def __call__(self, h: int, a: int, b: int, y: int) -> None:
-        u, p = self.args.u64, self.maps.patch
+        u, p = self.args.u64, self.patch
         if p is None:
-            self.maps.write(u, a, b, True)
+            ab = (a, b)
+            for slot, t, op in self.maps:
+                t.write(u, slot, ab[op], True)
+            if all(t.word >= 0 for _, t, _ in self.maps):
+                self.patch = [(slot + t.word, int(t.base[t.word]) - t.addr0, op) for slot, t, op in self.maps]
         else:                                 # (the maps are in the buffer: their address words only)
-            u[p[0]] = (p[1] + a) & 0xFFFFFFFFFFFFFFFF
-            u[p[2]] = (p[3] + b) & 0xFFFFFFFFFFFFFFFF
+            for i, off, op in p:
+                u[i] = (off + (b if op else a)) & 0xFFFFFFFFFFFFFFFF
         u[self.slot_y] = y
         self.launcher(h, self.args)
 
@@ -246,11 +261,11 @@ class NativeWgrad:
         pb = _forward(g, self.dtype)
         npq = g.N * g.P * g.Q
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
-        self._conv = _Kernel2(s, "igemm_wgrad", WGRAD_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms), dev,
-                              lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K), u64(npq)], [u64(g.K * 2)],
-                                                                 [u32(64), u32(BK)], [u32(1), u32(1)]),
-                                                   "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"),
-                              lambda addr: _encode_im2col(pb, BK, addr))
+        self._conv = _Launch(s, "igemm_wgrad", WGRAD_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms), dev,
+                             [("tmA", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K), u64(npq)], [u64(g.K * 2)],
+                                                                         [u32(64), u32(BK)], [u32(1), u32(1)]),
+                                                           "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"), 0),
+                              ("tmB", lambda addr: _encode_im2col(pb, BK, addr), 1)])
         if self.summed:
             self._ws = _runtime.DeviceArray((s.splits * self.numel,), "float32", dev)
             name, src = self._sum.kernel()
@@ -314,65 +329,98 @@ def dgrad_unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
 
 
 def choose_dgrad_spec(g, dtype: str, sms: int) -> DgradSpec:
-    """One kernel for every phase, chosen for the largest (docs/performance.md: dgrad-native-tiles):
-    - a short reduction (at most 4 k-tiles) or C <= 64: 128 x 64 tiles in the persistent kernel, 3 stages (two CTAs
-      an SM);
-    - else, by the 128 x 128 tiles' count: at least two a SM, the persistent kernel with 5 stages; under half a
-      wave, 64 x 128 tiles in the persistent kernel with 6 stages; between, per-tile 128 x 128 with 3 stages (two
-      CTAs an SM)."""
-    live = [ph for ph in g.phases if not ph.zero]
-    m = max((g.N * ph.h.out * ph.w.out for ph in live), default=0)
+    """One kernel for every phase, chosen for the first launch's phases (docs/performance.md: dgrad-native-tiles,
+    dgrad-one-launch, dgrad-short-k), by C, the longest phase's k-tiles kt and the launch's 128 x 128 tiles t:
+    - C <= 64: 128 x 64 tiles in the persistent kernel, 3 stages (two CTAs an SM);
+    - one phase of at most 2 k-tiles: the same with 2 stages (three CTAs an SM: more tiles' stores in flight);
+    - t < SMs / 2: 64 x 128 tiles in the persistent kernel with 6 stages;
+    - one phase of at least 32 k-tiles and t >= 2 SMs: 128 x 128 in the persistent kernel with 5 stages;
+    - else per-tile 128 x 128 with 3 stages (two CTAs an SM): the hardware hands out the tiles as CTAs finish,
+      which balances phases of unequal length and short reductions better than the persistent grid's fixed
+      rounds."""
+    live = _live_phases(g)[:MAX_PHASES]        # (the first launch's)
     kt = max((ph.h.taps * ph.w.taps for ph in live), default=1) * -(-g.K // BK)
-    if kt <= 4 or g.C <= 64:
+    one = len(live) == 1
+    if g.C <= 64:
         return DgradSpec(dtype, 128, 64, 3, True)
-    t128 = -(-m // 128) * -(-g.C // 128)
-    if t128 >= 2 * sms:
-        return DgradSpec(dtype, 128, 128, 5, True)
+    if one and kt <= 2:
+        return DgradSpec(dtype, 128, 64, 2, True)
+    t128 = sum(-(-g.N * ph.h.out * ph.w.out // 128) for ph in live) * -(-g.C // 128)
     if 2 * t128 < sms:
         return DgradSpec(dtype, 64, 128, 6, True)
+    if one and kt >= 32 and t128 >= 2 * sms:
+        return DgradSpec(dtype, 128, 128, 5, True)
     return DgradSpec(dtype, 128, 128, 3)
 
 
+def _live_phases(g) -> list:
+    """The phases a tap reaches, heaviest (most taps) first: the order of their units in a launch."""
+    return sorted((ph for ph in g.phases if not ph.zero), key=lambda ph: -ph.h.taps * ph.w.taps)
+
+
+def _phase_bytes(values: dict) -> bytes:
+    """One phase's ``DgradPhase`` (128 bytes)."""
+    f = np.zeros(32, dtype=np.int32)
+    f[:len(_PHASE_FIELDS)] = [values[n] for n in _PHASE_FIELDS]
+    f[len(_PHASE_FIELDS):len(_PHASE_FIELDS) + 3 * len(_PHASE_DIVS)] = np.array(
+        [v for n in _PHASE_DIVS for v in magic(values[n])], dtype=np.uint32).view(np.int32)
+    return f.tobytes()
+
+
+def launch_values(g, phases, bm: int, bn: int) -> dict:
+    """One dgrad launch's values (DGRAD_PARAMS but the pointer and the maps) for up to four live phases: each phase's
+    ``DgradPhase`` bytes (``f0``..) and its units after the previous phases' (``units``: all of them)."""
+    kb = -(-g.K // BK)
+    values = dict(C=g.C, S=g.S, H=g.H, W=g.W, st_h=g.stride[0], st_w=g.stride[1], nph=len(phases), fd_KB=kb)
+    u0 = 0
+    for i, ph in enumerate(phases):
+        h, w = ph.h, ph.w
+        m = g.N * h.out * w.out
+        values[f"f{i}"] = _phase_bytes(dict(
+            M=m, KT=h.taps * w.taps * kb, u0=u0, ph=h.pad, pw=w.pad, dh=h.dil, dw=w.dil, lh=h.last, lw=w.last,
+            eh=h.step, ew=w.step, crop_h=h.crop, crop_w=w.crop, rows_h=h.rows, rows_w=w.rows, ph_h=h.ph, ph_w=w.ph,
+            fd_PQ=h.out * w.out, fd_Q=w.out, fd_T=w.taps))
+        u0 += -(-m // bm) * -(-g.C // bn)
+    values["units"] = u0
+    return values
+
+
 class NativeDgrad:
-    """The dgrad kernel for one problem: a launch per live output phase (one at stride 1), after a memset of dx where
-    a phase is zero; :meth:`launch` on raw pointers."""
+    """The dgrad kernel for one problem: a launch per four live output phases (one at stride 1), after a memset of
+    dx where a phase is zero; :meth:`launch` on raw pointers."""
 
     def __init__(self, g, dtype: str, device_id: int | None, sms: int, spec: DgradSpec | None = None):
         self.g, self.dtype, self.device_id, self.sms = g, dtype, device_id, sms
         self.spec = spec or choose_dgrad_spec(g, dtype, sms)
         self.zero = any(ph.zero for ph in g.phases)
-        self._phases = {}                      # add -> a kernel a live phase
+        self._launches = {}                    # add -> a launch a group of live phases
 
     def kernels(self) -> list:
         """The plain kernel and its adding twin."""
         return [self.spec, replace(self.spec, add=True)]
 
-    def _phase(self, ph, add: bool) -> _Kernel2:
+    def _launch(self, phases, add: bool) -> _Launch:
         g, s = self.g, replace(self.spec, add=add)
-        pb = _sub(g, ph, self.dtype)
-        kb = -(-g.K // BK)
-        h, w = ph.h, ph.w
-        m = g.N * h.out * w.out
-        values = dict(M=m, C=g.C, KT=h.taps * w.taps * kb, S=g.S, sh=1, sw=1, ph=h.pad, pw=w.pad, dh=h.dil, dw=w.dil,
-                      lh=h.last, lw=w.last, eh=h.step, ew=w.step, crop_h=h.crop, crop_w=w.crop, rows_h=h.rows,
-                      rows_w=w.rows, H=g.H, W=g.W, ph_h=h.ph, ph_w=w.ph, st_h=g.stride[0], st_w=g.stride[1],
-                      fd_PQ=h.out * w.out, fd_Q=w.out, fd_KB=kb, fd_T=w.taps)
-        tiles = -(-m // s.bm) * -(-g.C // s.bn)
+        values = launch_values(g, phases, s.bm, s.bn)
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
-        rs = g.R * g.S
-        return _Kernel2(s, "igemm_dgrad", DGRAD_PARAMS, values, s.grid(tiles, self.sms), self.device_id,
-                        lambda addr: _encode_im2col(pb, s.bm, addr),
-                        lambda addr: _encode(pb, "Tiled", (3, addr, [u64(g.C), u64(rs), u64(g.K)],
-                                                           [u64(g.C * 2), u64(rs * g.C * 2)],
-                                                           [u32(64), u32(1), u32(BK)], [u32(1)] * 3),
-                                             "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"))
+        maps = [(f"tmA{i}", lambda addr, pb=_sub(g, ph, self.dtype): _encode_im2col(pb, s.bm, addr), 0)
+                for i, ph in enumerate(phases)]
+        rs, pb = g.R * g.S, _sub(g, phases[0], self.dtype)
+        maps.append(("tmB", lambda addr: _encode(pb, "Tiled", (3, addr, [u64(g.C), u64(rs), u64(g.K)],
+                                                               [u64(g.C * 2), u64(rs * g.C * 2)],
+                                                               [u32(64), u32(1), u32(BK)], [u32(1)] * 3),
+                                                 "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"), 1))
+        return _Launch(s, "igemm_dgrad", DGRAD_PARAMS, values, s.grid(values["units"], self.sms), self.device_id,
+                       maps)
 
     def launch(self, h: int, dy: int, w: int, dx: int, add: bool = False) -> None:
         """dx on stream ``h`` (``add``: dx += the gradient, rounded once after the sum as a separate add would be);
         dy and w 16-byte aligned."""
-        ks = self._phases.get(add)
+        ks = self._launches.get(add)
         if ks is None:
-            ks = self._phases[add] = [self._phase(ph, add) for ph in self.g.phases if not ph.zero]
+            live = _live_phases(self.g)
+            ks = self._launches[add] = [self._launch(live[i:i + MAX_PHASES], add)
+                                        for i in range(0, len(live), MAX_PHASES)]
         if self.zero and not add:              # rows no tap reaches: zero at memset speed first
             g = self.g
             _runtime.memset_d8(dx, 0, g.N * g.H * g.W * g.C * DTYPE_SIZES[self.dtype], _runtime.RawStream(h))
@@ -387,5 +435,6 @@ def all_variants() -> list[tuple[str, str]]:
     out = [WgradSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
     out += [WgradSpec(dt, o, 128, bn, 4, 1, True).kernel() for dt in dts for o in (dt, "float32") for bn in (64, 128)]
     out += [DgradSpec(dt, *t, add).kernel() for dt in dts for add in (False, True)
-            for t in ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True), (128, 128, 3, False))]
+            for t in ((128, 64, 3, True), (128, 64, 2, True), (128, 128, 5, True), (64, 128, 6, True),
+                      (128, 128, 3, False))]
     return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

@@ -144,6 +144,42 @@ IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const R
 template <class TO, int BM, int BN>
 constexpr int kCTileBytes = BM * (BN + 16 / int(sizeof(TO))) * int(sizeof(TO));
 
+// The TMA store of a C tile (16-bit, identity rows): cp.async.bulk.tensor from shared memory, one bulk group a
+// tile; bulk_wait_read: until the issued groups have read their shared memory (the C tile may be written again).
+IGEMM_DEVICE void tma_store_2d(const void* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n"
+               ::"l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
+}
+IGEMM_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+IGEMM_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+IGEMM_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// The tile's store by TMA (docs/performance.md: dgrad-tma-store): the accumulators as pairs into `cs` (1024-byte
+// aligned) in the map's SW128 layout -- per 64-column block BM rows of 128 bytes, 16-byte chunk j of row r at
+// j ^ (r % 8), so a warp's pair writes hit 32 distinct banks -- then thread 0 copies each block to (n0 + 64·b, m0)
+// of the [M][Ncol] map, which drops the rows and columns past the tensor's end. The threads go on at once; the
+// copy's reads of cs must finish (bulk_wait_read) before cs is written again.
+template <class TO, int BM, int BN, class Sync>
+IGEMM_DEVICE void store_tile_tma(const float* acc, uint8_t* cs, int tid, const void* map, int m0, int n0, Sync sync) {
+  static_assert(sizeof(TO) == 2, "16-bit tiles: 64 columns are one 128-byte swizzled row");
+  const int lane = tid & 31, w = (tid >> 5) & 3;
+  const int rl = (tid / 128) * 64 + w * 16 + (lane >> 2);
+  uint8_t* row = cs + rl * 128 + 4 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    uint8_t* at = row + (j / 8) * BM * 128 + (((j % 8) ^ (rl & 7)) << 4);
+    store_pair(reinterpret_cast<TO*>(at), acc[4 * j], acc[4 * j + 1]);
+    store_pair(reinterpret_cast<TO*>(at + 8 * 128), acc[4 * j + 2], acc[4 * j + 3]);   // (row rl + 8: same XOR)
+  }
+  fence_proxy_async();                      // (the generic-proxy writes, before the async proxy reads them)
+  sync();
+  if (tid == 0) {
+#pragma unroll
+    for (int b = 0; b < BN / 64; ++b) tma_store_2d(map, cs + b * BM * 128, n0 + 64 * b, m0);
+    bulk_commit();
+  }
+}
+
 // One wgmma group over a stage: A K-major (AMajorK) or MN-major, B MN-major; a k16 step is +32 bytes in a K-major
 // SW128 row, 16 rows (2048 bytes) of an MN-major tile.
 template <class T, int BN, bool AMajorK>
@@ -206,10 +242,14 @@ IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b
   // the mainloop's wgmmas, warning C7514)
   if (un.m0 >= wk.M(un)) return;
   __syncthreads();                          // (every warpgroup is done with the stages: the C tile takes them)
-  store_tile<TO, BM, BN, BM * 2>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
-                                 [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un), wk.Ncol(),
-                                 CtaSync{},
-                                 wk.add());
+  if constexpr (Work::kTmaStore) {
+    store_tile_tma<TO, BM, BN>(acc, smem, threadIdx.x, wk.store_map(), un.m0, un.n0, CtaSync{});
+    if (threadIdx.x == 0) bulk_wait_read();   // (the shared memory outlives the copy's reads)
+  } else {
+    store_tile<TO, BM, BN, BM * 2>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
+                                   [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un), wk.Ncol(),
+                                   CtaSync{}, wk.add());
+  }
 }
 
 struct ConsumerSync {                       // the consumer warpgroups of grad_ws (named barrier 1)
@@ -270,10 +310,19 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
     if (prev >= 0) mbar_arrive(&empty[prev]);
     if (un.m0 >= wk.M(un)) continue;        // (uniform)
     const ConsumerSync sync{NT};
-    store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(un, row); },
-                               un.m0, un.n0, wk.M(un), wk.Ncol(), sync, wk.add());
-    sync();                                 // the C tile is free for the next unit
+    if constexpr (Work::kTmaStore) {
+      if (threadIdx.x == 0) bulk_wait_read();   // the previous unit's copy has read the C tile
+      sync();
+      store_tile_tma<TO, BM, BN>(acc, reinterpret_cast<uint8_t*>(cs), threadIdx.x, wk.store_map(), un.m0, un.n0,
+                                 sync);
+    } else {
+      store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(un, row); },
+                                 un.m0, un.n0, wk.M(un), wk.Ncol(), sync, wk.add());
+      sync();                               // the C tile is free for the next unit
+    }
   }
+  if constexpr (Work::kTmaStore)
+    if (threadIdx.x == 0) bulk_wait();
 }
 
 // The kernel of a work: persistent (grad_ws) or per tile (grad_tile).
@@ -288,6 +337,7 @@ IGEMM_DEVICE void grad_run(const Work& wk, const void* map_a, const void* map_b)
 template <class TO, int BM, int BN, class P>
 struct WgradWork {
   static constexpr int NB = BN / 64;
+  static constexpr bool kTmaStore = false;
   const P& p;
   struct Unit {
     int m0, n0, nkt, kt0, z;
@@ -354,9 +404,10 @@ static_assert(sizeof(DgradPhase) <= 128, "a phase is one 128-byte parameter");
 // dgrad's units: the tiles of up to four output phases in one launch (p.nph of them, heaviest first: u0 ascending),
 // every tile over all its phase's taps × K / 64 k-tiles; a phase's dy through its own im2col map. Add: dx += the
 // tile (the training path's identity gradient, igemm/nn/_train_fast.py: _Link).
-template <class T, int BM, int BN, bool Add, class P>
+template <class T, int BM, int BN, bool Add, bool Tma, class P>
 struct DgradWork {
   static constexpr int NB = BN / 64;
+  static constexpr bool kTmaStore = Tma;    // one phase whose rows are dx's (stride 1, no crop): p.tmY maps dx
   const P& p;
   struct Unit {
     int m0, n0, nkt;
@@ -408,11 +459,13 @@ struct DgradWork {
     return ((int64_t(n) * p.H + f.ph_h + p.st_h * i) * p.W + f.ph_w + p.st_w * j) * p.C;
   }
   IGEMM_DEVICE bool add() const { return Add; }
+  IGEMM_DEVICE const void* store_map() const { return p.tmY; }
 };
 
-template <class T, int BM, int BN, int Stages, bool Ws, bool Add, class P>
+template <class T, int BM, int BN, int Stages, bool Ws, bool Add, bool Tma, class P>
 __device__ void dgrad(const P& p) {
-  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, P>{p}, p.tmA0, p.tmB);
+  static_assert(!(Add && Tma), "the adding store reads dx");
+  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, Tma, P>{p}, p.tmA0, p.tmB);
 }
 
 // dst[i] (+)= sum over z of src[z·n + i], z = 0, 1, ... in order; n % 4 == 0, src 16-byte aligned, grid-stride.

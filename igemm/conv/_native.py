@@ -30,18 +30,18 @@ from ._problem import ConvProblem
 from ._tma import BK, MapTemplate, _encode, _encode_im2col, tma_unsupported
 
 __all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupported", "dgrad_unsupported", "choose_spec",
-           "choose_dgrad_spec", "NativeWgrad", "NativeDgrad", "all_variants"]
+           "choose_dgrad_spec", "tma_rows", "NativeWgrad", "NativeDgrad", "all_variants"]
 
 #: the native kernel's launch parameters, in order (the stub is rendered from them)
 WGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "Ncol", "NPQ", "kt_per_split", "splits",
                                                                          "sh", "sw", "ph", "pw", "dh", "dw")),
                 *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_C", "fd_S")),
                 ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
-#: dgrad's launch: what its phases share, then up to four phases (heaviest first), each a 128-byte ``blob``
-#: (``DgradPhase``: _PHASE_FIELDS) and its im2col map of dy
+#: dgrad's launch: what its phases share (tmY: dx as [N·H·W][C], the TMA store's map), then up to four phases
+#: (heaviest first), each a 128-byte ``blob`` (``DgradPhase``: _PHASE_FIELDS) and its im2col map of dy
 DGRAD_PARAMS = [ParamSpec("y", "ptr"),
                 *(ParamSpec(n, "int32") for n in ("C", "S", "H", "W", "st_h", "st_w", "nph", "units")),
-                ParamSpec("fd_KB", "fastdiv"), ParamSpec("tmB", "tmap"),
+                ParamSpec("fd_KB", "fastdiv"), ParamSpec("tmB", "tmap"), ParamSpec("tmY", "tmap"),
                 *(ParamSpec(f"f{i}", "blob") for i in range(4)), *(ParamSpec(f"tmA{i}", "tmap") for i in range(4))]
 #: csrc/conv/grad_sm90.cuh's ``DgradPhase``, in order: int32 fields, then fast divisors (d, mul, shr)
 _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew", "crop_h", "crop_w", "rows_h",
@@ -199,8 +199,8 @@ class _SplitSum:
 
 class _Launch:
     """A native kernel's launch: its packed arguments (written once) and its tensor maps, each a
-    :class:`~._tma.MapTemplate` at a parameter, re-addressed per call to operand ``a`` or ``b`` (``maps``: (parameter,
-    encode(address), 0 for a / 1 for b))."""
+    :class:`~._tma.MapTemplate` at a parameter, re-addressed per call to operand ``a``, ``b`` or the output ``y``
+    (``maps``: (parameter, encode(address), 0 for a / 1 for b / 2 for y))."""
 
     def __init__(self, spec, entry: str, params, values: dict, grid, device_id: int, maps):
         k = _kernel.load(spec.stub(), spec.name(), entry, device_id, smem=spec.smem)
@@ -215,15 +215,15 @@ class _Launch:
 
     def __call__(self, h: int, a: int, b: int, y: int) -> None:
         u, p = self.args.u64, self.patch
+        ops = (a, b, y)
         if p is None:
-            ab = (a, b)
             for slot, t, op in self.maps:
-                t.write(u, slot, ab[op], True)
+                t.write(u, slot, ops[op], True)
             if all(t.word >= 0 for _, t, _ in self.maps):
                 self.patch = [(slot + t.word, int(t.base[t.word]) - t.addr0, op) for slot, t, op in self.maps]
         else:                                 # (the maps are in the buffer: their address words only)
             for i, off, op in p:
-                u[i] = (off + (b if op else a)) & 0xFFFFFFFFFFFFFFFF
+                u[i] = (off + ops[op]) & 0xFFFFFFFFFFFFFFFF
         u[self.slot_y] = y
         self.launcher(h, self.args)
 
@@ -287,25 +287,27 @@ class NativeWgrad:
 
 @dataclass(frozen=True)
 class DgradSpec(_Grid):
-    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add>``; ``add``: its store
-    adds into dx)."""
+    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add, Tma>``; ``add``: its
+    store adds into dx; ``tma``: its tile leaves by a TMA store, for one phase whose rows are dx's: :func:`tma_rows`)."""
     dtype: str
     bm: int
     bn: int
     stages: int
     ws: bool = False
     add: bool = False
+    tma: bool = False
 
     @property
     def _out(self) -> str:
         return self.dtype
 
     def name(self) -> str:
-        return f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}{'_add' if self.add else ''}"
+        return (f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}{'_add' if self.add else ''}"
+                f"{'_tma' if self.tma else ''}")
 
     def stub(self) -> str:
         return self._render("dgrad", DGRAD_PARAMS, f"{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}",
-                            f", {str(self.add).lower()}")
+                            f", {str(self.add).lower()}, {str(self.tma).lower()}")
 
 
 def _sub(g, ph, dtype: str) -> ConvProblem:
@@ -330,27 +332,44 @@ def dgrad_unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
 
 def choose_dgrad_spec(g, dtype: str, sms: int) -> DgradSpec:
     """One kernel for every phase, chosen for the first launch's phases (docs/performance.md: dgrad-native-tiles,
-    dgrad-one-launch, dgrad-short-k), by C, the longest phase's k-tiles kt and the launch's 128 x 128 tiles t:
+    dgrad-one-launch, dgrad-tma-store), by C, the longest phase's k-tiles kt, the launch's 128 x 128 tiles t and
+    whether the tiles leave by TMA stores (:func:`tma_rows`: stride 1, nothing cropped):
     - C <= 64: 128 x 64 tiles in the persistent kernel, 3 stages (two CTAs an SM);
-    - one phase of at most 2 k-tiles: the same with 2 stages (three CTAs an SM: more tiles' stores in flight);
-    - t < SMs / 2: 64 x 128 tiles in the persistent kernel with 6 stages;
-    - one phase of at least 32 k-tiles and t >= 2 SMs: 128 x 128 in the persistent kernel with 5 stages;
+    - threads' stores, one phase of at most 2 k-tiles: the same with 2 stages (three CTAs an SM: more tiles' stores
+      in flight);
+    - t < SMs / 2, or TMA stores with C <= 128 and t < 2 SMs: 64 x 128 tiles in the persistent kernel, 6 stages;
+    - TMA stores, or one phase of at least 32 k-tiles and t >= 2 SMs: 128 x 128 in the persistent kernel with 5
+      stages (the store no longer holds the consumers: the producer's ring stays full);
     - else per-tile 128 x 128 with 3 stages (two CTAs an SM): the hardware hands out the tiles as CTAs finish,
       which balances phases of unequal length and short reductions better than the persistent grid's fixed
       rounds."""
+    return replace(_choose_tiles(g, dtype, sms), tma=tma_rows(g))
+
+
+def _choose_tiles(g, dtype: str, sms: int) -> DgradSpec:
     live = _live_phases(g)[:MAX_PHASES]        # (the first launch's)
     kt = max((ph.h.taps * ph.w.taps for ph in live), default=1) * -(-g.K // BK)
-    one = len(live) == 1
+    one, tma = len(live) == 1, tma_rows(g)
     if g.C <= 64:
         return DgradSpec(dtype, 128, 64, 3, True)
-    if one and kt <= 2:
+    if one and kt <= 2 and not tma:
         return DgradSpec(dtype, 128, 64, 2, True)
     t128 = sum(-(-g.N * ph.h.out * ph.w.out // 128) for ph in live) * -(-g.C // 128)
-    if 2 * t128 < sms:
+    if 2 * t128 < sms or (tma and g.C <= 128 and t128 < 2 * sms):
         return DgradSpec(dtype, 64, 128, 6, True)
-    if one and kt >= 32 and t128 >= 2 * sms:
+    if tma or (one and kt >= 32 and t128 >= 2 * sms):
         return DgradSpec(dtype, 128, 128, 5, True)
     return DgradSpec(dtype, 128, 128, 3)
+
+
+def tma_rows(g) -> bool:
+    """Whether dgrad's sub-output is dx itself, row for row (one phase, stride 1, nothing cropped): then its tiles
+    leave by TMA stores into dx as a [N·H·W][C] matrix (dgrad-tma-store)."""
+    live = _live_phases(g)
+    if len(live) != 1 or tuple(g.stride) != (1, 1):
+        return False
+    h, w = live[0].h, live[0].w
+    return h.crop == 0 and w.crop == 0 and (h.out, w.out) == (h.rows, w.rows) == (g.H, g.W)
 
 
 def _live_phases(g) -> list:
@@ -392,20 +411,28 @@ class NativeDgrad:
     def __init__(self, g, dtype: str, device_id: int | None, sms: int, spec: DgradSpec | None = None):
         self.g, self.dtype, self.device_id, self.sms = g, dtype, device_id, sms
         self.spec = spec or choose_dgrad_spec(g, dtype, sms)
+        if self.spec.tma and not tma_rows(g):
+            raise ValueError(f"{self.spec.name()}: a TMA store needs dx's rows to be the sub-output's")
         self.zero = any(ph.zero for ph in g.phases)
         self._launches = {}                    # add -> a launch a group of live phases
 
     def kernels(self) -> list:
-        """The plain kernel and its adding twin."""
-        return [self.spec, replace(self.spec, add=True)]
+        """The plain kernel and its adding twin (which stores through the threads: it reads dx)."""
+        return [self.spec, replace(self.spec, add=True, tma=False)]
 
     def _launch(self, phases, add: bool) -> _Launch:
-        g, s = self.g, replace(self.spec, add=add)
+        g = self.g
+        s = replace(self.spec, add=True, tma=False) if add else self.spec
         values = launch_values(g, phases, s.bm, s.bn)
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
         maps = [(f"tmA{i}", lambda addr, pb=_sub(g, ph, self.dtype): _encode_im2col(pb, s.bm, addr), 0)
                 for i, ph in enumerate(phases)]
         rs, pb = g.R * g.S, _sub(g, phases[0], self.dtype)
+        if s.tma:
+            maps.append(("tmY", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.C), u64(g.N * g.H * g.W)],
+                                                                   [u64(g.C * 2)], [u32(64), u32(s.bm)],
+                                                                   [u32(1), u32(1)]),
+                                                     "CU_TENSOR_MAP_L2_PROMOTION_NONE"), 2))
         maps.append(("tmB", lambda addr: _encode(pb, "Tiled", (3, addr, [u64(g.C), u64(rs), u64(g.K)],
                                                                [u64(g.C * 2), u64(rs * g.C * 2)],
                                                                [u32(64), u32(1), u32(BK)], [u32(1)] * 3),
@@ -434,7 +461,8 @@ def all_variants() -> list[tuple[str, str]]:
     dts = ("float16", "bfloat16")
     out = [WgradSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
     out += [WgradSpec(dt, o, 128, bn, 4, 1, True).kernel() for dt in dts for o in (dt, "float32") for bn in (64, 128)]
-    out += [DgradSpec(dt, *t, add).kernel() for dt in dts for add in (False, True)
+    out += [DgradSpec(dt, *t, add, tma).kernel() for dt in dts for add, tma in ((False, False), (True, False),
+                                                                                (False, True))
             for t in ((128, 64, 3, True), (128, 64, 2, True), (128, 128, 5, True), (64, 128, 6, True),
                       (128, 128, 3, False))]
     return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

@@ -268,7 +268,7 @@ def test_dgrad_native_choice():
                                                 "sm_90a")
     plan = igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
     assert plan.native is not None and [k.kernel()[0] for k in plan.sub_plans()] == [
-        "dgrad_float16_128x64_s3_ws_tma", "dgrad_float16_128x64_s3_ws_add"]
+        "dgrad_float16_128x64_s3_ws_tma", "dgrad_float16_128x64_s3_ws_add_tma"]
     strided = igemm.Conv2dGradInputPlan((32, 56, 56, 128), (128, 3, 3, 128), "float16", "NHWC", 2, 1, device="numpy")
     assert strided.native is not None and not strided.native.zero
     assert igemm.Conv2dGradInputPlan((32, 56, 56, 256), (512, 1, 1, 256), "float16", "NHWC", 2, 0,
@@ -276,7 +276,7 @@ def test_dgrad_native_choice():
     def spec(xs, ws, st=1, pad=1):
         g = GradInputProblem(xs, ws, "NHWC", st, pad, 1)
         s = _native.choose_dgrad_spec(g, "float16", 132)
-        assert s.tma == (st == 1 and pad <= ws[1] // 2)          # (stride 1, nothing cropped: dx's own rows)
+        assert s.store == ("tensor" if st == 1 and pad <= ws[1] // 2 else "rows")  # (stride 1, no crop: dx's rows)
         return s.bm, s.bn, s.stages, s.ws
     assert spec((32, 56, 56, 64), (64, 3, 3, 64)) == (128, 64, 3, True)              # C = 64
     # TMA stores: 128 x 128 in the persistent kernel but for small grids
@@ -286,14 +286,12 @@ def test_dgrad_native_choice():
     assert spec((32, 28, 28, 128), (128, 3, 3, 128)) == (64, 128, 6, True)           # 196, C = 128
     assert spec((32, 14, 14, 256), (256, 3, 3, 256)) == (128, 128, 5, True)          # 98, C = 256
     assert spec((256, 28, 28, 128), (128, 3, 3, 128)) == (128, 128, 5, True)         # 1568
-    # threads' stores (strided): 1-2 k-tiles three CTAs an SM; 32 k-tiles and two waves persistent, else per tile
-    assert spec((32, 56, 56, 256), (64, 1, 1, 256), 2, 0) == (128, 64, 2, True)
-    assert spec((32, 56, 56, 256), (512, 1, 1, 256), 2, 0) == (128, 128, 3, False)
-    assert spec((256, 28, 28, 512), (2048, 1, 1, 512), 2, 0) == (128, 128, 5, True)
-    assert spec((2, 8, 8, 64), (64, 3, 3, 64), pad=3) == (128, 64, 3, True)         # (cropped: no TMA store)
-    # a strided 3x3: four phases in one launch, 4 x 8 k-tiles at most
-    assert spec((32, 28, 28, 512), (512, 3, 3, 512), 2) == (128, 128, 3, False)
-    assert spec((256, 14, 14, 512), (512, 3, 3, 512), 2) == (128, 128, 3, False)
+    # bulk copies a row (strided): persistent from two waves of 128 x 128 tiles, four with several phases
+    assert spec((32, 56, 56, 256), (64, 1, 1, 256), 2, 0) == (128, 128, 5, True)     # 392 tiles, one phase
+    assert spec((32, 28, 28, 512), (1024, 1, 1, 512), 2, 0) == (128, 128, 3, False)  # 196
+    assert spec((32, 56, 56, 128), (128, 3, 3, 128), 2) == (128, 128, 5, True)       # 784, four phases
+    assert spec((32, 28, 28, 256), (256, 3, 3, 256), 2) == (128, 128, 3, False)      # 392, four phases
+    assert spec((256, 14, 14, 512), (512, 3, 3, 512), 2) == (128, 128, 5, True)      # 1568
 
 
 #: every kernel all_variants() gives, on problems that give it partial tiles (dgrad: stride 1, where the TMA-store
@@ -323,10 +321,11 @@ def test_gpu_native_variants(dtype, rng):
             if not n.startswith(f"dgrad_{dtype}_"):
                 continue
             bm, bn = map(int, n.split("_")[2].split("x"))
-            add, tma = n.endswith("_add"), n.endswith("_tma")      # (the adding twin: into zeros)
-            if tma and not _native.tma_rows(g):
+            add = "_add" in n                      # (the adding twin: into zeros)
+            store = "tensor" if "_tma" in n else "rows"
+            if store == "tensor" and not _native.tma_rows(g):
                 continue
-            spec = _native.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), "_ws" in n, add, tma)
+            spec = _native.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), "_ws" in n, add, store)
             for sms in (1, 132):
                 dx = torch.zeros(xs, dtype=getattr(torch, dtype), device="cuda") if add else \
                     poison(torch.empty(xs, dtype=getattr(torch, dtype), device="cuda"))

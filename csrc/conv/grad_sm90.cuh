@@ -84,10 +84,9 @@ IGEMM_DEVICE TileCoord grad_tile_coord(int u, int ncol) {
 // stored), columns col < Ncol. Rows LD elements apart (16-byte multiples, rows 4 or 8 banks apart: the pair writes
 // are conflict-free for 16-bit types). `add`: out = TO(tile) + out, summed in fp32 and rounded (what adding the stored
 // tile to out as a separate step gives, bit for bit).
-template <class TO, int BM, int BN, int NT, class RowAt, class Sync>
-IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const RowAt& row_at, int m0, int n0, int M,
-                             int Ncol, Sync sync, bool add = false) {
-  constexpr int V = 16 / sizeof(TO), LD = BN + V;
+template <class TO, int BN>
+IGEMM_DEVICE void stage_pairs(const float* acc, TO* cs, int tid) {
+  constexpr int LD = BN + 16 / int(sizeof(TO));
   const int lane = tid & 31, w = (tid >> 5) & 3;
   const int rl = (tid / 128) * 64 + w * 16 + (lane >> 2);
 #pragma unroll
@@ -96,6 +95,13 @@ IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const R
     store_pair(cs + rl * LD + c, acc[4 * j], acc[4 * j + 1]);
     store_pair(cs + (rl + 8) * LD + c, acc[4 * j + 2], acc[4 * j + 3]);
   }
+}
+
+template <class TO, int BM, int BN, int NT, class RowAt, class Sync>
+IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const RowAt& row_at, int m0, int n0, int M,
+                             int Ncol, Sync sync, bool add = false) {
+  constexpr int V = 16 / sizeof(TO), LD = BN + V;
+  stage_pairs<TO, BN>(acc, cs, tid);
   sync();
   constexpr int VPR = BN / V;               // vectors a row
   const bool whole = Ncol % V == 0;         // (else element stores at the right edge)
@@ -144,11 +150,32 @@ IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const R
 template <class TO, int BM, int BN>
 constexpr int kCTileBytes = BM * (BN + 16 / int(sizeof(TO))) * int(sizeof(TO));
 
-// The TMA store of a C tile (16-bit, identity rows): cp.async.bulk.tensor from shared memory, one bulk group a
-// tile; bulk_wait_read: until the issued groups have read their shared memory (the C tile may be written again).
+// The tile's asynchronous stores: cp.async.bulk.tensor of a whole block (a tensor map), or cp.async.bulk of bytes;
+// one bulk group a thread's tile; bulk_wait_read: until the thread's groups have read their shared memory (the C
+// tile may be written again).
+enum GradStore { kStoreThreads = 0, kStoreTensor = 1, kStoreRows = 2 };
+// Add: the copy adds into global memory (an f16 / bf16 add rounded once: what adding the stored tile as a separate
+// step gives, bit for bit).
+template <bool Add>
 IGEMM_DEVICE void tma_store_2d(const void* map, const void* src, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n"
-               ::"l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
+  if constexpr (Add)
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];\n"
+                 ::"l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
+  else
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n"
+                 ::"l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
+}
+template <bool Add, class TO>
+IGEMM_DEVICE void bulk_store(TO* dst, const TO* src, int bytes) {
+  if constexpr (!Add)
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
+  else if constexpr (std::is_same_v<TO, cutlass::half_t>)
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
+  else
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
 }
 IGEMM_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 IGEMM_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
@@ -159,7 +186,7 @@ IGEMM_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" :::
 // j ^ (r % 8), so a warp's pair writes hit 32 distinct banks -- then thread 0 copies each block to (n0 + 64·b, m0)
 // of the [M][Ncol] map, which drops the rows and columns past the tensor's end. The threads go on at once; the
 // copy's reads of cs must finish (bulk_wait_read) before cs is written again.
-template <class TO, int BM, int BN, class Sync>
+template <class TO, int BM, int BN, bool Add, class Sync>
 IGEMM_DEVICE void store_tile_tma(const float* acc, uint8_t* cs, int tid, const void* map, int m0, int n0, Sync sync) {
   static_assert(sizeof(TO) == 2, "16-bit tiles: 64 columns are one 128-byte swizzled row");
   const int lane = tid & 31, w = (tid >> 5) & 3;
@@ -175,7 +202,26 @@ IGEMM_DEVICE void store_tile_tma(const float* acc, uint8_t* cs, int tid, const v
   sync();
   if (tid == 0) {
 #pragma unroll
-    for (int b = 0; b < BN / 64; ++b) tma_store_2d(map, cs + b * BM * 128, n0 + 64 * b, m0);
+    for (int b = 0; b < BN / 64; ++b) tma_store_2d<Add>(map, cs + b * BM * 128, n0 + 64 * b, m0);
+    bulk_commit();
+  }
+}
+
+// The tile's store by bulk copies, a row a thread (docs/performance.md: dgrad-bulk-rows): the accumulators into cs
+// as store_tile stages them, then thread r < BM copies row r's columns < Ncol (16-byte multiples) to
+// out + row_at(m0 + r) + n0 in one cp.async.bulk: any row mapping (a strided phase's rows). The threads go on at
+// once; each waits for its copy's reads (bulk_wait_read) before cs is written again.
+template <class TO, int BM, int BN, bool Add, class RowAt, class Sync>
+IGEMM_DEVICE void store_tile_rows(const float* acc, TO* cs, int tid, TO* out, const RowAt& row_at, int m0, int n0,
+                                  int M, int Ncol, Sync sync) {
+  constexpr int LD = BN + 16 / int(sizeof(TO));
+  stage_pairs<TO, BN>(acc, cs, tid);
+  fence_proxy_async();
+  sync();
+  const int row = m0 + tid;
+  const int64_t at = tid < BM && row < M ? row_at(row) : -1;
+  if (at >= 0) {
+    bulk_store<Add>(out + at + n0, cs + tid * LD, min(BN, Ncol - n0) * int(sizeof(TO)));
     bulk_commit();
   }
 }
@@ -242,9 +288,14 @@ IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b
   // the mainloop's wgmmas, warning C7514)
   if (un.m0 >= wk.M(un)) return;
   __syncthreads();                          // (every warpgroup is done with the stages: the C tile takes them)
-  if constexpr (Work::kTmaStore) {
-    store_tile_tma<TO, BM, BN>(acc, smem, threadIdx.x, wk.store_map(), un.m0, un.n0, CtaSync{});
-    if (threadIdx.x == 0) bulk_wait_read();   // (the shared memory outlives the copy's reads)
+  if constexpr (Work::kStore == kStoreTensor) {
+    store_tile_tma<TO, BM, BN, Work::kAdd>(acc, smem, threadIdx.x, wk.store_map(), un.m0, un.n0, CtaSync{});
+    bulk_wait_read();                       // (the shared memory outlives the copies' reads)
+  } else if constexpr (Work::kStore == kStoreRows) {
+    store_tile_rows<TO, BM, BN, Work::kAdd>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
+                                [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un), wk.Ncol(),
+                                CtaSync{});
+    bulk_wait_read();
   } else {
     store_tile<TO, BM, BN, BM * 2>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
                                    [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un), wk.Ncol(),
@@ -310,19 +361,23 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
     if (prev >= 0) mbar_arrive(&empty[prev]);
     if (un.m0 >= wk.M(un)) continue;        // (uniform)
     const ConsumerSync sync{NT};
-    if constexpr (Work::kTmaStore) {
-      if (threadIdx.x == 0) bulk_wait_read();   // the previous unit's copy has read the C tile
+    if constexpr (Work::kStore != kStoreThreads) {
+      bulk_wait_read();                     // the previous unit's copies have read the C tile
       sync();
-      store_tile_tma<TO, BM, BN>(acc, reinterpret_cast<uint8_t*>(cs), threadIdx.x, wk.store_map(), un.m0, un.n0,
-                                 sync);
+      if constexpr (Work::kStore == kStoreTensor)
+        store_tile_tma<TO, BM, BN, Work::kAdd>(acc, reinterpret_cast<uint8_t*>(cs), threadIdx.x, wk.store_map(),
+                                               un.m0, un.n0, sync);
+      else
+        store_tile_rows<TO, BM, BN, Work::kAdd>(acc, cs, threadIdx.x, wk.out(un),
+                                                [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un),
+                                                wk.Ncol(), sync);
     } else {
       store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(un, row); },
                                  un.m0, un.n0, wk.M(un), wk.Ncol(), sync, wk.add());
       sync();                               // the C tile is free for the next unit
     }
   }
-  if constexpr (Work::kTmaStore)
-    if (threadIdx.x == 0) bulk_wait();
+  if constexpr (Work::kStore != kStoreThreads) bulk_wait();
 }
 
 // The kernel of a work: persistent (grad_ws) or per tile (grad_tile).
@@ -337,7 +392,8 @@ IGEMM_DEVICE void grad_run(const Work& wk, const void* map_a, const void* map_b)
 template <class TO, int BM, int BN, class P>
 struct WgradWork {
   static constexpr int NB = BN / 64;
-  static constexpr bool kTmaStore = false;
+  static constexpr int kStore = kStoreThreads;
+  static constexpr bool kAdd = false;
   const P& p;
   struct Unit {
     int m0, n0, nkt, kt0, z;
@@ -404,10 +460,11 @@ static_assert(sizeof(DgradPhase) <= 128, "a phase is one 128-byte parameter");
 // dgrad's units: the tiles of up to four output phases in one launch (p.nph of them, heaviest first: u0 ascending),
 // every tile over all its phase's taps × K / 64 k-tiles; a phase's dy through its own im2col map. Add: dx += the
 // tile (the training path's identity gradient, igemm/nn/_train_fast.py: _Link).
-template <class T, int BM, int BN, bool Add, bool Tma, class P>
+template <class T, int BM, int BN, bool Add, int Store, class P>
 struct DgradWork {
   static constexpr int NB = BN / 64;
-  static constexpr bool kTmaStore = Tma;    // one phase whose rows are dx's (stride 1, no crop): p.tmY maps dx
+  static constexpr int kStore = Store;      // kStoreTensor: one phase whose rows are dx's (p.tmY maps dx)
+  static constexpr bool kAdd = Add;
   const P& p;
   struct Unit {
     int m0, n0, nkt;
@@ -462,10 +519,9 @@ struct DgradWork {
   IGEMM_DEVICE const void* store_map() const { return p.tmY; }
 };
 
-template <class T, int BM, int BN, int Stages, bool Ws, bool Add, bool Tma, class P>
+template <class T, int BM, int BN, int Stages, bool Ws, bool Add, int Store, class P>
 __device__ void dgrad(const P& p) {
-  static_assert(!(Add && Tma), "the adding store reads dx");
-  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, Tma, P>{p}, p.tmA0, p.tmB);
+  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, Store, P>{p}, p.tmA0, p.tmB);
 }
 
 // dst[i] (+)= sum over z of src[z·n + i], z = 0, 1, ... in order; n % 4 == 0, src 16-byte aligned, grid-stride.

@@ -48,6 +48,8 @@ _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew"
                  "rows_w", "ph_h", "ph_w")
 _PHASE_DIVS = ("fd_PQ", "fd_Q", "fd_T")
 MAX_PHASES = 4
+#: DgradSpec.store -> (its kernel name's suffix, csrc/conv/grad_sm90.cuh's GradStore)
+_STORES = {"tensor": ("_tma", 1), "rows": ("_rows", 2)}
 _SUM_PARAMS = [ParamSpec("src", "ptr"), ParamSpec("dst", "ptr"), ParamSpec("n", "int64"), ParamSpec("splits", "int32")]
 _THREADS = 256
 _SM_SMEM = 233472                       # shared memory an sm_90 SM holds (228 KB); a CTA reserves 1 KB of it
@@ -288,14 +290,15 @@ class NativeWgrad:
 @dataclass(frozen=True)
 class DgradSpec(_Grid):
     """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add, Tma>``; ``add``: its
-    store adds into dx; ``tma``: its tile leaves by a TMA store, for one phase whose rows are dx's: :func:`tma_rows`)."""
+    store adds into dx; ``store``: how the tile leaves its shared-memory C tile -- "tensor" (a TMA store of the tile,
+    for one phase whose rows are dx's: :func:`tma_rows`) or "rows" (a bulk copy a row, any phase))."""
     dtype: str
     bm: int
     bn: int
     stages: int
     ws: bool = False
     add: bool = False
-    tma: bool = False
+    store: str = "rows"
 
     @property
     def _out(self) -> str:
@@ -303,11 +306,11 @@ class DgradSpec(_Grid):
 
     def name(self) -> str:
         return (f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}{'_add' if self.add else ''}"
-                f"{'_tma' if self.tma else ''}")
+                f"{_STORES[self.store][0]}")
 
     def stub(self) -> str:
         return self._render("dgrad", DGRAD_PARAMS, f"{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}",
-                            f", {str(self.add).lower()}, {str(self.tma).lower()}")
+                            f", {str(self.add).lower()}, {_STORES[self.store][1]}")
 
 
 def _sub(g, ph, dtype: str) -> ConvProblem:
@@ -331,33 +334,26 @@ def dgrad_unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
 
 
 def choose_dgrad_spec(g, dtype: str, sms: int) -> DgradSpec:
-    """One kernel for every phase, chosen for the first launch's phases (docs/performance.md: dgrad-native-tiles,
-    dgrad-one-launch, dgrad-tma-store), by C, the longest phase's k-tiles kt, the launch's 128 x 128 tiles t and
-    whether the tiles leave by TMA stores (:func:`tma_rows`: stride 1, nothing cropped):
+    """One kernel for every phase, chosen for the first launch's phases (docs/performance.md: dgrad-one-launch,
+    dgrad-tma-store, dgrad-bulk-rows). The tile leaves by a TMA store where :func:`tma_rows` (stride 1, nothing
+    cropped: the sub-output's rows are dx's), else by a bulk copy a row. Tiles, by C and the launch's 128 x 128 tiles
+    t:
     - C <= 64: 128 x 64 tiles in the persistent kernel, 3 stages (two CTAs an SM);
-    - threads' stores, one phase of at most 2 k-tiles: the same with 2 stages (three CTAs an SM: more tiles' stores
-      in flight);
-    - t < SMs / 2, or TMA stores with C <= 128 and t < 2 SMs: 64 x 128 tiles in the persistent kernel, 6 stages;
-    - TMA stores, or one phase of at least 32 k-tiles and t >= 2 SMs: 128 x 128 in the persistent kernel with 5
-      stages (the store no longer holds the consumers: the producer's ring stays full);
-    - else per-tile 128 x 128 with 3 stages (two CTAs an SM): the hardware hands out the tiles as CTAs finish,
-      which balances phases of unequal length and short reductions better than the persistent grid's fixed
-      rounds."""
-    return replace(_choose_tiles(g, dtype, sms), tma=tma_rows(g))
+    - t < SMs / 2, or a TMA store with C <= 128 and t < 2 SMs: 64 x 128 tiles in the persistent kernel, 6 stages;
+    - a TMA store, or t >= 2 SMs (4 SMs where the launch has several phases, whose tiles differ in length): 128 x 128
+      in the persistent kernel with 5 stages (the asynchronous store leaves the consumers to the next tile);
+    - else per-tile 128 x 128 with 3 stages (two CTAs an SM: the hardware hands out the tiles as CTAs finish)."""
+    return replace(_choose_tiles(g, dtype, sms), store="tensor" if tma_rows(g) else "rows")
 
 
 def _choose_tiles(g, dtype: str, sms: int) -> DgradSpec:
-    live = _live_phases(g)[:MAX_PHASES]        # (the first launch's)
-    kt = max((ph.h.taps * ph.w.taps for ph in live), default=1) * -(-g.K // BK)
-    one, tma = len(live) == 1, tma_rows(g)
     if g.C <= 64:
         return DgradSpec(dtype, 128, 64, 3, True)
-    if one and kt <= 2 and not tma:
-        return DgradSpec(dtype, 128, 64, 2, True)
+    live, tma = _live_phases(g)[:MAX_PHASES], tma_rows(g)    # (the first launch's phases)
     t128 = sum(-(-g.N * ph.h.out * ph.w.out // 128) for ph in live) * -(-g.C // 128)
     if 2 * t128 < sms or (tma and g.C <= 128 and t128 < 2 * sms):
         return DgradSpec(dtype, 64, 128, 6, True)
-    if tma or (one and kt >= 32 and t128 >= 2 * sms):
+    if tma or t128 >= (2 if len(live) == 1 else 4) * sms:
         return DgradSpec(dtype, 128, 128, 5, True)
     return DgradSpec(dtype, 128, 128, 3)
 
@@ -411,24 +407,24 @@ class NativeDgrad:
     def __init__(self, g, dtype: str, device_id: int | None, sms: int, spec: DgradSpec | None = None):
         self.g, self.dtype, self.device_id, self.sms = g, dtype, device_id, sms
         self.spec = spec or choose_dgrad_spec(g, dtype, sms)
-        if self.spec.tma and not tma_rows(g):
+        if self.spec.store == "tensor" and not tma_rows(g):
             raise ValueError(f"{self.spec.name()}: a TMA store needs dx's rows to be the sub-output's")
         self.zero = any(ph.zero for ph in g.phases)
         self._launches = {}                    # add -> a launch a group of live phases
 
     def kernels(self) -> list:
-        """The plain kernel and its adding twin (which stores through the threads: it reads dx)."""
-        return [self.spec, replace(self.spec, add=True, tma=False)]
+        """The plain kernel and its adding twin."""
+        return [self.spec, replace(self.spec, add=True)]
 
     def _launch(self, phases, add: bool) -> _Launch:
         g = self.g
-        s = replace(self.spec, add=True, tma=False) if add else self.spec
+        s = replace(self.spec, add=add)
         values = launch_values(g, phases, s.bm, s.bn)
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
         maps = [(f"tmA{i}", lambda addr, pb=_sub(g, ph, self.dtype): _encode_im2col(pb, s.bm, addr), 0)
                 for i, ph in enumerate(phases)]
         rs, pb = g.R * g.S, _sub(g, phases[0], self.dtype)
-        if s.tma:
+        if s.store == "tensor":
             maps.append(("tmY", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.C), u64(g.N * g.H * g.W)],
                                                                    [u64(g.C * 2)], [u32(64), u32(s.bm)],
                                                                    [u32(1), u32(1)]),
@@ -461,8 +457,7 @@ def all_variants() -> list[tuple[str, str]]:
     dts = ("float16", "bfloat16")
     out = [WgradSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
     out += [WgradSpec(dt, o, 128, bn, 4, 1, True).kernel() for dt in dts for o in (dt, "float32") for bn in (64, 128)]
-    out += [DgradSpec(dt, *t, add, tma).kernel() for dt in dts for add, tma in ((False, False), (True, False),
-                                                                                (False, True))
-            for t in ((128, 64, 3, True), (128, 64, 2, True), (128, 128, 5, True), (64, 128, 6, True),
-                      (128, 128, 3, False))]
+    out += [DgradSpec(dt, *t, add, store).kernel() for dt in dts
+            for add in (False, True) for store in ("tensor", "rows")
+            for t in ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True), (128, 128, 3, False))]
     return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

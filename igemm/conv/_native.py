@@ -13,8 +13,10 @@ partial tile and ``split_sum`` adds them in split order (deterministic) into dw,
 **dgrad.** Per output phase (``GradInputProblem.phases``; stride 1 has one), the stride-1 convolution of dy with the
 phase's taps of the flipped filter: GEMM M = N x the phase's sub-output, N = C, reduction over taps x K (a k-tile =
 one tap x 64 channels of dy). A = dy through an im2col map (the phase's padding and dilation), B = w as
-[K][R·S][C] at the filter's tap, an MN-major operand: no filter move; the store writes the phase's rows of dx
-directly (no interleave); a zero phase is a memset of dx first.
+[K][R·S][C] at the filter's tap, an MN-major operand: no filter move. Up to four phases are one launch (their tiles
+one list of units; each phase a ``DgradPhase`` parameter and its own map of dy). The tile leaves asynchronously, by
+a TMA store where the phase's rows are dx's (stride 1), else by a bulk copy a row into the phase's rows of dx (no
+interleave); a zero phase is a memset of dx first.
 """
 from __future__ import annotations
 

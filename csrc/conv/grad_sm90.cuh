@@ -3,9 +3,11 @@
 //
 // Both run one of two TMA + wgmma mainloops over their units of work (a tile, or a tile's split): each warpgroup
 // multiplies its 64 rows with wgmma.m64nBNk16 straight from shared memory (128-byte swizzled rows), one group in
-// flight, and the tile leaves through shared memory in 16-byte vectors. grad_tile: a CTA a unit, thread 0 filling
-// the stages, a CTA barrier a k-tile. grad_ws: persistent and warp-specialised (a producer warp, "empty" barriers;
-// the forward's design in persistent_sm90.cuh), the store through its own C tile while the next unit loads.
+// flight, and the tile leaves through a shared-memory C tile: wgrad's by the threads in 16-byte vectors, dgrad's
+// by asynchronous copies (a TMA store, or a bulk copy a row) while the threads go on. grad_tile: a CTA a unit,
+// thread 0 filling the stages, a CTA barrier a k-tile. grad_ws: persistent and warp-specialised (a producer warp,
+// "empty" barriers; the forward's design in persistent_sm90.cuh), the store through its own C tile while the next
+// unit loads.
 //   wgrad  dw[k, (r, s, c)] = sum over output pixels (n, p, q) of dy[n, p, q, k] · x[n, p·sh + r·dh − ph,
 //          q·sw + s·dw − pw, c]: GEMM M = K, N = R·S·C (dw's row), reduction = N·P·Q, 64 pixels a k-tile. A = dy as
 //          the [N·P·Q][K] matrix (tiled map: 64 pixels × 64 channels from m0), B = x through the forward's im2col
@@ -77,13 +79,9 @@ IGEMM_DEVICE TileCoord grad_tile_coord(int u, int ncol) {
   return {int(u / tn) * BM, int(u % tn) * BN};
 }
 
-// The tile's store: the accumulators (as mma.sync's C fragment: warp w of warpgroup wg holds rows
-// wg·64 + w·16 + lane/4 (+8) and, per 8-column block j, columns j·8 + 2·(lane % 4) + {0, 1}) into the C tile `cs`
-// as pairs, then out in 16-byte vectors, whole rows per warp, by the NT threads of the tile's warpgroups (tid
-// = 0..NT-1; `sync` orders them). Row `row` < M lands at out + row_at(row) (an element offset; negative: a row not
-// stored), columns col < Ncol. Rows LD elements apart (16-byte multiples, rows 4 or 8 banks apart: the pair writes
-// are conflict-free for 16-bit types). `add`: out = TO(tile) + out, summed in fp32 and rounded (what adding the stored
-// tile to out as a separate step gives, bit for bit).
+// The accumulators (as mma.sync's C fragment: warp w of warpgroup wg holds rows wg·64 + w·16 + lane/4 (+8) and, per
+// 8-column block j, columns j·8 + 2·(lane % 4) + {0, 1}) into the C tile `cs` as pairs, rows LD elements apart
+// (16-byte multiples, rows 4 or 8 banks apart: the pair writes are conflict-free for 16-bit types).
 template <class TO, int BN>
 IGEMM_DEVICE void stage_pairs(const float* acc, TO* cs, int tid) {
   constexpr int LD = BN + 16 / int(sizeof(TO));
@@ -97,38 +95,18 @@ IGEMM_DEVICE void stage_pairs(const float* acc, TO* cs, int tid) {
   }
 }
 
+// The tile's store by the threads (wgrad's: its tile ends a long reduction, so the store is off the critical path;
+// decision log wgrad-rows-not-taken): the tile staged in `cs`, then out in 16-byte vectors, whole rows per warp, by
+// the NT threads of the tile's warpgroups (tid = 0..NT-1; `sync` orders them). Row `row` < M lands at
+// out + row_at(row) (an element offset; negative: a row not stored), columns col < Ncol.
 template <class TO, int BM, int BN, int NT, class RowAt, class Sync>
 IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const RowAt& row_at, int m0, int n0, int M,
-                             int Ncol, Sync sync, bool add = false) {
+                             int Ncol, Sync sync) {
   constexpr int V = 16 / sizeof(TO), LD = BN + V;
   stage_pairs<TO, BN>(acc, cs, tid);
   sync();
   constexpr int VPR = BN / V;               // vectors a row
   const bool whole = Ncol % V == 0;         // (else element stores at the right edge)
-  if (add && whole) {                       // every old vector of the thread loaded first: one latency, not ITERS
-    constexpr int ITERS = (BM * VPR + NT - 1) / NT;
-    uint4 old[ITERS];
-    TO* dst[ITERS];
-#pragma unroll
-    for (int k = 0; k < ITERS; ++k) {
-      const int i = tid + k * NT, r = i / VPR, c = (i % VPR) * V, row = m0 + r, col = n0 + c;
-      const int64_t at = i < BM * VPR && row < M && col < Ncol ? row_at(row) : -1;
-      dst[k] = at < 0 ? nullptr : out + at + col;
-      if (dst[k] != nullptr) old[k] = *reinterpret_cast<const uint4*>(dst[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < ITERS; ++k) {
-      if (dst[k] == nullptr) continue;
-      const int i = tid + k * NT;
-      alignas(16) TO v[V], o[V];
-      *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(cs + (i / VPR) * LD + (i % VPR) * V);
-      *reinterpret_cast<uint4*>(o) = old[k];
-#pragma unroll
-      for (int e = 0; e < V; ++e) v[e] = from_float<TO>(to_float(v[e]) + to_float(o[e]));
-      *reinterpret_cast<uint4*>(dst[k]) = *reinterpret_cast<const uint4*>(v);
-    }
-    return;
-  }
   for (int i = tid; i < BM * VPR; i += NT) {
     const int r = i / VPR, c = (i % VPR) * V, row = m0 + r, col = n0 + c;
     if (row >= M || col >= Ncol) continue;
@@ -141,7 +119,7 @@ IGEMM_DEVICE void store_tile(const float* acc, TO* cs, int tid, TO* out, const R
     } else {
 #pragma unroll
       for (int e = 0; e < V; ++e)
-        if (col + e < Ncol) dst[e] = add ? from_float<TO>(to_float(src[e]) + to_float(dst[e])) : src[e];
+        if (col + e < Ncol) dst[e] = src[e];
     }
   }
 }
@@ -293,13 +271,13 @@ IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b
     bulk_wait_read();                       // (the shared memory outlives the copies' reads)
   } else if constexpr (Work::kStore == kStoreRows) {
     store_tile_rows<TO, BM, BN, Work::kAdd>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
-                                [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un), wk.Ncol(),
-                                CtaSync{});
+                                            [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un),
+                                            wk.Ncol(), CtaSync{});
     bulk_wait_read();
   } else {
     store_tile<TO, BM, BN, BM * 2>(acc, reinterpret_cast<TO*>(smem), threadIdx.x, wk.out(un),
                                    [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un), wk.Ncol(),
-                                   CtaSync{}, wk.add());
+                                   CtaSync{});
   }
 }
 
@@ -373,7 +351,7 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
                                                 wk.Ncol(), sync);
     } else {
       store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(un, row); },
-                                 un.m0, un.n0, wk.M(un), wk.Ncol(), sync, wk.add());
+                                 un.m0, un.n0, wk.M(un), wk.Ncol(), sync);
       sync();                               // the C tile is free for the next unit
     }
   }
@@ -439,7 +417,6 @@ struct WgradWork {
     return static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(un.z) * p.M * p.Ncol;
   }
   IGEMM_DEVICE int64_t row_at(const Unit&, int row) const { return int64_t(row) * p.Ncol; }
-  IGEMM_DEVICE bool add() const { return false; }
 };
 
 template <class T, class TO, int BM, int BN, int Stages, bool Ws, class P>
@@ -515,7 +492,6 @@ struct DgradWork {
     if (unsigned(i) >= unsigned(f.rows_h) || unsigned(j) >= unsigned(f.rows_w)) return -1;
     return ((int64_t(n) * p.H + f.ph_h + p.st_h * i) * p.W + f.ph_w + p.st_w * j) * p.C;
   }
-  IGEMM_DEVICE bool add() const { return Add; }
   IGEMM_DEVICE const void* store_map() const { return p.tmY; }
 };
 

@@ -291,7 +291,7 @@ class NativeWgrad:
 
 @dataclass(frozen=True)
 class DgradSpec(_Grid):
-    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add, Tma>``; ``add``: its
+    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add, Store>``; ``add``: its
     store adds into dx; ``store``: how the tile leaves its shared-memory C tile -- "tensor" (a TMA store of the tile,
     for one phase whose rows are dx's: :func:`tma_rows`) or "rows" (a bulk copy a row, any phase))."""
     dtype: str

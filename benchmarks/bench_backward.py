@@ -265,7 +265,7 @@ class Runner:
 
         def build():
             nonlocal sets
-            sets = make_sets(torch, self.igemm, c, "bn-chain" in fused)
+            sets = make_sets(torch, self.igemm, c, bool(fused))        # (both fused rows read y's mask)
 
         self.guard(c, "inputs", build)
         if sets is not None:

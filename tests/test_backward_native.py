@@ -137,7 +137,7 @@ def test_wgrad_native_choice():
         assert 1 <= sp <= kt and (sp - 1) * -(-kt // sp) < kt, (tiles, kt, sp)      # no empty split
     plan = igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
     assert plan.role == "native" and [k.kernel()[0] for k in plan.sub_plans()] == [
-        plan.native.spec.name(), "split_sum_float16"]
+        plan.native.spec.name(), plan.native.spec.name() + "_m", "split_sum_float16"]
     assert igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy",
                                       arch="sm_80").role is None
 
@@ -268,7 +268,7 @@ def test_dgrad_native_choice():
                                                 "sm_90a")
     plan = igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
     assert plan.native is not None and [k.kernel()[0] for k in plan.sub_plans()] == [
-        "dgrad_float16_128x64_s3_ws_tma", "dgrad_float16_128x64_s3_ws_add_tma"]
+        "dgrad_float16_128x64_s3_ws_tma", "dgrad_float16_128x64_s3_ws_add_tma", "dgrad_float16_128x64_s3_ws_tma_m"]
     strided = igemm.Conv2dGradInputPlan((32, 56, 56, 128), (128, 3, 3, 128), "float16", "NHWC", 2, 1, device="numpy")
     assert strided.native is not None and not strided.native.zero
     assert igemm.Conv2dGradInputPlan((32, 56, 56, 256), (512, 1, 1, 256), "float16", "NHWC", 2, 0,
@@ -295,17 +295,27 @@ def test_dgrad_native_choice():
 
 
 #: every kernel all_variants() gives, on problems that give it partial tiles (dgrad: stride 1, where the TMA-store
-#: twins run; strided, with a zero phase; strided, four phases in one launch)
+#: twins run; strided, with a zero phase; strided, four phases in one launch); the masked twins where K % 128 == 0
 VARIANT_DGRAD = ((3, 136, 11, 13, 128, 3, 3, 1, 1, 1), (2, 200, 14, 13, 64, 1, 1, 2, 0, 1),
                  (2, 72, 13, 11, 128, 3, 3, 2, 1, 1))
-VARIANT_WGRAD = (3, 128, 11, 13, 200, 3, 3, 1, 1, 1), (2, 64, 15, 14, 136, 1, 1, 2, 0, 1)
+VARIANT_WGRAD = ((3, 128, 11, 13, 200, 3, 3, 1, 1, 1), (2, 64, 15, 14, 136, 1, 1, 2, 0, 1),
+                 (2, 128, 9, 10, 128, 3, 3, 1, 1, 1))     # (K % 128 == 0: the masked twins run)
+
+
+def _masked(torch, rng, dy):
+    """A random mask of dy (half its bits set, as ``relu_mask`` packs them) and ``bit ? dy : 0``."""
+    bits = rng.integers(0, 2, dy.numel())
+    mask = torch.tensor(reference.pack_mask(bits).view(np.int32), device="cuda")
+    keep = torch.tensor(bits.reshape(dy.shape).astype(bool), device="cuda")
+    return mask, torch.where(keep, dy, torch.zeros_like(dy))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_native_variants(dtype, rng):
     """Each native kernel variant against float64, launched as for a GPU of 1 and of 132 SMs: with one SM a
-    persistent CTA runs many units (tiles, and wgrad's splits) one after another through its ring."""
+    persistent CTA runs many units (tiles, and wgrad's splits) one after another through its ring. A masked variant
+    (``_m``, the mask read in its registers) equals its plain twin on ``bit ? dy : 0``, bit for bit."""
     torch = pytest.importorskip("torch")
     from igemm.conv import _native
     h = torch.cuda.current_stream().cuda_stream
@@ -316,52 +326,98 @@ def test_gpu_native_variants(dtype, rng):
         xs, ws, ys = shapes(p, "NHWC")
         g = GradInputProblem(xs, ws, "NHWC", *geom(p))
         dy, w = to_torch(rng.standard_normal(ys), dtype), to_torch(rng.standard_normal(ws), dtype)
-        ref = reference.conv2d_grad_input_ref(to_numpy(dy), to_numpy(w), xs, *geom(p), "NHWC")
+        mask, dz = _masked(torch, rng, dy)
+        refs = {d: reference.conv2d_grad_input_ref(to_numpy(d), to_numpy(w), xs, *geom(p), "NHWC") for d in (dy, dz)}
         for n, _ in _native.all_variants():
             if not n.startswith(f"dgrad_{dtype}_"):
                 continue
             bm, bn = map(int, n.split("_")[2].split("x"))
             add = "_add" in n                      # (the adding twin: into zeros)
             store = "tensor" if "_tma" in n else "rows"
+            masked = n.endswith("_m")
             if store == "tensor" and not _native.tma_rows(g):
                 continue
             spec = _native.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), "_ws" in n, add, store)
             for sms in (1, 132):
                 dx = torch.zeros(xs, dtype=getattr(torch, dtype), device="cuda") if add else \
                     poison(torch.empty(xs, dtype=getattr(torch, dtype), device="cuda"))
-                _native.NativeDgrad(g, dtype, 0, sms, spec).launch(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(),
-                                                                   add)
+                k = _native.NativeDgrad(g, dtype, 0, sms, spec)
+                if masked and not k.fuses_mask(mask.data_ptr()):
+                    continue
+                k.launch(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), add, mask.data_ptr() if masked else 0)
                 torch.cuda.synchronize()
-                assert rel_err(to_numpy(dx), ref) < TOL[dtype], (case, n, sms)
-            seen.add(n)
+                assert rel_err(to_numpy(dx), refs[dz if masked else dy]) < TOL[dtype], (case, n, sms)
+                if masked:
+                    plain = poison(torch.empty_like(dx))
+                    k.launch(h, dz.data_ptr(), w.data_ptr(), plain.data_ptr())
+                    torch.cuda.synchronize()
+                    assert torch.equal(dx, plain), (case, n, sms)
+                seen.add(n)
     for case in VARIANT_WGRAD:
         p = _geometry(*case)
         xs, ws, ys = shapes(p, "NHWC")
         g = GradWeightProblem(xs, ws, "NHWC", *geom(p))
         x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal(ys), dtype)
-        ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, *geom(p), "NHWC")
+        mask, dz = _masked(torch, rng, dy)
+        refs = {d: reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(d), ws, *geom(p), "NHWC") for d in (dy, dz)}
         for n, _ in _native.all_variants():
             if not n.startswith(f"wgrad_{dtype}_"):
                 continue
             bm, bn = map(int, n.split("_")[2].split("x"))
-            out, ws_ = n.split("_")[4], n.endswith("_ws")
+            out, ws_, masked = n.split("_")[4], "_ws" in n, n.endswith("_m")
             if bn == 128 and (g.R * g.S * g.C) % 128:
                 continue
             for splits in ((1,) if out == dtype else (2, 5)):
                 spec = _native.WgradSpec(dtype, out, bm, bn, 4, splits, ws_)
                 for sms in (1, 132):
                     dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
-                    _native.NativeWgrad(g, dtype, dtype, False, 0, sms, spec).launch(h, x.data_ptr(), dy.data_ptr(),
-                                                                                    dw.data_ptr())
+                    k = _native.NativeWgrad(g, dtype, dtype, False, 0, sms, spec)
+                    if masked and not k.fuses_mask(mask.data_ptr()):
+                        continue
+                    k.launch(h, x.data_ptr(), dy.data_ptr(), dw.data_ptr(), mask.data_ptr() if masked else 0)
                     torch.cuda.synchronize()
-                    assert rel_err(to_numpy(dw), ref) < TOL[dtype], (case, n, splits, sms)
-            seen.add(n)
+                    assert rel_err(to_numpy(dw), refs[dz if masked else dy]) < TOL[dtype], (case, n, splits, sms)
+                    if masked:
+                        plain = poison(torch.empty_like(dw))
+                        k.launch(h, x.data_ptr(), dz.data_ptr(), plain.data_ptr())
+                        torch.cuda.synchronize()
+                        assert torch.equal(dw, plain), (case, n, splits, sms)
+                    seen.add(n)
     assert seen == names, names - seen
 
 
+def test_native_mask_rules():
+    """Where the native kernels read the mask themselves (a pixel's words whole 16-byte TMA rows: K % 128 == 0, the
+    mask 16-byte aligned), and what the masked twins add: the stages' mask rows, the template argument, the CTAs an
+    SM of the plain twin (a register cap where shared memory holds two)."""
+    from igemm.conv import _native
+    from dataclasses import replace
+    dg = lambda K: _native.NativeDgrad(GradInputProblem((2, 14, 14, 64), (K, 3, 3, 64), "NHWC", 1, 1, 1), "float16",
+                                       None, 132)
+    wg = lambda K: _native.NativeWgrad(GradWeightProblem((2, 14, 14, 64), (K, 3, 3, 64), "NHWC", 1, 1, 1), "float16",
+                                       "float16", False, None, 132)
+    for make in (dg, wg):
+        assert make(128).fuses_mask(256) and make(256).fuses_mask(4096)
+        assert not make(64).fuses_mask(256) and not make(192).fuses_mask(256) and not make(128).fuses_mask(264)
+    d = _native.DgradSpec("float16", 128, 128, 3)
+    m = replace(d, mask=True)
+    assert m.name() == d.name() + "_m" and m.smem == d.smem + 3 * 128 * 16
+    assert "3, false, false, 2, true>(p)" in m.stub() and "__launch_bounds__(256, 2)" in m.stub()
+    assert "3, false, false, 2, false>(p)" in d.stub() and "__launch_bounds__(256, 1)" in d.stub()
+    w = _native.WgradSpec("float16", "float32", 128, 128, 4, 1, True)
+    mw = replace(w, mask=True)
+    assert mw.name() == w.name() + "_m" and mw.smem == w.smem + 4 * 64 * 16
+    assert "4, true, true>(p)" in mw.stub() and "__launch_bounds__(288, 1)" in mw.stub()
+    plan = igemm.Conv2dGradInputPlan((2, 14, 14, 64), (128, 3, 3, 64), "float16", "NHWC", 1, 1, mask=True,
+                                     device="numpy")
+    fp = {"mask": 4096, "z": 0, "coef": 0}
+    assert plan.native is not None and plan.fuses_mask(1024, fp)
+    assert not plan.fuses_mask(1032, fp) and not plan.fuses_mask(1024, dict(fp, coef=512))
+
+
 def test_native_kernels_compile():
-    """The native wgrad kernel, its split sum and the native dgrad kernel with its adding twin compile (nvcc; CI has
-    it)."""
+    """The native wgrad kernel, its masked twin and its split sum, the native dgrad kernel with its adding and masked
+    twins compile (nvcc; CI has it)."""
     from igemm import _build
     try:
         _build.find_toolchain()
@@ -370,7 +426,7 @@ def test_native_kernels_compile():
     plan = igemm.Conv2dGradWeightPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
     dplan = igemm.Conv2dGradInputPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
     ks = [k.kernel() for k in plan.sub_plans() + dplan.sub_plans()]
-    assert len(ks) == 4 and _build.compile_many(ks, "sm_90a", 2) == 4
+    assert len(ks) == 6 and _build.compile_many(ks, "sm_90a", 2) == 6      # (each with its masked twin)
 
 
 #: the few-channel wgrad (C < 64, R·S·C <= 256): every column-block count NT = 1..8 in both forms (the rows form

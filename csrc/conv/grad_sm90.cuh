@@ -7,7 +7,8 @@
 // by asynchronous copies (a TMA store, or a bulk copy a row) while the threads go on. grad_tile: a CTA a unit,
 // thread 0 filling the stages, a CTA barrier a k-tile. grad_ws: persistent and warp-specialised (a producer warp,
 // "empty" barriers; the forward's design in persistent_sm90.cuh), the store through its own C tile while the next
-// unit loads.
+// unit loads. A masked twin (Mask: the forward's ReLU bits of dy) takes A through the registers instead, masked
+// there (grad_stage_rs), its mask words a TMA copy beside A's in each stage.
 //   wgrad  dw[k, (r, s, c)] = sum over output pixels (n, p, q) of dy[n, p, q, k] · x[n, p·sh + r·dh − ph,
 //          q·sw + s·dw − pw, c]: GEMM M = K, N = R·S·C (dw's row), reduction = N·P·Q, 64 pixels a k-tile. A = dy as
 //          the [N·P·Q][K] matrix (tiled map: 64 pixels × 64 channels from m0), B = x through the forward's im2col
@@ -38,6 +39,19 @@ IGEMM_GRAD_ATOM(cutlass::half_t, 128, MMA_64x128x16_F32F16F16_SS)
 IGEMM_GRAD_ATOM(cutlass::bfloat16_t, 64, MMA_64x64x16_F32BF16BF16_SS)
 IGEMM_GRAD_ATOM(cutlass::bfloat16_t, 128, MMA_64x128x16_F32BF16BF16_SS)
 #undef IGEMM_GRAD_ATOM
+template <class T, int N> struct AtomRS;                      // A from registers (K-major fragments), B MN-major
+#define IGEMM_GRAD_ATOM_RS(T, N, NAME) \
+  template <> struct AtomRS<T, N> { using type = gmma::NAME<gmma::Major::K, gmma::Major::MN>; };
+IGEMM_GRAD_ATOM_RS(cutlass::half_t, 64, MMA_64x64x16_F32F16F16_RS)
+IGEMM_GRAD_ATOM_RS(cutlass::half_t, 128, MMA_64x128x16_F32F16F16_RS)
+IGEMM_GRAD_ATOM_RS(cutlass::bfloat16_t, 64, MMA_64x64x16_F32BF16BF16_RS)
+IGEMM_GRAD_ATOM_RS(cutlass::bfloat16_t, 128, MMA_64x128x16_F32BF16BF16_RS)
+#undef IGEMM_GRAD_ATOM_RS
+
+template <class Atom, size_t... I>
+IGEMM_DEVICE void gmma_issue_rs(const uint32_t* a, uint64_t db, float* acc, std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], db, acc[I]..., gmma::ScaleOut::One);
+}
 
 constexpr int BK = 64;                      // a k-tile: 64 elements of the reduction
 constexpr int BOX = 64 * 64 * 2;            // one TMA box: 64 rows of 128 bytes
@@ -221,6 +235,100 @@ IGEMM_DEVICE void grad_stage(uint32_t sa, uint32_t sb, float* acc) {
   cute::warpgroup_commit_batch();
 }
 
+// The fused mask (docs/performance.md: grad-mask-registers): A passes through the registers on its way to the
+// tensor cores, masked there -- ldmatrix of the stage's A rows (K-major dgrad; MN-major wgrad: .trans), the
+// fragment's pairs ANDed with their bits spread to 16-bit lanes, wgmma with A from registers (RS) -- so dy is read
+// as bit ? dy : 0 (the select's bits: a zero is +0) with no dz and no shared-memory rewrite. The mask's words come
+// with the stage (a TMA copy beside A's: 16 bytes a row of A, Work::kMaskBytes), and k-tile i's fragments are
+// loaded and masked while k-tile i − 1's group multiplies (registers a[i % 2]).
+IGEMM_DEVICE void ldsm_x4(uint32_t addr, uint32_t* r, std::false_type) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+IGEMM_DEVICE void ldsm_x4(uint32_t addr, uint32_t* r, std::true_type) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+// 16-bit lanes from two sign bits: lane 0 all-ones where byte `sa` of {b:a} has its top bit set, lane 1 by `sb`
+IGEMM_DEVICE uint32_t lanes_of(uint32_t a, uint32_t b, uint32_t sa, uint32_t sb) {
+  const uint32_t sel = (8u | sa) * 0x11u | ((8u | sb) * 0x11u) << 8;   // (sign-replicating selectors)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// One stage with A through the registers, masked by mk from the stage's mask rows at sM: k-tile i's fragments
+// (registers a[Par], Par = i % 2) loaded from the stage and masked while k-tile i − 1's group multiplies, then its
+// four wgmmas (A from registers) one group. A's rows at sA as grad_stage's. Fragment of k16 step ks (warp w of the
+// warpgroup, lane = 4·g + t): a[4ks] row g, k 2t..2t+1; a[4ks + 1] row g + 8; a[4ks + 2], a[4ks + 3] k + 8.
+template <class T, int BN, bool MN, int Par, class Mk>
+IGEMM_DEVICE void grad_stage_rs(uint32_t sA, uint32_t sB, uint32_t sM, float* acc, Mk& mk) {
+  using Mma = typename AtomRS<T, BN>::type;
+  constexpr int NACC = BN / 2;
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, mi = lane >> 3, x = lane & 7;
+  const uint64_t db = desc_mn_sw128(sB);
+  // lane's 16-byte row of matrix mi (SW128: chunk c of row r at c ^ (r % 8), and r % 8 == x): K-major, tile row
+  // w·16 + (mi % 2)·8 + x, chunk 2·ks + mi / 2; MN-major (.trans), pixel 16·ks + (mi / 2)·8 + x, chunk 2w + mi % 2
+  const uint32_t row = MN ? sA + ((mi >> 1) * 8 + x) * 128 : sA + (w * 16 + (mi & 1) * 8 + x) * 128;
+  const int c0 = MN ? 2 * w + (mi & 1) : (mi >> 1);
+  uint32_t* a = mk.a[Par];
+  mk.template words<Par>(sM);
+#pragma unroll
+  for (int ks = 0; ks < BK / 16; ++ks) {
+    ldsm_x4(MN ? row + ks * 2048 + ((c0 ^ x) << 4) : row + (((2 * ks + c0) ^ x) << 4), a + 4 * ks,
+            std::integral_constant<bool, MN>{});
+    mk.apply(ks, a + 4 * ks);
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(a[i]);
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int ks = 0; ks < BK / 16; ++ks)
+    gmma_issue_rs<Mma>(a + 4 * ks, db + 128 * ks, acc, std::make_index_sequence<NACC>{});
+  cute::warpgroup_commit_batch();
+}
+
+// No mask: the stages straight from shared memory.
+struct NoMask {};
+
+// The registers a wgmma group read stay live until it has finished (the compiler does not know it reads them
+// after its issue): a fence on them after each wait.
+template <int Par, class Mk>
+IGEMM_DEVICE void grad_keep(Mk& mk) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(mk.a[Par][i]);
+}
+
+// One k-tile of a unit: its wgmma group, the one before it finished on return (the previous k-tile's stage free).
+template <class T, int BN, bool AMajorK, class Work, class Mk>
+IGEMM_DEVICE void grad_step(Mk& mk, int it, uint32_t sa, uint32_t sb, uint32_t sm, float* acc) {
+  if constexpr (Work::kMask) {
+    if (it & 1) {
+      grad_stage_rs<T, BN, !AMajorK, 1>(sa, sb, sm, acc, mk);
+      cute::warpgroup_wait<1>();
+      grad_keep<0>(mk);
+    } else {
+      grad_stage_rs<T, BN, !AMajorK, 0>(sa, sb, sm, acc, mk);
+      cute::warpgroup_wait<1>();
+      grad_keep<1>(mk);
+    }
+  } else {
+    grad_stage<T, BN, AMajorK>(sa, sb, acc);
+    cute::warpgroup_wait<1>();
+  }
+}
+
+// After a unit's last wait: every group has finished.
+template <class Work, class Mk>
+IGEMM_DEVICE void grad_done(Mk& mk) {
+  if constexpr (Work::kMask) {
+    grad_keep<0>(mk);
+    grad_keep<1>(mk);
+  }
+}
+
 // A kernel's work (DgradWork, WgradWork): units() units of work, each one BM × BN tile over some k-tiles; unit(u)
 // its coordinates (m0, n0, nkt and what issue needs); issue(unit, i, stage, bar) (one thread) fills a stage with
 // its k-tile i (A at the stage's start, B after BM rows) and sets the mbarrier's bytes; out(unit), row_at(unit,
@@ -232,7 +340,7 @@ IGEMM_DEVICE void grad_stage(uint32_t sa, uint32_t sb, float* acc) {
 template <class T, class TO, int BM, int BN, int Stages, bool AMajorK, class Work>
 IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b) {
   static_assert(BM % 64 == 0 && (BN == 64 || BN == 128) && Stages >= 2, "64-row warpgroups, 64- or 128-wide tiles");
-  constexpr int A_STAGE = BM * BK * 2, STAGE = A_STAGE + BN * BK * 2, NACC = BN / 2;
+  constexpr int A_STAGE = BM * BK * 2, AB = A_STAGE + BN * BK * 2, STAGE = AB + Work::kMaskBytes, NACC = BN / 2;
   static_assert(kCTileBytes<TO, BM, BN> <= Stages * STAGE, "the output tile fits the stages");
   __shared__ alignas(8) uint64_t full[Stages];
   uint8_t* smem = grad_setup<Stages>(full, map_a, map_b);
@@ -248,11 +356,12 @@ IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   const uint32_t sA = smem_u32(smem) + (threadIdx.x / 128) * BOX, sB = smem_u32(smem) + A_STAGE;
+  auto mk = wk.masker(un, threadIdx.x);
   for (int it = 0; it < nkt; ++it) {
     const int buf = it % Stages;
     mbar_wait(&full[buf], (it / Stages) & 1);
-    grad_stage<T, BN, AMajorK>(sA + buf * STAGE, sB + buf * STAGE, acc);
-    cute::warpgroup_wait<1>();
+    grad_step<T, BN, AMajorK, Work>(mk, it, sA + buf * STAGE, sB + buf * STAGE, smem_u32(smem) + buf * STAGE + AB,
+                                    acc);
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
     __syncthreads();
@@ -260,6 +369,7 @@ IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b
     if (leader && nk < nkt) wk.issue(un, nk, smem + (nk % Stages) * STAGE, &full[nk % Stages]);
   }
   cute::warpgroup_wait<0>();
+  grad_done<Work>(mk);
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   // (a uniform branch: the accumulators' first reads outside the last wait's basic block, else ptxas serialises
@@ -295,7 +405,8 @@ struct ConsumerSync {                       // the consumer warpgroups of grad_w
 template <class T, class TO, int BM, int BN, int Stages, bool AMajorK, class Work>
 IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) {
   static_assert(BM % 64 == 0 && (BN == 64 || BN == 128) && Stages >= 2, "64-row warpgroups, 64- or 128-wide tiles");
-  constexpr int A_STAGE = BM * BK * 2, STAGE = A_STAGE + BN * BK * 2, NACC = BN / 2, NT = BM * 2;
+  constexpr int A_STAGE = BM * BK * 2, AB = A_STAGE + BN * BK * 2, STAGE = AB + Work::kMaskBytes, NACC = BN / 2;
+  constexpr int NT = BM * 2;
   __shared__ alignas(8) uint64_t full[Stages], empty[Stages];
   uint8_t* smem = grad_setup<Stages>(full, map_a, map_b, empty, NT);
   const int units = wk.units();
@@ -323,17 +434,19 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
     int prev = -1;
+    auto mk = wk.masker(un, threadIdx.x);
     for (int it = 0; it < un.nkt; ++it, ++k) {
       const int slot = k % Stages;
       mbar_wait(&full[slot], (k / Stages) & 1);
-      grad_stage<T, BN, AMajorK>(sA + slot * STAGE, sB + slot * STAGE, acc);
-      cute::warpgroup_wait<1>();
+      grad_step<T, BN, AMajorK, Work>(mk, it, sA + slot * STAGE, sB + slot * STAGE,
+                                      smem_u32(smem) + slot * STAGE + AB, acc);
 #pragma unroll
       for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
       if (prev >= 0) mbar_arrive(&empty[prev]);   // the group that read it has finished
       prev = slot;
     }
     cute::warpgroup_wait<0>();
+    grad_done<Work>(mk);
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
     if (prev >= 0) mbar_arrive(&empty[prev]);
@@ -367,11 +480,12 @@ IGEMM_DEVICE void grad_run(const Work& wk, const void* map_a, const void* map_b)
 
 // wgrad's units: tile t of split z (u = z · tiles + t); split z runs k-tiles [z · kt_per_split, ...) and stores its
 // tile into the z-th M × Ncol matrix at p.y (fp32 partials, or dw itself with one split).
-template <class TO, int BM, int BN, class P>
+template <class TO, int BM, int BN, bool Mask, class P>
 struct WgradWork {
   static constexpr int NB = BN / 64;
   static constexpr int kStore = kStoreThreads;
-  static constexpr bool kAdd = false;
+  static constexpr bool kAdd = false, kMask = Mask;
+  static constexpr int kMaskBytes = Mask ? BK * 16 : 0;     // (a stage's mask rows: 16 bytes a pixel)
   const P& p;
   struct Unit {
     int m0, n0, nkt, kt0, z;
@@ -406,7 +520,9 @@ struct WgradWork {
   IGEMM_DEVICE void issue(const Unit& un, int i, uint8_t* a, uint64_t* bar) const {
     const int pix = (un.kt0 + i) * BK;
     const TileOrigin o = tile_origin(p, pix);
-    mbar_expect_tx(bar, (BM + BN) * BK * 2);
+    mbar_expect_tx(bar, (BM + BN) * BK * 2 + kMaskBytes);
+    if constexpr (kMask)                    // (a box's first word 16-byte aligned: TMA's rule)
+      tma_load_2d(a + (BM + BN) * BK * 2, p.tmM, bar, (un.m0 >> 7) * 4, pix);
 #pragma unroll
     for (int k = 0; k < BM / 64; ++k) tma_load_2d(a + k * BOX, p.tmA, bar, un.m0 + 64 * k, pix);
 #pragma unroll
@@ -416,12 +532,45 @@ struct WgradWork {
   IGEMM_DEVICE TO* out(const Unit& un) const {
     return static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(un.z) * p.M * p.Ncol;
   }
+  // Mask: the stage's 64 pixels' words of the 128 channels from m0 rounded down to 128 (a 16-byte row a pixel:
+  // p.tmM maps the mask as [N·P·Q][K / 32] words). The thread's fragment rows are channels ch and ch + 8 (one
+  // word: K % 32 == 0), its k columns 16 pixels a k-tile (2t + {0, 1} + {0, 8} + 16·ks).
+  struct Masker {
+    int word, sh0, sh1;                     // the word's byte in a row; ch's and ch + 8's bit moved to bit 31
+    uint32_t base;
+    uint32_t a[2][16];
+    template <int Par>
+    IGEMM_DEVICE void words(uint32_t sm) { base = sm + word + 32 * (threadIdx.x & 3); }
+    IGEMM_DEVICE void apply(int ks, uint32_t* a) const {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t at = base + (16 * ks + 8 * h) * 16;
+        uint32_t w0, w1;
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w0) : "r"(at));
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w1) : "r"(at + 16));
+        a[2 * h] &= lanes_of(w0 << sh0, w1 << sh0, 3, 7);      // channel ch's bits
+        a[2 * h + 1] &= lanes_of(w0 << sh1, w1 << sh1, 3, 7);  // channel ch + 8's
+      }
+    }
+  };
+  IGEMM_DEVICE auto masker(const Unit& un, int tid) const {
+    if constexpr (kMask) {
+      Masker mk;
+      const int w = (tid >> 5) & 3, b = (w & 1) * 16 + ((tid & 31) >> 2);
+      mk.word = 4 * (((un.m0 >> 5) & 3) + (tid / 128) * 2 + (w >> 1));
+      mk.sh0 = 31 - b;
+      mk.sh1 = 23 - b;
+      return mk;
+    } else {
+      return NoMask{};
+    }
+  }
   IGEMM_DEVICE int64_t row_at(const Unit&, int row) const { return int64_t(row) * p.Ncol; }
 };
 
-template <class T, class TO, int BM, int BN, int Stages, bool Ws, class P>
+template <class T, class TO, int BM, int BN, int Stages, bool Ws, bool Mask, class P>
 __device__ void wgrad(const P& p) {
-  grad_run<T, TO, BM, BN, Stages, Ws, false>(WgradWork<TO, BM, BN, P>{p}, p.tmA, p.tmB);
+  grad_run<T, TO, BM, BN, Stages, Ws, false>(WgradWork<TO, BM, BN, Mask, P>{p}, p.tmA, p.tmB);
 }
 
 // One dgrad phase of a launch: a 128-byte launch parameter (igemm/conv/_native.py packs it, _PHASE_FIELDS): the
@@ -437,17 +586,19 @@ static_assert(sizeof(DgradPhase) <= 128, "a phase is one 128-byte parameter");
 // dgrad's units: the tiles of up to four output phases in one launch (p.nph of them, heaviest first: u0 ascending),
 // every tile over all its phase's taps × K / 64 k-tiles; a phase's dy through its own im2col map. Add: dx += the
 // tile (the training path's identity gradient, igemm/nn/_train_fast.py: _Link).
-template <class T, int BM, int BN, bool Add, int Store, class P>
+template <class T, int BM, int BN, bool Add, int Store, bool Mask, class P>
 struct DgradWork {
   static constexpr int NB = BN / 64;
   static constexpr int kStore = Store;      // kStoreTensor: one phase whose rows are dx's (p.tmY maps dx)
-  static constexpr bool kAdd = Add;
+  static constexpr bool kAdd = Add, kMask = Mask;
+  static constexpr int kMaskBytes = Mask ? BM * 16 : 0;     // (a stage's mask rows: 16 bytes a row of A)
   const P& p;
   struct Unit {
     int m0, n0, nkt;
     TileOrigin o;                           // sub-output pixel m0 -> dy coordinate of its tap (0, 0)
     const DgradPhase* f;                    // (in the launch's parameters)
     const void* map;                        // the phase's im2col map of dy
+    const void* mmap;                       // (Mask) its im2col map of the mask
   };
   IGEMM_DEVICE const DgradPhase* phase(int i) const {
     return static_cast<const DgradPhase*>(i == 0 ? p.f0 : i == 1 ? p.f1 : i == 2 ? p.f2 : p.f3);
@@ -464,8 +615,10 @@ struct DgradWork {
     int n, pq, pp, qq;
     f->fd_PQ.divmod(n, pq, tc.m0);
     f->fd_Q.divmod(pp, qq, pq);
+    const void* mmap = nullptr;
+    if constexpr (kMask) mmap = i == 0 ? p.tmM0 : i == 1 ? p.tmM1 : i == 2 ? p.tmM2 : p.tmM3;
     return {tc.m0, tc.n0, f->KT, {n, pp - f->ph, qq - f->pw}, f,
-            i == 0 ? p.tmA0 : i == 1 ? p.tmA1 : i == 2 ? p.tmA2 : p.tmA3};
+            i == 0 ? p.tmA0 : i == 1 ? p.tmA1 : i == 2 ? p.tmA2 : p.tmA3, mmap};
   }
   // k-tile kt = sub-filter tap (t, u) × dy channels kb·64 ..
   IGEMM_DEVICE void issue(const Unit& un, int kt, uint8_t* a, uint64_t* bar) const {
@@ -473,8 +626,11 @@ struct DgradWork {
     int tap, kb, t, u;
     p.fd_KB.divmod(tap, kb, kt);
     f.fd_T.divmod(t, u, tap);
-    mbar_expect_tx(bar, (BM + BN) * BK * 2);
+    mbar_expect_tx(bar, (BM + BN) * BK * 2 + kMaskBytes);
     tma_load_im2col_4d(a, un.map, bar, kb * BK, un.o.w0, un.o.h0, un.o.n, uint16_t(u * f.dw), uint16_t(t * f.dh));
+    if constexpr (kMask)                    // (words 4·(kb / 2) .. + 3 of each row's pixel: 16-byte aligned)
+      tma_load_im2col_4d(a + (BM + BN) * BK * 2, un.mmap, bar, 4 * (kb >> 1), un.o.w0, un.o.h0, un.o.n,
+                         uint16_t(u * f.dw), uint16_t(t * f.dh));
     const int wtap = (f.lh - t * f.eh) * p.S + (f.lw - u * f.ew);     // the filter's tap, flipped
 #pragma unroll
     for (int j = 0; j < NB; ++j) tma_load_3d(a + BM * BK * 2 + j * BOX, p.tmB, bar, un.n0 + 64 * j, wtap, kb * BK);
@@ -493,11 +649,53 @@ struct DgradWork {
     return ((int64_t(n) * p.H + f.ph_h + p.st_h * i) * p.W + f.ph_w + p.st_w * j) * p.C;
   }
   IGEMM_DEVICE const void* store_map() const { return p.tmY; }
+  // Mask: the stage's rows of mask words (16 bytes a row of A: the pixel's words 4·(kb / 2) .. + 3, its 64
+  // channels' bits the uint64 at 8·(kb % 2); K / 64 is even and a unit's k-tile i has kb % 2 == i % 2). The
+  // thread's fragment rows are tile rows rl and rl + 8.
+  struct Masker {
+    int row, sh;                            // row rl's byte offset; 2t
+    uint64_t x7[2], x6[2];                  // the rows' words >> 2t, << 7 and << 6
+    uint32_t a[2][16];
+    template <int Par>
+    IGEMM_DEVICE void words(uint32_t sm) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        uint64_t v;
+        asm volatile("ld.shared.u64 %0, [%1];\n" : "=l"(v) : "r"(sm + row + r * 8 * 16 + 8 * Par));
+        v >>= sh;
+        x7[r] = v << 7;
+        x6[r] = v << 6;
+      }
+    }
+    // the pair of k columns 2t + 8·h + 16·ks is bits 8·(2ks + h) + {0, 1} after >> 2t: shifted to the top of their
+    // byte (<< 7, << 6), each byte's sign spreads to a 16-bit lane
+    IGEMM_DEVICE void apply(int ks, uint32_t* a) const {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * ks + h;
+          const uint32_t lo = uint32_t(j < 4 ? x7[r] : x7[r] >> 32), hi = uint32_t(j < 4 ? x6[r] : x6[r] >> 32);
+          a[2 * h + r] &= lanes_of(lo, hi, j & 3, 4 + (j & 3));
+        }
+      }
+    }
+  };
+  IGEMM_DEVICE auto masker(const Unit&, int tid) const {
+    if constexpr (kMask) {
+      Masker mk;
+      mk.row = ((tid / 128) * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2)) * 16;
+      mk.sh = 2 * (tid & 3);
+      return mk;
+    } else {
+      return NoMask{};
+    }
+  }
 };
 
-template <class T, int BM, int BN, int Stages, bool Ws, bool Add, int Store, class P>
+template <class T, int BM, int BN, int Stages, bool Ws, bool Add, int Store, bool Mask, class P>
 __device__ void dgrad(const P& p) {
-  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, Store, P>{p}, p.tmA0, p.tmB);
+  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, Store, Mask, P>{p}, p.tmA0, p.tmB);
 }
 
 // dst[i] (+)= sum over z of src[z·n + i], z = 0, 1, ... in order; n % 4 == 0, src 16-byte aligned, grid-stride.

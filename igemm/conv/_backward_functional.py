@@ -174,7 +174,8 @@ def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, layout: str = 
     With ``mask`` or ``prologue``, the gradient reaching the conv (``bit ? dy : 0``, or the prologue's
     ``a[k]·g + b[k]·z + c[k]``) is formed once for both kernels where the two calls would each form it: torch CUDA
     tensors of 16 bits with NHWC memory (``layout="NHWC"``, or ``channels_last``), K % 8 == 0, on the current
-    stream. Elsewhere it is the two calls. dx and dw are fresh, in x's dtype.
+    stream; a mask alone is read by both native kernels themselves where they can (no dz). Elsewhere it is the two
+    calls. dx and dw are fresh, in x's dtype.
 
     >>> import numpy as np, igemm
     >>> x, w = np.ones((1, 2, 4, 4), np.float32), np.ones((3, 2, 3, 3), np.float32)
@@ -245,6 +246,8 @@ def _dz_once(dy, x, w, stride, padding, dilation, layout, mask, prologue, precis
     if fd is None or fw is None:
         return None
     fp = fd[2]
+    if dplan.fuses_mask(dy.data_ptr(), fp) and wplan.fuses_mask(dy.data_ptr(), fw[2]):
+        return None                           # both kernels read the mask themselves: no dz (grad-mask-registers)
     if not dz_fits(dplan.dtype, g.K, dy.data_ptr(), fp["z"], fp["coef"]):
         return None
     dz = torch.empty_like(dy)

@@ -263,6 +263,11 @@ class Conv2dGradInputPlan(_GradPlan):
         res = reference.conv2d_grad_input_ref(d, wt, g.x_shape, g.stride, g.padding, g.dilation, self.layout)
         return _numpy_out(res, out, np.asarray(v["dy"].obj).dtype)
 
+    def fuses_mask(self, dy: int, fp: dict) -> bool:
+        """Whether a call with these pointers reads the mask in the native kernel (no dz: grad-mask-registers)."""
+        return (self.native is not None and _mode(fp) == "mask" and dy % 16 == 0
+                and self.native.fuses_mask(fp["mask"]))
+
     def _run(self, h: int, dy: int, w: int, dx: int, fp: dict, add: bool = False) -> None:
         """The launches on stream ``h``; ``fp``: the mask / prologue pointers (0: none); ``add``: dx += the gradient
         (the native kernel only: see :attr:`adds`)."""
@@ -270,7 +275,8 @@ class Conv2dGradInputPlan(_GradPlan):
         if add and self.native is None:
             raise ValueError("add: only the native dgrad kernel adds into dx")
         mode = _mode(fp)
-        if mode != "plain" or dy % 16:        # (an unaligned dy is moved too: the phases read aligned rows)
+        fused = self.fuses_mask(dy, fp) and not add
+        if (mode != "plain" and not fused) or dy % 16:   # (an unaligned dy is moved too: the phases read aligned rows)
             dz = self._buf("dz", g.dy_shape, dt)
             self._prepass(h, self._pre, dy, dz, mode, fp)
             dy = dz
@@ -279,7 +285,7 @@ class Conv2dGradInputPlan(_GradPlan):
                 wc = self._buf("wc", g.w_shape, dt)
                 self._wcopy.launch(dev, h, dt, dt, w, wc, sms=self.sms)
                 w = wc
-            return self.native.launch(h, dy, w, dx, add)
+            return self.native.launch(h, dy, w, dx, add, fp["mask"] if fused else 0)
         if self._zero:                        # rows no tap reaches: zero at memset speed first
             _runtime.memset_d8(dx, 0, self._dx_bytes, _runtime.RawStream(h))
         for i, plan, fmove, imove, off, f_shape in self._phases:
@@ -396,6 +402,11 @@ class Conv2dGradWeightPlan(_GradPlan):
         self.plan._launch(h, True, True, xt, dyt, yt, 0, 0, self.plan._folded)
         wm.launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
 
+    def fuses_mask(self, dy: int, fp: dict) -> bool:
+        """Whether a call with these pointers reads the mask in the native kernel (no dz: grad-mask-registers)."""
+        return (isinstance(self.native, _native.NativeWgrad) and self._nchw is None and _mode(fp) == "mask"
+                and dy % 16 == 0 and self.native.fuses_mask(fp["mask"]))
+
     def _run_native(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
         """The native kernel: x and dy read in place (a misaligned one, or dy under a mask / prologue, copied);
         NCHW: x and dy transposed to NHWC (dy by a move with the mask / prologue), dw moved back."""
@@ -417,7 +428,8 @@ class Conv2dGradWeightPlan(_GradPlan):
             self.native.launch(h, xt, dyt, wt)
             wm.launch(dev, h, self.out_dtype, self.out_dtype, wt, dw, accumulate=self.accumulate, sms=self.sms)
             return
-        if mode != "plain" or dy % 16:
+        fused = self.fuses_mask(dy, fp)
+        if (mode != "plain" and not fused) or dy % 16:
             dz = self._buf("dz", g.dy_shape, dt)
             self._prepass(h, self._pre, dy, dz, mode, fp)
             dy = dz
@@ -425,6 +437,8 @@ class Conv2dGradWeightPlan(_GradPlan):
             xc = self._buf("xc", g.x_shape, dt)
             self._xcopy.launch(dev, h, dt, dt, x, xc, sms=self.sms)
             x = xc
+        if fused:
+            return self.native.launch(h, x, dy, dw, fp["mask"])
         self.native.launch(h, x, dy, dw)
 
     def _run_gemm(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:

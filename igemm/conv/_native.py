@@ -17,6 +17,13 @@ one tap x 64 channels of dy). A = dy through an im2col map (the phase's padding 
 one list of units; each phase a ``DgradPhase`` parameter and its own map of dy). The tile leaves asynchronously, by
 a TMA store where the phase's rows are dx's (stride 1), else by a bulk copy a row into the phase's rows of dx (no
 interleave); a zero phase is a memset of dx first.
+
+**The mask.** Each kernel has a masked twin (``mask=True``, name suffix ``_m``) that reads dy as ``bit ? dy : 0``
+with the forward's ReLU mask (docs/performance.md: grad-mask-registers): a stage also brings the mask words of its
+A rows (a TMA map of the mask as uint32 words, 16 bytes a row: dgrad an im2col map row for row with dy's, wgrad a
+tiled one), and the consumers load A's fragments into registers, AND them with their bits and multiply with A from
+registers. The maps need a pixel's words in 16-byte multiples (K % 128 == 0: ``fuses_mask``); elsewhere the plans
+form dz first.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 from ..fastdiv import magic
 from ._problem import ConvProblem
-from ._tma import BK, MapTemplate, _encode, _encode_im2col, tma_unsupported
+from ._tma import BK, MapTemplate, _encode, _encode_im2col, _encode_mask_im2col, tma_unsupported
 
 __all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupported", "dgrad_unsupported", "choose_spec",
            "choose_dgrad_spec", "tma_rows", "NativeWgrad", "NativeDgrad", "all_variants"]
@@ -38,13 +45,14 @@ __all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupporte
 WGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "Ncol", "NPQ", "kt_per_split", "splits",
                                                                          "sh", "sw", "ph", "pw", "dh", "dw")),
                 *(ParamSpec(n, "fastdiv") for n in ("fd_PQ", "fd_Q", "fd_C", "fd_S")),
-                ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap")]
+                ParamSpec("tmA", "tmap"), ParamSpec("tmB", "tmap"), ParamSpec("tmM", "tmap")]
 #: dgrad's launch: what its phases share (tmY: dx as [N·H·W][C], the TMA store's map), then up to four phases
 #: (heaviest first), each a 128-byte ``blob`` (``DgradPhase``: _PHASE_FIELDS) and its im2col map of dy
 DGRAD_PARAMS = [ParamSpec("y", "ptr"),
                 *(ParamSpec(n, "int32") for n in ("C", "S", "H", "W", "st_h", "st_w", "nph", "units")),
                 ParamSpec("fd_KB", "fastdiv"), ParamSpec("tmB", "tmap"), ParamSpec("tmY", "tmap"),
-                *(ParamSpec(f"f{i}", "blob") for i in range(4)), *(ParamSpec(f"tmA{i}", "tmap") for i in range(4))]
+                *(ParamSpec(f"f{i}", "blob") for i in range(4)), *(ParamSpec(f"tmA{i}", "tmap") for i in range(4)),
+                *(ParamSpec(f"tmM{i}", "tmap") for i in range(4))]
 #: csrc/conv/grad_sm90.cuh's ``DgradPhase``, in order: int32 fields, then fast divisors (d, mul, shr)
 _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew", "crop_h", "crop_w", "rows_h",
                  "rows_w", "ph_h", "ph_w")
@@ -68,9 +76,10 @@ class _Grid:
 
     @property
     def smem(self) -> int:
-        """Dynamic shared memory: the stages, grad_ws's C tile and the 1024-byte alignment."""
+        """Dynamic shared memory: the stages (with their mask rows), grad_ws's C tile and the 1024-byte
+        alignment."""
         ctile = self.bm * (self.bn + 16 // DTYPE_SIZES[self._out]) * DTYPE_SIZES[self._out] if self.ws else 0
-        return self.stages * (self.bm + self.bn) * BK * 2 + ctile + 1024
+        return self.stages * ((self.bm + self.bn) * BK * 2 + self._mask_rows * 16 * self.mask) + ctile + 1024
 
     def grid(self, units: int, sms: int) -> int:
         """CTAs for ``units`` units: one each, or (ws) as many as stay resident at once, at most one a unit."""
@@ -81,8 +90,10 @@ class _Grid:
 
     def _render(self, op: str, params, targs: str, tail: str = "") -> str:
         targs = f"{targs}, {self.stages}, {str(self.ws).lower()}{tail}"
+        # a masked twin (A's fragments in registers) keeps its plain twin's CTAs an SM where shared memory holds two
+        blocks = min(2, _SM_SMEM // (self.smem + 1024)) if self.mask else 1
         return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry=f"igemm_{op}", params=params,
-                                     threads=self.threads, min_blocks=1, body=f"igemm::grad::{op}<{targs}>(p);")
+                                     threads=self.threads, min_blocks=blocks, body=f"igemm::grad::{op}<{targs}>(p);")
 
     def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
         """``(name, source)``, as the forward plans give theirs to the precompile tools."""
@@ -100,17 +111,25 @@ class WgradSpec(_Grid):
     stages: int
     splits: int = 1
     ws: bool = False
+    mask: bool = False  # dy read as bit ? dy : 0 (the forward's ReLU mask; docs/performance.md: grad-mask-registers)
 
     @property
     def _out(self) -> str:
         return self.out
 
+    _mask_rows = BK       # (a stage's mask rows: one a pixel of the k-tile)
+
     def name(self) -> str:
-        return f"wgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}_{self.out}{self._suffix()}"
+        return f"wgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}_{self.out}{self._suffix()}{_m(self.mask)}"
 
     def stub(self) -> str:
         return self._render("wgrad", WGRAD_PARAMS,
-                            f"{DTYPE_CTYPE[self.dtype]}, {DTYPE_CTYPE[self.out]}, {self.bm}, {self.bn}")
+                            f"{DTYPE_CTYPE[self.dtype]}, {DTYPE_CTYPE[self.out]}, {self.bm}, {self.bn}",
+                            f", {str(self.mask).lower()}")
+
+
+def _m(mask: bool) -> str:
+    return "_m" if mask else ""
 
 
 def _forward(g, dtype: str) -> ConvProblem:
@@ -204,7 +223,7 @@ class _SplitSum:
 class _Launch:
     """A native kernel's launch: its packed arguments (written once) and its tensor maps, each a
     :class:`~._tma.MapTemplate` at a parameter, re-addressed per call to operand ``a``, ``b`` or the output ``y``
-    (``maps``: (parameter, encode(address), 0 for a / 1 for b / 2 for y))."""
+    (``maps``: (parameter, encode(address), 0 for a / 1 for b / 2 for y / 3 for the mask))."""
 
     def __init__(self, spec, entry: str, params, values: dict, grid, device_id: int, maps):
         k = _kernel.load(spec.stub(), spec.name(), entry, device_id, smem=spec.smem)
@@ -217,9 +236,9 @@ class _Launch:
         #: call sets ``u64[index] = offset + address``
         self.patch = None
 
-    def __call__(self, h: int, a: int, b: int, y: int) -> None:
+    def __call__(self, h: int, a: int, b: int, y: int, mask: int = 0) -> None:
         u, p = self.args.u64, self.patch
-        ops = (a, b, y)
+        ops = (a, b, y, mask)
         if p is None:
             for slot, t, op in self.maps:
                 t.write(u, slot, ops[op], True)
@@ -245,11 +264,17 @@ class NativeWgrad:
         #: the kernel stores fp32 partials and the split sum adds them into dw
         self.summed = self.spec.out != out_dtype or self.spec.splits > 1 or accumulate
         self._sum = _SplitSum(out_dtype, accumulate) if self.summed else None
-        self._conv = self._launch_sum = None
+        self._conv, self._launch_sum = {}, None
+
+    def fuses_mask(self, mask: int) -> bool:
+        """Whether :meth:`launch` applies a mask at ``mask`` itself: its map's rows (a pixel's words) are 16-byte
+        multiples, K % 128 == 0."""
+        return self.g.K % 128 == 0 and mask % 16 == 0
 
     def kernels(self) -> list:
-        """What :meth:`launch` runs, each with ``kernel() -> (name, source)``."""
-        return [self.spec] + ([self._sum] if self._sum is not None else [])
+        """What :meth:`launch` runs, each with ``kernel() -> (name, source)``: the plain kernel, its masked twin and
+        the split sum."""
+        return [self.spec, replace(self.spec, mask=True)] + ([self._sum] if self._sum is not None else [])
 
     def _values(self) -> dict:
         g, P, Q = self.g, self.g.P, self.g.Q
@@ -259,30 +284,36 @@ class NativeWgrad:
                     sw=g.stride[1], ph=g.padding[0], pw=g.padding[1], dh=g.dilation[0], dw=g.dilation[1],
                     fd_PQ=P * Q, fd_Q=Q, fd_C=g.C, fd_S=g.S)
 
-    def _build(self) -> None:
-        g, s, dev = self.g, self.spec, self.device_id
+    def _build(self, mask: bool) -> _Launch:
+        g, s, dev = self.g, replace(self.spec, mask=mask), self.device_id
         tiles = -(-g.K // s.bm) * -(-self.rsc // s.bn)
         pb = _forward(g, self.dtype)
         npq = g.N * g.P * g.Q
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
-        self._conv = _Launch(s, "igemm_wgrad", WGRAD_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms), dev,
-                             [("tmA", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K), u64(npq)], [u64(g.K * 2)],
-                                                                         [u32(64), u32(BK)], [u32(1), u32(1)]),
-                                                           "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"), 0),
-                              ("tmB", lambda addr: _encode_im2col(pb, BK, addr), 1)])
-        if self.summed:
+        conv = self._conv[mask] = _Launch(
+            s, "igemm_wgrad", WGRAD_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms), dev,
+            [("tmA", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K), u64(npq)], [u64(g.K * 2)],
+                                                        [u32(64), u32(BK)], [u32(1), u32(1)]),
+                                          "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"), 0),
+             ("tmB", lambda addr: _encode_im2col(pb, BK, addr), 1)]
+            + ([("tmM", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K // 32), u64(npq)], [u64(g.K // 8)],
+                                                           [u32(4), u32(BK)], [u32(1), u32(1)]),
+                                             "CU_TENSOR_MAP_L2_PROMOTION_NONE", "CU_TENSOR_MAP_SWIZZLE_NONE", "uint32"),
+                 3)] if mask else []))
+        if self.summed and self._launch_sum is None:
             self._ws = _runtime.DeviceArray((s.splits * self.numel,), "float32", dev)
             name, src = self._sum.kernel()
             ks = _kernel.load(src, name, "igemm_split_sum", dev)
             grid = max(1, min(self.sms * 8, -(-self.numel // (4 * _THREADS))))
             sargs = _kernel.pack_args(_SUM_PARAMS, dict(src=self._ws.ptr, n=self.numel, splits=s.splits))
             self._launch_sum = (_kernel.Launcher(ks, grid, _THREADS), sargs)
+        return conv
 
-    def launch(self, h: int, x: int, dy: int, dw: int) -> None:
-        """dw (or the partials, then their sum into dw) on stream ``h``; x and dy 16-byte aligned."""
-        if self._conv is None:
-            self._build()
-        self._conv(h, dy, x, self._ws.ptr if self.summed else dw)
+    def launch(self, h: int, x: int, dy: int, dw: int, mask: int = 0) -> None:
+        """dw (or the partials, then their sum into dw) on stream ``h``; x and dy 16-byte aligned; ``mask`` (0:
+        none): the forward's ReLU mask of dy, read in the kernel (:meth:`fuses_mask`)."""
+        conv = self._conv.get(mask != 0) or self._build(mask != 0)
+        conv(h, dy, x, self._ws.ptr if self.summed else dw, mask)
         if self.summed:
             sl, sargs = self._launch_sum
             sargs.u64[sargs.slots["dst"]] = dw
@@ -301,18 +332,23 @@ class DgradSpec(_Grid):
     ws: bool = False
     add: bool = False
     store: str = "rows"
+    mask: bool = False  # dy read as bit ? dy : 0 (the forward's ReLU mask; docs/performance.md: grad-mask-registers)
 
     @property
     def _out(self) -> str:
         return self.dtype
 
+    @property
+    def _mask_rows(self) -> int:
+        return self.bm    # (a stage's mask rows: one a row of A)
+
     def name(self) -> str:
         return (f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}{'_add' if self.add else ''}"
-                f"{_STORES[self.store][0]}")
+                f"{_STORES[self.store][0]}{_m(self.mask)}")
 
     def stub(self) -> str:
         return self._render("dgrad", DGRAD_PARAMS, f"{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}",
-                            f", {str(self.add).lower()}, {_STORES[self.store][1]}")
+                            f", {str(self.add).lower()}, {_STORES[self.store][1]}, {str(self.mask).lower()}")
 
 
 def _sub(g, ph, dtype: str) -> ConvProblem:
@@ -415,16 +451,24 @@ class NativeDgrad:
         self._launches = {}                    # add -> a launch a group of live phases
 
     def kernels(self) -> list:
-        """The plain kernel and its adding twin."""
-        return [self.spec, replace(self.spec, add=True)]
+        """The plain kernel, its adding twin and its masked twin."""
+        return [self.spec, replace(self.spec, add=True), replace(self.spec, mask=True)]
 
-    def _launch(self, phases, add: bool) -> _Launch:
+    def fuses_mask(self, mask: int) -> bool:
+        """Whether :meth:`launch` applies a mask at ``mask`` itself: its maps' rows (a pixel's words) are 16-byte
+        multiples, K % 128 == 0."""
+        return self.g.K % 128 == 0 and mask % 16 == 0
+
+    def _launch(self, phases, add: bool, mask: bool) -> _Launch:
         g = self.g
-        s = replace(self.spec, add=add)
+        s = replace(self.spec, add=add, mask=mask)
         values = launch_values(g, phases, s.bm, s.bn)
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
         maps = [(f"tmA{i}", lambda addr, pb=_sub(g, ph, self.dtype): _encode_im2col(pb, s.bm, addr), 0)
                 for i, ph in enumerate(phases)]
+        if mask:
+            maps += [(f"tmM{i}", lambda addr, pb=_sub(g, ph, self.dtype): _encode_mask_im2col(pb, s.bm, addr), 3)
+                     for i, ph in enumerate(phases)]
         rs, pb = g.R * g.S, _sub(g, phases[0], self.dtype)
         if s.store == "tensor":
             maps.append(("tmY", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.C), u64(g.N * g.H * g.W)],
@@ -438,28 +482,32 @@ class NativeDgrad:
         return _Launch(s, "igemm_dgrad", DGRAD_PARAMS, values, s.grid(values["units"], self.sms), self.device_id,
                        maps)
 
-    def launch(self, h: int, dy: int, w: int, dx: int, add: bool = False) -> None:
+    def launch(self, h: int, dy: int, w: int, dx: int, add: bool = False, mask: int = 0) -> None:
         """dx on stream ``h`` (``add``: dx += the gradient, rounded once after the sum as a separate add would be);
-        dy and w 16-byte aligned."""
-        ks = self._launches.get(add)
+        dy and w 16-byte aligned; ``mask`` (0: none, else without ``add``): the forward's ReLU mask of dy, read in
+        the kernel (:meth:`fuses_mask`)."""
+        key = (add, mask != 0)
+        ks = self._launches.get(key)
         if ks is None:
             live = _live_phases(self.g)
-            ks = self._launches[add] = [self._launch(live[i:i + MAX_PHASES], add)
+            ks = self._launches[key] = [self._launch(live[i:i + MAX_PHASES], *key)
                                         for i in range(0, len(live), MAX_PHASES)]
         if self.zero and not add:              # rows no tap reaches: zero at memset speed first
             g = self.g
             _runtime.memset_d8(dx, 0, g.N * g.H * g.W * g.C * DTYPE_SIZES[self.dtype], _runtime.RawStream(h))
         for k in ks:
-            k(h, dy, w, dx)
+            k(h, dy, w, dx, mask)
 
 
 def all_variants() -> list[tuple[str, str]]:
     """Every (name, stub) :func:`choose_spec`, :func:`choose_dgrad_spec` and the split sum can give (the precompile
     tools fill the cache with them: the tiles depend only on the channel counts, wgrad's stored type on its split)."""
     dts = ("float16", "bfloat16")
-    out = [WgradSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
-    out += [WgradSpec(dt, o, 128, bn, 4, 1, True).kernel() for dt in dts for o in (dt, "float32") for bn in (64, 128)]
-    out += [DgradSpec(dt, *t, add, store).kernel() for dt in dts
-            for add in (False, True) for store in ("tensor", "rows")
+    out = [WgradSpec(dt, o, 64, bn, 4, mask=m).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")
+           for m in (False, True)]
+    out += [WgradSpec(dt, o, 128, bn, 4, 1, True, m).kernel() for dt in dts for o in (dt, "float32")
+            for bn in (64, 128) for m in (False, True)]
+    out += [DgradSpec(dt, *t, add, store, mask).kernel() for dt in dts
+            for add, mask in ((False, False), (True, False), (False, True)) for store in ("tensor", "rows")
             for t in ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True), (128, 128, 3, False))]
     return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

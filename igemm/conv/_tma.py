@@ -63,12 +63,14 @@ def tma_unsupported(pb, bm: int) -> str | None:
     return None
 
 
-def _encode(pb, kind: str, args, l2: str, swizzle: str = "CU_TENSOR_MAP_SWIZZLE_128B") -> bytes:
+def _encode(pb, kind: str, args, l2: str, swizzle: str = "CU_TENSOR_MAP_SWIZZLE_128B", elem: str | None = None
+            ) -> bytes:
     """``cuTensorMapEncode<kind>(element type, *args, no interleave, swizzle, L2 promotion ``l2``, zero
-    fill)`` -> the map's 128 bytes."""
+    fill)`` -> the map's 128 bytes. The element type is the problem's (16-bit), or ``elem="uint32"`` (mask words)."""
     from cuda.bindings import driver as d
     T = d.CUtensorMapDataType
-    dt = T.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if pb.dtype == "float16" else T.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    dt = (T.CU_TENSOR_MAP_DATA_TYPE_UINT32 if elem == "uint32" else
+          T.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if pb.dtype == "float16" else T.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
     err, tm = getattr(d, "cuTensorMapEncode" + kind)(
         dt, *args, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         getattr(d.CUtensorMapSwizzle, swizzle), getattr(d.CUtensorMapL2promotion, l2),
@@ -88,6 +90,20 @@ def _encode_im2col(pb, bm: int, addr: int) -> bytes:
         [pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0]],
         min(BK, C), bm, [u32(1), u32(pb.stride[1]), u32(pb.stride[0]), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_L2_128B",
         "CU_TENSOR_MAP_SWIZZLE_NONE" if C == 8 else "CU_TENSOR_MAP_SWIZZLE_128B")   # 8 channels: 16-byte rows
+
+
+def _encode_mask_im2col(pb, bm: int, addr: int) -> bytes:
+    """The im2col map of a ReLU mask over ``pb``'s NHWC input (C % 128 == 0), row for row with
+    :func:`_encode_im2col`'s: its words as [N][H][W][C / 32] uint32, 4 words (16 bytes) a pixel from a word
+    coordinate, ``bm`` pixels a box."""
+    from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
+    C, H, W, N = pb.C // 32, pb.H, pb.W, pb.N
+    return _encode(pb, "Im2col", (
+        4, addr, [u64(C), u64(W), u64(H), u64(N)], [u64(C * 4), u64(W * C * 4), u64(H * W * C * 4)],
+        [-pb.padding[1], -pb.padding[0]],
+        [pb.padding[1] - (pb.S - 1) * pb.dilation[1], pb.padding[0] - (pb.R - 1) * pb.dilation[0]],
+        4, bm, [u32(1), u32(pb.stride[1]), u32(pb.stride[0]), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_NONE",
+        "CU_TENSOR_MAP_SWIZZLE_NONE", "uint32")
 
 
 def _encode_nchw(pb, addr: int) -> bytes:

@@ -409,11 +409,11 @@ def _bn_once(dy, x, w, z, mean, invstd, gamma, stride, padding, dilation, layout
     if one is None:
         return None
     k, nws = one
-    sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dy.device)
-    # sums: sum_dy, sum_dy_xmu, (unused), dbeta (K each), the coefficients (3 x K), the partials; dgamma its own
+    sums = torch.empty((6 * K + nws,), dtype=torch.float32, device=dy.device)
+    # sums: sum_dy, sum_dy_xmu, dbeta (K each), the coefficients (3 x K), the partials; dgamma its own
     # (no two returns share memory: torch.library's rule for the op path's outputs)
     dgamma = torch.empty((K,), dtype=torch.float32, device=dy.device)
-    coef = sums[4 * K:7 * K].view(3, K)
+    coef = sums[3 * K:6 * K].view(3, K)
     dplan = _dgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, True)
     wplan = _wgrad_plan(dt, x_shape, w_shape, layout, geo, precision, mask is not None, True, dt.dtype, False)
     g, pro = dplan.problem, GradPrologue(z, coef)
@@ -427,9 +427,9 @@ def _bn_once(dy, x, w, z, mean, invstd, gamma, stride, padding, dilation, layout
     dz = torch.empty_like(dy)
     sel = torch.empty_like(dy) if residual and mask is not None else None
     b, dp, zp = sums.data_ptr(), dy.data_ptr(), z.data_ptr()
-    k.run(fd[1], slots, [zp, dp, fd[2]["mask"], mean.data_ptr(), invstd.data_ptr(), b + 28 * K, b, b + 4 * K,
-                         dgamma.data_ptr(), b + 12 * K, gamma.data_ptr() if gamma is not None else 0, b + 16 * K, dp,
+    k.run(fd[1], slots, [zp, dp, fd[2]["mask"], mean.data_ptr(), invstd.data_ptr(), b + 24 * K, b, b + 4 * K,
+                         dgamma.data_ptr(), b + 8 * K, gamma.data_ptr() if gamma is not None else 0, b + 12 * K, dp,
                          dz.data_ptr(), zp, sel.data_ptr() if sel is not None else 0])
     dx = conv2d_grad_input(dz, w, x_shape, *geo, layout=layout, precision=precision)
     dw = conv2d_grad_weight(x, dz, w_shape, *geo, layout=layout, precision=precision)
-    return dx, dw, dgamma, sums[3 * K:4 * K], sel if sel is not None else (dy if residual else None)
+    return dx, dw, dgamma, sums[2 * K:3 * K], sel if sel is not None else (dy if residual else None)

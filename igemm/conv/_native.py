@@ -58,7 +58,7 @@ _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew"
                  "rows_w", "ph_h", "ph_w")
 _PHASE_DIVS = ("fd_PQ", "fd_Q", "fd_T")
 MAX_PHASES = 4
-#: DgradSpec.store -> (its kernel name's suffix, csrc/conv/grad_sm90.cuh's GradStore)
+#: DgradSpec.store -> (its kernel name's suffix, csrc/conv/grad_store.cuh's GradStore)
 _STORES = {"tensor": ("_tma", 1), "rows": ("_rows", 2)}
 _SUM_PARAMS = [ParamSpec("src", "ptr"), ParamSpec("dst", "ptr"), ParamSpec("n", "int64"), ParamSpec("splits", "int32")]
 _THREADS = 256

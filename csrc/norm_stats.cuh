@@ -351,6 +351,25 @@ IGEMM_DEVICE void grad_nchw(const P& p) {
   }
 }
 
+// The NHWC block's per-thread sums (thread (ty, tx): channels (bx·tx_n + tx)·V ...) merged over the warps in order
+// and written as slice s's partials (Final: the outputs).
+template <int V, bool Final, class P>
+IGEMM_DEVICE void grad_nhwc_out(const P& p, Acc (&acc)[V], Acc* smem, int tx_n, int bx, int s) {
+  warp_to_smem<V>(acc, smem, tx_n, SumMerge{});
+  const int i = threadIdx.x;
+  if (i < tx_n * V) {
+    const int64_t c = int64_t(bx) * tx_n * V + i;
+    if (c < p.C) {
+      const Acc r = smem_merge(smem, tx_n * V, i, SumMerge{});
+      if constexpr (Final) {
+        grad_write(p, c, double(r.a), double(r.b));
+      } else {
+        write_part(p, c, s, r);
+      }
+    }
+  }
+}
+
 template <class T, int V, bool Final, class P>
 IGEMM_DEVICE void grad_nhwc(const P& p) {
   constexpr int U = V == 8 ? 1 : 2;  // rows per iteration; U = 2 with 8 channels would spill (bf16)
@@ -407,19 +426,7 @@ IGEMM_DEVICE void grad_nhwc(const P& p) {
       }
     }
   }
-  warp_to_smem<V>(acc, smem, tx_n, SumMerge{});
-  const int i = threadIdx.x;
-  if (i < tx_n * V) {
-    const int64_t c = int64_t(bx) * tx_n * V + i;
-    if (c < C) {
-      const Acc r = smem_merge(smem, tx_n * V, i, SumMerge{});
-      if constexpr (Final) {
-        grad_write(p, c, double(r.a), double(r.b));
-      } else {
-        write_part(p, c, s, r);
-      }
-    }
-  }
+  grad_nhwc_out<V, Final>(p, acc, smem, tx_n, bx, s);
 }
 
 // Channel c's S partial sums added by one warp in fp64; every lane gets (sum_dy, sum_dy_xmu), lane 0 writes them.

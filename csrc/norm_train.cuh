@@ -7,6 +7,8 @@
 //   bn_train_backward  (1) partial sums of dy' = bit ? dy : 0 and dy'·(z - mean) (grad_nhwc) | (2) a warp per
 //                      channel adds them: sum_dy, sum_dy_xmu, dgamma, dbeta (grad_merge) and the dz coefficients
 //                      a, b, c (coefficients_at) | (3) dz = a·dy' + b·z + c [and sel = dy'] (grad_dz's blocks)
+//   bn_train_backward_held  the same three phases over a tensor the grid holds in registers (up to 8 rows of 8
+//                      channels a thread): dy' and z read once, phase 3 from the registers (bn-backward-held)
 // The same device functions in the same order as the separate launches (norm_stats.cuh, norm_elemt.cuh,
 // conv/backward.cuh), on a grid of 3 blocks an SM (the backward's 1 or 2 for a small tensor, whose phases are
 // latency: igemm/_norm_kernels.py train_backward_blocks_per_sm; the statistics' slices, and so their fp32 rounding,
@@ -74,11 +76,11 @@ IGEMM_DEVICE void bn_train_forward(const P& p) {
 
 // Phase 3's blocks: the dz pass's grid (p.dzb blocks of p.dzt <= kThreads threads) over this grid, in order, two
 // chunks in flight a thread (four, as the dz kernel has, need more registers than three blocks an SM leave).
-template <class T, int V, bool Final, class P>
-IGEMM_DEVICE void bn_train_backward(const P& p) {
+// The backward's phase 2, after phase 1's barrier: the sums (and the outputs) from the partials, and the dz
+// coefficients; then the grid barrier before phase 3.
+template <bool Final, class P>
+IGEMM_DEVICE void bn_backward_coefficients(const P& p) {
   namespace cg = cooperative_groups;
-  grad_nhwc<T, V, Final>(p);
-  cg::this_grid().sync();
   if constexpr (Final) {
     for (int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x; c < p.C; c += int64_t(gridDim.x) * kThreads)
       igemm::backward::coefficients_at(p, int(c), static_cast<const float*>(p.out0)[c],
@@ -93,9 +95,95 @@ IGEMM_DEVICE void bn_train_backward(const P& p) {
     }
   }
   cg::this_grid().sync();
+}
+
+template <class T, int V, bool Final, class P>
+IGEMM_DEVICE void bn_train_backward(const P& p) {
+  namespace cg = cooperative_groups;
+  grad_nhwc<T, V, Final>(p);
+  cg::this_grid().sync();
+  bn_backward_coefficients<Final>(p);
   if (threadIdx.x < p.dzt)
     for (int64_t b = blockIdx.x; b < p.dzb; b += gridDim.x)
       igemm::backward::grad_dz_block<igemm::backward::kBn, T, false, 2, true>(p, b, p.dzt, p.dzb);
+}
+
+// The backward over a tensor the grid can hold (igemm/_norm_kernels.py: train_kernel): thread (ty, tx) of block
+// (s, bx) loads its rows' dy' = bit ? dy : 0 and z once (rows s·L + ty + k·TY, k < R, channels pk·8 ... pk·8 + 7, as
+// grad_nhwc visits them, so phase 1 is its arithmetic), all of them in flight at once, and keeps them in registers
+// across both barriers: phase 3 computes dz (and sel = dy') from them, with no second read of dy and z
+// (docs/performance.md: bn-backward-held).
+template <class T, int R, bool Final, class P>
+IGEMM_DEVICE void bn_train_backward_held(const P& p) {
+  namespace cg = cooperative_groups;
+  using igemm::backward::select8;
+  constexpr int V = 8;
+  __shared__ Acc smem[kWarps * 32 * V];
+  const int tx_n = p.tx, tx = threadIdx.x & (tx_n - 1), ty = threadIdx.x >> p.txs, TY = kThreads >> p.txs;
+  const unsigned gx = unsigned(p.gx);
+  const int s = int(blockIdx.x / gx), bx = int(blockIdx.x - unsigned(s) * gx);
+  const int pk = bx * tx_n + tx;
+  const bool live = pk < p.P;
+  const int64_t r0 = int64_t(s) * p.L + ty, r1 = imin64(int64_t(s) * p.L + p.L, p.len);
+  const int64_t v0 = r0 * (p.C / V) + pk, vstep = int64_t(TY) * (p.C / V);   // in 8-channel vectors
+  const uint4* dy = static_cast<const uint4*>(p.dy);
+  const uint4* zs = static_cast<const uint4*>(p.x);
+  const uint8_t* mask = static_cast<const uint8_t*>(p.mask);
+  uint4 d[R], z[R];
+  uint32_t bits[R];
+#pragma unroll
+  for (int k = 0; k < R; ++k) {                 // every load first
+    if (live && r0 + k * TY < r1) {
+      d[k] = ldg_stream16(dy + v0 + k * vstep);
+      z[k] = ldg_stream16(zs + v0 + k * vstep);
+      bits[k] = mask ? uint32_t(__ldg(mask + v0 + k * vstep)) : 0xFFu;
+    }
+  }
+  Acc acc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = Acc{0.f, 0.f, 0.f};
+  if (live) {
+    float mu[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) mu[j] = static_cast<const float*>(p.mean)[int64_t(pk) * V + j];
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      if (r0 + k * TY >= r1) break;
+      d[k] = select8(d[k], bits[k]);
+      const Vec<T, V>& rd = *reinterpret_cast<const Vec<T, V>*>(&d[k]);
+      const Vec<T, V>& rz = *reinterpret_cast<const Vec<T, V>*>(&z[k]);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float g = to_float(rd.v[j]);
+        acc[j].a += g;
+        acc[j].b = fmaf(g, to_float(rz.v[j]) - mu[j], acc[j].b);
+      }
+    }
+  }
+  grad_nhwc_out<V, Final>(p, acc, smem, tx_n, bx, s);
+  cg::this_grid().sync();
+  bn_backward_coefficients<Final>(p);
+  if (!live) return;
+  float a[V], b[V], c[V];
+  {
+    float* dst[3] = {a, b, c};
+    const float4* coef = static_cast<const float4*>(p.coef);   // (written by this grid: not the read-only path)
+#pragma unroll
+    for (int v = 0; v < 3; ++v)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 q = coef[(v * p.K + pk * V) / 4 + h];
+        dst[v][4 * h] = q.x; dst[v][4 * h + 1] = q.y; dst[v][4 * h + 2] = q.z; dst[v][4 * h + 3] = q.w;
+      }
+  }
+  uint4* out = static_cast<uint4*>(const_cast<void*>(p.dst));
+  uint4* sel = static_cast<uint4*>(const_cast<void*>(p.sel));
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    if (r0 + k * TY >= r1) break;
+    out[v0 + k * vstep] = igemm::backward::bn_dz8<T>(d[k], z[k], a, b, c);
+    if (sel) sel[v0 + k * vstep] = d[k];
+  }
 }
 
 }  // namespace igemm::norm

@@ -34,6 +34,8 @@ _GRAD_UNROLL = 2
 _EW_UNROLL = 2
 _BLOCKS_PER_SM = 4  # __launch_bounds__(256, 4): every grid below is at most one resident wave
 _TRAIN_BLOCKS_PER_SM = 3  # the one-launch passes: 80 registers (their phases spill at 64)
+HELD_ROWS = 8             # rows of 8 channels a thread holds in the held backward (64 registers of data)
+_HELD_BLOCKS_PER_SM = 2   # (128 registers)
 
 
 def train_backward_blocks_per_sm(nbytes: int, sms: int) -> int:
@@ -307,10 +309,16 @@ def stub_backward(dtype: str, vec: int, nhwc: bool, mask: bool, dres: bool) -> s
                  f"{'true' if dres else 'false'}>(p);", _EW_PARAMS)
 
 
-def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool = False, conv: bool = False) -> str:
+def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool = False, conv: bool = False,
+               held: bool = False) -> str:
     """The training path's one-launch BatchNorm pass (16-bit channels-last, 8 channels a vector); ``conv``: the
-    forward from the conv epilogue's per-tile statistics."""
+    forward from the conv epilogue's per-tile statistics; ``held``: the backward over a tensor held in registers
+    (:data:`HELD_ROWS` rows a thread)."""
     t, f = DTYPE_CTYPE[dtype], "true" if final else "false"
+    if held:
+        return _stub("norm_train.cuh", "igemm_bn_train_backward_held",
+                     f"igemm::norm::bn_train_backward_held<{t}, {HELD_ROWS}, {f}>(p);", _TRAIN_PARAMS,
+                     _HELD_BLOCKS_PER_SM)
     if backward:
         return _stub("norm_train.cuh", "igemm_bn_train_backward",
                      f"igemm::norm::bn_train_backward<{t}, 8, {f}>(p);", _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
@@ -324,7 +332,21 @@ def train_stubs() -> list:
     fwd = ((0, False), (0, True), (2, False), (2, True))
     return [stub_train(dt, final, bwd, act, res) for dt in ("float16", "bfloat16") for final in (False, True)
             for bwd, act, res in ((True, 0, False), *((False, a, r) for a, r in fwd))] + \
-        [stub_train(dt, False, False, act, res, conv=True) for dt in ("float16", "bfloat16") for act, res in fwd]
+        [stub_train(dt, False, False, act, res, conv=True) for dt in ("float16", "bfloat16") for act, res in fwd] + \
+        [stub_train(dt, final, True, held=True) for dt in ("float16", "bfloat16") for final in (False, True)]
+
+
+def held_config(N: int, C: int, HW: int, sms: int) -> RedConfig | None:
+    """The grid of the held backward (``bn_train_backward_held``) over a channels-last ``(N, HW, C)`` tensor, or
+    None where it would need more than :data:`HELD_ROWS` rows a thread at ``_HELD_BLOCKS_PER_SM`` blocks an SM:
+    a block an SM where that holds the tensor, else up to two."""
+    if C % 8 or N * HW <= 0:
+        return None
+    for per_sm in (1, _HELD_BLOCKS_PER_SM):
+        cfg = reduction_config("NHWC", N, C, HW, 2, 16, sms, HELD_ROWS if per_sm > 1 else 1, per_sm)
+        if cfg.L <= HELD_ROWS * (THREADS // cfg.tx):
+            return cfg
+    return None
 
 
 @lru_cache(maxsize=1024)
@@ -336,12 +358,24 @@ def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, 
     :func:`elemt_kernel`'s pass with ``act``/``res``; backward: the sums, the dz coefficients, then the dz pass of
     ``igemm.conv._moves.launch_dz`` (``M = N * HW``, ``K = C``). ``tiles`` (forward): the statistics are the conv
     epilogue's, ``tiles`` rows of them (``Conv2dPlan.bn_stats_tiles``) at the ``tiles`` pointer."""
-    from .conv._moves import dz_geometry
     if DTYPE_SIZES[dtype] != 2 or C % 8 or N * HW <= 0:
         return None
     sms = _sms(device_id)
+    held = held_config(N, C, HW, sms) if backward else None
+    if held is not None:
+        got = _train_kernel(device_id, True, dtype, N, C, HW, sms, held, True)
+        if got is not None:
+            return got
     cfg = reduction_config("NHWC", N, C, HW, 2, 16, sms, _GRAD_UNROLL if backward else _STATS_UNROLL,
                            train_backward_blocks_per_sm(2 * N * HW * C, sms) if backward else _TRAIN_BLOCKS_PER_SM)
+    return _train_kernel(device_id, backward, dtype, N, C, HW, sms, cfg, False, act, res, tiles)
+
+
+def _train_kernel(device_id: int, backward: bool, dtype: str, N: int, C: int, HW: int, sms: int, cfg: RedConfig,
+                  held: bool, act: int = 0, res: bool = False, tiles: int = 0):
+    """:func:`train_kernel`'s pass on reduction grid ``cfg`` (``held``: the held backward), or None where that
+    grid is not one resident wave."""
+    from .conv._moves import dz_geometry
     static = dict(_red_static(cfg, C, HW, N * HW, 1, 0), K=C, M=N * HW, count=float(N * HW))
     if backward:                          # (a block of the dz pass for each of this grid's)
         _, dzt = dz_geometry(N * HW, C, sms)
@@ -356,7 +390,7 @@ def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, 
         S = _ceil_div(tiles, L)
         static.update(gx=gx, L=L, S=S, ntiles=tiles)
         nws = 3 * C * S
-    k = _Kern(stub_train(dtype, cfg.final and not tiles, backward, act, res, conv=bool(tiles)), device_id,
+    k = _Kern(stub_train(dtype, cfg.final and not tiles, backward, act, res, conv=bool(tiles), held=held), device_id,
               cfg.blocks, _TRAIN_PARAMS, static, coop=True)
     if _kernel.resident_blocks(k.launcher, THREADS) * sms < cfg.blocks:
         return None

@@ -196,6 +196,35 @@ __device__ void grad_copy(const P& p) {
 // of K / 8, so its coefficients stay in registers) and walks the pixels, U chunks in flight (the generic move,
 // which loads the coefficients and the mask word per chunk, ran at 1.5-1.9 TB/s where K >= 256, this at 2.5-3.1:
 // docs/performance.md, grad-dz-pass).
+// Eight 16-bit values with those whose bit (bits' low byte, LSB first) is 0 replaced by +0: a select, so a
+// non-finite dy where the bit is 0 gives 0.
+IGEMM_DEVICE uint4 select8(uint4 v, uint32_t bits) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    w[q] &= ((bits >> (2 * q)) & 1u ? 0xFFFFu : 0u) | ((bits >> (2 * q + 1)) & 1u ? 0xFFFF0000u : 0u);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// a[i]·g[i] + b[i]·z[i] + c[i] over eight 16-bit channels, in fp32, rounded once.
+template <class T>
+IGEMM_DEVICE uint4 bn_dz8(uint4 g, uint4 z, const float (&a)[8], const float (&b)[8], const float (&c)[8]) {
+  const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, zw[4] = {z.x, z.y, z.z, z.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    o[q] = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 2 * q + h;
+      const float v = to_float(T::bitcast(uint16_t(gw[q] >> (16 * h))));
+      const float zf = to_float(T::bitcast(uint16_t(zw[q] >> (16 * h))));
+      o[q] |= uint32_t(from_float<T>(a[i] * v + b[i] * zf + c[i]).raw()) << (16 * h);
+    }
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // The grid's block blk of nblk blocks of bdim threads, U chunks in flight a thread (a kernel of its own: blockIdx.x,
 // blockDim.x, gridDim.x; norm_train.cuh runs them on the blocks of its own grid, with Nc false: it wrote coef itself,
 // so coef is not read through the non-coherent path). Rev: each thread's pixels last to first.
@@ -245,29 +274,13 @@ __device__ void grad_dz_block(const P& p, int64_t blk, int bdim, int64_t nblk) {
     for (int u = 0; u < U; ++u) {
       const int64_t e = (m + u * step) * p.K + ch;
       if (m + u * step >= p.M) continue;
-      uint32_t w[4] = {d[u].x, d[u].y, d[u].z, d[u].w}, o[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)               // a select: non-finite dy where the bit is 0 gives 0
-        w[q] &= ((bits[u] >> (2 * q)) & 1u ? 0xFFFFu : 0u) | ((bits[u] >> (2 * q + 1)) & 1u ? 0xFFFF0000u : 0u);
-      if (sel) sel[e / 8] = make_uint4(w[0], w[1], w[2], w[3]);
+      const uint4 w = select8(d[u], bits[u]);
+      if (sel) sel[e / 8] = w;
       if constexpr (Mode == kBn) {
-        const uint32_t zw[4] = {z[u].x, z[u].y, z[u].z, z[u].w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          o[q] = 0;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = 2 * q + h;
-            const float v = to_float(T::bitcast(uint16_t(w[q] >> (16 * h))));
-            const float zf = to_float(T::bitcast(uint16_t(zw[q] >> (16 * h))));
-            o[q] |= uint32_t(from_float<T>(a[i] * v + b[i] * zf + c[i]).raw()) << (16 * h);
-          }
-        }
+        dst[e / 8] = bn_dz8<T>(w, z[u], a, b, c);
       } else {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) o[q] = w[q];
+        dst[e / 8] = w;
       }
-      dst[e / 8] = make_uint4(o[0], o[1], o[2], o[3]);
     }
   }
 }

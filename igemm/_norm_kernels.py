@@ -356,7 +356,8 @@ def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, 
     tensor (C % 8 == 0; csrc/norm_train.cuh): ``(kernel, workspace floats)``, or None where its grid would not be
     resident at once on this GPU (the caller then launches the separate kernels). Forward: the statistics, then
     :func:`elemt_kernel`'s pass with ``act``/``res``; backward: the sums, the dz coefficients, then the dz pass of
-    ``igemm.conv._moves.launch_dz`` (``M = N * HW``, ``K = C``). ``tiles`` (forward): the statistics are the conv
+    ``igemm.conv._moves.launch_dz`` (``M = N * HW``, ``K = C``), from registers where :func:`held_config` fits the
+    tensor (``bn_train_backward_held``). ``tiles`` (forward): the statistics are the conv
     epilogue's, ``tiles`` rows of them (``Conv2dPlan.bn_stats_tiles``) at the ``tiles`` pointer."""
     if DTYPE_SIZES[dtype] != 2 or C % 8 or N * HW <= 0:
         return None

@@ -190,12 +190,6 @@ __device__ void grad_copy(const P& p) {
   else grad_copy_flat<Mode, Accum, Vec, TS, TD>(p);
 }
 
-// dz over an [M][K] channels-last tensor (K % 8 == 0; src, dst, z, sel 16-byte aligned; coef too): Mode kMask
-// dz = bit ? dy : 0; kBn dz = a[k]·(bit ? dy : 0) + b[k]·z + c[k] (no mask: every bit 1), and where `sel` is set,
-// sel = bit ? dy : 0 as well. A thread owns one 8-channel chunk (the launch makes blockDim.x·gridDim.x a multiple
-// of K / 8, so its coefficients stay in registers) and walks the pixels, U chunks in flight (the generic move,
-// which loads the coefficients and the mask word per chunk, ran at 1.5-1.9 TB/s where K >= 256, this at 2.5-3.1:
-// docs/performance.md, grad-dz-pass).
 // Eight 16-bit values with those whose bit (bits' low byte, LSB first) is 0 replaced by +0: a select, so a
 // non-finite dy where the bit is 0 gives 0.
 IGEMM_DEVICE uint4 select8(uint4 v, uint32_t bits) {
@@ -225,6 +219,12 @@ IGEMM_DEVICE uint4 bn_dz8(uint4 g, uint4 z, const float (&a)[8], const float (&b
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// dz over an [M][K] channels-last tensor (K % 8 == 0; src, dst, z, sel 16-byte aligned; coef too): Mode kMask
+// dz = bit ? dy : 0; kBn dz = a[k]·(bit ? dy : 0) + b[k]·z + c[k] (no mask: every bit 1), and where `sel` is set,
+// sel = bit ? dy : 0 as well. A thread owns one 8-channel chunk (the launch makes blockDim.x·gridDim.x a multiple
+// of K / 8, so its coefficients stay in registers) and walks the pixels, U chunks in flight (the generic move,
+// which loads the coefficients and the mask word per chunk, ran at 1.5-1.9 TB/s where K >= 256, this at 2.5-3.1:
+// docs/performance.md, grad-dz-pass).
 // The grid's block blk of nblk blocks of bdim threads, U chunks in flight a thread (a kernel of its own: blockIdx.x,
 // blockDim.x, gridDim.x; norm_train.cuh runs them on the blocks of its own grid, with Nc false: it wrote coef itself,
 // so coef is not read through the non-coherent path). Rev: each thread's pixels last to first.

@@ -11,7 +11,7 @@
 //                      channels a thread): dy' and z read once, phase 3 from the registers (bn-backward-held)
 // The same device functions in the same order as the separate launches (norm_stats.cuh, norm_elemt.cuh,
 // conv/backward.cuh), on a grid of 3 blocks an SM (the backward's 1 or 2 for a small tensor, whose phases are
-// latency: igemm/_norm_kernels.py train_backward_blocks_per_sm; the statistics' slices, and so their fp32 rounding,
+// latency: igemm/_norm_train.py train_backward_blocks_per_sm; the statistics' slices, and so their fp32 rounding,
 // are that grid's); one launch instead of three or four saves the host a launch call each (docs/performance.md:
 // bn-train-one-launch). Final: kernel 1's grid has one slice per channel and phase 1 writes the merged results itself.
 // Both last phases walk the tensor from its end (Rev), so what the next kernel reads first (the start of y or dz) is
@@ -108,7 +108,7 @@ IGEMM_DEVICE void bn_train_backward(const P& p) {
       igemm::backward::grad_dz_block<igemm::backward::kBn, T, false, 2, true>(p, b, p.dzt, p.dzb);
 }
 
-// The backward over a tensor the grid can hold (igemm/_norm_kernels.py: train_kernel): thread (ty, tx) of block
+// The backward over a tensor the grid can hold (igemm/_norm_train.py: train_kernel): thread (ty, tx) of block
 // (s, bx) loads its rows' dy' = bit ? dy : 0 and z once (rows s·L + ty + k·TY, k < R, channels pk·8 ... pk·8 + 7, as
 // grad_nhwc visits them, so phase 1 is its arithmetic), all of them in flight at once, and keeps them in registers
 // across both barriers: phase 3 computes dz (and sel = dy') from them, with no second read of dy and z

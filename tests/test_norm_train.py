@@ -1,4 +1,4 @@
-"""The training path's one-launch BatchNorm passes (csrc/norm_train.cuh, ``igemm._norm_kernels.train_kernel``): on
+"""The training path's one-launch BatchNorm passes (csrc/norm_train.cuh, ``igemm._norm_train.train_kernel``): on
 the CPU their grids and compilation; on the GPU every output against float64 from poisoned buffers -- the forward's
 mean, invstd, running statistics, num_batches_tracked, y and mask bits; the backward's sums, dgamma, dbeta, dz
 coefficients, dz and the residual's gradient -- over geometries whose reduction is one slice per channel (Final) or
@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from igemm import _norm_kernels as nk
+from igemm import _norm_train as nt
 
 # (N, C, HW); the backward's grid at 1, 1, 1, 2 and 3 blocks an SM (train_backward_blocks_per_sm, 132 SMs)
 GEOMS = [(2, 64, 49), (8, 200, 196), (4, 2048, 49), (32, 128, 784), (32, 256, 784)]
@@ -26,29 +27,29 @@ def test_train_grids_are_one_resident_wave():
                 assert cfg.blocks <= 3 * sms and cfg.S * cfg.L >= N * HW
                 ec = nk.elemt_config("NHWC", N, C, HW, 2, 16, sms, cfg.blocks)
                 assert ec.blocks <= cfg.blocks and ec.fixed == nk.elemt_config("NHWC", N, C, HW, 2, 16, sms).fixed
-    assert nk._TRAIN_BLOCKS_PER_SM == 3
-    assert [nk.train_backward_blocks_per_sm(2 * N * C * HW, 132) for N, C, HW in GEOMS] == [1, 1, 1, 2, 3]
-    for s in (nk.stub_train("float16", False, False, 2, True), nk.stub_train("bfloat16", True, True)):
+    assert nt._TRAIN_BLOCKS_PER_SM == 3
+    assert [nt.train_backward_blocks_per_sm(2 * N * C * HW, 132) for N, C, HW in GEOMS] == [1, 1, 1, 2, 3]
+    for s in (nt.stub_train("float16", False, False, 2, True), nt.stub_train("bfloat16", True, True)):
         assert "__launch_bounds__(256, 3)" in s
-    assert len(set(nk.train_stubs())) == 32
+    assert len(set(nt.train_stubs())) == 32
 
 
 def test_held_backward_grids():
     """The held backward takes a tensor whose rows fit 8 a thread at one block an SM, else at two, else none; its
     grid covers every row and is one resident wave of at most two blocks an SM."""
-    got = {g: nk.held_config(*g, 132) for g in GEOMS + HELD_GEOMS}
+    got = {g: nt.held_config(*g, 132) for g in GEOMS + HELD_GEOMS}
     assert [g for g, c in got.items() if c is None] == [(32, 256, 784)]
     for (N, C, HW), c in got.items():
         if c is not None:
             ty = nk.THREADS // c.tx
-            assert c.S * c.L >= N * HW and c.L <= nk.HELD_ROWS * ty and c.blocks <= 2 * 132
+            assert c.S * c.L >= N * HW and c.L <= nt.HELD_ROWS * ty and c.blocks <= 2 * 132
             assert c.gx * c.tx * 8 >= C
     assert got[(1, 64, 16)].final and got[(32, 256, 196)].blocks <= 132 and got[(32, 128, 784)].blocks > 132
     for sms in (132, 114, 78):
         for N, C, HW in GEOMS + HELD_GEOMS + [(1, 8, 1), (256, 64, 12544)]:
-            c = nk.held_config(N, C, HW, sms)
-            assert c is None or (c.blocks <= 2 * sms and c.L <= nk.HELD_ROWS * (nk.THREADS // c.tx))
-    assert "__launch_bounds__(256, 2)" in nk.stub_train("float16", False, True, held=True)
+            c = nt.held_config(N, C, HW, sms)
+            assert c is None or (c.blocks <= 2 * sms and c.L <= nt.HELD_ROWS * (nk.THREADS // c.tx))
+    assert "__launch_bounds__(256, 2)" in nt.stub_train("float16", False, True, held=True)
 
 
 @pytest.mark.compile
@@ -58,9 +59,9 @@ def test_train_stubs_compile():
         _build.find_toolchain()
     except _build.ToolchainNotFoundError:
         pytest.skip("no CUDA compiler")
-    for s in (nk.stub_train("float16", False, False, 2, True), nk.stub_train("bfloat16", True, True),
-              nk.stub_train("float16", False, False, 2, True, conv=True),
-              nk.stub_train("bfloat16", False, True, held=True)):
+    for s in (nt.stub_train("float16", False, False, 2, True), nt.stub_train("bfloat16", True, True),
+              nt.stub_train("float16", False, False, 2, True, conv=True),
+              nt.stub_train("bfloat16", False, True, held=True)):
         cubin, _ = _build.compile_cubin(s, "sm_90a", name="bn_train_ci")
         assert len(cubin) > 1000
 
@@ -105,7 +106,7 @@ def _bits(words, n):
 
 
 def _kernel(torch, backward, dtype, N, C, HW, **kw):
-    got = nk.train_kernel(0, backward=backward, dtype=dtype, N=N, C=C, HW=HW, **kw)
+    got = nt.train_kernel(0, backward=backward, dtype=dtype, N=N, C=C, HW=HW, **kw)
     assert got is not None, "the grid is one resident wave on an sm_90 GPU"
     return got
 
@@ -203,12 +204,12 @@ def _backward_kernel(N, C, HW, dtype, held):
     """The held backward (``held``) or the other one-launch backward on this geometry."""
     sms = nk._sms(0)
     if held:
-        cfg = nk.held_config(N, C, HW, sms)
+        cfg = nt.held_config(N, C, HW, sms)
         assert cfg is not None
     else:
         cfg = nk.reduction_config("NHWC", N, C, HW, 2, 16, sms, nk._GRAD_UNROLL,
-                                  nk.train_backward_blocks_per_sm(2 * N * HW * C, sms))
-    got = nk._train_kernel(0, True, dtype, N, C, HW, sms, cfg, held)
+                                  nt.train_backward_blocks_per_sm(2 * N * HW * C, sms))
+    got = nt._train_kernel(0, True, dtype, N, C, HW, sms, cfg, held)
     assert got is not None, "the grid is one resident wave on an sm_90 GPU"
     return got
 
@@ -232,8 +233,8 @@ def test_gpu_train_backward(dtype, mask, sel, N, C, HW, held):
     invstd = (1 / (z64.var(0, unbiased=False) + 1e-5).sqrt()).float()
     gamma = torch.rand(C, device="cuda", generator=g) + 0.5
     k, nws = _backward_kernel(N, C, HW, dtype, held)
-    if (nk.held_config(N, C, HW, nk._sms(0)) is not None) == held:     # the kernel and grid train_kernel picks
-        assert (nk.train_kernel(0, backward=True, dtype=dtype, N=N, C=C, HW=HW)[0].base == k.base).all()
+    if (nt.held_config(N, C, HW, nk._sms(0)) is not None) == held:     # the kernel and grid train_kernel picks
+        assert (nt.train_kernel(0, backward=True, dtype=dtype, N=N, C=C, HW=HW)[0].base == k.base).all()
     sums = torch.full((7 * C + nws,), float("nan"), device="cuda")
     dz, dres = torch.full_like(dy, float("nan")), torch.full_like(dy, float("nan"))
     b = sums.data_ptr()

@@ -404,7 +404,7 @@ def _bn_once(dy, x, w, z, mean, invstd, gamma, stride, padding, dilation, layout
         if (type(t) is not T or t.dtype is not torch.float32 or tuple(t.shape) != (K,) or not t.is_contiguous()
                 or t.get_device() != dev):
             return None
-    from .._norm_kernels import TRAIN_BWD_PTRS, train_kernel
+    from .._norm_train import TRAIN_BWD_PTRS, train_kernel
     one = train_kernel(dev, backward=True, dtype=dt.dtype, N=N, C=K, HW=P * Q)
     if one is None:
         return None

@@ -17,7 +17,8 @@ from torch.autograd.graph import increment_version
 from .. import _runtime
 from .. import relu as _relu
 from .._kernel import bind_args
-from .._norm_kernels import TRAIN_BWD_PTRS, elemt_kernel, reduction_kernels, sync_kernels, train_kernel
+from .._norm_kernels import elemt_kernel, reduction_kernels, sync_kernels
+from .._norm_train import TRAIN_BWD_PTRS, train_kernel
 from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan, Conv2dPlan
 from ..conv._backward_functional import _cached
 from ..conv._moves import Move, dz_fits, launch_coefficients, launch_dz

@@ -386,6 +386,18 @@ def test_gpu_native_variants(dtype, rng):
     assert seen == names, names - seen
 
 
+def test_split_sum_grid():
+    """The split sum's grid: a float4 a thread, blocks of 256 where they are two an SM or more, else of 64 (a small dw
+    still spread over the SMs), every element covered or a whole wave launched."""
+    from igemm.conv._native import sum_grid
+    assert sum_grid(16384, 132) == (64, 64) and sum_grid(589824, 132) == (576, 256)
+    for n in (4, 16384, 36864, 131072, 270336, 270340, 589824, 4 << 20):
+        for sms in (1, 78, 132):
+            grid, block = sum_grid(n, sms)
+            assert block in (64, 256) and grid >= 1
+            assert grid * block * 4 >= n or grid * block == sms * 2048, (n, sms)
+
+
 def test_native_mask_rules():
     """Where the native kernels read the mask themselves (a pixel's words whole 16-byte TMA rows: K % 128 == 0, the
     mask 16-byte aligned), and what the masked twins add: the stages' mask rows, the template argument, the CTAs an

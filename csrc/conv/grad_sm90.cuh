@@ -563,7 +563,7 @@ __device__ void dgrad(const P& p) {
 }
 
 // dst[i] (+)= sum over z of src[z·n + i], z = 0, 1, ... in order; n % 4 == 0, src 16-byte aligned, grid-stride.
-// Eight splits' loads in flight a thread, then their adds in order (docs/performance.md: split-sum-eight).
+// Sixteen splits' loads in flight a thread, then their adds in order (docs/performance.md: split-sum-eight).
 template <bool Accum, class TD, class P>
 __device__ void split_sum(const P& p) {
   const float4* src = static_cast<const float4*>(p.src);
@@ -571,13 +571,13 @@ __device__ void split_sum(const P& p) {
   const int64_t n4 = p.n / 4;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     float4 s = __ldcs(src + i);
-    for (int z0 = 1; z0 < p.splits; z0 += 8) {
-      float4 t[8];
+    for (int z0 = 1; z0 < p.splits; z0 += 16) {
+      float4 t[16];
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 16; ++j)
         if (z0 + j < p.splits) t[j] = __ldcs(src + (z0 + j) * n4 + i);
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 16; ++j)
         if (z0 + j < p.splits) {
           s.x += t[j].x; s.y += t[j].y; s.z += t[j].z; s.w += t[j].w;
         }

@@ -205,6 +205,13 @@ def _sum_stub(td: str, accumulate: bool) -> str:
                                  body=f"igemm::grad::split_sum<{str(accumulate).lower()}, {DTYPE_CTYPE[td]}>(p);")
 
 
+def sum_grid(numel: int, sms: int) -> tuple[int, int]:
+    """The split sum's (grid, block): a float4 a thread, in blocks of 256 where that gives two an SM, else of 64 (a
+    small dw's sum then still spreads over the SMs: docs/performance.md, split-sum-eight); at most a wave."""
+    block = 256 if numel // 4 >= 2 * 256 * sms else 64
+    return max(1, min(sms * 2048 // block, -(-numel // (4 * block)))), block
+
+
 class _SplitSum:
     """The split sum's kernel for one dw dtype, with the plans' ``kernel()``."""
 
@@ -304,9 +311,8 @@ class NativeWgrad:
             self._ws = _runtime.DeviceArray((s.splits * self.numel,), "float32", dev)
             name, src = self._sum.kernel()
             ks = _kernel.load(src, name, "igemm_split_sum", dev)
-            grid = max(1, min(self.sms * 8, -(-self.numel // (4 * _THREADS))))
             sargs = _kernel.pack_args(_SUM_PARAMS, dict(src=self._ws.ptr, n=self.numel, splits=s.splits))
-            self._launch_sum = (_kernel.Launcher(ks, grid, _THREADS), sargs)
+            self._launch_sum = (_kernel.Launcher(ks, *sum_grid(self.numel, self.sms)), sargs)
         return conv
 
     def launch(self, h: int, x: int, dy: int, dw: int, mask: int = 0) -> None:

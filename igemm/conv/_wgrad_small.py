@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .. import _kernel, _runtime
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
-from ._native import _SM_SMEM, _SUM_PARAMS, _THREADS, _SplitSum
+from ._native import _SM_SMEM, _SUM_PARAMS, _SplitSum, sum_grid
 
 __all__ = ["SMALL_PARAMS", "SmallWgradSpec", "unsupported", "choose_spec", "SmallWgrad", "all_variants"]
 
@@ -148,8 +148,7 @@ class SmallWgrad:
         name, src = self._sum.kernel()
         ks = _kernel.load(src, name, "igemm_split_sum", dev)
         sargs = _kernel.pack_args(_SUM_PARAMS, dict(src=self._ws.ptr, n=self.numel, splits=self.splits))
-        grid = max(1, min(self.sms * 8, -(-self.numel // (4 * _THREADS))))
-        self._k = (launch, args, _kernel.Launcher(ks, grid, _THREADS), sargs)
+        self._k = (launch, args, _kernel.Launcher(ks, *sum_grid(self.numel, self.sms)), sargs)
 
     def launch(self, h: int, x: int, dy: int, dw: int) -> None:
         """dw on stream ``h``: the partials, then their sum into dw (added to it with ``accumulate``)."""

@@ -164,18 +164,8 @@ IGEMM_DEVICE void bn_train_backward_held(const P& p) {
   cg::this_grid().sync();
   bn_backward_coefficients<Final>(p);
   if (!live) return;
-  float a[V], b[V], c[V];
-  {
-    float* dst[3] = {a, b, c};
-    const float4* coef = static_cast<const float4*>(p.coef);   // (written by this grid: not the read-only path)
-#pragma unroll
-    for (int v = 0; v < 3; ++v)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float4 q = coef[(v * p.K + pk * V) / 4 + h];
-        dst[v][4 * h] = q.x; dst[v][4 * h + 1] = q.y; dst[v][4 * h + 2] = q.z; dst[v][4 * h + 3] = q.w;
-      }
-  }
+  float a[V], b[V], c[V];                      // (written by this grid: not the read-only path)
+  igemm::backward::coefficients8<false>(static_cast<const float*>(p.coef), p.K, pk * V, a, b, c);
   uint4* out = static_cast<uint4*>(const_cast<void*>(p.dst));
   uint4* sel = static_cast<uint4*>(const_cast<void*>(p.sel));
 #pragma unroll

@@ -219,6 +219,21 @@ IGEMM_DEVICE uint4 bn_dz8(uint4 g, uint4 z, const float (&a)[8], const float (&b
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// The dz coefficients a, b, c (coef = [a; b; c], K floats each) of channels ch .. ch + 7 (ch % 8 == 0); Nc: through
+// the read-only path (not where the same kernel wrote them).
+template <bool Nc>
+IGEMM_DEVICE void coefficients8(const float* coef, int K, int ch, float (&a)[8], float (&b)[8], float (&c)[8]) {
+  float* dst[3] = {a, b, c};
+  const float4* q4 = reinterpret_cast<const float4*>(coef);
+#pragma unroll
+  for (int v = 0; v < 3; ++v)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float4 q = Nc ? __ldg(q4 + (v * K + ch) / 4 + h) : q4[(v * K + ch) / 4 + h];
+      dst[v][4 * h] = q.x; dst[v][4 * h + 1] = q.y; dst[v][4 * h + 2] = q.z; dst[v][4 * h + 3] = q.w;
+    }
+}
+
 // dz over an [M][K] channels-last tensor (K % 8 == 0; src, dst, z, sel 16-byte aligned; coef too): Mode kMask
 // dz = bit ? dy : 0; kBn dz = a[k]·(bit ? dy : 0) + b[k]·z + c[k] (no mask: every bit 1), and where `sel` is set,
 // sel = bit ? dy : 0 as well. A thread owns one 8-channel chunk (the launch makes blockDim.x·gridDim.x a multiple
@@ -236,17 +251,7 @@ __device__ void grad_dz_block(const P& p, int64_t blk, int bdim, int64_t nblk) {
   const int64_t step = nblk * bdim / kc;
   const int ch = 8 * int(t % kc);
   float a[8], b[8], c[8];
-  if constexpr (Mode == kBn) {
-    float* dst[3] = {a, b, c};
-    const float4* coef = static_cast<const float4*>(p.coef);
-#pragma unroll
-    for (int v = 0; v < 3; ++v)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float4 q = Nc ? __ldg(coef + (v * p.K + ch) / 4 + h) : coef[(v * p.K + ch) / 4 + h];
-        dst[v][4 * h] = q.x; dst[v][4 * h + 1] = q.y; dst[v][4 * h + 2] = q.z; dst[v][4 * h + 3] = q.w;
-      }
-  }
+  if constexpr (Mode == kBn) coefficients8<Nc>(static_cast<const float*>(p.coef), p.K, ch, a, b, c);
   const uint8_t* mask = static_cast<const uint8_t*>(p.mask);
   const uint4* src = static_cast<const uint4*>(p.src);
   const uint4* zs = static_cast<const uint4*>(p.z);

@@ -437,9 +437,7 @@ class Conv2dGradWeightPlan(_GradPlan):
             xc = self._buf("xc", g.x_shape, dt)
             self._xcopy.launch(dev, h, dt, dt, x, xc, sms=self.sms)
             x = xc
-        if fused:
-            return self.native.launch(h, x, dy, dw, fp["mask"])
-        self.native.launch(h, x, dy, dw)
+        self.native.launch(h, x, dy, dw, fp["mask"] if fused else 0)
 
     def _run_gemm(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
         """The GEMM form (1x1 unpadded NHWC): the in-place operand read as MN-major tiles, the other moved."""

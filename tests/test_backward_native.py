@@ -230,6 +230,18 @@ def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation, bm=128, bn=6
     return dx
 
 
+def test_native_launch_signatures():
+    """The plans launch every native kernel object the same way: launch(h, a, b, out, mask) (the few-channel wgrad
+    too, which takes no mask but 0)."""
+    import inspect
+    from igemm.conv import _native, _wgrad_small
+    for cls in (_native.NativeWgrad, _native.NativeDgrad, _wgrad_small.SmallWgrad):
+        inspect.signature(cls.launch).bind(None, 0, 0, 0, 0, mask=0)     # (TypeError where it cannot)
+        inspect.signature(cls.launch).bind(None, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="mask"):
+        _wgrad_small.SmallWgrad.launch(None, 0, 0, 0, 0, 16)
+
+
 def test_dgrad_phase_struct():
     """_PHASE_FIELDS and _PHASE_DIVS name csrc/conv/grad_sm90.cuh's DgradPhase fields in its order (the launch packs
     them by position)."""

@@ -150,8 +150,11 @@ class SmallWgrad:
         sargs = _kernel.pack_args(_SUM_PARAMS, dict(src=self._ws.ptr, n=self.numel, splits=self.splits))
         self._k = (launch, args, _kernel.Launcher(ks, *sum_grid(self.numel, self.sms)), sargs)
 
-    def launch(self, h: int, x: int, dy: int, dw: int) -> None:
-        """dw on stream ``h``: the partials, then their sum into dw (added to it with ``accumulate``)."""
+    def launch(self, h: int, x: int, dy: int, dw: int, mask: int = 0) -> None:
+        """dw on stream ``h``: the partials, then their sum into dw (added to it with ``accumulate``). ``mask``: 0
+        (the native kernels' signature; this one reads dy as it is, the plans form ``bit ? dy : 0`` first)."""
+        if mask:
+            raise ValueError("mask: the few-channel wgrad reads no mask (form bit ? dy : 0 first)")
         if self._k is None:
             self._build()
         launch, args, slaunch, sargs = self._k

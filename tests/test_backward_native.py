@@ -37,7 +37,8 @@ NATIVE_DGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1, 1), (1, 40, 15, 15, 128, 1, 1, 1
                 (8, 64, 56, 56, 64, 3, 3, 1, 1, 1), (2, 512, 7, 7, 512, 3, 3, 1, 1, 1),
                 (2, 64, 13, 12, 64, 3, 3, 2, 1, 1), (2, 128, 14, 14, 64, 1, 1, 2, 0, 1),
                 (1, 64, 11, 11, 128, 3, 3, 3, 1, 2), (2, 64, 8, 8, 64, 3, 3, 1, 3, 1),
-                (2, 32, 9, 10, 64, 5, 3, 2, 2, 1), (4, 128, 28, 28, 128, 3, 3, 2, 1, 1)]
+                (2, 32, 9, 10, 64, 5, 3, 2, 2, 1), (4, 128, 28, 28, 128, 3, 3, 2, 1, 1),
+                (2, 64, 13, 11, 64, 1, 1, 3, 0, 1)]
 
 
 @pytest.mark.gpu
@@ -194,10 +195,12 @@ def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation, bm=128, bn=6
     the launch values igemm/conv/_native.py packs (the phases' ``DgradPhase`` bytes decoded by _PHASE_FIELDS): unit u
     belongs to the last phase whose u0 <= u; its sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j − pad +
     u·dil) (zero outside) times w at the filter's tap (last − t·step, ...), and lands at dx (ph + st·(i − crop), ...)
-    inside the phase's rows."""
+    inside the phase's rows. dx starts zeroed (the memset), or NaN where the rows' copies write the zeros of the
+    pixels beside them (``fills_zeros``: DgradWork::zeros)."""
     from igemm.conv import _native
     g = GradInputProblem(x_shape, w.shape, "NHWC", stride, padding, dilation)
-    dx = np.zeros(x_shape)
+    zeros = _native.fills_zeros(g)
+    dx = np.full(x_shape, np.nan) if zeros else np.zeros(x_shape)
     live = _native._live_phases(g)
     nf = len(_native._PHASE_FIELDS)
     for i0 in range(0, len(live), _native.MAX_PHASES):
@@ -227,6 +230,12 @@ def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation, bm=128, bn=6
             keep = (i >= 0) & (i < f["rows_h"]) & (j >= 0) & (j < f["rows_w"])
             dx[n[keep], f["ph_h"] + v["st_h"] * i[keep], f["ph_w"] + v["st_w"] * j[keep], n0:n0 + acc.shape[1]] = \
                 acc[keep]
+            if zeros:                          # (the kernel's block of st_h x st_w pixels at (st_h·i, st_w·j))
+                for a in range(v["st_h"]):
+                    for b in range(v["st_w"]):
+                        h, ww = v["st_h"] * i + a, v["st_w"] * j + b
+                        z = (a + b > 0) & (h < g.H) & (ww < g.W)
+                        dx[n[z], h[z], ww[z], n0:n0 + acc.shape[1]] = 0
     return dx
 
 
@@ -288,7 +297,8 @@ def test_dgrad_native_choice():
     def spec(xs, ws, st=1, pad=1):
         g = GradInputProblem(xs, ws, "NHWC", st, pad, 1)
         s = _native.choose_dgrad_spec(g, "float16", 132)
-        assert s.store == ("tensor" if st == 1 and pad <= ws[1] // 2 else "rows")  # (stride 1, no crop: dx's rows)
+        want = "tensor" if st == 1 and pad <= ws[1] // 2 else "zeros" if ws[1] == 1 and pad == 0 else "rows"
+        assert s.store == want        # (stride 1, no crop: dx's rows; a strided 1x1: the copies write the zeros)
         return s.bm, s.bn, s.stages, s.ws
     assert spec((32, 56, 56, 64), (64, 3, 3, 64)) == (128, 64, 3, True)              # C = 64
     # TMA stores: 128 x 128 in the persistent kernel but for small grids
@@ -307,9 +317,10 @@ def test_dgrad_native_choice():
 
 
 #: every kernel all_variants() gives, on problems that give it partial tiles (dgrad: stride 1, where the TMA-store
-#: twins run; strided, with a zero phase; strided, four phases in one launch); the masked twins where K % 128 == 0
+#: twins run; strided 1x1s, whose zero phases the "zeros" twins write, W odd and stride 3; strided, four phases in
+#: one launch); the masked twins where K % 128 == 0
 VARIANT_DGRAD = ((3, 136, 11, 13, 128, 3, 3, 1, 1, 1), (2, 200, 14, 13, 64, 1, 1, 2, 0, 1),
-                 (2, 72, 13, 11, 128, 3, 3, 2, 1, 1))
+                 (2, 72, 13, 11, 128, 3, 3, 2, 1, 1), (2, 64, 10, 11, 128, 1, 1, 3, 0, 1))
 VARIANT_WGRAD = ((3, 128, 11, 13, 200, 3, 3, 1, 1, 1), (2, 64, 15, 14, 136, 1, 1, 2, 0, 1),
                  (2, 128, 9, 10, 128, 3, 3, 1, 1, 1))     # (K % 128 == 0: the masked twins run)
 
@@ -345,9 +356,9 @@ def test_gpu_native_variants(dtype, rng):
                 continue
             bm, bn = map(int, n.split("_")[2].split("x"))
             add = "_add" in n                      # (the adding twin: into zeros)
-            store = "tensor" if "_tma" in n else "rows"
+            store = "tensor" if "_tma" in n else "zeros" if "_zrows" in n else "rows"
             masked = n.endswith("_m")
-            if store == "tensor" and not _native.tma_rows(g):
+            if store == "tensor" and not _native.tma_rows(g) or store == "zeros" and not _native.fills_zeros(g):
                 continue
             spec = _native.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), "_ws" in n, add, store)
             for sms in (1, 132):

@@ -58,10 +58,19 @@ constexpr int BOX = 64 * 64 * 2;            // one TMA box: 64 rows of 128 bytes
 
 // The stages' mbarriers (full: one arrival and the bytes; empty, with n_empty > 0: n_empty arrivals), initialised
 // by thread 0 (and the maps prefetched); the dynamic shared memory 1024-aligned (SW128 atoms).
-template <int Stages>
+// ZeroBytes (a 16-byte multiple) at ZeroAt past the aligned start are zeroed and fenced for the async proxy
+// before the CTA's barrier (the source of dgrad's zero copies).
+template <int Stages, int ZeroBytes = 0, int ZeroAt = 0>
 IGEMM_DEVICE uint8_t* grad_setup(uint64_t* full, const void* map_a, const void* map_b, uint64_t* empty = nullptr,
                                 int n_empty = 0) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
+  if constexpr (ZeroBytes > 0) {
+    if (threadIdx.x < ZeroBytes / 16) {
+      uint8_t* at = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023) + ZeroAt;
+      reinterpret_cast<uint4*>(at)[threadIdx.x] = make_uint4(0, 0, 0, 0);
+      fence_proxy_async();
+    }
+  }
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < Stages; ++s) {
@@ -73,6 +82,21 @@ IGEMM_DEVICE uint8_t* grad_setup(uint64_t* full, const void* map_a, const void* 
   }
   __syncthreads();
   return smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+}
+
+// Work::kZeros: thread tid < BM copies the zeros at `zrow` (BN of them) to the dx pixels beside the unit's row
+// m0 + tid that no tap reaches, at the unit's start: the copies run beside its mainloop (dgrad-fill-zeros).
+template <class TO, int BM, int BN, class Work, class Unit>
+IGEMM_DEVICE void zero_rows(const Work& wk, const Unit& un, const uint8_t* zrow, int tid) {
+  if constexpr (Work::kZeros) {
+    const int row = un.m0 + tid;
+    const int64_t at = tid < BM && row < wk.M(un) ? wk.row_at(un, row) : -1;
+    if (at < 0) return;
+    const int bytes = min(BN, wk.Ncol() - un.n0) * int(sizeof(TO));
+    TO* out = wk.out(un) + un.n0;
+    wk.zeros(un, row, at, [&](int64_t z) { bulk_store<false>(out + z, reinterpret_cast<const TO*>(zrow), bytes); });
+    bulk_commit();
+  }
 }
 
 // The CTA's tile: u over ceil(M / BM) × ceil(ncol / BN) tiles, column blocks fastest.
@@ -207,8 +231,10 @@ IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b
   constexpr int A_STAGE = BM * BK * 2, AB = A_STAGE + BN * BK * 2, STAGE = AB + Work::kMaskBytes, NACC = BN / 2;
   static_assert(kCTileBytes<TO, BM, BN> <= Stages * STAGE, "the output tile fits the stages");
   __shared__ alignas(8) uint64_t full[Stages];
-  uint8_t* smem = grad_setup<Stages>(full, map_a, map_b);
+  constexpr int ZB = Work::kZeros ? BN * int(sizeof(TO)) : 0;     // (the zeros past the stages the C tile takes)
+  uint8_t* smem = grad_setup<Stages, ZB, Stages * STAGE>(full, map_a, map_b);
   const auto un = wk.unit(blockIdx.x);
+  zero_rows<TO, BM, BN>(wk, un, smem + Stages * STAGE, threadIdx.x);
   const int nkt = un.nkt;
   const bool leader = threadIdx.x == 0;
   if (leader) {
@@ -272,7 +298,8 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
   constexpr int A_STAGE = BM * BK * 2, AB = A_STAGE + BN * BK * 2, STAGE = AB + Work::kMaskBytes, NACC = BN / 2;
   constexpr int NT = BM * 2;
   __shared__ alignas(8) uint64_t full[Stages], empty[Stages];
-  uint8_t* smem = grad_setup<Stages>(full, map_a, map_b, empty, NT);
+  constexpr int ZB = Work::kZeros ? BN * int(sizeof(TO)) : 0, ZAT = Stages * STAGE + kCTileBytes<TO, BM, BN>;
+  uint8_t* smem = grad_setup<Stages, ZB, ZAT>(full, map_a, map_b, empty, NT);   // (zeros past the C tile)
   const int units = wk.units();
   // (broadcast from lane 0: ptxas then knows the role, and so the consumers' loop, is warp-uniform)
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
@@ -294,6 +321,7 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
   int k = 0;                                // stages consumed so far
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     const auto un = wk.unit(u);
+    zero_rows<TO, BM, BN>(wk, un, smem + ZAT, threadIdx.x);
     float acc[NACC];
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
@@ -348,7 +376,7 @@ template <class TO, int BM, int BN, bool Mask, class P>
 struct WgradWork {
   static constexpr int NB = BN / 64;
   static constexpr int kStore = kStoreThreads;
-  static constexpr bool kAdd = false, kMask = Mask;
+  static constexpr bool kAdd = false, kMask = Mask, kZeros = false;
   static constexpr int kMaskBytes = Mask ? BK * 16 : 0;     // (a stage's mask rows: 16 bytes a pixel)
   const P& p;
   struct Unit {
@@ -453,8 +481,9 @@ static_assert(sizeof(DgradPhase) <= 128, "a phase is one 128-byte parameter");
 template <class T, int BM, int BN, bool Add, int Store, bool Mask, class P>
 struct DgradWork {
   static constexpr int NB = BN / 64;
-  static constexpr int kStore = Store;      // kStoreTensor: one phase whose rows are dx's (p.tmY maps dx)
-  static constexpr bool kAdd = Add, kMask = Mask;
+  // kStoreTensor: one phase whose rows are dx's (p.tmY maps dx); kStoreRowsZeros: kStoreRows and zeros()
+  static constexpr int kStore = Store == kStoreRowsZeros ? kStoreRows : Store;
+  static constexpr bool kAdd = Add, kMask = Mask, kZeros = Store == kStoreRowsZeros;
   static constexpr int kMaskBytes = Mask ? BM * 16 : 0;     // (a stage's mask rows: 16 bytes a row of A)
   const P& p;
   struct Unit {
@@ -511,6 +540,18 @@ struct DgradWork {
     j -= f.crop_w;
     if (unsigned(i) >= unsigned(f.rows_h) || unsigned(j) >= unsigned(f.rows_w)) return -1;
     return ((int64_t(n) * p.H + f.ph_h + p.st_h * i) * p.W + f.ph_w + p.st_w * j) * p.C;
+  }
+  // kZeros (one live phase, dx's pixels (st_h·i, st_w·j): igemm/conv/_native.py fills_zeros): row's dx pixel at
+  // element offset `at` is the corner of a st_h x st_w block of dx whose other pixels no tap reaches; f(offset) for
+  // each of them inside dx
+  template <class F>
+  IGEMM_DEVICE void zeros(const Unit& un, int row, int64_t at, F&& f) const {
+    int n, ij, i, j;
+    un.f->fd_PQ.divmod(n, ij, row);
+    un.f->fd_Q.divmod(i, j, ij);
+    const int h0 = p.st_h * i, w0 = p.st_w * j;
+    for (int a = 0; a < p.st_h && h0 + a < p.H; ++a)
+      for (int b = a == 0 ? 1 : 0; b < p.st_w && w0 + b < p.W; ++b) f(at + (int64_t(a) * p.W + b) * p.C);
   }
   IGEMM_DEVICE const void* store_map() const { return p.tmY; }
   // Mask: the stage's rows of mask words (16 bytes a row of A: the pixel's words 4·(kb / 2) .. + 3, its 64

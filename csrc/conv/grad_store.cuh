@@ -72,7 +72,8 @@ constexpr int kCTileBytes = BM * (BN + 16 / int(sizeof(TO))) * int(sizeof(TO));
 // The tile's asynchronous stores: cp.async.bulk.tensor of a whole block (a tensor map), or cp.async.bulk of bytes;
 // one bulk group a thread's tile; bulk_wait_read: until the thread's groups have read their shared memory (the C
 // tile may be written again).
-enum GradStore { kStoreThreads = 0, kStoreTensor = 1, kStoreRows = 2 };
+// kStoreRowsZeros: kStoreRows, and dx's pixels beside each row that no tap reaches zeroed (dgrad-fill-zeros).
+enum GradStore { kStoreThreads = 0, kStoreTensor = 1, kStoreRows = 2, kStoreRowsZeros = 3 };
 // Add: the copy adds into global memory (an f16 / bf16 add rounded once: what adding the stored tile as a separate
 // step gives, bit for bit).
 template <bool Add>

@@ -16,7 +16,8 @@ one tap x 64 channels of dy). A = dy through an im2col map (the phase's padding 
 [K][R·S][C] at the filter's tap, an MN-major operand: no filter move. Up to four phases are one launch (their tiles
 one list of units; each phase a ``DgradPhase`` parameter and its own map of dy). The tile leaves asynchronously, by
 a TMA store where the phase's rows are dx's (stride 1), else by a bulk copy a row into the phase's rows of dx (no
-interleave); a zero phase is a memset of dx first.
+interleave); a zero phase is a memset of dx first, except where the one live phase's rows are the corners of dx's
+stride blocks (a strided 1x1: ``fills_zeros``), whose copies also write the block's zeros.
 
 **The mask.** Each kernel has a masked twin (``mask=True``, name suffix ``_m``) that reads dy as ``bit ? dy : 0``
 with the forward's ReLU mask (docs/performance.md: grad-mask-registers): a stage also brings the mask words of its
@@ -39,7 +40,7 @@ from ._problem import ConvProblem
 from ._tma import BK, MapTemplate, _encode, _encode_im2col, _encode_mask_im2col, tma_unsupported
 
 __all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupported", "dgrad_unsupported", "choose_spec",
-           "choose_dgrad_spec", "tma_rows", "NativeWgrad", "NativeDgrad", "all_variants"]
+           "choose_dgrad_spec", "tma_rows", "fills_zeros", "NativeWgrad", "NativeDgrad", "all_variants"]
 
 #: the native kernel's launch parameters, in order (the stub is rendered from them)
 WGRAD_PARAMS = [ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("M", "Ncol", "NPQ", "kt_per_split", "splits",
@@ -59,7 +60,7 @@ _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew"
 _PHASE_DIVS = ("fd_PQ", "fd_Q", "fd_T")
 MAX_PHASES = 4
 #: DgradSpec.store -> (its kernel name's suffix, csrc/conv/grad_store.cuh's GradStore)
-_STORES = {"tensor": ("_tma", 1), "rows": ("_rows", 2)}
+_STORES = {"tensor": ("_tma", 1), "rows": ("_rows", 2), "zeros": ("_zrows", 3)}
 _SUM_PARAMS = [ParamSpec("src", "ptr"), ParamSpec("dst", "ptr"), ParamSpec("n", "int64"), ParamSpec("splits", "int32")]
 _THREADS = 256
 _SM_SMEM = 233472                       # shared memory an sm_90 SM holds (228 KB); a CTA reserves 1 KB of it
@@ -79,11 +80,14 @@ class _Grid:
         """Dynamic shared memory: the stages (with their mask rows), grad_ws's C tile and the 1024-byte
         alignment."""
         ctile = self.bm * (self.bn + 16 // DTYPE_SIZES[self._out]) * DTYPE_SIZES[self._out] if self.ws else 0
-        return self.stages * ((self.bm + self.bn) * BK * 2 + self._mask_rows * 16 * self.mask) + ctile + 1024
+        return self.stages * ((self.bm + self.bn) * BK * 2 + self._mask_rows * 16 * self.mask) + ctile + \
+            self._zero_row + 1024
 
     def grid(self, units: int, sms: int) -> int:
         """CTAs for ``units`` units: one each, or (ws) as many as stay resident at once, at most one a unit."""
         return min(units, max(1, _SM_SMEM // (self.smem + 1024)) * sms) if self.ws else units
+
+    _zero_row = 0         # (dgrad's "zeros" store: BN zeros in shared memory)
 
     def _suffix(self) -> str:
         return "_ws" if self.ws else ""
@@ -330,7 +334,8 @@ class NativeWgrad:
 class DgradSpec(_Grid):
     """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add, Store>``; ``add``: its
     store adds into dx; ``store``: how the tile leaves its shared-memory C tile -- "tensor" (a TMA store of the tile,
-    for one phase whose rows are dx's: :func:`tma_rows`) or "rows" (a bulk copy a row, any phase))."""
+    for one phase whose rows are dx's: :func:`tma_rows`), "rows" (a bulk copy a row, any phase) or "zeros" (as
+    "rows", and each row copies zeros to the pixels beside it that no tap reaches: :func:`fills_zeros`))."""
     dtype: str
     bm: int
     bn: int
@@ -347,6 +352,10 @@ class DgradSpec(_Grid):
     @property
     def _mask_rows(self) -> int:
         return self.bm    # (a stage's mask rows: one a row of A)
+
+    @property
+    def _zero_row(self) -> int:
+        return self.bn * DTYPE_SIZES[self.dtype] if self.store == "zeros" else 0   # (the copies' source)
 
     def name(self) -> str:
         return (f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}{'_add' if self.add else ''}"
@@ -386,8 +395,10 @@ def choose_dgrad_spec(g, dtype: str, sms: int) -> DgradSpec:
     - t < SMs / 2, or a TMA store with C <= 128 and t < 2 SMs: 64 x 128 tiles in the persistent kernel, 6 stages;
     - a TMA store, or t >= 2 SMs (4 SMs where the launch has several phases, whose tiles differ in length): 128 x 128
       in the persistent kernel with 5 stages (the asynchronous store leaves the consumers to the next tile);
-    - else per-tile 128 x 128 with 3 stages (two CTAs an SM: the hardware hands out the tiles as CTAs finish)."""
-    return replace(_choose_tiles(g, dtype, sms), store="tensor" if tma_rows(g) else "rows")
+    - else per-tile 128 x 128 with 3 stages (two CTAs an SM: the hardware hands out the tiles as CTAs finish).
+    Where :func:`fills_zeros`, the rows' copies also write dx's zeros (no memset first: dgrad-fill-zeros)."""
+    return replace(_choose_tiles(g, dtype, sms), store="tensor" if tma_rows(g) else "zeros" if fills_zeros(g)
+                   else "rows")
 
 
 def _choose_tiles(g, dtype: str, sms: int) -> DgradSpec:
@@ -410,6 +421,18 @@ def tma_rows(g) -> bool:
         return False
     h, w = live[0].h, live[0].w
     return h.crop == 0 and w.crop == 0 and (h.out, w.out) == (h.rows, w.rows) == (g.H, g.W)
+
+
+def fills_zeros(g) -> bool:
+    """Whether dgrad's one live phase is dx's pixels (st_h·i, st_w·j) for every i < ceil(H / st_h), j < ceil(W /
+    st_w) and the other phases are zero (a strided 1x1 without padding): then each stored row's block of st_h x
+    st_w pixels holds every zero once, and the rows' copies write them (dgrad-fill-zeros)."""
+    live = _live_phases(g)
+    if len(live) != 1 or len(g.phases) == 1:
+        return False
+    h, w = live[0].h, live[0].w
+    return (h.ph, w.ph, h.crop, w.crop) == (0, 0, 0, 0) and (h.out, w.out) == (h.rows, w.rows) == (
+        -(-g.H // g.stride[0]), -(-g.W // g.stride[1]))
 
 
 def _live_phases(g) -> list:
@@ -453,12 +476,19 @@ class NativeDgrad:
         self.spec = spec or choose_dgrad_spec(g, dtype, sms)
         if self.spec.store == "tensor" and not tma_rows(g):
             raise ValueError(f"{self.spec.name()}: a TMA store needs dx's rows to be the sub-output's")
+        if self.spec.store == "zeros" and not fills_zeros(g):
+            raise ValueError(f"{self.spec.name()}: the rows' copies write the zeros of a strided 1x1's dx only")
         self.zero = any(ph.zero for ph in g.phases)
         self._launches = {}                    # add -> a launch a group of live phases
 
     def kernels(self) -> list:
         """The plain kernel, its adding twin and its masked twin."""
-        return [self.spec, replace(self.spec, add=True), replace(self.spec, mask=True)]
+        return [self._spec(False, False), self._spec(True, False), self._spec(False, True)]
+
+    def _spec(self, add: bool, mask: bool) -> DgradSpec:
+        """The kernel of a launch (an adding one leaves the zeros as they are: "rows" for "zeros")."""
+        s = replace(self.spec, add=add, mask=mask)
+        return replace(s, store="rows") if add and s.store == "zeros" else s
 
     def fuses_mask(self, mask: int) -> bool:
         """Whether :meth:`launch` applies a mask at ``mask`` itself: its maps' rows (a pixel's words) are 16-byte
@@ -467,7 +497,7 @@ class NativeDgrad:
 
     def _launch(self, phases, add: bool, mask: bool) -> _Launch:
         g = self.g
-        s = replace(self.spec, add=add, mask=mask)
+        s = self._spec(add, mask)
         values = launch_values(g, phases, s.bm, s.bn)
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
         maps = [(f"tmA{i}", lambda addr, pb=_sub(g, ph, self.dtype): _encode_im2col(pb, s.bm, addr), 0)
@@ -498,7 +528,7 @@ class NativeDgrad:
             live = _live_phases(self.g)
             ks = self._launches[key] = [self._launch(live[i:i + MAX_PHASES], *key)
                                         for i in range(0, len(live), MAX_PHASES)]
-        if self.zero and not add:              # rows no tap reaches: zero at memset speed first
+        if self.zero and not add and self.spec.store != "zeros":   # rows no tap reaches: zero at memset speed
             g = self.g
             _runtime.memset_d8(dx, 0, g.N * g.H * g.W * g.C * DTYPE_SIZES[self.dtype], _runtime.RawStream(h))
         for k in ks:
@@ -514,6 +544,7 @@ def all_variants() -> list[tuple[str, str]]:
     out += [WgradSpec(dt, o, 128, bn, 4, 1, True, m).kernel() for dt in dts for o in (dt, "float32")
             for bn in (64, 128) for m in (False, True)]
     out += [DgradSpec(dt, *t, add, store, mask).kernel() for dt in dts
-            for add, mask in ((False, False), (True, False), (False, True)) for store in ("tensor", "rows")
+            for add, mask in ((False, False), (True, False), (False, True))
+            for store in ("tensor", "rows") + (() if add else ("zeros",))
             for t in ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True), (128, 128, 3, False))]
     return out + [_SplitSum(td, acc).kernel() for td in ("float16", "bfloat16", "float32") for acc in (False, True)]

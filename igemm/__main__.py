@@ -176,10 +176,10 @@ def precompile(args) -> int:
                             nchw_path=path, unfold=unfold, config={"load_a": "vec", "load_b": "vec"})).kernel()
                         kernels[src] = name
     if args.backward:                                       # bench_backward's plans
-        from igemm.conv import _moves, _native, _wgrad_small
+        from igemm.conv import _moves, _native, _native_nchw, _wgrad_small
         from igemm.layers import RESNET50_MORE
         kernels.update({src: name for name, src in _moves.all_variants() + _native.all_variants()
-                        + _wgrad_small.all_variants()})
+                        + _native_nchw.all_variants() + _wgrad_small.all_variants()})
         for dtype, layout, precision in configs:
             for _, C, K, H, R, st, pd in RESNET50 + RESNET50_MORE:
                 xs, ws = _shapes(layout, args.batch, C, K, H, R)

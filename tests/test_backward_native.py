@@ -1,6 +1,7 @@
-"""The backward's native kernels (igemm/conv/_native.py, csrc/conv/grad_sm90.cuh): where they run, their
-arithmetic emulated in numpy, their compilation, and on the GPU against float64 (plain, with the mask, with the BN
-prologue; fp32 ``out`` and ``accumulate``); the channels-last dz pass that applies the mask / prologue before them. Their kernels are precompiled from ``_native.all_variants()``
+"""The backward's native kernels (igemm/conv/_native.py, csrc/conv/grad_sm90.cuh; the NCHW 1x1 wgrad,
+igemm/conv/_native_nchw.py): where they run, their arithmetic emulated in numpy, their compilation, and on the GPU
+against float64 (plain, with the mask, with the BN prologue; fp32 ``out`` and ``accumulate``); the channels-last dz
+pass that applies the mask / prologue before them. Their kernels are precompiled from ``all_variants()``
 (``python -m igemm precompile --backward``)."""
 from __future__ import annotations
 
@@ -87,21 +88,46 @@ def test_gpu_wgrad_native(case, dtype, rng):
     _check_wgrad(torch, p, dtype, rng)
 
 
-def _check_wgrad(torch, p: dict, dtype: str, rng) -> tuple:
-    """An NHWC wgrad plan against float64: plain, with the mask and with the prologue; dw into an fp32 out and
+def _check_wgrad(torch, p: dict, dtype: str, rng, layout: str = "NHWC") -> tuple:
+    """A wgrad plan against float64: plain, with the mask and with the prologue; dw into an fp32 out and
     accumulated there. Returns (x, dy, the float64 dw) of the last check."""
-    xs, ws, ys = shapes(p, "NHWC")
+    xs, ws, ys = shapes(p, layout)
     for mode in ("plain", "mask", "bn"):
-        assert _run_case(torch, p, "NHWC", dtype, rng, "wgrad", mode) <= TOL[dtype], mode
+        assert _run_case(torch, p, layout, dtype, rng, "wgrad", mode) <= TOL[dtype], mode
     x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal(ys), dtype)
-    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, *geom(p), "NHWC")
+    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, *geom(p), layout)
     base = torch.randn(ws, dtype=torch.float32, device="cuda")
     out, acc = poison(torch.empty(ws, dtype=torch.float32, device="cuda")), base.clone()
-    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=out)
-    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout="NHWC", out=acc, accumulate=True)
+    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout=layout, out=out)
+    igemm.conv2d_grad_weight(x, dy, ws, *geom(p), layout=layout, out=acc, accumulate=True)
     assert rel_err(to_numpy(out), ref) < TOL[dtype]
     assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL[dtype]
     return x, dy, ref
+
+
+#: the NCHW 1x1 kernel (P·Q % 8 == 0, C % 8 == 0): an image's pixels in one partial k-tile (P·Q = 56), partial tiles
+#: in M and N, N = 1, 128 x 128 persistent tiles with many splits and one (N, C, H, W, K, 1, 1, 1, 0, 1)
+NATIVE_NCHW_WGRAD = [(2, 64, 7, 8, 40, 1, 1, 1, 0, 1), (2, 200, 12, 10, 136, 1, 1, 1, 0, 1),
+                     (1, 64, 28, 28, 256, 1, 1, 1, 0, 1), (4, 256, 14, 16, 128, 1, 1, 1, 0, 1),
+                     (8, 128, 16, 16, 256, 1, 1, 1, 0, 1), (2, 8, 8, 8, 24, 1, 1, 1, 0, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", NATIVE_NCHW_WGRAD, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_wgrad_nchw_native(case, dtype, rng):
+    """The NCHW 1x1 wgrad kernel (x and dy read in place) against float64: plain, with the mask and with the
+    prologue (formed first), dw into an fp32 out and accumulated there, and dw in its own dtype."""
+    torch = pytest.importorskip("torch")
+    from igemm.conv import _native_nchw
+    p = _geometry(*case)
+    xs, ws, ys = shapes(p, "NCHW")
+    plan = igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NCHW", *geom(p))
+    assert isinstance(plan.native, _native_nchw.NativeWgradNchw) and plan._nchw is None
+    x, dy, ref = _check_wgrad(torch, p, dtype, rng, "NCHW")
+    dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
+    plan(x, dy, out=dw)
+    assert rel_err(to_numpy(dw), ref) < TOL[dtype]
 
 
 def test_wgrad_native_choice():
@@ -141,6 +167,53 @@ def test_wgrad_native_choice():
         plan.native.spec.name(), plan.native.spec.name() + "_m", "split_sum_float16"]
     assert igemm.Conv2dGradWeightPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy",
                                       arch="sm_80").role is None
+
+
+def test_wgrad_nchw_choice(rng):
+    """The NCHW 1x1 wgrad kernel where it can run (sm_90a, 16-bit, 1x1 stride 1 unpadded, P·Q % 8 == 0, C % 8 == 0),
+    the general path (transposes to NHWC) elsewhere; its tiles and splits are the NHWC kernel's, and its k-tiles (64
+    pixels of one image, units = tiles x splits as packed) sum to dw (numpy, unit by unit)."""
+    from igemm.conv import _native, _native_nchw
+    g = GradWeightProblem((32, 64, 56, 56), (256, 64, 1, 1), "NCHW", 1, 0, 1)
+    assert _native_nchw.unsupported(g, "float16", "sm_90a") is None
+    for args, why in ((("float16", "sm_80"), "sm_90a"), (("float32", "sm_90a"), "16-bit")):
+        assert why in _native_nchw.unsupported(g, *args)
+    for xs, ws, st, pad, why in (((2, 64, 14, 14), (64, 64, 1, 1), 1, 0, "P·Q % 8"),
+                                 ((2, 60, 8, 8), (64, 60, 1, 1), 1, 0, "C % 8"),
+                                 ((2, 64, 8, 8), (64, 64, 3, 3), 1, 1, "1x1"),
+                                 ((2, 64, 16, 16), (64, 64, 1, 1), 2, 0, "1x1")):
+        assert why in _native_nchw.unsupported(GradWeightProblem(xs, ws, "NCHW", st, pad, 1), "float16", "sm_90a")
+        plan = igemm.Conv2dGradWeightPlan(xs, ws, "float16", "NCHW", st, pad, device="numpy")
+        assert not isinstance(plan.native, _native_nchw.NativeWgradNchw)
+    plan = igemm.Conv2dGradWeightPlan((32, 64, 56, 56), (256, 64, 1, 1), "float16", "NCHW", device="numpy")
+    k = plan.native
+    assert isinstance(k, _native_nchw.NativeWgradNchw) and plan._nchw is None and not k.fuses_mask(0)
+    twin = _native.choose_spec(g.nhwc(), "float16", "float16", False, 132)
+    assert vars(k.spec) == vars(twin) and k.spec.name().startswith("wgrad_nchw_")
+    assert [s.kernel()[0] for s in plan.sub_plans()] == [k.spec.name(), "split_sum_float16"]
+    for xs, ws, bm, bn, splits in (((2, 24, 7, 8), (40, 24, 1, 1), 64, 64, 3), ((3, 200, 5, 8), (136, 200, 1, 1),
+                                                                                  128, 128, 2)):
+        gg = GradWeightProblem(xs, ws, "NCHW", 1, 0, 1)
+        kk = _native_nchw.NativeWgradNchw(gg, "float16", "float16", False, None, 132,
+                                          _native_nchw.WgradNchwSpec("float16", "float32", bm, bn, 4, splits))
+        v = kk._values()
+        x, dy = rng.standard_normal(xs), rng.standard_normal((xs[0], ws[0], xs[2], xs[3]))
+        pq, xr, dyr = xs[2] * xs[3], None, None
+        xr = np.zeros((xs[0], -(-xs[1] // bn) * bn, v["fd_T"] * 64))
+        dyr = np.zeros((xs[0], -(-ws[0] // bm) * bm, v["fd_T"] * 64))
+        xr[:, :xs[1], :pq], dyr[:, :ws[0], :pq] = x.reshape(xs[0], xs[1], pq), dy.reshape(xs[0], ws[0], pq)
+        tn, tiles = -(-v["Ncol"] // bn), -(-v["M"] // bm) * -(-v["Ncol"] // bn)
+        dw = np.zeros((v["splits"], dyr.shape[1], xr.shape[1]))
+        for u in range(tiles * v["splits"]):            # WgradNchwWork::unit / issue
+            z, t = divmod(u, tiles)
+            m0, n0 = t // tn * bm, t % tn * bn
+            kt0 = z * v["kt_per_split"]
+            for kt in range(kt0, min(v["kt"], kt0 + v["kt_per_split"])):
+                n, j = divmod(kt, v["fd_T"])
+                dw[z, m0:m0 + bm, n0:n0 + bn] += dyr[n, m0:m0 + bm, 64 * j:64 * j + 64] @ \
+                    xr[n, n0:n0 + bn, 64 * j:64 * j + 64].T
+        want = reference.conv2d_grad_weight_ref(x, dy, ws, 1, 0, 1, "NCHW")
+        assert rel_err(dw.sum(0)[:ws[0], :xs[1]].reshape(ws), want) < 1e-12
 
 
 def test_dz_pass_geometry():
@@ -452,7 +525,7 @@ def test_native_mask_rules():
 
 def test_native_kernels_compile():
     """The native wgrad kernel, its masked twin and its split sum, the native dgrad kernel with its adding and masked
-    twins compile (nvcc; CI has it)."""
+    twins, and the NCHW 1x1 wgrad kernel compile (nvcc; CI has it)."""
     from igemm import _build
     try:
         _build.find_toolchain()
@@ -460,8 +533,9 @@ def test_native_kernels_compile():
         pytest.skip(f"no CUDA toolchain: {e}")
     plan = igemm.Conv2dGradWeightPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
     dplan = igemm.Conv2dGradInputPlan((32, 14, 14, 128), (256, 3, 3, 128), "bfloat16", "NHWC", 1, 1, device="numpy")
-    ks = [k.kernel() for k in plan.sub_plans() + dplan.sub_plans()]
-    assert len(ks) == 6 and _build.compile_many(ks, "sm_90a", 2) == 6      # (each with its masked twin)
+    nplan = igemm.Conv2dGradWeightPlan((32, 256, 28, 28), (128, 256, 1, 1), "float16", "NCHW", device="numpy")
+    ks = [k.kernel() for k in plan.sub_plans() + dplan.sub_plans() + nplan.sub_plans()[:1]]
+    assert len(ks) == 7 and _build.compile_many(ks, "sm_90a", 2) == 7      # (each with its masked twin; NCHW 1x1)
 
 
 #: the few-channel wgrad (C < 64, R·S·C <= 256): every column-block count NT = 1..8 in both forms (the rows form

@@ -524,6 +524,9 @@ BACKWARD = {
     # an NCHW wgrad on its NHWC twin's native kernel (x and dy moved, the prologue on dy's move, dw moved back)
     "wgrad_nchw_native_fp16_bn": lambda: _backward("wgrad", "NCHW", "float16", (2, 64, 9, 10), (128, 64, 3, 3), 1, 1,
                                                    "bn"),
+    # the NCHW 1x1 wgrad (x and dy in place; P·Q = 56: a partial k-tile an image; K = 40: a partial tile)
+    "wgrad_nchw_1x1_fp16_mask": lambda: _backward("wgrad", "NCHW", "float16", (2, 64, 7, 8), (40, 64, 1, 1), 1, 0,
+                                                  "mask"),
     # the few-channel wgrad (conv1's form: 3 channels, 7x7 / 2; Q = 70, a partial unit a row; K = 72, two row blocks)
     "wgrad_small_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 11, 140, 3), (72, 7, 7, 3), 2, 3,
                                                     "mask"),

@@ -39,6 +39,14 @@ IGEMM_GRAD_ATOM(cutlass::half_t, 128, MMA_64x128x16_F32F16F16_SS)
 IGEMM_GRAD_ATOM(cutlass::bfloat16_t, 64, MMA_64x64x16_F32BF16BF16_SS)
 IGEMM_GRAD_ATOM(cutlass::bfloat16_t, 128, MMA_64x128x16_F32BF16BF16_SS)
 #undef IGEMM_GRAD_ATOM
+template <class T, int N> struct AtomKK;                      // A and B K-major (csrc/conv/wgrad_nchw.cuh)
+#define IGEMM_GRAD_ATOM_KK(T, N, NAME) \
+  template <> struct AtomKK<T, N> { using type = gmma::NAME<gmma::Major::K, gmma::Major::K>; };
+IGEMM_GRAD_ATOM_KK(cutlass::half_t, 64, MMA_64x64x16_F32F16F16_SS)
+IGEMM_GRAD_ATOM_KK(cutlass::half_t, 128, MMA_64x128x16_F32F16F16_SS)
+IGEMM_GRAD_ATOM_KK(cutlass::bfloat16_t, 64, MMA_64x64x16_F32BF16BF16_SS)
+IGEMM_GRAD_ATOM_KK(cutlass::bfloat16_t, 128, MMA_64x128x16_F32BF16BF16_SS)
+#undef IGEMM_GRAD_ATOM_KK
 template <class T, int N> struct AtomRS;                      // A from registers (K-major fragments), B MN-major
 #define IGEMM_GRAD_ATOM_RS(T, N, NAME) \
   template <> struct AtomRS<T, N> { using type = gmma::NAME<gmma::Major::K, gmma::Major::MN>; };
@@ -106,14 +114,15 @@ IGEMM_DEVICE TileCoord grad_tile_coord(int u, int ncol) {
   return {int(u / tn) * BM, int(u % tn) * BN};
 }
 
-// One wgmma group over a stage: A K-major (AMajorK) or MN-major, B MN-major; a k16 step is +32 bytes in a K-major
-// SW128 row, 16 rows (2048 bytes) of an MN-major tile.
-template <class T, int BN, bool AMajorK>
+// One wgmma group over a stage: A K-major (AMajorK) or MN-major, B MN-major (or, with BMajorK, both K-major); a k16
+// step is +32 bytes in a K-major SW128 row, 16 rows (2048 bytes) of an MN-major tile.
+template <class T, int BN, bool AMajorK, bool BMajorK = false>
 IGEMM_DEVICE void grad_stage(uint32_t sa, uint32_t sb, float* acc) {
-  using Mma = typename Atom<T, BN, AMajorK ? gmma::Major::K : gmma::Major::MN>::type;
-  constexpr int NACC = BN / 2, ASTEP = AMajorK ? 2 : 128, BSTEP = 128;
+  using Mma = std::conditional_t<BMajorK, typename AtomKK<T, BN>::type,
+                                 typename Atom<T, BN, AMajorK ? gmma::Major::K : gmma::Major::MN>::type>;
+  constexpr int NACC = BN / 2, ASTEP = AMajorK ? 2 : 128, BSTEP = BMajorK ? 2 : 128;
   const uint64_t da = AMajorK ? desc_sw128(sa) : desc_mn_sw128(sa);
-  const uint64_t db = desc_mn_sw128(sb);
+  const uint64_t db = BMajorK ? desc_sw128(sb) : desc_mn_sw128(sb);
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   cute::warpgroup_arrive();
@@ -203,7 +212,7 @@ IGEMM_DEVICE void grad_step(Mk& mk, int it, uint32_t sa, uint32_t sb, uint32_t s
       grad_keep<1>(mk);
     }
   } else {
-    grad_stage<T, BN, AMajorK>(sa, sb, acc);
+    grad_stage<T, BN, AMajorK, Work::kBMajorK>(sa, sb, acc);
     cute::warpgroup_wait<1>();
   }
 }
@@ -217,10 +226,10 @@ IGEMM_DEVICE void grad_done(Mk& mk) {
   }
 }
 
-// A kernel's work (DgradWork, WgradWork): units() units of work, each one BM × BN tile over some k-tiles; unit(u)
-// its coordinates (m0, n0, nkt and what issue needs); issue(unit, i, stage, bar) (one thread) fills a stage with
-// its k-tile i (A at the stage's start, B after BM rows) and sets the mbarrier's bytes; out(unit), row_at(unit,
-// row), M(unit), Ncol say where the tile goes.
+// A kernel's work (DgradWork, WgradWork; WgradNchwWork in csrc/conv/wgrad_nchw.cuh): units() units of work, each
+// one BM × BN tile over some k-tiles; unit(u) its coordinates (m0, n0, nkt and what issue needs); issue(unit, i,
+// stage, bar) (one thread) fills a stage with its k-tile i (A at the stage's start, B after BM rows) and sets the
+// mbarrier's bytes; out(unit), row_at(unit, row), M(unit), Ncol say where the tile goes; kBMajorK: B K-major.
 //
 // The per-tile kernel (grad_tile): unit blockIdx.x. Thread 0 fills each of the Stages stages; iteration i waits for
 // stage i's bytes -> its wgmma group -> waits until only that group is in flight -> barrier (stage i-1 is free in
@@ -376,7 +385,7 @@ template <class TO, int BM, int BN, bool Mask, class P>
 struct WgradWork {
   static constexpr int NB = BN / 64;
   static constexpr int kStore = kStoreThreads;
-  static constexpr bool kAdd = false, kMask = Mask, kZeros = false;
+  static constexpr bool kAdd = false, kMask = Mask, kZeros = false, kBMajorK = false;
   static constexpr int kMaskBytes = Mask ? BK * 16 : 0;     // (a stage's mask rows: 16 bytes a pixel)
   const P& p;
   struct Unit {
@@ -483,7 +492,7 @@ struct DgradWork {
   static constexpr int NB = BN / 64;
   // kStoreTensor: one phase whose rows are dx's (p.tmY maps dx); kStoreRowsZeros: kStoreRows and zeros()
   static constexpr int kStore = Store == kStoreRowsZeros ? kStoreRows : Store;
-  static constexpr bool kAdd = Add, kMask = Mask, kZeros = Store == kStoreRowsZeros;
+  static constexpr bool kAdd = Add, kMask = Mask, kZeros = Store == kStoreRowsZeros, kBMajorK = false;
   static constexpr int kMaskBytes = Mask ? BM * 16 : 0;     // (a stage's mask rows: 16 bytes a row of A)
   const P& p;
   struct Unit {

@@ -17,7 +17,7 @@ from .. import _runtime, reference
 from .._checks import check_aligned, check_flag, check_mask, check_output, check_stream, require_array
 from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
-from . import _native, _transpose, _wgrad_small
+from . import _native, _native_nchw, _transpose, _wgrad_small
 from ._backward import GradInputProblem, GradWeightProblem
 from ._moves import Move, contiguous, dz_fits, launch_dz
 from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
@@ -329,11 +329,16 @@ class Conv2dGradWeightPlan(_GradPlan):
         if options is None and layout == "NHWC":
             self.native = _native_wgrad(g, self.dtype, self.out_dtype, self.accumulate, self.device_id, arch, sms)
         elif options is None and DTYPE_SIZES[self.dtype] == 2:
-            # NCHW: the NHWC twin's kernel after x and dy are transposed to NHWC (dy by a move with the mask /
-            # prologue), then dw moved back in dw's dtype, accumulating there (docs/performance.md: wgrad-nchw-native)
-            self.native = _native_wgrad(g.nhwc(), self.dtype, self.out_dtype, False, self.device_id, arch, sms)
-            if self.native is not None:
-                self._nchw = g.nhwc_moves()
+            if _native_nchw.unsupported(g, self.dtype, arch) is None:      # a 1x1: x and dy read in place
+                self.native = _native_nchw.NativeWgradNchw(g, self.dtype, self.out_dtype, self.accumulate,
+                                                           self.device_id, sms)
+            else:
+                # NCHW: the NHWC twin's kernel after x and dy are transposed to NHWC (dy by a move with the mask /
+                # prologue), then dw moved back in dw's dtype, accumulating there (docs/performance.md:
+                # wgrad-nchw-native)
+                self.native = _native_wgrad(g.nhwc(), self.dtype, self.out_dtype, False, self.device_id, arch, sms)
+                if self.native is not None:
+                    self._nchw = g.nhwc_moves()
         if self.native is not None:
             self.role, self.sms = "native", sms
             self._pre = self._fused_move(g.dy_shape, g.K)

@@ -88,6 +88,7 @@ class _Grid:
         return min(units, max(1, _SM_SMEM // (self.smem + 1024)) * sms) if self.ws else units
 
     _zero_row = 0         # (dgrad's "zeros" store: BN zeros in shared memory)
+    _include = "conv/grad_sm90.cuh"
 
     def _suffix(self) -> str:
         return "_ws" if self.ws else ""
@@ -96,7 +97,7 @@ class _Grid:
         targs = f"{targs}, {self.stages}, {str(self.ws).lower()}{tail}"
         # a masked twin (A's fragments in registers) keeps its plain twin's CTAs an SM where shared memory holds two
         blocks = min(2, _SM_SMEM // (self.smem + 1024)) if self.mask else 1
-        return _kernel.render_kernel(include="conv/grad_sm90.cuh", entry=f"igemm_{op}", params=params,
+        return _kernel.render_kernel(include=self._include, entry=f"igemm_{op}", params=params,
                                      threads=self.threads, min_blocks=blocks, body=f"igemm::grad::{op}<{targs}>(p);")
 
     def kernel(self, x_aligned: bool = True, w_aligned: bool = True) -> tuple[str, str]:
@@ -295,14 +296,15 @@ class NativeWgrad:
                     sw=g.stride[1], ph=g.padding[0], pw=g.padding[1], dh=g.dilation[0], dw=g.dilation[1],
                     fd_PQ=P * Q, fd_Q=Q, fd_C=g.C, fd_S=g.S)
 
-    def _build(self, mask: bool) -> _Launch:
-        g, s, dev = self.g, replace(self.spec, mask=mask), self.device_id
+    def _conv_launch(self, s: WgradSpec) -> _Launch:
+        """The kernel's launch for spec ``s`` (dy through a tiled map, x through the forward's im2col map)."""
+        g = self.g
         tiles = -(-g.K // s.bm) * -(-self.rsc // s.bn)
         pb = _forward(g, self.dtype)
         npq = g.N * g.P * g.Q
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
-        conv = self._conv[mask] = _Launch(
-            s, "igemm_wgrad", WGRAD_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms), dev,
+        return _Launch(
+            s, "igemm_wgrad", WGRAD_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms), self.device_id,
             [("tmA", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K), u64(npq)], [u64(g.K * 2)],
                                                         [u32(64), u32(BK)], [u32(1), u32(1)]),
                                           "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"), 0),
@@ -310,7 +312,11 @@ class NativeWgrad:
             + ([("tmM", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K // 32), u64(npq)], [u64(g.K // 8)],
                                                            [u32(4), u32(BK)], [u32(1), u32(1)]),
                                              "CU_TENSOR_MAP_L2_PROMOTION_NONE", "CU_TENSOR_MAP_SWIZZLE_NONE", "uint32"),
-                 3)] if mask else []))
+                 3)] if s.mask else []))
+
+    def _build(self, mask: bool) -> _Launch:
+        s, dev = replace(self.spec, mask=mask), self.device_id
+        conv = self._conv[mask] = self._conv_launch(s)
         if self.summed and self._launch_sum is None:
             self._ws = _runtime.DeviceArray((s.splits * self.numel,), "float32", dev)
             name, src = self._sum.kernel()

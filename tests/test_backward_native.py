@@ -216,6 +216,43 @@ def test_wgrad_nchw_choice(rng):
         assert rel_err(dw.sum(0)[:ws[0], :xs[1]].reshape(ws), want) < 1e-12
 
 
+#: strided NCHW dgrads on the NHWC twin's kernel (dy and w transposed, dx moved back): 3x3/2 (four phases, odd
+#: sizes), a strided 1x1 (three zero phases, which its copies write), stride 3 with dilation
+NCHW_TWIN_DGRAD = [(2, 64, 13, 11, 64, 3, 3, 2, 1, 1), (2, 72, 14, 13, 128, 1, 1, 2, 0, 1),
+                   (1, 64, 11, 11, 128, 3, 3, 3, 1, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", NCHW_TWIN_DGRAD, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_dgrad_nchw_twin(case, dtype, rng):
+    """A strided 16-bit NCHW dgrad on its NHWC twin's kernel against float64: plain, with the mask and with the
+    prologue (applied on dy's move to NHWC); it does not add into dx."""
+    pytest.importorskip("torch")
+    import torch
+    p = _geometry(*case)
+    xs, ws, _ = shapes(p, "NCHW")
+    plan = igemm.Conv2dGradInputPlan(xs, ws, dtype, "NCHW", *geom(p))
+    assert plan._nchw is not None and not plan.adds and plan.native.g.layout == "NHWC"
+    for mode in ("plain", "mask", "bn"):
+        assert _run_case(torch, p, "NCHW", dtype, rng, "dgrad", mode) <= TOL[dtype], mode
+
+
+def test_dgrad_nchw_twin_choice():
+    """A strided 16-bit NCHW dgrad runs its NHWC twin's native kernel (sm_90a, K % 64 == 0, C % 8 == 0); stride 1,
+    fp32, or a twin the kernel cannot run keep the forward's kernels by phases; the twin does not add into dx."""
+    def plan(xs, ws, dtype="float16", st=2, pad=1, arch="sm_90a"):
+        return igemm.Conv2dGradInputPlan(xs, ws, dtype, "NCHW", st, pad, device="numpy", arch=arch)
+    p = plan((32, 128, 56, 56), (128, 128, 3, 3))
+    assert p._nchw is not None and p.native.g.x_shape == (32, 56, 56, 128) and not p.adds
+    assert [k.kernel()[0] for k in p.sub_plans()] == [s.name() for s in p.native.kernels()]
+    with pytest.raises(ValueError, match="add"):
+        p._run(0, 0, 0, 0, {"mask": 0, "z": 0, "coef": 0}, add=True)
+    for q in (plan((32, 128, 56, 56), (128, 128, 3, 3), st=1), plan((2, 64, 8, 8), (64, 64, 3, 3), "float32"),
+              plan((2, 64, 8, 8), (60, 64, 3, 3)), plan((2, 64, 8, 8), (64, 64, 3, 3), arch="sm_80")):
+        assert q._nchw is None and q.native is None
+
+
 def test_dz_pass_geometry():
     """The dz pass's launch: where it runs (16-bit, K % 8 == 0, K <= 2048, aligned pointers), and blocks of a
     multiple of K / 8 threads (the kernel keeps a thread's channels across its pixels), one wave at most, no

@@ -88,6 +88,13 @@ class _Forward:
         self.dy_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
 
 
+def _nhwc_dy_move(g) -> Move:
+    """An NCHW problem's dy -> (N, P, Q, K), the mask / prologue applied on the way (channel dim 3; tiled: the source
+    is contiguous along Q)."""
+    N, K, P, Q = g.N, g.K, g.P, g.Q
+    return Move((N, P, Q, K), (K * P * Q, Q, 1, P * Q), contiguous((N, P, Q, K)), tb=2, cdim=3, K=K)
+
+
 class GradInputProblem(_Forward):
     """dgrad of one forward problem: its phases, their sub-filters, sub-convolutions and interleaves."""
 
@@ -101,6 +108,16 @@ class GradInputProblem(_Forward):
         #: one phase whose sub-convolution's output is dx itself (stride 1, no crop)
         self.direct = (len(self.phases) == 1 and not one.zero and one.h.crop == 0 and one.w.crop == 0
                        and one.h.out == self.H and one.w.out == self.W)
+
+    def nhwc(self) -> "GradInputProblem":
+        """The same problem in NHWC (shapes (N, H, W, C), (K, R, S, C))."""
+        return GradInputProblem((self.N, self.H, self.W, self.C), (self.K, self.R, self.S, self.C), "NHWC",
+                                self.stride, self.padding, self.dilation)
+
+    def nhwc_moves(self) -> tuple[Move]:
+        """For an NCHW problem: dy -> (N, P, Q, K) with the mask / prologue applied on the way (dy without a mask or
+        prologue, w and the twin's dx take the forward's transpose kernel)."""
+        return (_nhwc_dy_move(self),)
 
     def sub_w_shape(self, ph: Phase) -> tuple:
         return ((self.C, self.K, ph.h.taps, ph.w.taps) if self.layout == "NCHW"
@@ -234,10 +251,9 @@ class GradWeightProblem(_Forward):
         tiled: the source is contiguous along Q), and dw' (K, R, S, C) -> dw (K, C, R, S), walked as (C, K, R, S)
         so that the tile's source-contiguous dim is 0. (x, and dy without a mask or prologue, take the forward's
         NCHW -> NHWC transpose.)"""
-        C, K, P, Q, R, S = self.C, self.K, self.P, self.Q, self.R, self.S
-        dy = Move((self.N, P, Q, K), (K * P * Q, Q, 1, P * Q), contiguous((self.N, P, Q, K)), tb=2, cdim=3, K=K)
+        C, K, R, S = self.C, self.K, self.R, self.S
         w = Move((C, K, R, S), (1, R * S * C, S * C, C), (R * S, C * R * S, S, 1), tb=0)
-        return dy, w
+        return _nhwc_dy_move(self), w
 
 
 def _turned(shape, layout: str) -> tuple:

@@ -214,11 +214,18 @@ class Conv2dGradInputPlan(_GradPlan):
         self._setup(dtype, layout, precision, mask, prologue, device)
         self.x_shape, self.w_shape, self.dy_shape = g.x_shape, g.w_shape, g.dy_shape
         self._pre = self._fused_move(g.dy_shape, g.K)
-        self.native = None
+        self.native = self._nchw = self._xpose = None
         na_arch, na_sms = self._target(arch, sms)
         if options is None and _native.dgrad_unsupported(g, self.dtype, layout, na_arch) is None:
             #: the native kernel (sm_90a, 16-bit NHWC, stride 1: dy and w read in place, conv/_native.py)
             self.native = _native.NativeDgrad(g, self.dtype, self.device_id, na_sms)
+        elif (options is None and layout == "NCHW" and g.stride != (1, 1)
+              and _native.dgrad_unsupported(g.nhwc(), self.dtype, "NHWC", na_arch) is None):
+            # a strided NCHW dgrad: the NHWC twin's kernel on transposed copies of dy and w, dx moved back
+            # (docs/performance.md: dgrad-nchw-twin)
+            self.native = _native.NativeDgrad(g.nhwc(), self.dtype, self.device_id, na_sms)
+            self._nchw = g.nhwc_moves()
+        if self.native is not None:
             self.sms, self.plans = na_sms, {}
             self._wcopy = Move(g.w_shape, contiguous(g.w_shape), contiguous(g.w_shape))
             return
@@ -239,8 +246,8 @@ class Conv2dGradInputPlan(_GradPlan):
 
     @property
     def adds(self) -> bool:
-        """Whether ``_run(..., add=True)`` adds into dx (the native kernel's store does)."""
-        return self.native is not None
+        """Whether ``_run(..., add=True)`` adds into dx (the native kernel's store does, not its NCHW twin's)."""
+        return self.native is not None and self._nchw is None
 
     def __call__(self, dy, w, *, mask=None, prologue=None, out=None, stream=None):
         """dx for ``dy`` (the forward output's gradient) and the filter ``w``. ``out``: a preallocated dx."""
@@ -265,16 +272,18 @@ class Conv2dGradInputPlan(_GradPlan):
 
     def fuses_mask(self, dy: int, fp: dict) -> bool:
         """Whether a call with these pointers reads the mask in the native kernel (no dz: grad-mask-registers)."""
-        return (self.native is not None and _mode(fp) == "mask" and dy % 16 == 0
+        return (self.native is not None and self._nchw is None and _mode(fp) == "mask" and dy % 16 == 0
                 and self.native.fuses_mask(fp["mask"]))
 
     def _run(self, h: int, dy: int, w: int, dx: int, fp: dict, add: bool = False) -> None:
         """The launches on stream ``h``; ``fp``: the mask / prologue pointers (0: none); ``add``: dx += the gradient
         (the native kernel only: see :attr:`adds`)."""
         g, dev, es, dt = self.problem, self.device_id, DTYPE_SIZES[self.dtype], self.dtype
-        if add and self.native is None:
-            raise ValueError("add: only the native dgrad kernel adds into dx")
+        if add and not self.adds:
+            raise ValueError("add: only the native dgrad kernel on NHWC tensors adds into dx")
         mode = _mode(fp)
+        if self._nchw is not None:
+            return self._run_nchw(h, dy, w, dx, mode, fp)
         fused = self.fuses_mask(dy, fp) and not add
         if (mode != "plain" and not fused) or dy % 16:   # (an unaligned dy is moved too: the phases read aligned rows)
             dz = self._buf("dz", g.dy_shape, dt)
@@ -295,6 +304,29 @@ class Conv2dGradInputPlan(_GradPlan):
             plan._launch(h, True, True, dy, f, y, 0, 0, plan._folded)
             if not g.direct:
                 imove.launch(dev, h, dt, dt, y, dx + off * es, sms=self.sms)
+
+
+    def _run_nchw(self, h: int, dy: int, w: int, dx: int, mode: str, fp: dict) -> None:
+        """The NHWC twin's kernel on NHWC copies: dy and w by the forward's NCHW -> NHWC transpose pair in one
+        launch (dy by a tiled move where the mask / prologue apply), then the twin's dx moved into dx."""
+        g, dev, dt = self.problem, self.device_id, self.dtype
+        t = self.native.g
+        dym = self._nchw[0]
+        dyt, wt, dxt = self._buf("dyt", t.dy_shape, dt), self._buf("wt", t.w_shape, dt), self._buf("dxt", t.x_shape, dt)
+        if self._xpose is None:                 # dy [N][K][PQ] -> [N][PQ][K], w [K][C][RS] -> [K][RS][C]
+            jdy = _transpose.TransposeJob(g.N, g.K, g.P * g.Q, 2)
+            jw = _transpose.TransposeJob(g.K, g.C, g.R * g.S, 2)
+            self._xpose = [_transpose.Prepared(dev, jdy, dyt, jw, wt), _transpose.Prepared(dev, jw, wt), None]
+        if mode == "plain":
+            self._xpose[0](h, dy, w)
+        else:
+            self._xpose[1](h, w)
+            dym.launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
+        self.native.launch(h, dyt, wt, dxt)
+        back = self._xpose[2]                   # the twin's dx [N][HW][C] -> dx [N][C][HW] (kept for this dx)
+        if back is None or back.dst0 != dx:
+            back = self._xpose[2] = _transpose.Prepared(dev, _transpose.TransposeJob(g.N, g.H * g.W, g.C, 2), dx)
+        back(h, dxt)
 
 
 class Conv2dGradWeightPlan(_GradPlan):

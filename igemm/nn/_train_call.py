@@ -102,7 +102,7 @@ class TrainCall:
                                        {"out_dtype": "float32"} if self.master else {})))
         # a dgrad that zeroes rows no tap reaches (a strided one) is deferred where it can add into another dx instead
         # (_Dgrad: no zeroing, no dx of its own)
-        self.defers = self.dgrad.native is not None and self.dgrad.native.zero
+        self.defers = self.dgrad.adds and self.dgrad.native.zero
         N, K, P, Q = _ops._out_size(x, w, st, pd, dl)
         self.N, self.K, self.HW, self.y_shape, self.x_shape = N, K, P * Q, (N, K, P, Q), tuple(x.shape)
         # what the backward reads is kept in one allocation (see forward): z (zb bytes, 256-aligned), a master

@@ -221,7 +221,7 @@ class Conv2dGradInputPlan(_GradPlan):
             self.native = _native.NativeDgrad(g, self.dtype, self.device_id, na_sms)
         elif (options is None and layout == "NCHW" and g.stride != (1, 1)
               and _native.dgrad_unsupported(g.nhwc(), self.dtype, "NHWC", na_arch) is None):
-            # a strided NCHW dgrad: the NHWC twin's kernel on transposed copies of dy and w, dx moved back
+            # a strided NCHW dgrad: the NHWC twin's kernel on transposed copies of dy and w, dx transposed back
             # (docs/performance.md: dgrad-nchw-twin)
             self.native = _native.NativeDgrad(g.nhwc(), self.dtype, self.device_id, na_sms)
             self._nchw = g.nhwc_moves()
@@ -305,10 +305,9 @@ class Conv2dGradInputPlan(_GradPlan):
             if not g.direct:
                 imove.launch(dev, h, dt, dt, y, dx + off * es, sms=self.sms)
 
-
     def _run_nchw(self, h: int, dy: int, w: int, dx: int, mode: str, fp: dict) -> None:
         """The NHWC twin's kernel on NHWC copies: dy and w by the forward's NCHW -> NHWC transpose pair in one
-        launch (dy by a tiled move where the mask / prologue apply), then the twin's dx moved into dx."""
+        launch (dy by a tiled move where the mask / prologue apply), then the twin's dx transposed into dx."""
         g, dev, dt = self.problem, self.device_id, self.dtype
         t = self.native.g
         dym = self._nchw[0]

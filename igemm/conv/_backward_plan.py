@@ -455,15 +455,20 @@ class Conv2dGradWeightPlan(_GradPlan):
             if self._xpose is None:             # x and dy [N][C][HW] -> [N][HW][C]: one launch (plain dy)
                 jx = _transpose.TransposeJob(g.N, g.C, g.H * g.W, 2)
                 jdy = _transpose.TransposeJob(g.N, g.K, g.P * g.Q, 2)
-                self._xpose = (_transpose.Prepared(dev, jx, xt, jdy, dyt), _transpose.Prepared(dev, jx, xt))
+                self._xpose = [_transpose.Prepared(dev, jx, xt, jdy, dyt), _transpose.Prepared(dev, jx, xt), None]
             if mode == "plain":
                 self._xpose[0](h, x, dy)
             else:
                 self._xpose[1](h, x)
                 dym.launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
             self.native.launch(h, xt, dyt, wt)
-            wm.launch(dev, h, self.out_dtype, self.out_dtype, wt, dw, accumulate=self.accumulate, sms=self.sms)
-            return
+            if self.accumulate or self.out_dtype != dt:
+                return wm.launch(dev, h, self.out_dtype, self.out_dtype, wt, dw, accumulate=self.accumulate,
+                                 sms=self.sms)
+            back = self._xpose[2]               # dw' [K][RS][C] -> dw [K][C][RS] by the transpose kernel (kept
+            if back is None or back.dst0 != dw:  # for this dw; the move's dw-sized walk is slow: wgrad-nchw-native)
+                back = self._xpose[2] = _transpose.Prepared(dev, _transpose.TransposeJob(g.K, g.R * g.S, g.C, 2), dw)
+            return back(h, wt)
         fused = self.fuses_mask(dy, fp)
         if (mode != "plain" and not fused) or dy % 16:
             dz = self._buf("dz", g.dy_shape, dt)

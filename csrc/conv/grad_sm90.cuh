@@ -379,8 +379,28 @@ IGEMM_DEVICE void grad_run(const Work& wk, const void* map_a, const void* map_b)
   else grad_tile<T, TO, BM, BN, Stages, AMajorK>(wk, map_a, map_b);
 }
 
-// wgrad's units: tile t of split z (u = z · tiles + t); split z runs k-tiles [z · kt_per_split, ...) and stores its
-// tile into the z-th M × Ncol matrix at p.y (fp32 partials, or dw itself with one split).
+// wgrad's units (WgradWork; WgradNchwWork, csrc/conv/wgrad_nchw.cuh): tile t of split z (u = z · tiles + t) of the
+// p.M × p.Ncol dw; split z runs k-tiles [z · kt_per_split, ...) of the reduction's kt and stores its tile into the
+// z-th M × Ncol matrix at p.y (fp32 partials, or dw itself with one split).
+template <int BM, int BN, class P>
+IGEMM_DEVICE int wgrad_tiles(const P& p) {
+  return ((p.M + BM - 1) / BM) * ((p.Ncol + BN - 1) / BN);
+}
+template <int BM, int BN, class P, class Unit, class Kt>
+IGEMM_DEVICE void wgrad_split(const P& p, int u, const Kt& kt, Unit& un) {   // (kt(): the reduction's k-tiles)
+  const int nt = wgrad_tiles<BM, BN>(p);
+  un.z = u / nt;
+  const TileCoord tc = grad_tile_coord<BM, BN>(u - un.z * nt, p.Ncol);
+  un.m0 = tc.m0;
+  un.n0 = tc.n0;
+  un.kt0 = un.z * p.kt_per_split;
+  un.nkt = min(kt(), un.kt0 + p.kt_per_split) - un.kt0;
+}
+template <class TO, class P>
+IGEMM_DEVICE TO* wgrad_out(const P& p, int z) {
+  return static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(z) * p.M * p.Ncol;
+}
+
 template <class TO, int BM, int BN, bool Mask, class P>
 struct WgradWork {
   static constexpr int NB = BN / 64;
@@ -393,19 +413,12 @@ struct WgradWork {
     int bc[NB];                             // each 64-column block's tap: channel c0, im2col offsets (s·dw, r·dh)
     uint16_t bw[NB], bh[NB];
   };
-  IGEMM_DEVICE int tiles() const { return ((p.M + BM - 1) / BM) * ((p.Ncol + BN - 1) / BN); }
-  IGEMM_DEVICE int units() const { return tiles() * p.splits; }
+  IGEMM_DEVICE int units() const { return wgrad_tiles<BM, BN>(p) * p.splits; }
   IGEMM_DEVICE int M(const Unit&) const { return p.M; }
   IGEMM_DEVICE int Ncol() const { return p.Ncol; }
   IGEMM_DEVICE Unit unit(int u) const {
     Unit un;
-    const int nt = tiles();
-    un.z = u / nt;
-    const TileCoord tc = grad_tile_coord<BM, BN>(u - un.z * nt, p.Ncol);
-    un.m0 = tc.m0;
-    un.n0 = tc.n0;
-    un.kt0 = un.z * p.kt_per_split;
-    un.nkt = min((p.NPQ + BK - 1) / BK, un.kt0 + p.kt_per_split) - un.kt0;
+    wgrad_split<BM, BN>(p, u, [&] { return (p.NPQ + BK - 1) / BK; }, un);
     // a block past R·S·C loads the last one again (its columns are never stored)
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
@@ -430,9 +443,7 @@ struct WgradWork {
     for (int j = 0; j < NB; ++j)
       tma_load_im2col_4d(a + BM * BK * 2 + j * BOX, p.tmB, bar, un.bc[j], o.w0, o.h0, o.n, un.bw[j], un.bh[j]);
   }
-  IGEMM_DEVICE TO* out(const Unit& un) const {
-    return static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(un.z) * p.M * p.Ncol;
-  }
+  IGEMM_DEVICE TO* out(const Unit& un) const { return wgrad_out<TO>(p, un.z); }
   // Mask: the stage's 64 pixels' words of the 128 channels from m0 rounded down to 128 (a 16-byte row a pixel:
   // p.tmM maps the mask as [N·P·Q][K / 32] words). The thread's fragment rows are channels ch and ch + 8 (one
   // word: K % 32 == 0), its k columns 16 pixels a k-tile (2t + {0, 1} + {0, 8} + 16·ks).

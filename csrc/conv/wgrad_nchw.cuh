@@ -20,19 +20,12 @@ struct WgradNchwWork {
   struct Unit {
     int m0, n0, nkt, kt0, z;
   };
-  IGEMM_DEVICE int tiles() const { return ((p.M + BM - 1) / BM) * ((p.Ncol + BN - 1) / BN); }
-  IGEMM_DEVICE int units() const { return tiles() * p.splits; }
+  IGEMM_DEVICE int units() const { return wgrad_tiles<BM, BN>(p) * p.splits; }
   IGEMM_DEVICE int M(const Unit&) const { return p.M; }
   IGEMM_DEVICE int Ncol() const { return p.Ncol; }
   IGEMM_DEVICE Unit unit(int u) const {
     Unit un;
-    const int nt = tiles();
-    un.z = u / nt;
-    const TileCoord tc = grad_tile_coord<BM, BN>(u - un.z * nt, p.Ncol);
-    un.m0 = tc.m0;
-    un.n0 = tc.n0;
-    un.kt0 = un.z * p.kt_per_split;
-    un.nkt = min(p.kt, un.kt0 + p.kt_per_split) - un.kt0;
+    wgrad_split<BM, BN>(p, u, [&] { return p.kt; }, un);
     return un;
   }
   // k-tile kt0 + i = pixels j·64 .. of image n: dy's rows m0 .. (A) and x's rows n0 .. (B); rows and pixels past
@@ -47,9 +40,7 @@ struct WgradNchwWork {
     for (int c = 0; c < NB; ++c) tma_load_3d(a + BM * BK * 2 + c * BOX, p.tmB, bar, j * BK, un.n0 + 64 * c, n);
   }
   IGEMM_DEVICE NoMask masker(const Unit&, int) const { return {}; }
-  IGEMM_DEVICE TO* out(const Unit& un) const {
-    return static_cast<TO*>(const_cast<void*>(p.y)) + int64_t(un.z) * p.M * p.Ncol;
-  }
+  IGEMM_DEVICE TO* out(const Unit& un) const { return wgrad_out<TO>(p, un.z); }
   IGEMM_DEVICE int64_t row_at(const Unit&, int row) const { return int64_t(row) * p.Ncol; }
 };
 

@@ -521,7 +521,7 @@ BACKWARD = {
     "wgrad_native_ws_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 128), (128, 3, 3, 128),
                                                         1, 1, "mask"),
     "wgrad_native_tile_nhwc_fp16": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 64), (64, 3, 3, 64), 1, 1),
-    # an NCHW wgrad on its NHWC twin's native kernel (x and dy moved, the prologue on dy's move, dw moved back)
+    # an NCHW wgrad on its NHWC twin's native kernel (x and dy moved, the prologue on dy's move, dw transposed back)
     "wgrad_nchw_native_fp16_bn": lambda: _backward("wgrad", "NCHW", "float16", (2, 64, 9, 10), (128, 64, 3, 3), 1, 1,
                                                    "bn"),
     # the NCHW 1x1 wgrad (x and dy in place; P·Q = 56: a partial k-tile an image; K = 40: a partial tile)

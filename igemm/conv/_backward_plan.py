@@ -365,8 +365,8 @@ class Conv2dGradWeightPlan(_GradPlan):
                                                            self.device_id, sms)
             else:
                 # NCHW: the NHWC twin's kernel after x and dy are transposed to NHWC (dy by a move with the mask /
-                # prologue), then dw moved back in dw's dtype, accumulating there (docs/performance.md:
-                # wgrad-nchw-native)
+                # prologue), then dw transposed back, or moved where it is fp32 or accumulates (docs/performance.md:
+                # wgrad-nchw-native, wgrad-nchw-dw-transpose)
                 self.native = _native_wgrad(g.nhwc(), self.dtype, self.out_dtype, False, self.device_id, arch, sms)
                 if self.native is not None:
                     self._nchw = g.nhwc_moves()
@@ -445,7 +445,7 @@ class Conv2dGradWeightPlan(_GradPlan):
 
     def _run_native(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
         """The native kernel: x and dy read in place (a misaligned one, or dy under a mask / prologue, copied);
-        NCHW: x and dy transposed to NHWC (dy by a move with the mask / prologue), dw moved back."""
+        NCHW: x and dy transposed to NHWC (dy by a move with the mask / prologue), dw transposed (or moved) back."""
         g, dev, dt = self.problem, self.device_id, self.dtype
         mode = _mode(fp)
         if self._nchw is not None:
@@ -466,7 +466,7 @@ class Conv2dGradWeightPlan(_GradPlan):
                 return wm.launch(dev, h, self.out_dtype, self.out_dtype, wt, dw, accumulate=self.accumulate,
                                  sms=self.sms)
             back = self._xpose[2]               # dw' [K][RS][C] -> dw [K][C][RS] by the transpose kernel (kept
-            if back is None or back.dst0 != dw:  # for this dw; the move's dw-sized walk is slow: wgrad-nchw-native)
+            if back is None or back.dst0 != dw:  # for this dw; the move is slower: wgrad-nchw-dw-transpose)
                 back = self._xpose[2] = _transpose.Prepared(dev, _transpose.TransposeJob(g.K, g.R * g.S, g.C, 2), dw)
             return back(h, wt)
         fused = self.fuses_mask(dy, fp)

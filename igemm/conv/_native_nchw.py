@@ -8,7 +8,7 @@ wgrad-nchw-1x1). Its tiles, splits and split sum are the NHWC kernel's (:func:`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .._kernel import ParamSpec
@@ -67,9 +67,11 @@ class NativeWgradNchw(NativeWgrad):
         super().__init__(g, dtype, out_dtype, accumulate, device_id, sms, spec)
 
     def fuses_mask(self, mask: int) -> bool:
+        """Never: the plan applies a mask / prologue by the NCHW dz move first."""
         return False
 
     def kernels(self) -> list:
+        """The kernel and the split sum (no masked twin)."""
         return [self.spec] + ([self._sum] if self._sum is not None else [])
 
     def _values(self) -> dict:

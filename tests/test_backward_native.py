@@ -1,4 +1,4 @@
-"""The backward's native kernels (igemm/conv/_native.py, csrc/conv/grad_sm90.cuh; the NCHW 1x1 wgrad,
+"""The backward's native kernels (igemm/conv/_native.py, csrc/conv/grad_sm90.cuh, dgrad_sm90.cuh; the NCHW 1x1 wgrad,
 igemm/conv/_native_nchw.py): where they run, their arithmetic emulated in numpy, their compilation, and on the GPU
 against float64 (plain, with the mask, with the BN prologue; fp32 ``out`` and ``accumulate``); the channels-last dz
 pass that applies the mask / prologue before them. Their kernels are precompiled from ``all_variants()``
@@ -301,7 +301,7 @@ def test_gpu_dz_pass(M, K, dtype, rng):
 
 
 def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation, bm=128, bn=64):
-    """The native dgrad kernel's arithmetic in numpy (NHWC), unit by unit as csrc/conv/grad_sm90.cuh runs it, from
+    """The native dgrad kernel's arithmetic in numpy (NHWC), unit by unit as csrc/conv/dgrad_sm90.cuh runs it, from
     the launch values igemm/conv/_native.py packs (the phases' ``DgradPhase`` bytes decoded by _PHASE_FIELDS): unit u
     belongs to the last phase whose u0 <= u; its sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j − pad +
     u·dil) (zero outside) times w at the filter's tap (last − t·step, ...), and lands at dx (ph + st·(i − crop), ...)
@@ -362,12 +362,12 @@ def test_native_launch_signatures():
 
 
 def test_dgrad_phase_struct():
-    """_PHASE_FIELDS and _PHASE_DIVS name csrc/conv/grad_sm90.cuh's DgradPhase fields in its order (the launch packs
+    """_PHASE_FIELDS and _PHASE_DIVS name csrc/conv/dgrad_sm90.cuh's DgradPhase fields in its order (the launch packs
     them by position)."""
     import re
     from igemm import _build
     from igemm.conv import _native
-    src = (_build.csrc_dir() / "conv" / "grad_sm90.cuh").read_text()
+    src = (_build.csrc_dir() / "conv" / "dgrad_sm90.cuh").read_text()
     body = re.search(r"struct DgradPhase \{(.*?)\};", src, re.S).group(1)
     ints = re.search(r"int32_t ([^;]*);", body).group(1)
     divs = re.search(r"FastDiv ([^;]*);", body).group(1)

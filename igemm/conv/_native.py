@@ -1,4 +1,4 @@
-"""The backward's native kernels (csrc/conv/grad_sm90.cuh): 16-bit NHWC on sm_90a, every operand read where it lies.
+"""The backward's native kernels (csrc/conv/grad_sm90.cuh, dgrad_sm90.cuh): 16-bit NHWC on sm_90a, every operand read where it lies.
 
 **wgrad.** The weight gradient, read from x and dy in place.
 
@@ -54,7 +54,7 @@ DGRAD_PARAMS = [ParamSpec("y", "ptr"),
                 ParamSpec("fd_KB", "fastdiv"), ParamSpec("tmB", "tmap"), ParamSpec("tmY", "tmap"),
                 *(ParamSpec(f"f{i}", "blob") for i in range(4)), *(ParamSpec(f"tmA{i}", "tmap") for i in range(4)),
                 *(ParamSpec(f"tmM{i}", "tmap") for i in range(4))]
-#: csrc/conv/grad_sm90.cuh's ``DgradPhase``, in order: int32 fields, then fast divisors (d, mul, shr)
+#: csrc/conv/dgrad_sm90.cuh's ``DgradPhase``, in order: int32 fields, then fast divisors (d, mul, shr)
 _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew", "crop_h", "crop_w", "rows_h",
                  "rows_w", "ph_h", "ph_w")
 _PHASE_DIVS = ("fd_PQ", "fd_Q", "fd_T")
@@ -362,6 +362,8 @@ class DgradSpec(_Grid):
     @property
     def _zero_row(self) -> int:
         return self.bn * DTYPE_SIZES[self.dtype] if self.store == "zeros" else 0   # (the copies' source)
+
+    _include = "conv/dgrad_sm90.cuh"
 
     def name(self) -> str:
         return (f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}{'_add' if self.add else ''}"

@@ -25,22 +25,15 @@ namespace igemm::grad {
 
 using namespace igemm::conv;
 
-template <class T, int N, gmma::Major MA> struct Atom;       // B MN-major; A K- or MN-major
+// both operands from shared memory: A K- or MN-major, B MN-major (or K-major: csrc/conv/wgrad_nchw.cuh)
+template <class T, int N, gmma::Major MA, gmma::Major MB = gmma::Major::MN> struct Atom;
 #define IGEMM_GRAD_ATOM(T, N, NAME) \
-  template <gmma::Major MA> struct Atom<T, N, MA> { using type = gmma::NAME<MA, gmma::Major::MN>; };
+  template <gmma::Major MA, gmma::Major MB> struct Atom<T, N, MA, MB> { using type = gmma::NAME<MA, MB>; };
 IGEMM_GRAD_ATOM(cutlass::half_t, 64, MMA_64x64x16_F32F16F16_SS)
 IGEMM_GRAD_ATOM(cutlass::half_t, 128, MMA_64x128x16_F32F16F16_SS)
 IGEMM_GRAD_ATOM(cutlass::bfloat16_t, 64, MMA_64x64x16_F32BF16BF16_SS)
 IGEMM_GRAD_ATOM(cutlass::bfloat16_t, 128, MMA_64x128x16_F32BF16BF16_SS)
 #undef IGEMM_GRAD_ATOM
-template <class T, int N> struct AtomKK;                      // A and B K-major (csrc/conv/wgrad_nchw.cuh)
-#define IGEMM_GRAD_ATOM_KK(T, N, NAME) \
-  template <> struct AtomKK<T, N> { using type = gmma::NAME<gmma::Major::K, gmma::Major::K>; };
-IGEMM_GRAD_ATOM_KK(cutlass::half_t, 64, MMA_64x64x16_F32F16F16_SS)
-IGEMM_GRAD_ATOM_KK(cutlass::half_t, 128, MMA_64x128x16_F32F16F16_SS)
-IGEMM_GRAD_ATOM_KK(cutlass::bfloat16_t, 64, MMA_64x64x16_F32BF16BF16_SS)
-IGEMM_GRAD_ATOM_KK(cutlass::bfloat16_t, 128, MMA_64x128x16_F32BF16BF16_SS)
-#undef IGEMM_GRAD_ATOM_KK
 template <class T, int N> struct AtomRS;                      // A from registers (K-major fragments), B MN-major
 #define IGEMM_GRAD_ATOM_RS(T, N, NAME) \
   template <> struct AtomRS<T, N> { using type = gmma::NAME<gmma::Major::K, gmma::Major::MN>; };
@@ -112,8 +105,8 @@ IGEMM_DEVICE TileCoord grad_tile_coord(int u, int ncol) {
 // step is +32 bytes in a K-major SW128 row, 16 rows (2048 bytes) of an MN-major tile.
 template <class T, int BN, bool AMajorK, bool BMajorK = false>
 IGEMM_DEVICE void grad_stage(uint32_t sa, uint32_t sb, float* acc) {
-  using Mma = std::conditional_t<BMajorK, typename AtomKK<T, BN>::type,
-                                 typename Atom<T, BN, AMajorK ? gmma::Major::K : gmma::Major::MN>::type>;
+  using Mma = typename Atom<T, BN, AMajorK ? gmma::Major::K : gmma::Major::MN,
+                            BMajorK ? gmma::Major::K : gmma::Major::MN>::type;
   constexpr int NACC = BN / 2, ASTEP = AMajorK ? 2 : 128, BSTEP = BMajorK ? 2 : 128;
   const uint64_t da = AMajorK ? desc_sw128(sa) : desc_mn_sw128(sa);
   const uint64_t db = BMajorK ? desc_sw128(sb) : desc_mn_sw128(sb);

@@ -65,6 +65,28 @@ class _GradPlan:
                              sms=self.sms, **fp)
         move.launch(self.device_id, h, self.dtype, self.dtype, dy, dz, mode=mode, sms=self.sms, **fp)
 
+    def _nhwc_inputs(self, h: int, other, src: int, dst: int, dy: int, dyt: int, mode: str, fp: dict) -> None:
+        """An NCHW plan's inputs to its NHWC twin: the operand at ``src`` by the transpose job ``other()`` into
+        ``dst``, and dy [N][K][PQ] -> dyt [N][PQ][K] in the same launch, or by the tiled move ``self._nchw[0]``
+        where the mask / prologue apply (the launches made at the first call: ``self._xpose``)."""
+        g, dev, dt = self.problem, self.device_id, self.dtype
+        if self._xpose is None:
+            job, jdy = other(), _transpose.TransposeJob(g.N, g.K, g.P * g.Q, 2)
+            self._xpose = [_transpose.Prepared(dev, job, dst, jdy, dyt), _transpose.Prepared(dev, job, dst), None]
+        if mode == "plain":
+            self._xpose[0](h, src, dy)
+        else:
+            self._xpose[1](h, src)
+            self._nchw[0].launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
+
+    def _nhwc_output(self, h: int, job, src: int, dst: int) -> None:
+        """The NHWC twin's output at ``src`` into ``dst`` by the transpose job ``job()`` (its launch kept for this
+        ``dst``)."""
+        back = self._xpose[2]
+        if back is None or back.dst0 != dst:
+            back = self._xpose[2] = _transpose.Prepared(self.device_id, job(), dst)
+        back(h, src)
+
     def _target(self, arch, sms) -> tuple[str, int]:
         """(architecture, SM count) the plan's kernels are for: its device's, or the given ones (numpy plans)."""
         if self.device_id is not None:
@@ -308,24 +330,12 @@ class Conv2dGradInputPlan(_GradPlan):
     def _run_nchw(self, h: int, dy: int, w: int, dx: int, mode: str, fp: dict) -> None:
         """The NHWC twin's kernel on NHWC copies: dy and w by the forward's NCHW -> NHWC transpose pair in one
         launch (dy by a tiled move where the mask / prologue apply), then the twin's dx transposed into dx."""
-        g, dev, dt = self.problem, self.device_id, self.dtype
-        t = self.native.g
-        dym = self._nchw[0]
+        g, dt, t = self.problem, self.dtype, self.native.g
         dyt, wt, dxt = self._buf("dyt", t.dy_shape, dt), self._buf("wt", t.w_shape, dt), self._buf("dxt", t.x_shape, dt)
-        if self._xpose is None:                 # dy [N][K][PQ] -> [N][PQ][K], w [K][C][RS] -> [K][RS][C]
-            jdy = _transpose.TransposeJob(g.N, g.K, g.P * g.Q, 2)
-            jw = _transpose.TransposeJob(g.K, g.C, g.R * g.S, 2)
-            self._xpose = [_transpose.Prepared(dev, jdy, dyt, jw, wt), _transpose.Prepared(dev, jw, wt), None]
-        if mode == "plain":
-            self._xpose[0](h, dy, w)
-        else:
-            self._xpose[1](h, w)
-            dym.launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
+        # w [K][C][RS] -> [K][RS][C] beside dy; the twin's dx [N][HW][C] -> dx [N][C][HW]
+        self._nhwc_inputs(h, lambda: _transpose.TransposeJob(g.K, g.C, g.R * g.S, 2), w, wt, dy, dyt, mode, fp)
         self.native.launch(h, dyt, wt, dxt)
-        back = self._xpose[2]                   # the twin's dx [N][HW][C] -> dx [N][C][HW] (kept for this dx)
-        if back is None or back.dst0 != dx:
-            back = self._xpose[2] = _transpose.Prepared(dev, _transpose.TransposeJob(g.N, g.H * g.W, g.C, 2), dx)
-        back(h, dxt)
+        self._nhwc_output(h, lambda: _transpose.TransposeJob(g.N, g.H * g.W, g.C, 2), dxt, dx)
 
 
 class Conv2dGradWeightPlan(_GradPlan):
@@ -449,26 +459,16 @@ class Conv2dGradWeightPlan(_GradPlan):
         g, dev, dt = self.problem, self.device_id, self.dtype
         mode = _mode(fp)
         if self._nchw is not None:
-            dym, wm = self._nchw
             xt, dyt = self._buf("xt", g.x_shape, dt), self._buf("dyt", g.dy_shape, dt)
             wt = self._buf("wt", g.w_shape, self.out_dtype)
-            if self._xpose is None:             # x and dy [N][C][HW] -> [N][HW][C]: one launch (plain dy)
-                jx = _transpose.TransposeJob(g.N, g.C, g.H * g.W, 2)
-                jdy = _transpose.TransposeJob(g.N, g.K, g.P * g.Q, 2)
-                self._xpose = [_transpose.Prepared(dev, jx, xt, jdy, dyt), _transpose.Prepared(dev, jx, xt), None]
-            if mode == "plain":
-                self._xpose[0](h, x, dy)
-            else:
-                self._xpose[1](h, x)
-                dym.launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
+            # x [N][C][HW] -> [N][HW][C] beside dy
+            self._nhwc_inputs(h, lambda: _transpose.TransposeJob(g.N, g.C, g.H * g.W, 2), x, xt, dy, dyt, mode, fp)
             self.native.launch(h, xt, dyt, wt)
             if self.accumulate or self.out_dtype != dt:
-                return wm.launch(dev, h, self.out_dtype, self.out_dtype, wt, dw, accumulate=self.accumulate,
-                                 sms=self.sms)
-            back = self._xpose[2]               # dw' [K][RS][C] -> dw [K][C][RS] by the transpose kernel (kept
-            if back is None or back.dst0 != dw:  # for this dw; the move is slower: wgrad-nchw-dw-transpose)
-                back = self._xpose[2] = _transpose.Prepared(dev, _transpose.TransposeJob(g.K, g.R * g.S, g.C, 2), dw)
-            return back(h, wt)
+                return self._nchw[1].launch(dev, h, self.out_dtype, self.out_dtype, wt, dw,
+                                            accumulate=self.accumulate, sms=self.sms)
+            # dw' [K][RS][C] -> dw [K][C][RS] (the move is slower: wgrad-nchw-dw-transpose)
+            return self._nhwc_output(h, lambda: _transpose.TransposeJob(g.K, g.R * g.S, g.C, 2), wt, dw)
         fused = self.fuses_mask(dy, fp)
         if (mode != "plain" and not fused) or dy % 16:
             dz = self._buf("dz", g.dy_shape, dt)

@@ -557,7 +557,7 @@ def test_nchw_path_choice():
     assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0) == T.WIDEVEC             # conv1's x: 4 x 1024 tiles
     assert T.TransposeJob(2, 3, 5000, 2).mode(2, 0) == T.WIDE                # (misaligned: element accesses)
     assert T.TransposeJob(2, 3, 5001, 2).mode(0, 0) == T.WIDE
-    assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0, first=False) == T.SCALAR64
+    assert T.TransposeJob(2, 3, 5000, 2).mode(0, 0, first=False) == T.COLSVEC        # (all 3 rows a tile)
     assert T.TransposeJob(2, 3, 5000, 2, pitch=8).mode(0, 0) == T.SCALAR64
     assert T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)).mode(16, 16) == T.SUBVEC   # 1x1/2 @28
     assert T.TransposeJob(2, 64, 196, 2, sub=(14, 28, 2, 2, 784)).mode(4, 16) == T.SUB      # x 4-byte aligned
@@ -571,6 +571,17 @@ def test_nchw_path_choice():
     assert T.TransposeJob(4, 128, 9, 2, pitch=136).mode(0, 0, first=False) == T.SCALAR16
     assert T.TransposeJob(4, 128, 9, 4).mode(0, 0, first=False) == T.SCALAR16          # fp32
     assert T.TransposeJob(4, 128, 9, 2).mode(0, 8, first=False) == T.SCALAR16          # misaligned
+    # an image of 196 or 49 pixels (cols % 8 != 0, rows % 8 == 0): run_rows(cols) rows a tile, 16-byte accesses;
+    # its mirror (the twin's dx back to NCHW, a KRSC filter back to KCRS): all rows x run_rows(rows) cols
+    assert T.TransposeJob(32, 1024, 196, 2).mode(0, 0) == T.ROWSVEC and T.run_rows(196) == 40
+    assert T.TransposeJob(32, 1024, 196, 2).geometry(T.ROWSVEC) == (26, 1, 832)
+    assert T.TransposeJob(32, 196, 1024, 2).mode(0, 0, first=False) == T.COLSVEC
+    assert T.TransposeJob(32, 49, 512, 2).geometry(T.COLSVEC) == (1, 3, 96) and T.run_rows(49) == 176
+    assert T.TransposeJob(512, 9, 512, 2).mode(0, 0) == T.COLSVEC
+    assert T.TransposeJob(32, 1024, 522, 2).mode(0, 0) == T.SCALAR64                 # runs under 16 rows
+    assert T.TransposeJob(32, 196, 1024, 2).mode(0, 8) == T.SCALAR64                 # misaligned
+    assert T.TransposeJob(32, 196, 1024, 2, pitch=200).mode(0, 0) == T.SCALAR64      # padded
+    assert T.TransposeJob(32, 196, 1024, 4).mode(0, 0) == T.SCALAR64                 # fp32
     with pytest.raises(ValueError, match="sub"):
         T.TransposeJob(2, 64, 900, 2, sub=(30, 28, 1, 1, 784))               # more columns than pixels
     with pytest.raises(ValueError, match="job 0"):

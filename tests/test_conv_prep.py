@@ -81,7 +81,8 @@ def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
     from igemm.conv import _transpose
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     T = _transpose
-    for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD), (2, T.VEC, T.ROWSVEC)):
+    for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD), (2, T.VEC, T.ROWSVEC),
+                    (2, T.COLSVEC, T.ROWSVEC)):
         cubin, _ = _build.compile_cubin(T._stub(e, a, b), arch, name=T._name(e, a, b))
         assert cubin[:4] == b"\x7fELF"
 
@@ -115,7 +116,12 @@ def test_gpu_transpose_kernel(rng):
                           (torch.float16, (3, 3, 5000)), (torch.float32, (2, 4, 1500)), (torch.bfloat16, (2, 1, 2048)),
                           (torch.float16, (2, 3, 5003)),
                           # 256-row 16-byte tiles of a filter's taps (one full tile and a tail; 3 taps)
-                          (torch.float16, (4, 512, 9)), (torch.bfloat16, (3, 264, 9)), (torch.float16, (2, 16, 3))]:
+                          (torch.float16, (4, 512, 9)), (torch.bfloat16, (3, 264, 9)), (torch.float16, (2, 16, 3)),
+                          # run tiles of images of 196 and 49 pixels (a tail tile of rows), wider rows, and the
+                          # mirror: all rows x run_rows(rows) columns (a tail tile of columns)
+                          (torch.float16, (3, 1032, 196)), (torch.bfloat16, (2, 520, 49)), (torch.float16, (2, 40, 500)),
+                          (torch.float16, (3, 196, 1032)), (torch.bfloat16, (2, 49, 520)), (torch.float16, (4, 9, 512)),
+                          (torch.float16, (2, 1, 64)), (torch.float16, (2, 500, 40))]:
         for pitch in {R, R + 5}:                                 # zero-filled channels past R
             a = torch.randn(B, R, C, device="cuda").to(dt)
             o = torch.full((B, C, pitch), float("nan"), device="cuda", dtype=dt)

@@ -21,10 +21,15 @@
 //             destination columns is one 8-byte source load: elements 0 and 2), pitch == rows, rows % 8 == 0,
 //             aligned bases: 8-byte loads, kVec's 16-byte stores (1x1/2 512->1024 @28: scalar loads of every
 //             other element moved 19 MB at ~1.2 TB/s);
-//   kRowsVec  (16-bit, cols <= 16, rows % 8 == 0, pitch == rows, aligned bases: a filter's KCRS -> KRSC) 256
-//             rows x all cols: the tile's source is one contiguous run (256 · cols elements), read in 16-byte
-//             vectors; each destination row gets 16-byte vectors of 8 rows (where kScalar16 moved one
-//             2-byte element a thread with 9 of 16 columns used: 3x3 512->512's 4.7 MB filter).
+//   kRowsVec  (16-bit, cols % 8 != 0 and cols <= 512 (or cols <= 16), rows % 8 == 0, pitch == rows, aligned
+//             bases: a filter's KCRS -> KRSC, an image of 14 x 14 or 7 x 7 pixels) run_rows(cols) rows x all
+//             cols: the tile's source is one contiguous run, read in 16-byte vectors; each destination row
+//             gets 16-byte vectors of 8 rows (where kScalar16 / kScalar64 moved one 2-byte element a thread:
+//             3x3 512->512's 4.7 MB filter, an NCHW dy of 196 pixels an image);
+//   kColsVec  its mirror (16-bit, rows % 8 != 0 and rows <= 512, cols % 8 == 0, pitch == rows, aligned bases:
+//             the NHWC twin's dx of 14 x 14 or 7 x 7 pixels back to NCHW, a KRSC filter back to KCRS) all rows x
+//             run_rows(rows) cols: 16-byte loads along cols, the tile's destination one contiguous run written
+//             in 16-byte vectors.
 #pragma once
 #include "common.cuh"
 
@@ -34,7 +39,12 @@ constexpr int kThreads = 256;
 constexpr int kElems = 4096;                       // elements per tile
 constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
 enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5, kWideVec = 6,
-             kRowsVec = 7, kSubVec = 8 };   // per-job kinds (igemm/conv/_transpose.py)
+             kRowsVec = 7, kSubVec = 8, kColsVec = 9 };   // per-job kinds (igemm/conv/_transpose.py)
+// kRowsVec's rows a tile for cols columns (kColsVec's columns for rows rows): a multiple of 8 whose tile fits the
+// shared memory, at most 256 (igemm/conv/_transpose.py: run_rows)
+IGEMM_DEVICE constexpr int run_rows(int cols) {
+  return (2 * kSmemWords / cols) / 8 * 8 < 256 ? (2 * kSmemWords / cols) / 8 * 8 : 256;
+}
 
 // Scalar tile of (4096 / TC) rows x TC cols (TC = 64; 16 for short rows such as a filter's R*S; 1024 for
 // rows <= 4): element loads coalesced along cols, element stores coalesced along rows, through a padded
@@ -172,10 +182,10 @@ IGEMM_DEVICE void tile_wide_vec16(uint32_t* sm, const uint16_t* __restrict__ src
   }
 }
 
-// kRowsVec: rows r0..r0+255 (all cols <= 16 of each) of image img, 16-bit, rows % 8 == 0, pitch == rows.
+// kRowsVec: rows r0..r0+run_rows(cols)-1 (all cols of each) of image img, 16-bit, rows % 8 == 0, pitch == rows.
 IGEMM_DEVICE void tile_rows_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uint16_t* __restrict__ dst,
                                   int rows, int cols, int img, int r0) {
-  constexpr int TR = 256;
+  const int TR = run_rows(cols);
   uint16_t* sh = reinterpret_cast<uint16_t*>(sm);           // [n][cols], as in the source
   const int tid = threadIdx.x, n = min(TR, rows - r0);     // rows in this tile (a multiple of 8)
   const uint16_t* s = src + (int64_t(img) * rows + r0) * cols;
@@ -189,6 +199,31 @@ IGEMM_DEVICE void tile_rows_vec16(uint32_t* sm, const uint16_t* __restrict__ src
 #pragma unroll
     for (int e = 0; e < 8; ++e) h[e] = sh[(j * 8 + e) * cols + c];
     stg_stream16(d + int64_t(c) * rows + j * 8,
+                 make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
+  }
+}
+
+// kColsVec: columns c0..c0+run_rows(rows)-1 (all rows of each) of image img, 16-bit, cols % 8 == 0, pitch == rows:
+// the destination rows c0.. are one contiguous run.
+IGEMM_DEVICE void tile_cols_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uint16_t* __restrict__ dst,
+                                  int rows, int cols, int img, int c0) {
+  const int TC = run_rows(rows), n = min(TC, cols - c0), v = n / 8;     // columns in this tile (a multiple of 8)
+  uint16_t* sh = reinterpret_cast<uint16_t*>(sm);           // [rows][n], as in the source
+  const uint16_t* s = src + int64_t(img) * rows * cols + c0;
+  for (int q = int(threadIdx.x); q < rows * v; q += kThreads) {
+    const int r = q / v, j = q - r * v;
+    *reinterpret_cast<uint4*>(sh + r * n + j * 8) = ldg_stream16(s + int64_t(r) * cols + j * 8);
+  }
+  __syncthreads();
+  uint16_t* d = dst + (int64_t(img) * cols + c0) * rows;
+  for (int q = int(threadIdx.x); q * 8 < n * rows; q += kThreads) {     // destination elements 8q..8q+7 of the run
+    uint32_t h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int o = q * 8 + e, c = o / rows;
+      h[e] = sh[(o - c * rows) * n + c];
+    }
+    stg_stream16(d + q * 8,
                  make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
   }
 }
@@ -216,12 +251,17 @@ IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, i
     tile_pad<T>(static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch, b);
     return;
   } else {
-    constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec || Mode == kSubVec ? 64 : kElems / TC;   // (kRowsVec: 256 x 16)
+    constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec || Mode == kSubVec ? 64 : kElems / TC;
     const int ct = b % tc, rest = b / tc;   // once per block
     const int rt = rest % tr, img = rest / tr;
     if constexpr (Mode == kRowsVec) {
       static_assert(sizeof(T) == 2, "16-byte row tiles are for 16-bit elements");
-      tile_rows_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR);
+      tile_rows_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img,
+                      rt * run_rows(cols));
+    } else if constexpr (Mode == kColsVec) {
+      static_assert(sizeof(T) == 2, "16-byte column tiles are for 16-bit elements");
+      tile_cols_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img,
+                      ct * run_rows(rows));
     } else if constexpr (Mode == kSubVec) {
       static_assert(sizeof(T) == 2, "16-byte subsampled tiles are for 16-bit elements");
       tile_sub_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR,

@@ -26,8 +26,15 @@ PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
 _THREADS = 256
 
 
-SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC, ROWSVEC, SUBVEC = 0, 1, 2, 3, 4, 5, 6, 7, 8   # job kinds (csrc/conv/transpose.cuh)
-_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024, ROWSVEC: 16, SUBVEC: 64}
+SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC, ROWSVEC, SUBVEC, COLSVEC = range(10)   # job kinds (transpose.cuh)
+_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024, SUBVEC: 64}
+_RUN_MAX = 512          # ROWSVEC's columns / COLSVEC's rows at most: a tile's destination runs of 16 rows or more
+
+
+def run_rows(n: int) -> int:
+    """ROWSVEC's rows a tile for ``n`` columns (COLSVEC's columns for ``n`` rows): a multiple of 8 whose tile fits
+    the kernel's shared memory (8704 elements), at most 256 (csrc/conv/transpose.cuh: run_rows)."""
+    return min(256, 8704 // n // 8 * 8)
 
 
 def _ctype(esize: int) -> str:
@@ -72,9 +79,11 @@ class TransposeJob:
         """``PAD`` for pad jobs; ``SUBVEC`` (16-bit, stride 2 along W, even Q, 8-byte aligned loads) or ``SUB``
         for subsampled ones; for the first job of a launch with rows <= 4
         (conv1's C = 3) 4 x 1024 tiles, ``WIDEVEC`` (16-byte accesses: 16-bit, cols % 8 == 0, aligned bases)
-        or ``WIDE``; 16-byte tiles for 16-bit elements with rows multiples of 8, no padding and aligned bases:
-        ``VEC`` (64 x 64) for cols multiples of 8, ``ROWSVEC`` (256 rows x all cols) for cols <= 16 (a
-        filter's taps); else element tiles, 256 x 16 for short rows (cols <= 16), 64 x 64."""
+        or ``WIDE``; 16-byte tiles for 16-bit elements with no padding and aligned bases: ``VEC`` (64 x 64) where
+        rows and cols are multiples of 8, ``ROWSVEC`` (:func:`run_rows` rows x all cols: a filter's taps, an image
+        of 196 or 49 pixels) where only rows are and cols <= 512, ``COLSVEC`` (its mirror: all rows x
+        ``run_rows(rows)`` cols) where only cols are and rows <= 512; else element tiles, 256 x 16 for short rows
+        (cols <= 16), 64 x 64."""
         if self.pad:
             return PAD
         if self.sub is not None:
@@ -86,11 +95,14 @@ class TransposeJob:
         if first and self.rows <= 4 and self.pitch <= 4 and self.cols >= 1024:
             vec = self.esize == 2 and self.cols % 8 == 0 and src % 16 == 0 and dst % 16 == 0
             return WIDEVEC if vec else WIDE
-        aligned = self.esize == 2 and self.pitch == self.rows and self.rows % 8 == 0 and src % 16 == 0 and dst % 16 == 0
-        if aligned and self.cols % 8 == 0:
-            return VEC
-        if aligned and self.cols <= 16:
-            return ROWSVEC          # a filter's taps (3x3: 9): 256 rows a tile, 16-byte accesses
+        if self.esize == 2 and self.pitch == self.rows and src % 16 == 0 and dst % 16 == 0:
+            r8, c8 = self.rows % 8 == 0, self.cols % 8 == 0
+            if r8 and c8:
+                return VEC
+            if r8 and self.cols <= _RUN_MAX:
+                return ROWSVEC      # the tile's source one contiguous run
+            if c8 and self.rows <= _RUN_MAX:
+                return COLSVEC      # the tile's destination one contiguous run
         return SCALAR16 if self.cols <= 16 else SCALAR64
 
     def geometry(self, mode: int) -> tuple[int, int, int]:
@@ -100,8 +112,13 @@ class TransposeJob:
             if mode == PAD:
                 g = (1, 1, -(-self.cols * self.pitch // 4096))
             else:
-                tc = _TILE_COLS[mode]
-                tr = 4096 // tc if mode != VEC else 64       # (ROWSVEC: 256 rows; its cols <= 16: one col tile)
+                if mode == ROWSVEC:
+                    tr, tc = run_rows(self.cols), self.cols
+                elif mode == COLSVEC:
+                    tr, tc = self.pitch, run_rows(self.rows)
+                else:
+                    tc = _TILE_COLS[mode]
+                    tr = 4096 // tc if mode != VEC else 64
                 g = (-(-self.pitch // tr), -(-self.cols // tc), self.batch * -(-self.pitch // tr) * -(-self.cols // tc))
             self._geo[mode] = g
         return g
@@ -177,7 +194,7 @@ def all_variants() -> list[tuple[str, str]]:
     """(cache name, stub) of every kernel variant."""
     out = []
     for e in (2, 4):
-        modes = (SCALAR64, SCALAR16, VEC, PAD, ROWSVEC) if e == 2 else (SCALAR64, SCALAR16, PAD)
+        modes = (SCALAR64, SCALAR16, VEC, PAD, ROWSVEC, COLSVEC) if e == 2 else (SCALAR64, SCALAR16, PAD)
         first = modes + ((SUB, WIDE, WIDEVEC, SUBVEC) if e == 2 else (SUB, WIDE))
         out += [(_name(e, a, b), _stub(e, a, b)) for a in first for b in modes]
     return out

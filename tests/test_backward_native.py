@@ -130,6 +130,30 @@ def test_gpu_wgrad_nchw_native(case, dtype, rng):
     assert rel_err(to_numpy(dw), ref) < TOL[dtype]
 
 
+#: NCHW wgrads on the NHWC twin's kernel: strided unpadded 1x1s (x only where read: 8-byte pair loads, element
+#: loads at stride 3), a 1x1 of 49 pixels an image (dy by the 16-byte run tiles, dw written by the twin), a 3x3 over
+#: 7 x 7 images (dw' back by the mirror tiles)
+NCHW_TWIN_WGRAD = [(2, 64, 14, 14, 128, 1, 1, 2, 0, 1), (2, 64, 13, 11, 64, 1, 1, 3, 0, 1),
+                   (3, 64, 7, 7, 136, 1, 1, 1, 0, 1), (2, 64, 7, 7, 128, 3, 3, 1, 1, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", NCHW_TWIN_WGRAD, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_wgrad_nchw_twin(case, dtype, rng):
+    """A 16-bit NCHW wgrad on its NHWC twin's kernel against float64: plain, with the mask and with the prologue,
+    dw into an fp32 out and accumulated there, and dw in its own dtype."""
+    torch = pytest.importorskip("torch")
+    p = _geometry(*case)
+    xs, ws, ys = shapes(p, "NCHW")
+    plan = igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NCHW", *geom(p))
+    assert plan._nchw is not None and plan.native.g.layout == "NHWC"
+    x, dy, ref = _check_wgrad(torch, p, dtype, rng, "NCHW")
+    dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
+    plan(x, dy, out=dw)
+    assert rel_err(to_numpy(dw), ref) < TOL[dtype]
+
+
 def test_wgrad_native_choice():
     """wgrad's native kernel where it can run (sm_90a, 16-bit NHWC, C % 64 == 0, K % 8 == 0), the reason where not;
     its split of the reduction fills the GPU, and one split stores dw directly."""
@@ -171,7 +195,7 @@ def test_wgrad_native_choice():
 
 def test_wgrad_nchw_choice(rng):
     """The NCHW 1x1 wgrad kernel where it can run (sm_90a, 16-bit, 1x1 stride 1 unpadded, P·Q % 8 == 0, C % 8 == 0),
-    the general path (transposes to NHWC) elsewhere; its tiles and splits are the NHWC kernel's, and its k-tiles (64
+    the NHWC twin on transposed copies elsewhere; its tiles and splits are the NHWC kernel's, and its k-tiles (64
     pixels of one image, units = tiles x splits as packed) sum to dw (numpy, unit by unit)."""
     from igemm.conv import _native, _native_nchw
     g = GradWeightProblem((32, 64, 56, 56), (256, 64, 1, 1), "NCHW", 1, 0, 1)
@@ -185,6 +209,19 @@ def test_wgrad_nchw_choice(rng):
         assert why in _native_nchw.unsupported(GradWeightProblem(xs, ws, "NCHW", st, pad, 1), "float16", "sm_90a")
         plan = igemm.Conv2dGradWeightPlan(xs, ws, "float16", "NCHW", st, pad, device="numpy")
         assert not isinstance(plan.native, _native_nchw.NativeWgradNchw)
+    # the twin of a strided unpadded 1x1: the stride-1 1x1 on x[:, :, ::2, ::2] (the transpose's subsampled job),
+    # writing dw itself (accumulating there); a 3x3's twin is the problem in NHWC, its dw' transposed back
+    sub = igemm.Conv2dGradWeightPlan((32, 512, 28, 28), (1024, 512, 1, 1), "float16", "NCHW", 2, 0, device="numpy",
+                                     accumulate=True, out_dtype="float32")
+    t = sub.native.g
+    assert (t.x_shape, t.stride, t.layout, sub.native.spec.out) == ((32, 14, 14, 512), (1, 1), "NHWC", "float32")
+    assert sub.native.accumulate and sub.problem.x_job().sub == (14, 28, 2, 2, 784)
+    for st, pad, R in ((2, 1, 1), (1, 0, 1), (2, 1, 3)):
+        q = igemm.Conv2dGradWeightPlan((2, 64, 14, 14), (64, 64, R, R), "float16", "NCHW", st, pad, device="numpy",
+                                       accumulate=True, out_dtype="float32")
+        job = q.problem.x_job()
+        assert q.native.g.x_shape == (2, 14, 14, 64) and job.sub is None and job.cols == 196
+        assert q.native.accumulate == (R == 1)
     plan = igemm.Conv2dGradWeightPlan((32, 64, 56, 56), (256, 64, 1, 1), "float16", "NCHW", device="numpy")
     k = plan.native
     assert isinstance(k, _native_nchw.NativeWgradNchw) and plan._nchw is None and not k.fuses_mask(0)
@@ -216,18 +253,19 @@ def test_wgrad_nchw_choice(rng):
         assert rel_err(dw.sum(0)[:ws[0], :xs[1]].reshape(ws), want) < 1e-12
 
 
-#: strided NCHW dgrads on the NHWC twin's kernel (dy and w transposed, dx moved back): 3x3/2 (four phases, odd
-#: sizes), a strided 1x1 (three zero phases, which its copies write), stride 3 with dilation
+#: NCHW dgrads on the NHWC twin's kernel (dy and w transposed, dx moved back): 3x3/2 (four phases, odd
+#: sizes), a strided 1x1 (three zero phases, which its copies write; w read as it is), stride 3 with dilation, a
+#: stride-1 3x3 over 7 x 7 images (dy and dx by the 16-byte run tiles)
 NCHW_TWIN_DGRAD = [(2, 64, 13, 11, 64, 3, 3, 2, 1, 1), (2, 72, 14, 13, 128, 1, 1, 2, 0, 1),
-                   (1, 64, 11, 11, 128, 3, 3, 3, 1, 2)]
+                   (1, 64, 11, 11, 128, 3, 3, 3, 1, 2), (3, 128, 7, 7, 64, 3, 3, 1, 1, 1)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", NCHW_TWIN_DGRAD, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_dgrad_nchw_twin(case, dtype, rng):
-    """A strided 16-bit NCHW dgrad on its NHWC twin's kernel against float64: plain, with the mask and with the
-    prologue (applied on dy's move to NHWC); it does not add into dx."""
+    """A 16-bit NCHW dgrad on its NHWC twin's kernel against float64: plain, with the mask and with the prologue
+    (applied on dy's move to NHWC); it does not add into dx."""
     pytest.importorskip("torch")
     import torch
     p = _geometry(*case)
@@ -239,8 +277,9 @@ def test_gpu_dgrad_nchw_twin(case, dtype, rng):
 
 
 def test_dgrad_nchw_twin_choice():
-    """A strided 16-bit NCHW dgrad runs its NHWC twin's native kernel (sm_90a, K % 64 == 0, C % 8 == 0); stride 1,
-    fp32, or a twin the kernel cannot run keep the forward's kernels by phases; the twin does not add into dx."""
+    """A strided 16-bit NCHW dgrad, or a stride-1 one with taps over images under 64 pixels, runs its NHWC twin's
+    native kernel (sm_90a, K % 64 == 0, C % 8 == 0); other stride-1 ones, fp32, or a twin the kernel cannot run keep
+    the forward's kernels by phases; the twin does not add into dx."""
     def plan(xs, ws, dtype="float16", st=2, pad=1, arch="sm_90a"):
         return igemm.Conv2dGradInputPlan(xs, ws, dtype, "NCHW", st, pad, device="numpy", arch=arch)
     p = plan((32, 128, 56, 56), (128, 128, 3, 3))
@@ -248,7 +287,10 @@ def test_dgrad_nchw_twin_choice():
     assert [k.kernel()[0] for k in p.sub_plans()] == [s.name() for s in p.native.kernels()]
     with pytest.raises(ValueError, match="add"):
         p._run(0, 0, 0, 0, {"mask": 0, "z": 0, "coef": 0}, add=True)
+    small = plan((32, 512, 7, 7), (512, 512, 3, 3), st=1)                        # 49 pixels an image, 9 taps
+    assert small._nchw is not None and small.native.g.stride == (1, 1)
     for q in (plan((32, 128, 56, 56), (128, 128, 3, 3), st=1), plan((2, 64, 8, 8), (64, 64, 3, 3), "float32"),
+              plan((32, 512, 7, 7), (2048, 512, 1, 1), st=1, pad=0), plan((2, 64, 8, 8), (64, 64, 3, 3), st=1),
               plan((2, 64, 8, 8), (60, 64, 3, 3)), plan((2, 64, 8, 8), (64, 64, 3, 3), arch="sm_80")):
         assert q._nchw is None and q.native is None
 

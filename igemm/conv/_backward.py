@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ._moves import Move, contiguous
 from ._problem import geometry
+from ._transpose import TransposeJob
 
 __all__ = ["GradInputProblem", "GradWeightProblem", "Phase", "Phase1D", "phases_1d"]
 
@@ -245,6 +246,23 @@ class GradWeightProblem(_Forward):
         """The same problem in NHWC (shapes (N, H, W, C), (K, R, S, C))."""
         return GradWeightProblem((self.N, self.H, self.W, self.C), (self.K, self.R, self.S, self.C), "NHWC",
                                  self.stride, self.padding, self.dilation)
+
+    def nhwc_twin(self) -> "GradWeightProblem":
+        """The NHWC problem whose kernel runs an NCHW one on transposed copies: :meth:`nhwc`, or for a strided 1x1
+        without padding the stride-1 1x1 on the pixels it reads, x[:, :, ::sh, ::sw] (:meth:`x_job`)."""
+        if self._reads_sub():
+            return GradWeightProblem((self.N, self.P, self.Q, self.C), (self.K, 1, 1, self.C), "NHWC", 1, 0, 1)
+        return self.nhwc()
+
+    def x_job(self):
+        """The transpose of x [N][C][HW] into :meth:`nhwc_twin`'s x [N][pixels][C] (``igemm/conv/_transpose.py``)."""
+        if self._reads_sub():
+            sh, sw = self.stride
+            return TransposeJob(self.N, self.C, self.P * self.Q, 2, sub=(self.Q, self.W, sh, sw, self.H * self.W))
+        return TransposeJob(self.N, self.C, self.H * self.W, 2)
+
+    def _reads_sub(self) -> bool:
+        return self.R == self.S == 1 and self.padding == (0, 0) and self.stride != (1, 1)
 
     def nhwc_moves(self) -> tuple[Move, Move]:
         """For an NCHW problem: dy -> (N, P, Q, K) with the mask / prologue applied on the way (channel dim 3;

@@ -67,16 +67,22 @@ class _GradPlan:
 
     def _nhwc_inputs(self, h: int, other, src: int, dst: int, dy: int, dyt: int, mode: str, fp: dict) -> None:
         """An NCHW plan's inputs to its NHWC twin: the operand at ``src`` by the transpose job ``other()`` into
-        ``dst``, and dy [N][K][PQ] -> dyt [N][PQ][K] in the same launch, or by the tiled move ``self._nchw[0]``
-        where the mask / prologue apply (the launches made at the first call: ``self._xpose``)."""
+        ``dst`` (``other`` None: no other operand), and dy [N][K][PQ] -> dyt [N][PQ][K] in the same launch, or by
+        the tiled move ``self._nchw[0]`` where the mask / prologue apply (the launches made at the first call:
+        ``self._xpose``)."""
         g, dev, dt = self.problem, self.device_id, self.dtype
         if self._xpose is None:
-            job, jdy = other(), _transpose.TransposeJob(g.N, g.K, g.P * g.Q, 2)
-            self._xpose = [_transpose.Prepared(dev, job, dst, jdy, dyt), _transpose.Prepared(dev, job, dst), None]
+            jdy = _transpose.TransposeJob(g.N, g.K, g.P * g.Q, 2)
+            if other is None:
+                self._xpose = [_transpose.Prepared(dev, jdy, dyt), None, None]
+            else:
+                job = other()
+                self._xpose = [_transpose.Prepared(dev, job, dst, jdy, dyt), _transpose.Prepared(dev, job, dst), None]
         if mode == "plain":
-            self._xpose[0](h, src, dy)
+            self._xpose[0](h, *((dy,) if other is None else (src, dy)))
         else:
-            self._xpose[1](h, src)
+            if other is not None:
+                self._xpose[1](h, src)
             self._nchw[0].launch(dev, h, dt, dt, dy, dyt, mode=mode, sms=self.sms, **fp)
 
     def _nhwc_output(self, h: int, job, src: int, dst: int) -> None:
@@ -241,10 +247,11 @@ class Conv2dGradInputPlan(_GradPlan):
         if options is None and _native.dgrad_unsupported(g, self.dtype, layout, na_arch) is None:
             #: the native kernel (sm_90a, 16-bit NHWC, stride 1: dy and w read in place, conv/_native.py)
             self.native = _native.NativeDgrad(g, self.dtype, self.device_id, na_sms)
-        elif (options is None and layout == "NCHW" and g.stride != (1, 1)
+        elif (options is None and layout == "NCHW" and (g.stride != (1, 1) or (g.R * g.S > 1 and g.H * g.W < 64))
               and _native.dgrad_unsupported(g.nhwc(), self.dtype, "NHWC", na_arch) is None):
-            # a strided NCHW dgrad: the NHWC twin's kernel on transposed copies of dy and w, dx transposed back
-            # (docs/performance.md: dgrad-nchw-twin)
+            # a strided NCHW dgrad, or one with taps over images under 64 pixels: the NHWC twin's kernel on
+            # transposed copies of dy and w (a 1x1's w as it is), dx transposed back (docs/performance.md:
+            # dgrad-nchw-twin, dgrad-nchw-twin-small)
             self.native = _native.NativeDgrad(g.nhwc(), self.dtype, self.device_id, na_sms)
             self._nchw = g.nhwc_moves()
         if self.native is not None:
@@ -331,10 +338,17 @@ class Conv2dGradInputPlan(_GradPlan):
         """The NHWC twin's kernel on NHWC copies: dy and w by the forward's NCHW -> NHWC transpose pair in one
         launch (dy by a tiled move where the mask / prologue apply), then the twin's dx transposed into dx."""
         g, dt, t = self.problem, self.dtype, self.native.g
-        dyt, wt, dxt = self._buf("dyt", t.dy_shape, dt), self._buf("wt", t.w_shape, dt), self._buf("dxt", t.x_shape, dt)
-        # w [K][C][RS] -> [K][RS][C] beside dy; the twin's dx [N][HW][C] -> dx [N][C][HW]
-        self._nhwc_inputs(h, lambda: _transpose.TransposeJob(g.K, g.C, g.R * g.S, 2), w, wt, dy, dyt, mode, fp)
+        dyt, dxt = self._buf("dyt", t.dy_shape, dt), self._buf("dxt", t.x_shape, dt)
+        if g.R * g.S == 1:                    # a 1x1's w [K][C] is its twin's (aligned, as the native kernel reads it)
+            wt = w if w % 16 == 0 else self._buf("wt", t.w_shape, dt)
+            if wt != w:
+                self._wcopy.launch(self.device_id, h, dt, dt, w, wt, sms=self.sms)
+            self._nhwc_inputs(h, None, 0, 0, dy, dyt, mode, fp)
+        else:                                 # w [K][C][RS] -> [K][RS][C] beside dy
+            wt = self._buf("wt", t.w_shape, dt)
+            self._nhwc_inputs(h, lambda: _transpose.TransposeJob(g.K, g.C, g.R * g.S, 2), w, wt, dy, dyt, mode, fp)
         self.native.launch(h, dyt, wt, dxt)
+        # the twin's dx [N][HW][C] -> dx [N][C][HW]
         self._nhwc_output(h, lambda: _transpose.TransposeJob(g.N, g.H * g.W, g.C, 2), dxt, dx)
 
 
@@ -375,9 +389,12 @@ class Conv2dGradWeightPlan(_GradPlan):
                                                            self.device_id, sms)
             else:
                 # NCHW: the NHWC twin's kernel after x and dy are transposed to NHWC (dy by a move with the mask /
-                # prologue), then dw transposed back, or moved where it is fp32 or accumulates (docs/performance.md:
-                # wgrad-nchw-native, wgrad-nchw-dw-transpose)
-                self.native = _native_wgrad(g.nhwc(), self.dtype, self.out_dtype, False, self.device_id, arch, sms)
+                # prologue; a strided unpadded 1x1's x only where it reads it, its twin a stride-1 1x1), then dw
+                # transposed back, or moved where it is fp32 or accumulates; a 1x1's twin writes dw itself
+                # (docs/performance.md: wgrad-nchw-native, wgrad-nchw-dw-transpose, wgrad-nchw-1x1-twin)
+                one = g.R * g.S == 1
+                self.native = _native_wgrad(g.nhwc_twin(), self.dtype, self.out_dtype, one and self.accumulate,
+                                            self.device_id, arch, sms)
                 if self.native is not None:
                     self._nchw = g.nhwc_moves()
         if self.native is not None:
@@ -459,10 +476,13 @@ class Conv2dGradWeightPlan(_GradPlan):
         g, dev, dt = self.problem, self.device_id, self.dtype
         mode = _mode(fp)
         if self._nchw is not None:
-            xt, dyt = self._buf("xt", g.x_shape, dt), self._buf("dyt", g.dy_shape, dt)
+            t = self.native.g
+            xt, dyt = self._buf("xt", t.x_shape, dt), self._buf("dyt", g.dy_shape, dt)
+            # x [N][C][HW] -> [N][HW][C] (x[:, :, ::sh, ::sw] for a strided unpadded 1x1) beside dy
+            self._nhwc_inputs(h, g.x_job, x, xt, dy, dyt, mode, fp)
+            if g.R * g.S == 1:                 # dw' [K][1][1][C] is dw [K][C][1][1]
+                return self.native.launch(h, xt, dyt, dw)
             wt = self._buf("wt", g.w_shape, self.out_dtype)
-            # x [N][C][HW] -> [N][HW][C] beside dy
-            self._nhwc_inputs(h, lambda: _transpose.TransposeJob(g.N, g.C, g.H * g.W, 2), x, xt, dy, dyt, mode, fp)
             self.native.launch(h, xt, dyt, wt)
             if self.accumulate or self.out_dtype != dt:
                 return self._nchw[1].launch(dev, h, self.out_dtype, self.out_dtype, wt, dw,

@@ -255,9 +255,11 @@ def test_wgrad_nchw_choice(rng):
 
 #: NCHW dgrads on the NHWC twin's kernel (dy and w transposed, dx moved back): 3x3/2 (four phases, odd
 #: sizes), a strided 1x1 (three zero phases, which its copies write; w read as it is), stride 3 with dilation, a
-#: stride-1 3x3 over 7 x 7 images (dy and dx by the 16-byte run tiles)
+#: stride-1 3x3 over 7 x 7 images (dy and dx by the 16-byte run tiles); the strided 1x1s' twins are stride-1 1x1s, dx
+#: scattered back with the zeros (16-byte stores where H·W % 8 == 0)
 NCHW_TWIN_DGRAD = [(2, 64, 13, 11, 64, 3, 3, 2, 1, 1), (2, 72, 14, 13, 128, 1, 1, 2, 0, 1),
-                   (1, 64, 11, 11, 128, 3, 3, 3, 1, 2), (3, 128, 7, 7, 64, 3, 3, 1, 1, 1)]
+                   (1, 64, 11, 11, 128, 3, 3, 3, 1, 2), (3, 128, 7, 7, 64, 3, 3, 1, 1, 1),
+                   (2, 64, 16, 14, 128, 1, 1, 2, 0, 1), (2, 64, 13, 11, 64, 1, 1, 3, 0, 1)]
 
 
 @pytest.mark.gpu
@@ -287,6 +289,9 @@ def test_dgrad_nchw_twin_choice():
     assert [k.kernel()[0] for k in p.sub_plans()] == [s.name() for s in p.native.kernels()]
     with pytest.raises(ValueError, match="add"):
         p._run(0, 0, 0, 0, {"mask": 0, "z": 0, "coef": 0}, add=True)
+    one = plan((32, 512, 28, 28), (1024, 512, 1, 1), pad=0)          # a strided 1x1: the stride-1 1x1, dx scattered
+    assert one.native.g.x_shape == (32, 14, 14, 512) and one.native.g.stride == (1, 1)
+    assert one.problem.dx_job().scatter == (14, 28, 2, 2) and p.problem.dx_job().scatter is None
     small = plan((32, 512, 7, 7), (512, 512, 3, 3), st=1)                        # 49 pixels an image, 9 taps
     assert small._nchw is not None and small.native.g.stride == (1, 1)
     for q in (plan((32, 128, 56, 56), (128, 128, 3, 3), st=1), plan((2, 64, 8, 8), (64, 64, 3, 3), "float32"),

@@ -582,6 +582,16 @@ def test_nchw_path_choice():
     assert T.TransposeJob(32, 196, 1024, 2).mode(0, 8) == T.SCALAR64                 # misaligned
     assert T.TransposeJob(32, 196, 1024, 2, pitch=200).mode(0, 0) == T.SCALAR64      # padded
     assert T.TransposeJob(32, 196, 1024, 4).mode(0, 0) == T.SCALAR64                 # fp32
+    # the scatter (a strided 1x1 twin's dx back, zeros between): 64 channels x 64 pixels, 16-byte stores where
+    # H*W % 8 == 0 and dx is aligned; 16-bit, C % 8 == 0 and an aligned source only
+    sc = T.TransposeJob(32, 196, 512, 2, pitch=784, scatter=(14, 28, 2, 2))
+    assert sc.mode(0, 0) == T.SCATTERVEC and sc.mode(0, 8) == T.SCATTER and sc.geometry(T.SCATTERVEC) == (8, 13, 3328)
+    assert T.TransposeJob(2, 20, 64, 2, pitch=143, scatter=(5, 11, 3, 3)).mode(0, 0) == T.SCATTER
+    with pytest.raises(ValueError, match="aligned"):
+        sc.mode(8, 0)
+    for bad in ((4, 512), (2, 60)):
+        with pytest.raises(ValueError, match="scatter"):
+            T.TransposeJob(32, 196, bad[1], bad[0], pitch=784, scatter=(14, 28, 2, 2))
     with pytest.raises(ValueError, match="sub"):
         T.TransposeJob(2, 64, 900, 2, sub=(30, 28, 1, 1, 784))               # more columns than pixels
     with pytest.raises(ValueError, match="job 0"):

@@ -82,7 +82,7 @@ def test_transpose_kernel_compiles(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("IGEMM_CACHE_DIR", str(tmp_path))
     T = _transpose
     for e, a, b in ((2, T.VEC, T.SCALAR16), (2, T.PAD, T.PAD), (4, T.SCALAR16, T.PAD), (2, T.VEC, T.ROWSVEC),
-                    (2, T.COLSVEC, T.ROWSVEC)):
+                    (2, T.COLSVEC, T.ROWSVEC), (2, T.SCATTERVEC, T.VEC), (2, T.SCATTER, T.PAD)):
         cubin, _ = _build.compile_cubin(T._stub(e, a, b), arch, name=T._name(e, a, b))
         assert cubin[:4] == b"\x7fELF"
 
@@ -172,6 +172,23 @@ def test_gpu_transpose_kernel(rng):
         torch.cuda.synchronize()
         want = torch.cat([sub.permute(0, 2, 3, 1), torch.zeros(B, P, Q, pitch - R, device="cuda", dtype=dt)], 3)
         assert torch.equal(o, want) and torch.equal(ob, b.transpose(1, 2)), (dt, B, R, H, W, sh, sw)
+    # scattered jobs, the inverse: [B][P*Q][C] -> [B][C][H*W] with the zeros between (16-byte stores where H*W % 8 == 0
+    # and the destination is aligned; element stores at an odd size and at a misaligned destination)
+    for dt, (B, C, H, W), (sh, sw), off in [(torch.float16, (2, 512, 28, 28), (2, 2), 0),
+                                            (torch.bfloat16, (3, 72, 13, 11), (3, 3), 0),
+                                            (torch.float16, (2, 136, 16, 14), (2, 1), 1),
+                                            (torch.float16, (1, 64, 9, 20), (1, 2), 0)]:
+        P, Q = (H - 1) // sh + 1, (W - 1) // sw + 1
+        a = torch.randn(B, P * Q, C, device="cuda").to(dt)
+        o = torch.full((B * C * H * W + off,), float("nan"), device="cuda", dtype=dt)
+        job = _transpose.TransposeJob(B, P * Q, C, 2, pitch=H * W, scatter=(Q, W, sh, sw))
+        vec = (H * W) % 8 == 0 and off == 0
+        assert job.mode(a.data_ptr(), o[off:].data_ptr()) == (_transpose.SCATTERVEC if vec else _transpose.SCATTER)
+        _transpose.launch_pair(0, torch.cuda.current_stream().cuda_stream, job, a.data_ptr(), o[off:].data_ptr())
+        torch.cuda.synchronize()
+        want = torch.zeros(B, C, H, W, device="cuda", dtype=dt)
+        want[:, :, ::sh, ::sw] = a.reshape(B, P, Q, C).permute(0, 3, 1, 2)
+        assert torch.equal(o[off:].reshape(B, C, H, W), want), (dt, B, C, H, W, sh, sw, off)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,11 @@
 //             cols: the tile's source is one contiguous run, read in 16-byte vectors; each destination row
 //             gets 16-byte vectors of 8 rows (where kScalar16 / kScalar64 moved one 2-byte element a thread:
 //             3x3 512->512's 4.7 MB filter, an NCHW dy of 196 pixels an image);
+//   kScatter  (job 0) a subsampled copy's inverse, the zeros between: destination [cols][pitch] (pitch = H·W) gets at
+//             pixel (h, w) source row (h / sh)·Q + w / sw where h % sh == w % sw == 0, else 0 -- the NHWC twin's dx
+//             of a strided unpadded 1x1 (its stride-1 twin's) back to NCHW; 16-bit, cols % 8 == 0, an aligned
+//             source: 64 x 64 destination tiles, 16-byte loads (none for the zeros), element stores; kScatterVec
+//             the same with 16-byte stores (pitch % 8 == 0, an aligned destination);
 //   kColsVec  its mirror (16-bit, rows % 8 != 0 and rows <= 512, cols % 8 == 0, pitch == rows, aligned bases:
 //             the NHWC twin's dx of 14 x 14 or 7 x 7 pixels back to NCHW, a KRSC filter back to KCRS) all rows x
 //             run_rows(rows) cols: 16-byte loads along cols, the tile's destination one contiguous run written
@@ -39,7 +44,7 @@ constexpr int kThreads = 256;
 constexpr int kElems = 4096;                       // elements per tile
 constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
 enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5, kWideVec = 6,
-             kRowsVec = 7, kSubVec = 8, kColsVec = 9 };   // per-job kinds (igemm/conv/_transpose.py)
+             kRowsVec = 7, kSubVec = 8, kColsVec = 9, kScatter = 10, kScatterVec = 11 };   // (igemm/conv/_transpose.py)
 // kRowsVec's rows a tile for cols columns (kColsVec's columns for rows rows): a multiple of 8 whose tile fits the
 // shared memory, at most 256 (igemm/conv/_transpose.py: run_rows)
 IGEMM_DEVICE constexpr int run_rows(int cols) {
@@ -134,6 +139,39 @@ IGEMM_DEVICE void tile_sub_vec16(uint32_t* sm, const uint16_t* __restrict__ src,
   }
   __syncthreads();
   store_vec16_tile(sm, dst + int64_t(img) * rows * cols, rows, cols, r0, c0);
+}
+
+// kScatter(Vec): destination channels ch0..ch0+63 x pixels px0..px0+63 of image img; m = {W, Q, sh, sw}.
+template <bool Vec>
+IGEMM_DEVICE void tile_scatter16(uint32_t* sm, const uint16_t* __restrict__ src, uint16_t* __restrict__ dst, int rows,
+                                 int cols, int pitch, int img, int ch0, int px0, SubMap m) {
+  constexpr int T64 = 64, LD = 33, CH = T64 / 8;
+  const int tid = threadIdx.x;
+  const uint16_t* s = src + int64_t(img) * rows * cols;
+#pragma unroll
+  for (int i = 0; i < T64 * CH / kThreads; ++i) {              // row r: destination pixel px0 + r, 8 channels a chunk
+    const int q = tid + i * kThreads, r = q / CH, cc = q % CH, px = px0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (px < pitch && ch0 + cc * 8 < cols) {
+      const int h = px / m.scols, w = px - h * m.scols;
+      if (h % m.srow == 0 && w % m.sw == 0)
+        v = ldg_stream16(s + int64_t((h / m.srow) * m.q + w / m.sw) * cols + ch0 + cc * 8);
+    }
+    uint32_t* o = sm + r * LD + cc * 4;
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+  }
+  __syncthreads();
+  uint16_t* d = dst + int64_t(img) * cols * pitch;
+  if constexpr (Vec) {
+    store_vec16_tile(sm, d, pitch, cols, px0, ch0);
+  } else {
+#pragma unroll
+    for (int i = 0; i < T64 * T64 / kThreads; ++i) {
+      const int e = tid + i * kThreads, r = e % T64, c = e / T64;
+      if (px0 + r < pitch && ch0 + c < cols)
+        d[int64_t(ch0 + c) * pitch + px0 + r] = uint16_t(sm[r * LD + (c >> 1)] >> ((c & 1) * 16));
+    }
+  }
 }
 
 // 16-bit 64 x 64 tile with 16-byte loads along cols and 16-byte stores along rows; kept as 32-bit words
@@ -258,6 +296,10 @@ IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, i
       static_assert(sizeof(T) == 2, "16-byte row tiles are for 16-bit elements");
       tile_rows_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img,
                       rt * run_rows(cols));
+    } else if constexpr (Mode == kScatter || Mode == kScatterVec) {
+      static_assert(sizeof(T) == 2, "scatter tiles are for 16-bit elements");
+      tile_scatter16<Mode == kScatterVec>(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows,
+                                          cols, pitch, img, rt * 64, ct * 64, sub);
     } else if constexpr (Mode == kColsVec) {
       static_assert(sizeof(T) == 2, "16-byte column tiles are for 16-bit elements");
       tile_cols_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img,
@@ -285,8 +327,8 @@ template <class T, int Mode0, int Mode1, class P>
 __device__ void transpose2(const P& p) {
   __shared__ uint32_t sm[kSmemWords];
   const int b = blockIdx.x;
-  static_assert(Mode1 != kSub && Mode1 != kSubVec && Mode1 != kWide && Mode1 != kWideVec,
-                "subsampled and wide tiles are job 0's");
+  static_assert(Mode1 != kSub && Mode1 != kSubVec && Mode1 != kWide && Mode1 != kWideVec && Mode1 != kScatter &&
+                Mode1 != kScatterVec, "subsampled, scattered and wide tiles are job 0's");
   if (b < p.blocks0)
     run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.pitch0, p.tr0, p.tc0, b,
                        SubMap{p.scols0, p.q0, p.srow0, p.sw0});

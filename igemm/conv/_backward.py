@@ -115,6 +115,24 @@ class GradInputProblem(_Forward):
         return GradInputProblem((self.N, self.H, self.W, self.C), (self.K, self.R, self.S, self.C), "NHWC",
                                 self.stride, self.padding, self.dilation)
 
+    def nhwc_twin(self) -> "GradInputProblem":
+        """The NHWC problem whose kernel runs an NCHW one on transposed copies: :meth:`nhwc`, or for a strided 1x1
+        without padding (C % 8 == 0) the stride-1 1x1 whose dx holds only the pixels a tap reaches, scattered back
+        with the zeros between (:meth:`dx_job`)."""
+        if self._scatters():
+            return GradInputProblem((self.N, self.P, self.Q, self.C), (self.K, 1, 1, self.C), "NHWC", 1, 0, 1)
+        return self.nhwc()
+
+    def dx_job(self) -> TransposeJob:
+        """The transpose of :meth:`nhwc_twin`'s dx [N][pixels][C] into dx [N][C][HW]."""
+        if self._scatters():
+            return TransposeJob(self.N, self.P * self.Q, self.C, 2, pitch=self.H * self.W,
+                                scatter=(self.Q, self.W, *self.stride))
+        return TransposeJob(self.N, self.H * self.W, self.C, 2)
+
+    def _scatters(self) -> bool:
+        return self.R == self.S == 1 and self.padding == (0, 0) and self.stride != (1, 1) and self.C % 8 == 0
+
     def nhwc_moves(self) -> tuple[Move]:
         """For an NCHW problem: dy -> (N, P, Q, K) with the mask / prologue applied on the way (dy without a mask or
         prologue, w and the twin's dx take the forward's transpose kernel)."""

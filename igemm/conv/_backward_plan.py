@@ -248,11 +248,12 @@ class Conv2dGradInputPlan(_GradPlan):
             #: the native kernel (sm_90a, 16-bit NHWC, stride 1: dy and w read in place, conv/_native.py)
             self.native = _native.NativeDgrad(g, self.dtype, self.device_id, na_sms)
         elif (options is None and layout == "NCHW" and (g.stride != (1, 1) or (g.R * g.S > 1 and g.H * g.W < 64))
-              and _native.dgrad_unsupported(g.nhwc(), self.dtype, "NHWC", na_arch) is None):
+              and _native.dgrad_unsupported(g.nhwc_twin(), self.dtype, "NHWC", na_arch) is None):
             # a strided NCHW dgrad, or one with taps over images under 64 pixels: the NHWC twin's kernel on
-            # transposed copies of dy and w (a 1x1's w as it is), dx transposed back (docs/performance.md:
-            # dgrad-nchw-twin, dgrad-nchw-twin-small)
-            self.native = _native.NativeDgrad(g.nhwc(), self.dtype, self.device_id, na_sms)
+            # transposed copies of dy and w (a 1x1's w as it is), dx transposed back (a strided unpadded 1x1's twin a
+            # stride-1 1x1, its dx scattered back with the zeros; docs/performance.md: dgrad-nchw-twin,
+            # dgrad-nchw-twin-small, dgrad-nchw-scatter)
+            self.native = _native.NativeDgrad(g.nhwc_twin(), self.dtype, self.device_id, na_sms)
             self._nchw = g.nhwc_moves()
         if self.native is not None:
             self.sms, self.plans = na_sms, {}
@@ -348,8 +349,7 @@ class Conv2dGradInputPlan(_GradPlan):
             wt = self._buf("wt", t.w_shape, dt)
             self._nhwc_inputs(h, lambda: _transpose.TransposeJob(g.K, g.C, g.R * g.S, 2), w, wt, dy, dyt, mode, fp)
         self.native.launch(h, dyt, wt, dxt)
-        # the twin's dx [N][HW][C] -> dx [N][C][HW]
-        self._nhwc_output(h, lambda: _transpose.TransposeJob(g.N, g.H * g.W, g.C, 2), dxt, dx)
+        self._nhwc_output(h, g.dx_job, dxt, dx)          # the twin's dx [N][pixels][C] -> dx [N][C][HW]
 
 
 class Conv2dGradWeightPlan(_GradPlan):

@@ -5,7 +5,8 @@
   directly from the epilogue, so only the input and the filter make the round trip;
 * the channel pad (16-bit, C < 8, either layout): x and w copied with C padded to 8 zero channels, so
   the gather uses 16-byte loads (the element gather of C = 3 is the slowest path there is);
-* a 1x1 strided unpadded conv's NCHW x: only ``x[:, :, ::sh, ::sw]`` is copied (``sub``);
+* a 1x1 strided unpadded conv's NCHW x: only ``x[:, :, ::sh, ::sw]`` is copied (``sub``), and its inverse with
+  the zeros between (``scatter``: the backward's NHWC twin's dx back to NCHW);
 * the NCHW patch path's x (C <= 4): NCHW -> NHWC in 4 x 1024 tiles (then ``_unfold.Unfolded`` copies w).
 
 ``_paths.kernel_setup`` decides when.
@@ -26,7 +27,8 @@ PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
 _THREADS = 256
 
 
-SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC, ROWSVEC, SUBVEC, COLSVEC = range(10)   # job kinds (transpose.cuh)
+(SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC, ROWSVEC, SUBVEC, COLSVEC, SCATTER,
+ SCATTERVEC) = range(12)                                                       # job kinds (csrc/conv/transpose.cuh)
 _TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024, SUBVEC: 64}
 _RUN_MAX = 512          # ROWSVEC's columns / COLSVEC's rows at most: a tile's destination runs of 16 rows or more
 
@@ -56,18 +58,23 @@ class TransposeJob:
     ``pitch >= rows``, the extra entries zero); with ``pad=True`` instead ``[cols][rows] -> [cols][pitch]``
     (a channel pad of ``cols`` pixels; ``batch`` must be 1). ``sub=(Q, W, sh, sw, H*W)``: the source rows
     are images of ``H*W`` pixels and destination column c is pixel ``(c // Q)*sh*W + (c % Q)*sw`` of them
-    (``x[:, :, ::sh, ::sw]``, ``cols = P*Q``; job 0 of a launch only)."""
+    (``x[:, :, ::sh, ::sw]``, ``cols = P*Q``; job 0 of a launch only). ``scatter=(Q, W, sh, sw)``: its inverse,
+    the source ``[batch][P*Q][C]`` (``rows = P*Q``, ``cols = C``; 16-bit, ``C % 8 == 0``, a 16-byte aligned
+    source) into ``[batch][C][pitch = H*W]``, pixel ``(h, w)`` from source row ``(h // sh)*Q + w // sw`` where
+    ``h % sh == w % sw == 0``, else zero (job 0 only)."""
 
-    __slots__ = ("batch", "rows", "cols", "esize", "pitch", "pad", "sub", "_geo")
+    __slots__ = ("batch", "rows", "cols", "esize", "pitch", "pad", "sub", "scatter", "_geo")
 
     def __init__(self, batch: int, rows: int, cols: int, esize: int, pitch: int | None = None, pad: bool = False,
-                 sub: tuple[int, int, int, int, int] | None = None):
+                 sub: tuple[int, int, int, int, int] | None = None, scatter: tuple[int, int, int, int] | None = None):
         self.batch, self.rows, self.cols, self.esize = batch, rows, cols, esize
         self.pitch = rows if pitch is None else pitch
         self.pad = pad
-        self.sub = sub
-        if self.pitch < rows or (pad and batch != 1) or (sub is not None and (pad or sub[4] < cols)):
-            raise ValueError(f"bad job: batch {batch}, rows {rows}, pitch {self.pitch}, pad {pad}, sub {sub}")
+        self.sub, self.scatter = sub, scatter
+        if (self.pitch < rows or (pad and batch != 1) or (sub is not None and (pad or sub[4] < cols))
+                or (scatter is not None and (pad or sub is not None or esize != 2 or cols % 8))):
+            raise ValueError(f"bad job: batch {batch}, rows {rows}, cols {cols}, pitch {self.pitch}, pad {pad}, "
+                             f"sub {sub}, scatter {scatter}")
         if sub is not None and batch * rows * sub[4] >= 2 ** 62:
             raise NotImplementedError(f"transpose of {batch}x{rows}x{sub[4]} is too large")
         if (cols >= 2 ** 31 or batch * -(-self.pitch // 64) * -(-cols // 16) >= 2 ** 31
@@ -86,6 +93,10 @@ class TransposeJob:
         (cols <= 16), 64 x 64."""
         if self.pad:
             return PAD
+        if self.scatter is not None:
+            if src % 16:
+                raise ValueError("scatter: the source must be 16-byte aligned")
+            return SCATTERVEC if self.pitch % 8 == 0 and dst % 16 == 0 else SCATTER
         if self.sub is not None:
             q, w_, sh, sw, hw = self.sub
             if (self.esize == 2 and sw == 2 and q % 2 == 0 and 2 * q <= w_ and hw % 4 == 0 and sh * w_ % 4 == 0
@@ -112,6 +123,10 @@ class TransposeJob:
             if mode == PAD:
                 g = (1, 1, -(-self.cols * self.pitch // 4096))
             else:
+                if mode in (SCATTER, SCATTERVEC):     # 64 channels x 64 destination pixels
+                    g = (-(-self.cols // 64), -(-self.pitch // 64))
+                    g = self._geo[mode] = (*g, self.batch * g[0] * g[1])
+                    return g
                 if mode == ROWSVEC:
                     tr, tc = run_rows(self.cols), self.cols
                 elif mode == COLSVEC:
@@ -144,8 +159,8 @@ class Prepared:
     __slots__ = ("device_id", "job0", "dst0", "job1", "dst1", "_variants", "_by_align")
 
     def __init__(self, device_id: int, job0: TransposeJob, dst0: int, job1: TransposeJob | None = None, dst1: int = 0):
-        if job1 is not None and job1.sub is not None:
-            raise ValueError("a subsampled job runs as job 0 of a launch")
+        if job1 is not None and (job1.sub is not None or job1.scatter is not None):
+            raise ValueError("a subsampled or scattered job runs as job 0 of a launch")
         self.device_id, self.job0, self.dst0, self.job1, self.dst1 = device_id, job0, dst0, job1, dst1
         self._variants = {}
         self._by_align = {}       # (src0 % 16, src1 % 16) -> variant: a job's mode reads no other bit of a source
@@ -174,6 +189,9 @@ class Prepared:
             if j0.sub is not None:
                 q, w_, sh, sw, hw = j0.sub
                 vals.update(scols0=hw, q0=q, srow0=sh * w_, sw0=sw)
+            if j0.scatter is not None:
+                q, w_, sh, sw = j0.scatter
+                vals.update(scols0=w_, q0=q, srow0=sh, sw0=sw)
             if j1 is not None:
                 tr1, tc1, b1 = j1.geometry(key[1])
                 vals.update(dst1=self.dst1, rows1=j1.rows, cols1=j1.cols, pitch1=j1.pitch, tr1=tr1, tc1=tc1)
@@ -195,6 +213,6 @@ def all_variants() -> list[tuple[str, str]]:
     out = []
     for e in (2, 4):
         modes = (SCALAR64, SCALAR16, VEC, PAD, ROWSVEC, COLSVEC) if e == 2 else (SCALAR64, SCALAR16, PAD)
-        first = modes + ((SUB, WIDE, WIDEVEC, SUBVEC) if e == 2 else (SUB, WIDE))
+        first = modes + ((SUB, WIDE, WIDEVEC, SUBVEC, SCATTER, SCATTERVEC) if e == 2 else (SUB, WIDE))
         out += [(_name(e, a, b), _stub(e, a, b)) for a in first for b in modes]
     return out

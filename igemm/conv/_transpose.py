@@ -111,7 +111,7 @@ class TransposeJob:
             if r8 and c8:
                 return VEC
             if r8 and self.cols <= _RUN_MAX:
-                return ROWSVEC      # the tile's source one contiguous run
+                return ROWSVEC      # the tile's source one contiguous run (docs/performance.md: transpose-run-tiles)
             if c8 and self.rows <= _RUN_MAX:
                 return COLSVEC      # the tile's destination one contiguous run
         return SCALAR16 if self.cols <= 16 else SCALAR64

@@ -74,6 +74,62 @@ def test_unfold_choice_and_geometry(layout, rng):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(pb))
 
 
+def _transpose_tiles_numpy(job, mode: int, src: np.ndarray) -> np.ndarray:
+    """csrc/conv/transpose.cuh's run tiles (ROWSVEC, COLSVEC) and scatter tiles in numpy, block by block from the
+    job's geometry (run_tile's block -> tile order); every tile's shared-memory footprint checked against the
+    kernel's 8704 elements. Destination elements no block writes stay NaN."""
+    from igemm.conv import _transpose as T
+    B, rows, cols, pitch = job.batch, job.rows, job.cols, job.pitch
+    s = src.reshape(B, rows, cols)
+    dst = np.full((B, cols, pitch), np.nan)
+    tr, tc, blocks = job.geometry(mode)
+    for b in range(blocks):
+        ct, rest = b % tc, b // tc
+        rt, img = rest % tr, rest // tr
+        if mode == T.ROWSVEC:
+            r0 = rt * T.run_rows(cols)
+            n = min(T.run_rows(cols), rows - r0)
+            assert n > 0 and n % 8 == 0 and n * cols <= 8704
+            dst[img, :, r0:r0 + n] = s[img, r0:r0 + n, :].T
+        elif mode == T.COLSVEC:
+            c0 = ct * T.run_rows(rows)
+            n = min(T.run_rows(rows), cols - c0)
+            assert n > 0 and n % 8 == 0 and n * rows <= 8704
+            dst[img, c0:c0 + n, :] = s[img, :, c0:c0 + n].T
+        else:                                       # SCATTER(VEC): 64 channels x 64 destination pixels
+            q, w_, sh, sw = job.scatter
+            ch, px = np.arange(rt * 64, min(rt * 64 + 64, cols)), np.arange(ct * 64, min(ct * 64 + 64, pitch))
+            h, w = px // w_, px % w_
+            on = (h % sh == 0) & (w % sw == 0)
+            val = s[img][np.where(on, (h // sh) * q + w // sw, 0)][:, ch]          # [pixels][channels]
+            dst[img][np.ix_(ch, px)] = np.where(on[:, None], val, 0).T
+    return dst
+
+
+def test_transpose_tiles_emulated(rng):
+    """The run and scatter tiles' geometry covers each destination element once with the right source element
+    (numpy emulation of the kernel's block -> tile order): images of 196 and 49 pixels, a 3x3 filter, tails of rows
+    and columns, the scatter of strided 1x1s (odd sizes, strides 2 and 3)."""
+    from igemm.conv import _transpose as T
+    for B, R, C in ((3, 1032, 196), (2, 520, 49), (2, 40, 500), (4, 512, 9), (3, 196, 1032), (2, 49, 520),
+                    (4, 9, 512), (2, 1, 64), (2, 500, 40)):
+        job = T.TransposeJob(B, R, C, 2)
+        mode = job.mode(0, 0, first=False)
+        assert mode == (T.ROWSVEC if R % 8 == 0 else T.COLSVEC), (B, R, C)
+        a = rng.standard_normal((B, R, C))
+        np.testing.assert_array_equal(_transpose_tiles_numpy(job, mode, a), a.transpose(0, 2, 1),
+                                      err_msg=str((B, R, C)))
+    for B, C, H, W, sh, sw in ((2, 64, 28, 28, 2, 2), (3, 72, 13, 11, 3, 3), (2, 136, 16, 14, 2, 1),
+                               (1, 64, 9, 20, 1, 2)):
+        P, Q = (H - 1) // sh + 1, (W - 1) // sw + 1
+        job = T.TransposeJob(B, P * Q, C, 2, pitch=H * W, scatter=(Q, W, sh, sw))
+        a = rng.standard_normal((B, P * Q, C))
+        want = np.zeros((B, C, H, W))
+        want[:, :, ::sh, ::sw] = a.reshape(B, P, Q, C).transpose(0, 3, 1, 2)
+        got = _transpose_tiles_numpy(job, job.mode(0, 0), a)
+        np.testing.assert_array_equal(got.reshape(B, C, H, W), want, err_msg=str((B, C, H, W, sh, sw)))
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -119,7 +175,8 @@ def test_gpu_transpose_kernel(rng):
                           (torch.float16, (4, 512, 9)), (torch.bfloat16, (3, 264, 9)), (torch.float16, (2, 16, 3)),
                           # run tiles of images of 196 and 49 pixels (a tail tile of rows), wider rows, and the
                           # mirror: all rows x run_rows(rows) columns (a tail tile of columns)
-                          (torch.float16, (3, 1032, 196)), (torch.bfloat16, (2, 520, 49)), (torch.float16, (2, 40, 500)),
+                          (torch.float16, (3, 1032, 196)), (torch.bfloat16, (2, 520, 49)),
+                          (torch.float16, (2, 40, 500)),
                           (torch.float16, (3, 196, 1032)), (torch.bfloat16, (2, 49, 520)), (torch.float16, (4, 9, 512)),
                           (torch.float16, (2, 1, 64)), (torch.float16, (2, 500, 40))]:
         for pitch in {R, R + 5}:                                 # zero-filled channels past R

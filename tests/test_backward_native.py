@@ -118,16 +118,22 @@ NATIVE_NCHW_WGRAD = [(2, 64, 7, 8, 40, 1, 1, 1, 0, 1), (2, 200, 12, 10, 136, 1, 
 def test_gpu_wgrad_nchw_native(case, dtype, rng):
     """The NCHW 1x1 wgrad kernel (x and dy read in place) against float64: plain, with the mask and with the
     prologue (formed first), dw into an fp32 out and accumulated there, and dw in its own dtype."""
-    torch = pytest.importorskip("torch")
     from igemm.conv import _native_nchw
+    plan = _check_nchw_wgrad(case, dtype, rng)
+    assert isinstance(plan.native, _native_nchw.NativeWgradNchw) and plan._nchw is None
+
+
+def _check_nchw_wgrad(case: tuple, dtype: str, rng):
+    """An NCHW wgrad plan against float64 (``_check_wgrad``), then dw in its own dtype; returns the plan."""
+    torch = pytest.importorskip("torch")
     p = _geometry(*case)
     xs, ws, ys = shapes(p, "NCHW")
     plan = igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NCHW", *geom(p))
-    assert isinstance(plan.native, _native_nchw.NativeWgradNchw) and plan._nchw is None
     x, dy, ref = _check_wgrad(torch, p, dtype, rng, "NCHW")
     dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
     plan(x, dy, out=dw)
     assert rel_err(to_numpy(dw), ref) < TOL[dtype]
+    return plan
 
 
 #: NCHW wgrads on the NHWC twin's kernel: strided unpadded 1x1s (x only where read: 8-byte pair loads, element
@@ -143,15 +149,8 @@ NCHW_TWIN_WGRAD = [(2, 64, 14, 14, 128, 1, 1, 2, 0, 1), (2, 64, 13, 11, 64, 1, 1
 def test_gpu_wgrad_nchw_twin(case, dtype, rng):
     """A 16-bit NCHW wgrad on its NHWC twin's kernel against float64: plain, with the mask and with the prologue,
     dw into an fp32 out and accumulated there, and dw in its own dtype."""
-    torch = pytest.importorskip("torch")
-    p = _geometry(*case)
-    xs, ws, ys = shapes(p, "NCHW")
-    plan = igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NCHW", *geom(p))
+    plan = _check_nchw_wgrad(case, dtype, rng)
     assert plan._nchw is not None and plan.native.g.layout == "NHWC"
-    x, dy, ref = _check_wgrad(torch, p, dtype, rng, "NCHW")
-    dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
-    plan(x, dy, out=dw)
-    assert rel_err(to_numpy(dw), ref) < TOL[dtype]
 
 
 def test_wgrad_native_choice():

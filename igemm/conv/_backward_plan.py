@@ -320,11 +320,7 @@ class Conv2dGradInputPlan(_GradPlan):
             self._prepass(h, self._pre, dy, dz, mode, fp)
             dy = dz
         if self.native is not None:
-            if w % 16:
-                wc = self._buf("wc", g.w_shape, dt)
-                self._wcopy.launch(dev, h, dt, dt, w, wc, sms=self.sms)
-                w = wc
-            return self.native.launch(h, dy, w, dx, add, fp["mask"] if fused else 0)
+            return self.native.launch(h, dy, self._w_aligned(h, w), dx, add, fp["mask"] if fused else 0)
         if self._zero:                        # rows no tap reaches: zero at memset speed first
             _runtime.memset_d8(dx, 0, self._dx_bytes, _runtime.RawStream(h))
         for i, plan, fmove, imove, off, f_shape in self._phases:
@@ -335,15 +331,21 @@ class Conv2dGradInputPlan(_GradPlan):
             if not g.direct:
                 imove.launch(dev, h, dt, dt, y, dx + off * es, sms=self.sms)
 
+    def _w_aligned(self, h: int, w: int) -> int:
+        """w, or its copy where it is not 16-byte aligned (the native kernel's tensor map needs it)."""
+        if w % 16 == 0:
+            return w
+        wc = self._buf("wc", self.problem.w_shape, self.dtype)
+        self._wcopy.launch(self.device_id, h, self.dtype, self.dtype, w, wc, sms=self.sms)
+        return wc
+
     def _run_nchw(self, h: int, dy: int, w: int, dx: int, mode: str, fp: dict) -> None:
         """The NHWC twin's kernel on NHWC copies: dy and w by the forward's NCHW -> NHWC transpose pair in one
         launch (dy by a tiled move where the mask / prologue apply), then the twin's dx transposed into dx."""
         g, dt, t = self.problem, self.dtype, self.native.g
         dyt, dxt = self._buf("dyt", t.dy_shape, dt), self._buf("dxt", t.x_shape, dt)
-        if g.R * g.S == 1:                    # a 1x1's w [K][C] is its twin's (aligned, as the native kernel reads it)
-            wt = w if w % 16 == 0 else self._buf("wt", t.w_shape, dt)
-            if wt != w:
-                self._wcopy.launch(self.device_id, h, dt, dt, w, wt, sms=self.sms)
+        if g.R * g.S == 1:                    # a 1x1's w [K][C] is its twin's
+            wt = self._w_aligned(h, w)
             self._nhwc_inputs(h, None, 0, 0, dy, dyt, mode, fp)
         else:                                 # w [K][C][RS] -> [K][RS][C] beside dy
             wt = self._buf("wt", t.w_shape, dt)

@@ -122,11 +122,10 @@ class TransposeJob:
         if g is None:
             if mode == PAD:
                 g = (1, 1, -(-self.cols * self.pitch // 4096))
+            elif mode in (SCATTER, SCATTERVEC):       # 64 channels x 64 destination pixels
+                g = (-(-self.cols // 64), -(-self.pitch // 64))
+                g = (*g, self.batch * g[0] * g[1])
             else:
-                if mode in (SCATTER, SCATTERVEC):     # 64 channels x 64 destination pixels
-                    g = (-(-self.cols // 64), -(-self.pitch // 64))
-                    g = self._geo[mode] = (*g, self.batch * g[0] * g[1])
-                    return g
                 if mode == ROWSVEC:
                     tr, tc = run_rows(self.cols), self.cols
                 elif mode == COLSVEC:

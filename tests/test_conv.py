@@ -175,6 +175,10 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(layout="NCHW")).load_a == "elem"
     assert choose_config(_pb(), x_aligned=False).load_a == "elem"
     assert choose_config(_pb(dtype="float32", precision="strict")).math == "tf32x3"   # 3xTF32
+    # 3xTF32 splits: up to 4 while the tiles are fewer than two an SM, more for a reduction of >= 256 k-tiles
+    # (tf32x3-deep-splits: N = 1 3x3 512->512 @7, one tile, 288 k-tiles)
+    assert choose_config(_pb(N=1, C=512, K=512, H=7, W=7, dtype="float32", precision="strict")).splits == 16
+    assert choose_config(_pb(N=8, C=256, K=256, H=14, W=14, dtype="float32", precision="strict")).splits == 4
     ffma = Conv2dPlan((2, 64, 9, 9), (32, 64, 3, 3), "float32", padding=1, device="numpy",
                       options=igemm.Conv2dOptions(config={"math": "simt"})).spec()
     assert (ffma.math, ffma.bm, ffma.bn, ffma.bk) == ("simt", 128, 128, 8)      # the FFMA kernel's own tile

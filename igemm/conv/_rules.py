@@ -153,6 +153,17 @@ def _base_loads(d: _Draft) -> None:
 
 def _tf32x3_splits(d: _Draft) -> None:
     d.splits = 1 if d.tiles >= 2 * d.sms else max(1, min(_cdiv(2 * d.sms, d.tiles), 4, d.kt // 8))
+    if d.kt >= 256 and d.tiles < 2 * d.sms:    # the turned wgrad's deep reductions (tf32x3-deep-splits)
+        d.splits = max(d.splits, _deep_splits(d.tiles, d.kt, d.pb.M * d.pb.K, 3 * d.sms))
+
+
+def _deep_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
+    """The power-of-two split (<= 128) of a ``kt``-k-tile reduction over ``tiles`` tiles of an ``mn``-element output
+    for ``slots`` resident CTAs that minimises the rounds of units a CTA runs x (its k-tiles + 2) + 64 k-tile times a
+    split per million partials; fitted to the strict fp32 wgrad's tile x split sweep (ResNet-50, N = 32, H200)."""
+    def cost(sp: int) -> float:
+        return _cdiv(tiles * sp, slots) * (_cdiv(kt, sp) + 2) + (64 * sp * mn / 1e6 if sp > 1 else 0)
+    return min((1 << i for i in range(8) if 1 << i <= kt), key=lambda sp: (cost(sp), sp))
 
 
 def _wider(d: _Draft) -> bool:

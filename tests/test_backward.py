@@ -45,7 +45,7 @@ def random_problem(rng, small: bool = True) -> dict:
 
 
 def one_by_one(p: dict) -> dict:
-    """``p`` made a 1x1 unpadded problem (wgrad's GEMM form on NHWC)."""
+    """``p`` made a 1x1 unpadded problem (wgrad's GEMM form)."""
     p = dict(p, R=1, S=1, padding=(0, 0))
     p["P"] = (p["H"] - 1) // p["stride"][0] + 1
     p["Q"] = (p["W"] - 1) // p["stride"][1] + 1
@@ -138,7 +138,7 @@ def emulate_grad_weight(x, dy, w_shape, layout, stride, padding, dilation, mode=
             xin = x
             wt = np.full(a["w_shape"], np.nan)
             g.gemm_operand_move(role).run_numpy(dy, wt.reshape(-1), mode=mode, mask=mask, z=z, coef=coef)
-        yt = reference.conv2d_direct(xin.reshape(a["x_shape"]), wt, 1, 0, 1, "NCHW")
+        yt = reference.conv2d_direct(xin.reshape(a["x_shape"]), wt, 1, 0, 1, a["layout"])
         dw = np.full(w_shape, np.nan)
         g.gemm_out_move(role).run_numpy(yt, dw.reshape(-1))
         return dw
@@ -437,6 +437,25 @@ def test_gpu_fp32_gradient_and_accumulate(rng):
     assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL["float16"]
 
 
+def test_wgrad_nchw_taps_choice():
+    """An NCHW 1x1 unpadded wgrad without a native kernel (strict fp32; 16-bit on sm_80) is the GEMM form on the NHWC
+    forward with N taps, the smaller operand moved, where P·Q rows load 16 bytes at a time (else the turned
+    convolution); the deep reduction is split to fill the GPU (tf32x3-deep-splits)."""
+    def plan(xs, ws, st=1, pd=0, dtype="float32", arch="sm_90a"):
+        return igemm.Conv2dGradWeightPlan(xs, ws, dtype, "NCHW", st, pd, device="numpy", arch=arch, sms=132)
+    p = plan((32, 64, 56, 56), (256, 64, 1, 1))
+    pb, spec = p.plan.problem, p.plan.spec()
+    assert p.role == "dy" and (pb.N, pb.H, pb.W, pb.C, pb.K, pb.R, pb.S) == (1, 32, 256, 3136, 64, 32, 1)
+    assert spec.load_a == spec.load_b == "vec" and spec.splits == 64
+    assert plan((32, 1024, 14, 14), (256, 1024, 1, 1)).role == "x"                    # dy moved: K < C
+    assert plan((32, 256, 56, 56), (512, 256, 1, 1), 2).role == "dy"                 # strided: x subsampled
+    assert plan((32, 64, 7, 7), (256, 64, 1, 1)).role is None                        # 49-element rows
+    assert plan((32, 64, 8, 8), (256, 64, 1, 1), 1, 1).role is None                  # padded
+    assert plan((32, 64, 56, 56), (256, 64, 3, 3), 1, 1).role is None                # taps
+    assert plan((8, 64, 16, 16), (128, 64, 1, 1), dtype="float16", arch="sm_80").role == "dy"
+    assert plan((8, 64, 16, 16), (128, 64, 1, 1), dtype="float16").role == "native"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("C, K, st, role", [(96, 128, 1, "dy"), (128, 60, 1, "x"), (96, 128, 2, "dy")])
 @pytest.mark.parametrize("mode", ["plain", "mask", "bn"])
@@ -449,6 +468,26 @@ def test_gpu_wgrad_gemm_form(C, K, st, role, mode, rng):
     xs, ws, _ = shapes(p, "NHWC")
     assert igemm.Conv2dGradWeightPlan(xs, ws, "float16", "NHWC", st, mask=mode != "plain").role == role
     assert _run_case(torch, p, "NHWC", "float16", rng, "wgrad", mode) <= TOL["float16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C, K, st, role", [(24, 40, 1, "dy"), (40, 12, 1, "x"), (24, 40, 2, "dy"), (12, 20, 3, "dy")])
+@pytest.mark.parametrize("mode", ["plain", "mask", "bn"])
+def test_gpu_wgrad_nchw_taps(C, K, st, role, mode, rng):
+    """wgrad's NCHW GEMM form (strict fp32, 1x1 unpadded): the NHWC forward with N taps reads one operand in place,
+    strided, with the mask / prologue; fp32 ``out`` with accumulation."""
+    torch = pytest.importorskip("torch")
+    p = one_by_one(dict(N=3, C=C, H=12, W=12, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
+    xs, ws, _ = shapes(p, "NCHW")
+    plan = igemm.Conv2dGradWeightPlan(xs, ws, "float32", "NCHW", st, mask=mode != "plain")
+    assert plan.role == role
+    assert _run_case(torch, p, "NCHW", "float32", rng, "wgrad", mode) <= TOL["float32"]
+    x, dy = (torch.randn(s, device="cuda") for s in (xs, (3, K, p["P"], p["Q"])))
+    base = torch.randn(ws, device="cuda")
+    acc = base.clone()
+    igemm.conv2d_grad_weight(x, dy, ws, st, layout="NCHW", out=acc, accumulate=True)
+    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, st, 0, 1, "NCHW")
+    assert rel_err(to_numpy(acc), ref + to_numpy(base)) < TOL["float32"]
 
 
 @pytest.mark.gpu
@@ -613,6 +652,13 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
                                                   arch="sm_90a", sms=132).sub_plans():
                 name, s = sub.kernel(True, True)
                 out[s] = name
+    for C, K, st in ((24, 40, 1), (40, 12, 1), (24, 40, 2), (12, 20, 3)):          # test_gpu_wgrad_nchw_taps
+        p = one_by_one(dict(N=3, C=C, H=12, W=12, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
+        xs, ws, _ = shapes(p, "NCHW")
+        for sub in igemm.Conv2dGradWeightPlan(xs, ws, "float32", "NCHW", st, device="numpy", arch="sm_90a",
+                                              sms=132).sub_plans():
+            name, s = sub.kernel(True, True)
+            out[s] = name
     for op in ("dgrad", "wgrad"):
         for dtype in ("float16", "bfloat16", "float32"):
             for layout in ("NCHW", "NHWC"):

@@ -203,12 +203,12 @@ class GradWeightProblem(_Forward):
         return dict(x_shape=self.xt_shape, w_shape=self.dyt_shape, layout="NHWC", stride=self.dilation,
                     padding=0, dilation=self.stride)
 
-    # ---- a 1x1, unpadded NHWC problem: one GEMM over N·P·Q, one operand read in place
+    # ---- a 1x1 unpadded problem: one GEMM over N·P·Q, one operand read in place, the other moved
     def gemm_role(self, fused: bool) -> str | None:
         """Which operand the GEMM form reads in place: ``"dy"`` (x moved, subsampled by the stride), ``"x"``
-        (stride 1: dy moved, the mask / prologue applied on the way), or None (not a 1x1 unpadded NHWC problem).
+        (stride 1: dy moved, the mask / prologue applied on the way), or None (not a 1x1 unpadded problem).
         The smaller of the two is moved; ``fused`` (a mask or prologue) does not change that."""
-        if not (self.R == self.S == 1 and self.padding == (0, 0) and self.layout == "NHWC"):
+        if not (self.R == self.S == 1 and self.padding == (0, 0)):
             return None
         if self.stride != (1, 1):
             return "dy"
@@ -217,28 +217,44 @@ class GradWeightProblem(_Forward):
         return "x" if self.C > self.K else "dy"
 
     def gemm_plan_args(self, role: str) -> dict:
-        """The NCHW 1x1 forward that is the GEMM: x' = the in-place operand as (1, N·P·Q, M, 1) (its rows are the
-        reduction, read as MN-major tiles), w' = the moved one, (cols, N·P·Q); y' = (1, cols, M, 1)."""
+        """The forward convolution that is the GEMM; the in-place operand has M = K ("dy") or C ("x") channels, the
+        moved one, w' = (cols, N·P·Q), the other. NHWC: the NCHW 1x1 forward of x' = the in-place operand as
+        (1, N·P·Q, M, 1) (its rows are the reduction, read as MN-major tiles); y' = (1, cols, M, 1). NCHW: the
+        NHWC forward of x' = the in-place operand as one image of N rows, M columns and P·Q channels, with an
+        N x 1 filter (w' as (cols, N, 1, P·Q)); y' = (1, 1, M, cols) (docs/performance.md: wgrad-nchw-taps)."""
         npq = self.N * self.P * self.Q
         m, n = (self.K, self.C) if role == "dy" else (self.C, self.K)
+        if self.layout == "NCHW":
+            pq = self.P * self.Q
+            return dict(x_shape=(1, self.N, m, pq), w_shape=(n, self.N, 1, pq), layout="NHWC", stride=1,
+                        padding=0, dilation=1)
         return dict(x_shape=(1, npq, m, 1), w_shape=(n, npq, 1, 1), layout="NCHW", stride=1, padding=0, dilation=1)
 
     def gemm_operand_move(self, role: str) -> Move:
-        """The moved operand, as w' rows: x subsampled (role "dy"), or dy (role "x": channel dim 0)."""
+        """The moved operand, as w' rows [cols][N][P·Q]: x subsampled (role "dy"), or dy (role "x": channel dim 0).
+        The tiled kernel where the source is channels-last (``tb`` 0), 16-byte rows where it is NCHW."""
         N, P, Q, C, K = self.N, self.P, self.Q, self.C, self.K
         if role == "dy":
-            sN, sH, sW, sC = contiguous(self.x_shape)
+            sN, sC, sH, sW = _nchw_strides(self.x_shape, self.layout)
             shape, src = (C, N, P, Q), (sC, sN, self.stride[0] * sH, self.stride[1] * sW)
         else:
-            sN, sP, sQ, sK = contiguous(self.dy_shape)
+            sN, sK, sP, sQ = _nchw_strides(self.dy_shape, self.layout)
             shape, src = (K, N, P, Q), (sK, sN, sP, sQ)
-        return Move(shape, src, contiguous(shape), tb=0, cdim=0, K=K)
+        if self.layout == "NHWC":
+            return Move(shape, src, contiguous(shape), tb=0, cdim=0, K=K)
+        if src[2:] == (Q, 1):                 # NCHW at stride 1: rows of P·Q elements
+            shape, src = (*shape[:2], 1, P * Q), (*src[:2], 0, 1)
+        return Move(shape, src, contiguous(shape), cdim=0, K=K)
+
+    def gemm_out_transposed(self, role: str) -> bool:
+        """Whether y' is dw's transpose (C, K): NHWC role "dy", NCHW role "x"; else it is dw's memory (K, C)."""
+        return (role == "dy") == (self.layout == "NHWC")
 
     def gemm_out_move(self, role: str) -> Move:
-        """y' -> dw (K, 1, 1, C): a transpose for role "dy" (y' is (C, K)), a copy for role "x"."""
+        """y' -> dw (K, 1, 1, C): a transpose where y' is (C, K) (:meth:`gemm_out_transposed`), else a copy."""
         K, C = self.K, self.C
-        src = (1, 0, 0, K) if role == "dy" else (C, 0, 0, 1)
-        return Move((K, 1, 1, C), src, contiguous((K, 1, 1, C)), tb=0 if role == "dy" else None)
+        t = self.gemm_out_transposed(role)
+        return Move((K, 1, 1, C), (1, 0, 0, K) if t else (C, 0, 0, 1), contiguous((K, 1, 1, C)), tb=0 if t else None)
 
     def x_move(self) -> Move:
         """x -> xt[c][h'][w'][n] = x[n][h' − pad_h][w' − pad_w][c] (zero outside x)."""
@@ -290,6 +306,12 @@ class GradWeightProblem(_Forward):
         C, K, R, S = self.C, self.K, self.R, self.S
         w = Move((C, K, R, S), (1, R * S * C, S * C, C), (R * S, C * R * S, S, 1), tb=0)
         return _nhwc_dy_move(self), w
+
+
+def _nchw_strides(shape, layout: str) -> tuple:
+    """An activation's element strides in (images, channels, rows, columns) order."""
+    st = contiguous(shape)
+    return st if layout == "NCHW" else (st[0], st[3], st[1], st[2])
 
 
 def _turned(shape, layout: str) -> tuple:

@@ -406,8 +406,8 @@ class Conv2dGradWeightPlan(_GradPlan):
             return
         if self.role is not None:
             self.plan = self._sub_plan(g.gemm_plan_args(self.role), options, arch, sms)
-            if self.plan.path != "native" or self.plan.spec().load_a != "tmamn":
-                self.role = None               # (no MN-major TMA kernel for it here: the turned convolution)
+            if not _gemm_form_runs(self.plan, layout):
+                self.role = None               # (no kernel that reads it in place: the turned convolution)
         if self.role is None:
             self.plan = self._sub_plan(g.sub_plan_args(), options, arch, sms)
             self._moves = (g.x_move(), g.dy_move(), g.w_move())
@@ -503,7 +503,8 @@ class Conv2dGradWeightPlan(_GradPlan):
         self.native.launch(h, x, dy, dw, fp["mask"] if fused else 0)
 
     def _run_gemm(self, h: int, x: int, dy: int, dw: int, fp: dict) -> None:
-        """The GEMM form (1x1 unpadded NHWC): the in-place operand read as MN-major tiles, the other moved."""
+        """The GEMM form (1x1 unpadded): the in-place operand read where it lies, the other moved (NHWC: MN-major
+        tiles of the NCHW 1x1 forward; NCHW: rows of the NHWC forward whose filter has N taps)."""
         g, dev, role = self.problem, self.device_id, self.role
         mode = _mode(fp)
         opm, prem, outm = self._moves
@@ -517,11 +518,20 @@ class Conv2dGradWeightPlan(_GradPlan):
         else:
             opm.launch(dev, h, self.dtype, self.dtype, dy, wt, mode=mode, sms=self.sms, **fp)
             src = x
-        direct = role == "x" and not self.accumulate and self.out_dtype == self.dtype
+        direct = not g.gemm_out_transposed(role) and not self.accumulate and self.out_dtype == self.dtype
         yt = dw if direct else self._buf("yt", (g.K * g.C,), self.dtype)
         self.plan._launch(h, src % 16 == 0, True, src, wt, yt, 0, 0, self.plan._folded)
         if not direct:
             outm.launch(dev, h, self.dtype, self.out_dtype, yt, dw, accumulate=self.accumulate, sms=self.sms)
+
+
+def _gemm_form_runs(plan: Conv2dPlan, layout: str) -> bool:
+    """Whether the GEMM form's forward plan reads its in-place operand whole: NHWC, the NCHW 1x1 forward's MN-major
+    TMA tiles; NCHW, the NHWC forward's 16-byte (or TMA) rows of P·Q channels (else the turned convolution)."""
+    spec = plan.spec()
+    if layout == "NHWC":
+        return plan.path == "native" and spec.load_a == "tmamn"
+    return spec.load_a in ("vec", "tma") and spec.load_b in ("vec", "tma")
 
 
 def _native_wgrad(g, dtype: str, out_dtype: str, accumulate: bool, device_id, arch: str, sms: int):

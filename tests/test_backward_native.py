@@ -277,6 +277,38 @@ def test_gpu_dgrad_nchw_twin(case, dtype, rng):
         assert _run_case(torch, p, "NCHW", dtype, rng, "dgrad", mode) <= TOL[dtype], mode
 
 
+#: NCHW 1x1 stride-1 dgrads on the forward's in-place kernel with w read as it lies (MN-major B tiles): the per-tile
+#: kernel at 64 and 128 columns (a partial column tile), the persistent kernel of three CTAs an SM (N, C, H, K, config)
+W_IN_PLACE_DGRAD = [(2, 96, 16, 128, None), (2, 192, 8, 64, {"bn": 128}), (16, 64, 56, 256, None),
+                    (4, 256, 56, 64, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", W_IN_PLACE_DGRAD, ids=lambda c: "x".join(map(str, c[:4])))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_dgrad_nchw_w_in_place(case, dtype, rng):
+    """A 16-bit NCHW 1x1 dgrad reads w [K][C] in place (no filter move) against float64: plain, with the mask and the
+    prologue, and with w at an address that is not 16-byte aligned (copied first)."""
+    torch = pytest.importorskip("torch")
+    N, C, H, K, cfg = case
+    p = _geometry(N, C, H, H, K, 1, 1, 1, 0, 1)
+    xs, ws, _ = shapes(p, "NCHW")
+    opt = igemm.Conv2dOptions(config=cfg) if cfg else None
+    plan = igemm.Conv2dGradInputPlan(xs, ws, dtype, "NCHW", 1, 0, options=opt)
+    assert [q._w_mn and q.spec().load_b for q in plan.sub_plans()] == ["tmamn"]
+    if cfg is None:
+        for mode in ("plain", "mask", "bn"):
+            assert _run_case(torch, p, "NCHW", dtype, rng, "dgrad", mode) <= TOL[dtype], mode
+    t = getattr(torch, dtype)
+    dy = torch.randn(N, K, H, H, device="cuda", dtype=t)
+    flat = torch.randn(K * C + 1, device="cuda", dtype=t)
+    for w in (flat[:-1].view(ws), flat[1:].view(ws)):            # (the second: 2 bytes past an aligned base)
+        out = poison(torch.empty(xs, device="cuda", dtype=t))
+        plan(dy, w, out=out)
+        ref = reference.conv2d_grad_input_ref(to_numpy(dy), to_numpy(w), xs, 1, 0, 1, "NCHW")
+        assert rel_err(to_numpy(out), ref) <= TOL[dtype]
+
+
 def test_dgrad_nchw_twin_choice():
     """A strided 16-bit NCHW dgrad, or a stride-1 one with taps over images under 64 pixels, runs its NHWC twin's
     native kernel (sm_90a, K % 64 == 0, C % 8 == 0); other stride-1 ones, fp32, or a twin the kernel cannot run keep
@@ -297,6 +329,19 @@ def test_dgrad_nchw_twin_choice():
               plan((32, 512, 7, 7), (2048, 512, 1, 1), st=1, pad=0), plan((2, 64, 8, 8), (64, 64, 3, 3), st=1),
               plan((2, 64, 8, 8), (60, 64, 3, 3)), plan((2, 64, 8, 8), (64, 64, 3, 3), arch="sm_80")):
         assert q._nchw is None and q.native is None
+
+
+def test_dgrad_nchw_w_in_place_choice():
+    """An NCHW 1x1 stride-1 dgrad whose sub-convolution runs the in-place kernel (16-bit, sm_90a, K % 64 == 0, H·W %
+    64 == 0) reads w as it lies (MN-major B tiles, no filter move); elsewhere the filter is moved."""
+    def plan(xs, ws, dtype="float16", arch="sm_90a"):
+        return igemm.Conv2dGradInputPlan(xs, ws, dtype, "NCHW", 1, 0, device="numpy", arch=arch, sms=132)
+    for xs, ws in (((32, 64, 56, 56), (256, 64, 1, 1)), ((32, 256, 56, 56), (64, 256, 1, 1))):
+        (sub,) = plan(xs, ws).sub_plans()
+        assert sub._w_mn and sub.spec().load_b == "tmamn" and "tmamntmamn" in sub.kernel()[0]
+    for q in (plan((32, 64, 56, 56), (256, 64, 1, 1), "float32"), plan((32, 1024, 14, 14), (256, 1024, 1, 1)),
+              plan((2, 96, 16, 16), (200, 96, 1, 1)), plan((2, 96, 16, 16), (128, 96, 1, 1), arch="sm_80")):
+        assert not any(s._w_mn for s in q.sub_plans())
 
 
 def test_dz_pass_geometry():

@@ -91,7 +91,14 @@ IGEMM_DEVICE void tma_issue_stage(const P& p, uint8_t* a_dst, uint8_t* b_dst, ui
   } else {
     tma_load_im2col_4d(a_dst, p.tmA, bar, c0, o.w0, o.h0, o.n, uint16_t(s * p.dw), uint16_t(r * p.dh));
   }
-  if (load_b) tma_load_2d(b_dst, p.tmB, bar, k0, n0);
+  if constexpr (Cfg::LoadB == kLoadTmaMN) {    // w as [Kred][K]: 64 columns × 64 k-rows a copy, 8 KB apart
+    if (load_b) {
+#pragma unroll
+      for (int g = 0; g < Cfg::BN / 64; ++g) tma_load_2d(b_dst + g * 8192, p.tmB, bar, n0 + 64 * g, k0);
+    }
+  } else {
+    if (load_b) tma_load_2d(b_dst, p.tmB, bar, k0, n0);
+  }
 }
 
 IGEMM_DEVICE void tma_prefetch_maps(const void* a, const void* b) {

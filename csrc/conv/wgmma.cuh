@@ -11,10 +11,10 @@ namespace igemm::conv {
 
 namespace gmma = cute::SM90::GMMA;
 
-// A K-major (the default) or MN-major (kLoadTmaMN: pixels contiguous); B always K-major
-template <class T, int N, gmma::Major MA = gmma::Major::K> struct GmmaAtom;
+// A K-major (the default) or MN-major (kLoadTmaMN: pixels contiguous); B K-major or MN-major (kLoadTmaMN B)
+template <class T, int N, gmma::Major MA = gmma::Major::K, gmma::Major MB = gmma::Major::K> struct GmmaAtom;
 #define IGEMM_GMMA_ATOM(T, N, NAME) \
-  template <gmma::Major MA> struct GmmaAtom<T, N, MA> { using type = gmma::NAME<MA, gmma::Major::K>; };
+  template <gmma::Major MA, gmma::Major MB> struct GmmaAtom<T, N, MA, MB> { using type = gmma::NAME<MA, MB>; };
 IGEMM_GMMA_ATOM(cutlass::half_t, 64, MMA_64x64x16_F32F16F16_SS)
 IGEMM_GMMA_ATOM(cutlass::half_t, 128, MMA_64x128x16_F32F16F16_SS)
 IGEMM_GMMA_ATOM(cutlass::half_t, 192, MMA_64x192x16_F32F16F16_SS)
@@ -41,8 +41,9 @@ IGEMM_DEVICE uint64_t desc_sw128(uint32_t smem_addr) {
   return d.desc_;
 }
 
-// MN-major, 128-byte swizzle (kLoadTmaMN's A): 64 contiguous pixels per 128-byte row, one row per channel;
-// the 8-channel core groups 1024 bytes apart (SBO), the next 64 pixels (LBO) unused by a 64-row tile.
+// MN-major, 128-byte swizzle (kLoadTmaMN's A, and its B): 64 contiguous pixels (columns) per 128-byte row, one
+// row per channel (k); the 8-row core groups 1024 bytes apart (SBO), the next 64 pixels (columns) 8192 bytes on
+// (LBO: a 64-row k-tile's copy), which a 64-row A tile does not use.
 IGEMM_DEVICE uint64_t desc_mn_sw128(uint32_t smem_addr) {
   cute::GmmaDescriptor d;
   d.bitfield.start_address_ = static_cast<uint16_t>((smem_addr & 0x3FFFF) >> 4);
@@ -100,15 +101,15 @@ IGEMM_DEVICE void acc_to_cs(const float* acc, uint8_t* smem) {
 
 // One wgmma group over a stage (KSTEPS k16 steps), committed, not waited for. Each k16 step advances the A
 // descriptor by ASTEP 16-byte units: 2 (+32 bytes inside the SW128 atom) or, for the no-swizzle 8-channel A
-// layout, two 16-byte regions.
-template <class Atom, int NACC, int KSTEPS, int ASTEP = 2>
+// layout, two 16-byte regions; the B descriptor by BSTEP (MN-major: 16 rows of 128 bytes).
+template <class Atom, int NACC, int KSTEPS, int ASTEP = 2, int BSTEP = 2>
 IGEMM_DEVICE void wgmma_stage(uint64_t da, uint64_t db, float* acc) {
 #pragma unroll
   for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);
   cute::warpgroup_arrive();
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks)
-    gmma_issue<Atom>(da + ASTEP * ks, db + 2 * ks, acc, std::make_index_sequence<NACC>{});
+    gmma_issue<Atom>(da + ASTEP * ks, db + BSTEP * ks, acc, std::make_index_sequence<NACC>{});
   cute::warpgroup_commit_batch();
 }
 

@@ -99,11 +99,12 @@ class _GradPlan:
             return _runtime.device_arch(self.device_id), _runtime.device_props(self.device_id).multiprocessor_count
         return arch or "sm_90a", 132 if sms is None else int(sms)
 
-    def _sub_plan(self, args: dict, options, arch, sms) -> Conv2dPlan:
+    def _sub_plan(self, args: dict, options, arch, sms, **kw) -> Conv2dPlan:
         return Conv2dPlan(args["x_shape"], args["w_shape"], self.dtype, args["layout"], args["stride"],
                           args["padding"], args["dilation"], precision=self.precision,
                           device="numpy" if self.device_id is None else self.device_id, options=options,
-                          arch=arch if self.device_id is None else None, sms=sms if self.device_id is None else None)
+                          arch=arch if self.device_id is None else None, sms=sms if self.device_id is None else None,
+                          **kw)
 
     def _general(self, a: tuple, b: tuple, out_shape, out_dtype: str, mask, prologue, out, stream):
         """The call for any array kind: ``a``, ``b`` = (name, array, shape); every check before any launch, the
@@ -255,12 +256,19 @@ class Conv2dGradInputPlan(_GradPlan):
             # dgrad-nchw-twin-small, dgrad-nchw-scatter)
             self.native = _native.NativeDgrad(g.nhwc_twin(), self.dtype, self.device_id, na_sms)
             self._nchw = g.nhwc_moves()
+        self._wcopy = Move(g.w_shape, contiguous(g.w_shape), contiguous(g.w_shape))
         if self.native is not None:
             self.sms, self.plans = na_sms, {}
-            self._wcopy = Move(g.w_shape, contiguous(g.w_shape), contiguous(g.w_shape))
             return
         self.plans = {i: self._sub_plan(g.sub_plan_args(ph), options, arch, sms)
                       for i, ph in enumerate(g.phases) if not ph.zero}
+        if g.w_transposed_ok():
+            # a 1x1's filter [K][C] is the sub-convolution's transposed: read in place as MN-major TMA tiles where the
+            # NCHW in-place kernel runs (no filter move: docs/performance.md, dgrad-nchw-w-in-place)
+            try:
+                self.plans[0] = self._sub_plan(g.sub_plan_args(g.phases[0]), options, arch, sms, _w_mn=True)
+            except NotImplementedError:
+                pass
         self.sms = next(iter(self.plans.values())).sms if self.plans else (sms or 132)
         # what a call launches, made once: the pre-pass, then per live phase its plan, filter move and interleave
         self._phases = [(i, self.plans[i], g.filter_move(ph), *g.interleave_move(ph), g.sub_w_shape(ph))
@@ -324,8 +332,11 @@ class Conv2dGradInputPlan(_GradPlan):
         if self._zero:                        # rows no tap reaches: zero at memset speed first
             _runtime.memset_d8(dx, 0, self._dx_bytes, _runtime.RawStream(h))
         for i, plan, fmove, imove, off, f_shape in self._phases:
-            f = self._buf(f"w{i}", f_shape, dt)
-            fmove.launch(dev, h, dt, dt, w, f, sms=self.sms)
+            if plan._w_mn:                    # (w read in place: its 16-byte aligned base for the tensor map)
+                f = self._w_aligned(h, w)
+            else:
+                f = self._buf(f"w{i}", f_shape, dt)
+                fmove.launch(dev, h, dt, dt, w, f, sms=self.sms)
             y = dx if g.direct else self._buf("y", (self._ymax,), dt)
             plan._launch(h, True, True, dy, f, y, 0, 0, plan._folded)
             if not g.direct:

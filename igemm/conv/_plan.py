@@ -116,7 +116,7 @@ class Conv2dPlan:
     def __init__(self, x_shape, w_shape, dtype, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None, device=None,
                  options: Conv2dOptions | None = None, *, arch: str | None = None, sms: int | None = None,
-                 _skeleton: bool = False, _bn_stats: bool = False):
+                 _skeleton: bool = False, _bn_stats: bool = False, _w_mn: bool = False):
         dtype = _dtype_arg(dtype)
         if precision not in PRECISIONS:
             raise ValueError(f"precision: expected 'strict' or 'tf32', got {precision!r}")
@@ -129,6 +129,9 @@ class Conv2dPlan:
         # (the training forward's conv: its kernel also writes y's per-tile BatchNorm statistics where it can;
         # the launch's mask pointer is then their buffer -- igemm/nn/_train_call.py)
         self._bn_stats = bool(_bn_stats) and not self.chain.ops
+        # (dgrad's 1x1 on the NCHW in-place kernel: w is the filter transposed, [C][K], read as MN-major TMA tiles;
+        # its launches are the dgrad plan's -- igemm/conv/_backward_plan.py; NotImplementedError where no kernel can)
+        self._w_mn = bool(_w_mn)
         if not _skeleton:
             self.chain.validate(K)
         residual_dtype = self._residual_dtype(residual_dtype, dtype)
@@ -208,6 +211,11 @@ class Conv2dPlan:
             spec = _unaligned(spec, self.kproblem, x_aligned, w_aligned)
         if self._bn_stats and bn_stats_ok(spec):
             spec = dataclasses.replace(spec, bn_stats=True)
+        if self._w_mn:
+            if spec.load_a != "tmamn" or spec.bn > 128 or self.kproblem.K % 8:
+                raise NotImplementedError(f"kernel config {spec.name()}: a transposed filter needs MN-major TMA "
+                                          "tiles of x, BN <= 128 and K % 8 == 0")
+            spec = dataclasses.replace(spec, load_b="tmamn")
         validate_spec(spec, self.kproblem)
         return spec
 
@@ -268,7 +276,7 @@ class Conv2dPlan:
                 _runtime.memcpy_htod(self._ktab.ptr, tab.ctypes.data, tab.nbytes)
             args.u64[args.slots["ktab"]] = self._ktab.ptr
         maps = None
-        if spec.load_b == "tma":
+        if spec.tma:
             from ._tma import ConvMaps
             maps = ConvMaps(kp, spec, args.slots["tmA"], args.slots["tmB"])
         elif spec.load_a == "patch":

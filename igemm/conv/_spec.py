@@ -45,8 +45,8 @@ class KernelSpec:
     wm: int
     wn: int
     stages: int
-    load_a: str               # "vec" | "elem" | "tma" | "tma8" (sm_90a wgmma; load_b "tma": igemm/conv/_tma.py)
-    load_b: str
+    load_a: str               # "vec" | "elem" | "tma" | "tma8" | "tmamn" | "patch" (sm_90a: igemm/conv/_tma.py)
+    load_b: str               # "vec" | "elem" | "tma" | "tmamn" (w given as [Kred][K]: a 1x1 dgrad's filter)
     store: str                # "rows" | "linear" | "nchw" | "regs" | "regsnchw" (register epilogues: store_for)
     vec_o: int
     fuse_mask: bool
@@ -68,6 +68,11 @@ class KernelSpec:
     def threads(self) -> int:
         return {"tensorop": self.wm * self.wn * 32, "tf32x3": self.wm * self.wn * 32, "wgmma": self.wm * 128,
                 "wgmma_ws": self.wm * 128 + 32}.get(self.math, 256)
+
+    @property
+    def tma(self) -> bool:
+        """Both operands arrive by TMA copies (B K-major, or MN-major: ``"tmamn"``)."""
+        return self.load_b in ("tma", "tmamn")
 
     @property
     def persistent(self) -> bool:
@@ -124,7 +129,7 @@ class KernelSpec:
         stages out one after another and touches only the first ``min(kt, stages)``, so a short reduction
         (a 1x1 conv over 64 channels: one k-tile) launches with less and fits more CTAs per SM -- one stage
         more where the residual is staged (:attr:`residual_staged`: into stage ``kt``, before the mainloop)."""
-        if self.math != "wgmma" or self.load_b != "tma" or kt >= self.stages:
+        if self.math != "wgmma" or not self.tma or kt >= self.stages:
             return self.smem
         used = max(kt, 1) + (1 if self.residual_staged and not self.streamk else 0)
         if used >= self.stages:
@@ -137,7 +142,7 @@ class KernelSpec:
     def static_smem(self) -> int:
         if self.persistent:                  # per consumer: channel vectors, full and empty barriers (+ xfer)
             return self.wm * (3 * self.bn * 4 + 16 * self.stages) + 16
-        return 3 * self.bn * 4 + 16 + (8 * self.stages if self.load_b == "tma" else 8 if self.load_a == "patch" else 0)
+        return 3 * self.bn * 4 + 16 + (8 * self.stages if self.tma else 8 if self.load_a == "patch" else 0)
 
     def config_type(self) -> str:
         t = DTYPE_CTYPE[self.dtype]
@@ -277,8 +282,10 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "tensor-op tile"
     elif spec.math == "tf32x3" and (spec.bm // spec.wm) * (spec.bn // spec.wn) > 64 * 32:
         why = "3xTF32 warp tiles are at most 64x32 (two fp32 accumulator sets: larger ones spill)"
-    elif (spec.load_a.startswith("tma")) != (spec.load_b == "tma") or (spec.load_b == "tma" and not spec.math.startswith("wgmma")):
+    elif (spec.load_a.startswith("tma")) != spec.tma or (spec.tma and not spec.math.startswith("wgmma")):
         why = "TMA loads: both operands, wgmma only"
+    elif spec.load_b == "tmamn" and (spec.load_a != "tmamn" or spec.bn > 128):
+        why = "MN-major B tiles (w as [Kred][K]): with MN-major A tiles, BN <= 128"
     elif spec.load_a.startswith("tma") and spec.load_a != tma_kind(pb):
         why = f"TMA loads of this problem are {tma_kind(pb)!r}"
     elif spec.streamk and (spec.math != "wgmma" or spec.load_a != "tma" or spec.store != "regs" or spec.splits != 1):
@@ -297,7 +304,7 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
     elif spec.bn_stats and not bn_stats_ok(spec):
         why = "BatchNorm statistics: the per-tile wgmma kernel's NHWC register epilogue (not stream-K, not the patch " \
               "kernel), BN 64 or 128"
-    elif spec.load_b == "tma" and (no_tma := tma_unsupported(pb, spec.bm)):
+    elif spec.tma and (no_tma := tma_unsupported(pb, spec.bm)):
         why = no_tma
     elif (spec.load_a == "patch") != pb.patch:
         why = "patch loads are the patch problem's, and only its"
@@ -318,7 +325,7 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "store mode does not match the tile"
     elif spec.store not in REGS_STORES and spec.fuse_mask and not _store(pb, spec.bn)[2]:
         why = "the mask cannot be fused for this shape"
-    elif (spec.residual_staged and spec.math == "wgmma" and spec.load_b == "tma" and not spec.streamk
+    elif (spec.residual_staged and spec.math == "wgmma" and spec.tma and not spec.streamk
           and spec.bm * spec.bn * 2 > (spec.bm + spec.bn) * spec.bk * eb):
         why = "the TMA mainloop stages the 16-bit residual tile (BM x BN) in one of its stages: it must fit one"
     elif spec.smem + spec.static_smem > SMEM_LIMIT:

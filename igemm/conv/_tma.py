@@ -121,6 +121,13 @@ def _encode_tiled(pb, bn: int, addr: int) -> bytes:
                                  [u32(1), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_L2_256B")
 
 
+def _encode_tiled_mn(pb, addr: int) -> bytes:
+    """kLoadTmaMN's B map: w as [Kred][K] (a 1x1 filter transposed), boxes of 64 columns x 64 k-rows, SW128."""
+    from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
+    return _encode(pb, "Tiled", (2, addr, [u64(pb.K), u64(pb.Kred)], [u64(pb.K * 2)], [u32(64), u32(BK)],
+                                 [u32(1), u32(1)]), "CU_TENSOR_MAP_L2_PROMOTION_L2_256B")
+
+
 class MapTemplate:
     """A tensor map encoded once, re-addressed per call by patching one 64-bit word.
 
@@ -229,4 +236,8 @@ class ConvMaps(MapPair):
             a = MapTemplate(lambda addr: _encode_nchw(kproblem, addr))
         else:
             a = MapTemplate(lambda addr: _encode_im2col(kproblem, spec.bm, addr))
-        super().__init__(a, MapTemplate(lambda addr: _encode_tiled(kproblem, spec.bn, addr)), slot_a, slot_b)
+        if spec.load_b == "tmamn":
+            b = MapTemplate(lambda addr: _encode_tiled_mn(kproblem, addr))
+        else:
+            b = MapTemplate(lambda addr: _encode_tiled(kproblem, spec.bn, addr))
+        super().__init__(a, b, slot_a, slot_b)

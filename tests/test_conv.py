@@ -179,6 +179,12 @@ def test_choose_config_rules(monkeypatch):
     # (tf32x3-deep-splits: N = 1 3x3 512->512 @7, one tile, 288 k-tiles)
     assert choose_config(_pb(N=1, C=512, K=512, H=7, W=7, dtype="float32", precision="strict")).splits == 16
     assert choose_config(_pb(N=8, C=256, K=256, H=14, W=14, dtype="float32", precision="strict")).splits == 4
+    # a one-k-tile 1x1 alone over 12+ tiles an SM: the persistent kernel, 2 CTAs an SM, 3 stages; not where the
+    # kernel writes BatchNorm statistics (persistent-1x1-alone-2ctas)
+    one = dict(C=64, K=256, R=1, S=1, padding=(0, 0))
+    s = choose_config(_pb(**one))
+    assert (s.math, s.ctas, s.stages, s.bn) == ("wgmma_ws", 2, 3, 128)
+    assert choose_config(_pb(**one), bn_stats=True).math == "wgmma"
     ffma = Conv2dPlan((2, 64, 9, 9), (32, 64, 3, 3), "float32", padding=1, device="numpy",
                       options=igemm.Conv2dOptions(config={"math": "simt"})).spec()
     assert (ffma.math, ffma.bm, ffma.bn, ffma.bk) == ("simt", 128, 128, 8)      # the FFMA kernel's own tile

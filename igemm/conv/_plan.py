@@ -204,7 +204,8 @@ class Conv2dPlan:
             spec = cfg
         else:
             from ._rules import choose_config
-            spec = choose_config(self.kproblem, self.arch, x_aligned=x_aligned, w_aligned=w_aligned, sms=self.sms)
+            spec = choose_config(self.kproblem, self.arch, x_aligned=x_aligned, w_aligned=w_aligned, sms=self.sms,
+                                 bn_stats=self._bn_stats)
             if cfg:
                 spec = override(spec, self.kproblem, cfg, self.sms)
         if not (x_aligned and w_aligned):

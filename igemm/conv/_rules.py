@@ -59,6 +59,7 @@ class _Draft:
     sms: int
     x_aligned: bool
     w_aligned: bool
+    bn_stats: bool = False      # the plan's kernel should write its output's BatchNorm statistics (bn_stats_ok)
     math: str = ""
     bm: int = 0
     bn: int = 0
@@ -266,6 +267,11 @@ RULES: tuple[tuple[Rule, ...], ...] = (
           lambda d: (d.short and d.bn == 128 and d.pb.residual_dtype is None
                      and (bool(d.pb.epilogue) or d.kt <= 2 and d.tiles < 12 * d.sms)),
           lambda d: d.update(persistent=True, ctas=3)),
+     Rule("persistent-1x1-alone-2ctas", "a one-k-tile 1x1 alone (no chain, no statistics) over 12+ tiles an SM: "
+          "2 persistent CTAs an SM, 3 stages",
+          lambda d: (d.short and d.bn == 128 and d.kt == 1 and not d.pb.epilogue and d.pb.residual_dtype is None
+                     and not d.bn_stats),
+          lambda d: d.update(persistent=True, ctas=2)),
      Rule("persistent-residual-2ctas", "two k-tiles with a 16-bit residual, NHWC: 2 persistent CTAs an SM, 3 stages",
           lambda d: (d.short and d.bn == 128 and d.kt == 2 and d.pb.residual_dtype in ("float16", "bfloat16")
                      and d.pb.layout == "NHWC" and d.pb.out_layout in (None, "NHWC")),
@@ -290,12 +296,13 @@ RULES: tuple[tuple[Rule, ...], ...] = (
 
 
 def choose_config(pb: ConvProblem, arch: str = "sm_90a", *, x_aligned: bool = True, w_aligned: bool = True,
-                  sms: int = 132, trace: list | None = None) -> KernelSpec:
+                  sms: int = 132, trace: list | None = None, bn_stats: bool = False) -> KernelSpec:
     """The kernel for the kernel problem ``pb`` on ``arch`` with ``sms`` SMs (``x_aligned``/``w_aligned``: the base
-    pointers are 16-byte aligned). ``trace``: a list that receives the names of the rules that fired."""
+    pointers are 16-byte aligned). ``trace``: a list that receives the names of the rules that fired; ``bn_stats``:
+    the plan asks its kernel for the output's BatchNorm statistics (the training forward)."""
     if pb.patch:
         return patch_config(pb, sms)
-    d = _Draft(pb, arch, sms, x_aligned, w_aligned)
+    d = _Draft(pb, arch, sms, x_aligned, w_aligned, bn_stats)
     for group in RULES:
         for rule in group:
             if rule.when(d):

@@ -594,6 +594,34 @@ def _dgrad_adds(xs, ws, stride, padding):
 BACKWARD["dgrad_native_adds_strided"] = lambda: _dgrad_adds((2, 9, 10, 64), (64, 3, 3, 64), 2, 1)
 
 
+def _dgrad_w_in_place(xs, ws, config=None):
+    """An NCHW 1x1 dgrad reading w [K][C] in place (the MN-major TMA B tiles) against the float64 reference."""
+    from igemm import Conv2dGradInputPlan, Conv2dOptions
+    plan = Conv2dGradInputPlan(xs, ws, "float16", "NCHW", 1, 0,
+                               options=Conv2dOptions(config=config) if config else None)
+    (sub,) = plan.sub_plans()
+    if not sub._w_mn:
+        raise AssertionError("not the in-place filter")
+    dy, w = dev(randn(xs[0], ws[0], xs[2], xs[3]), "float16"), dev(randn(*ws), "float16")
+    got = plan(dy, w)
+    close(host(got), reference.conv2d_grad_input_ref(host(dy), host(w), xs, 1, 0, 1, "NCHW"), TOL["float16"],
+          "dgrad w in place")
+    return f"dgrad NCHW 1x1, w in place, x {xs} w {ws} {sub.spec().name()}"
+
+
+# dgrad's in-place filter on the per-tile kernel (64 columns) and the persistent one (128 columns, a partial tile)
+BACKWARD["dgrad_nchw_w_in_place"] = lambda: _dgrad_w_in_place((2, 96, 8, 8), (128, 96, 1, 1))
+BACKWARD["dgrad_nchw_w_in_place_ws"] = lambda: _dgrad_w_in_place(
+    (2, 192, 8, 8), (64, 192, 1, 1), {"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": 128, "stages": 3, "splits": 1,
+                                      "ctas": 2})
+# strict fp32 wgrad of a 1x1 as the NHWC forward with N taps: dy in place (x subsampled, the mask on dy's pass), and
+# x in place (dy moved, accumulating into dw)
+BACKWARD["wgrad_nchw_taps_fp32_mask"] = lambda: _backward("wgrad", "NCHW", "float32", (2, 12, 8, 8), (20, 12, 1, 1),
+                                                          2, 0, "mask")
+BACKWARD["wgrad_nchw_taps_fp32_x"] = lambda: _backward("wgrad", "NCHW", "float32", (3, 24, 8, 8), (8, 24, 1, 1), 1,
+                                                       0, out_dtype="float32", accumulate=True)
+
+
 # ------------------------------------------------------------------------------------------ pool (igemm.nn.MaxPool2d)
 def _pool(dtype, shape, k, s, p, d, ceil):
     """The max pool's forward (with its window taps) and backward against torch.nn.MaxPool2d on channels-last x."""

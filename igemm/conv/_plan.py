@@ -130,7 +130,8 @@ class Conv2dPlan:
         # the launch's mask pointer is then their buffer -- igemm/nn/_train_call.py)
         self._bn_stats = bool(_bn_stats) and not self.chain.ops
         # (dgrad's 1x1 on the NCHW in-place kernel: w is the filter transposed, [C][K], read as MN-major TMA tiles;
-        # its launches are the dgrad plan's -- igemm/conv/_backward_plan.py; NotImplementedError where no kernel can)
+        # its launches are the dgrad plan's -- igemm/conv/_backward_plan.py; NotImplementedError where no kernel can;
+        # not autotuned: the candidates read w as [K][C])
         self._w_mn = bool(_w_mn)
         if not _skeleton:
             self.chain.validate(K)
@@ -195,7 +196,7 @@ class Conv2dPlan:
     def spec(self, x_aligned: bool = True, w_aligned: bool = True) -> KernelSpec:
         """The kernel this plan runs (for 16-byte aligned x and w, or the narrow-load fallback)."""
         cfg = self.options.config
-        if cfg is None and x_aligned and w_aligned and self.backend == "cuda":
+        if cfg is None and x_aligned and w_aligned and self.backend == "cuda" and not self._w_mn:
             from ._autotune import tuned_config
             cfg = tuned_config(self)
         if self._prep:                      # the kernel reads the plan's aligned copies (see _record)

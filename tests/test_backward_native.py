@@ -277,10 +277,14 @@ def test_gpu_dgrad_nchw_twin(case, dtype, rng):
         assert _run_case(torch, p, "NCHW", dtype, rng, "dgrad", mode) <= TOL[dtype], mode
 
 
-#: NCHW 1x1 stride-1 dgrads on the forward's in-place kernel with w read as it lies (MN-major B tiles): the per-tile
-#: kernel at 64 and 128 columns (a partial column tile), the persistent kernel of three CTAs an SM (N, C, H, K, config)
+#: NCHW 1x1 stride-1 dgrads with w read as it lies (MN-major B tiles), on the forward's in-place kernel (H·W % 64 ==
+#: 0): the per-tile kernel at 64 and 128 columns (a partial column tile), the persistent kernel of three CTAs an SM;
+#: on the transpose path's TMA kernel (dy copied to NHWC; 196, 49 and 100 pixels): per-tile at 64 and 128 columns,
+#: persistent with a partial column tile (N, C, H, K, config)
 W_IN_PLACE_DGRAD = [(2, 96, 16, 128, None), (2, 192, 8, 64, {"bn": 128}), (16, 64, 56, 256, None),
-                    (4, 256, 56, 64, None)]
+                    (4, 256, 56, 64, None), (2, 96, 14, 128, None), (3, 192, 7, 128, {"bn": 128}),
+                    (2, 136, 10, 64, {"math": "wgmma_ws", "bm": 64, "wm": 1, "bn": 128, "stages": 3, "splits": 1,
+                                      "ctas": 2})]
 
 
 @pytest.mark.gpu
@@ -288,7 +292,7 @@ W_IN_PLACE_DGRAD = [(2, 96, 16, 128, None), (2, 192, 8, 64, {"bn": 128}), (16, 6
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_dgrad_nchw_w_in_place(case, dtype, rng):
     """A 16-bit NCHW 1x1 dgrad reads w [K][C] in place (no filter move) against float64: plain, with the mask and the
-    prologue, and with w at an address that is not 16-byte aligned (copied first)."""
+    prologue (the rules' own kernels), and with w at an address that is not 16-byte aligned (copied first)."""
     torch = pytest.importorskip("torch")
     N, C, H, K, cfg = case
     p = _geometry(N, C, H, H, K, 1, 1, 1, 0, 1)
@@ -332,14 +336,18 @@ def test_dgrad_nchw_twin_choice():
 
 
 def test_dgrad_nchw_w_in_place_choice():
-    """An NCHW 1x1 stride-1 dgrad whose sub-convolution runs the in-place kernel (16-bit, sm_90a, K % 64 == 0, H·W %
-    64 == 0) reads w as it lies (MN-major B tiles, no filter move); elsewhere the filter is moved."""
+    """An NCHW 1x1 stride-1 dgrad whose sub-convolution loads by TMA (16-bit, sm_90a, K % 64 == 0; x in place where
+    H·W % 64 == 0, else on the transpose path) reads w as it lies (MN-major B tiles, no filter move) where C % 8 == 0;
+    elsewhere the filter is moved."""
     def plan(xs, ws, dtype="float16", arch="sm_90a"):
         return igemm.Conv2dGradInputPlan(xs, ws, dtype, "NCHW", 1, 0, device="numpy", arch=arch, sms=132)
-    for xs, ws in (((32, 64, 56, 56), (256, 64, 1, 1)), ((32, 256, 56, 56), (64, 256, 1, 1))):
+    for xs, ws, kind in (((32, 64, 56, 56), (256, 64, 1, 1), "tmamntmamn"),
+                         ((32, 256, 56, 56), (64, 256, 1, 1), "tmamntmamn"),
+                         ((32, 1024, 14, 14), (256, 1024, 1, 1), "tmatmamn"), ((32, 512, 7, 7), (2048, 512, 1, 1),
+                                                                              "tmatmamn")):
         (sub,) = plan(xs, ws).sub_plans()
-        assert sub._w_mn and sub.spec().load_b == "tmamn" and "tmamntmamn" in sub.kernel()[0]
-    for q in (plan((32, 64, 56, 56), (256, 64, 1, 1), "float32"), plan((32, 1024, 14, 14), (256, 1024, 1, 1)),
+        assert sub._w_mn and sub.spec().load_b == "tmamn" and kind in sub.kernel()[0]
+    for q in (plan((32, 64, 56, 56), (256, 64, 1, 1), "float32"), plan((2, 100, 14, 14), (128, 100, 1, 1)),
               plan((2, 96, 16, 16), (200, 96, 1, 1)), plan((2, 96, 16, 16), (128, 96, 1, 1), arch="sm_80")):
         assert not any(s._w_mn for s in q.sub_plans())
 

@@ -26,8 +26,8 @@ enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3, kTensorOp3 = 4 
 // kLoadTmaMN (sm_90a wgmma, with kLoadTma B): NCHW x of a 1x1 stride-1 unpadded conv with H·W % 64 == 0 and
 // C % 64 == 0: the A tile is a tiled TMA copy of x as [N][C][H·W] (64 pixels × 64 channels, pixels
 // contiguous), multiplied as an MN-major operand -- the NCHW input needs no transpose. As the B load (with
-// kLoadTmaMN A): w given as [Kred][K] (a 1x1 filter transposed: dgrad's), 64 k-rows × 64 columns a copy,
-// an MN-major operand too -- dgrad's filter needs no transpose either.
+// kLoadTmaMN or kLoadTma A): w given as [Kred][K] (a 1x1 filter transposed: dgrad's), 64 k-rows × 64 columns a
+// copy, an MN-major operand too -- dgrad's filter needs no transpose either.
 enum : int { kLoadVec = 0, kLoadElem = 1, kLoadTma = 2, kLoadTmaC8 = 3, kLoadPatch = 4, kLoadTmaMN = 5 };
 // kStoreRegs (sm_90a wgmma, NHWC output, no split-K): the chain runs on the accumulators in
 // registers and a 16-bit C tile leaves shared memory in 16-byte vectors (epilogue_regs.cuh).
@@ -113,8 +113,8 @@ struct Config {
   static_assert(kTma == (LoadB_ == kLoadTma || LoadB_ == kLoadTmaMN) &&
                     (!kTma || (kIsWgmma && (Layout_ == kNHWC || LoadA_ == kLoadTmaMN))),
                 "TMA loads: both operands, wgmma, NHWC");
-  static_assert(LoadB_ != kLoadTmaMN || (LoadA_ == kLoadTmaMN && BN_ <= 128),
-                "MN-major TMA B tiles (w as [Kred][K]): with MN-major A, at most two 64-column groups");
+  static_assert(LoadB_ != kLoadTmaMN || ((LoadA_ == kLoadTmaMN || LoadA_ == kLoadTma) && BN_ <= 128),
+                "MN-major TMA B tiles (w as [Kred][K]): with one-tap A tiles, at most two 64-column groups");
   static_assert(Math_ != kWgmmaWs || ((LoadA_ == kLoadTma || LoadA_ == kLoadTmaMN) && BM == 64),
                 "the persistent kernel: TMA loads, 64-row tiles");
   static_assert(LoadA_ != kLoadPatch || (Math_ == kWgmma && Layout_ == kNHWC && LoadB_ == kLoadVec),

@@ -118,9 +118,8 @@ template <class Cfg, class P, class Fin = FinishTile>
 IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, int kt0, int kt1, Fin fin = {},
                                      int it0 = 0) {
   using T = typename Cfg::Element;
-  using Atom = typename GmmaAtom<T, Cfg::BN>::type;
-  using AtomMN = typename GmmaAtom<T, Cfg::BN, gmma::Major::MN,
-                                 Cfg::LoadB == kLoadTmaMN ? gmma::Major::MN : gmma::Major::K>::type;
+  using Atom = typename GmmaAtom<T, Cfg::BN, gmma::Major::K, kMajorB<Cfg>>::type;
+  using AtomMN = typename GmmaAtom<T, Cfg::BN, gmma::Major::MN, kMajorB<Cfg>>::type;
   constexpr int BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages;
   // stage s = [A tile | B tile] at s · STAGE: a problem with KT < S k-tiles touches only its first KT
   // stages, so the plan may launch it with less shared memory (more CTAs per SM; KernelSpec.launch_smem)
@@ -174,11 +173,11 @@ IGEMM_DEVICE void mainloop_wgmma_tma(const P& p, uint8_t* smem, int m0, int n0, 
       wgmma_stage<Atom, NACC, KSTEPS, 2 * Cfg::BM>(desc_interleave(sA8 + buf * STAGE, Cfg::BM * 16, 128),
                                                     desc_sw128(sB_u + buf * STAGE), acc);
     else if constexpr (Cfg::LoadA == kLoadTmaMN)   // A MN-major: a k16 step is two 1024-byte channel groups
-      wgmma_stage<AtomMN, NACC, KSTEPS, 2048 / 16, Cfg::LoadB == kLoadTmaMN ? 2048 / 16 : 2>(
-            desc_mn_sw128(sA_u + buf * STAGE),
-            Cfg::LoadB == kLoadTmaMN ? desc_mn_sw128(sB_u + buf * STAGE) : desc_sw128(sB_u + buf * STAGE), acc);
+      wgmma_stage<AtomMN, NACC, KSTEPS, 2048 / 16, kStepB<Cfg>>(desc_mn_sw128(sA_u + buf * STAGE),
+                                                                 desc_b<Cfg>(sB_u + buf * STAGE), acc);
     else
-      wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + buf * STAGE), desc_sw128(sB_u + buf * STAGE), acc);
+      wgmma_stage<Atom, NACC, KSTEPS, 2, kStepB<Cfg>>(desc_sw128(sA_u + buf * STAGE),
+                                                      desc_b<Cfg>(sB_u + buf * STAGE), acc);
     cute::warpgroup_wait<1>();
 #pragma unroll
     for (int i = 0; i < NACC; ++i) cute::warpgroup_fence_operand(acc[i]);

@@ -168,9 +168,8 @@ IGEMM_DEVICE void ws_store(const P& p, float* acc, float* Cs, float (*s_vec)[Cfg
 template <class Cfg, class P>
 IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
   using T = typename Cfg::Element;
-  using Atom = typename GmmaAtom<T, Cfg::BN>::type;
-  using AtomMN = typename GmmaAtom<T, Cfg::BN, gmma::Major::MN,
-                                 Cfg::LoadB == kLoadTmaMN ? gmma::Major::MN : gmma::Major::K>::type;
+  using Atom = typename GmmaAtom<T, Cfg::BN, gmma::Major::K, kMajorB<Cfg>>::type;
+  using AtomMN = typename GmmaAtom<T, Cfg::BN, gmma::Major::MN, kMajorB<Cfg>>::type;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages, NC = Cfg::WM;
   constexpr int A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2, RING = S * (A_STAGE + B_STAGE);
   constexpr int NACC = BN / 2, KSTEPS = BK / 16;
@@ -245,11 +244,11 @@ IGEMM_DEVICE void fprop_ws(const P& p, uint8_t* smem) {
       const int slot = k % S;
       mbar_wait(&full[wg][slot], (k / S) & 1);
       if constexpr (Cfg::LoadA == kLoadTmaMN)   // A MN-major (NCHW x in place), as in mainloop_wgmma_tma
-        wgmma_stage<AtomMN, NACC, KSTEPS, 2048 / 16, Cfg::LoadB == kLoadTmaMN ? 2048 / 16 : 2>(
-            desc_mn_sw128(sA_u + slot * A_STAGE),
-            Cfg::LoadB == kLoadTmaMN ? desc_mn_sw128(sB_u + slot * B_STAGE) : desc_sw128(sB_u + slot * B_STAGE), acc);
+        wgmma_stage<AtomMN, NACC, KSTEPS, 2048 / 16, kStepB<Cfg>>(desc_mn_sw128(sA_u + slot * A_STAGE),
+                                                                   desc_b<Cfg>(sB_u + slot * B_STAGE), acc);
       else
-        wgmma_stage<Atom, NACC, KSTEPS>(desc_sw128(sA_u + slot * A_STAGE), desc_sw128(sB_u + slot * B_STAGE), acc);
+        wgmma_stage<Atom, NACC, KSTEPS, 2, kStepB<Cfg>>(desc_sw128(sA_u + slot * A_STAGE),
+                                                        desc_b<Cfg>(sB_u + slot * B_STAGE), acc);
       cute::warpgroup_wait<1>();
 #pragma unroll
       for (int j = 0; j < NACC; ++j) cute::warpgroup_fence_operand(acc[j]);

@@ -66,6 +66,17 @@ IGEMM_DEVICE uint64_t desc_interleave(uint32_t smem_addr, uint32_t lbo, uint32_t
   return d.desc_;
 }
 
+// A config's B operand: MN-major [Kred][K] tiles (kLoadTmaMN B) or K-major; its k16 step in 16-byte units
+template <class Cfg>
+inline constexpr gmma::Major kMajorB = Cfg::LoadB == kLoadTmaMN ? gmma::Major::MN : gmma::Major::K;
+template <class Cfg>
+inline constexpr int kStepB = Cfg::LoadB == kLoadTmaMN ? 2048 / 16 : 2;
+template <class Cfg>
+IGEMM_DEVICE uint64_t desc_b(uint32_t smem_addr) {
+  if constexpr (Cfg::LoadB == kLoadTmaMN) return desc_mn_sw128(smem_addr);
+  else return desc_sw128(smem_addr);
+}
+
 IGEMM_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Accumulators → shared C tile (fp32; layout per Config::kCsPixelMajor). Warp w of the warpgroup owns

@@ -139,8 +139,8 @@ class GradInputProblem(_Forward):
         return (_nhwc_dy_move(self),)
 
     def w_transposed_ok(self) -> bool:
-        """An NCHW 1x1 stride-1 unpadded problem: its one phase's filter is w [K][C] transposed, which the NCHW
-        in-place kernel can read as it lies (``Conv2dPlan(_w_mn=True)``)."""
+        """An NCHW 1x1 stride-1 unpadded problem: its one phase's filter is w [K][C] transposed, which the TMA
+        kernels can read as it lies (``Conv2dPlan(_w_mn=True)``)."""
         return (self.layout == "NCHW" and self.R == self.S == 1 and self.stride == (1, 1)
                 and self.padding == (0, 0) and self.direct)
 

@@ -264,7 +264,7 @@ class Conv2dGradInputPlan(_GradPlan):
                       for i, ph in enumerate(g.phases) if not ph.zero}
         if g.w_transposed_ok():
             # a 1x1's filter [K][C] is the sub-convolution's transposed: read in place as MN-major TMA tiles where the
-            # NCHW in-place kernel runs (no filter move: docs/performance.md, dgrad-nchw-w-in-place)
+            # sub-convolution loads by TMA (no filter move: docs/performance.md, dgrad-nchw-w-in-place)
             try:
                 self.plans[0] = self._sub_plan(g.sub_plan_args(g.phases[0]), options, arch, sms, _w_mn=True)
             except NotImplementedError:

@@ -129,7 +129,7 @@ class Conv2dPlan:
         # (the training forward's conv: its kernel also writes y's per-tile BatchNorm statistics where it can;
         # the launch's mask pointer is then their buffer -- igemm/nn/_train_call.py)
         self._bn_stats = bool(_bn_stats) and not self.chain.ops
-        # (dgrad's 1x1 on the NCHW in-place kernel: w is the filter transposed, [C][K], read as MN-major TMA tiles;
+        # (dgrad's 1x1 on the TMA kernels: w is the filter transposed, [C][K], read as MN-major TMA tiles;
         # its launches are the dgrad plan's -- igemm/conv/_backward_plan.py; NotImplementedError where no kernel can;
         # not autotuned: the candidates read w as [K][C])
         self._w_mn = bool(_w_mn)
@@ -214,9 +214,9 @@ class Conv2dPlan:
         if self._bn_stats and bn_stats_ok(spec):
             spec = dataclasses.replace(spec, bn_stats=True)
         if self._w_mn:
-            if spec.load_a != "tmamn" or spec.bn > 128 or self.kproblem.K % 8:
-                raise NotImplementedError(f"kernel config {spec.name()}: a transposed filter needs MN-major TMA "
-                                          "tiles of x, BN <= 128 and K % 8 == 0")
+            if spec.load_a not in ("tmamn", "tma") or spec.bn > 128 or self.kproblem.K % 8:
+                raise NotImplementedError(f"kernel config {spec.name()}: a transposed filter needs TMA loads of x "
+                                          "(one tap a k-tile), BN <= 128 and K % 8 == 0")
             spec = dataclasses.replace(spec, load_b="tmamn")
         validate_spec(spec, self.kproblem)
         return spec

@@ -284,8 +284,8 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "3xTF32 warp tiles are at most 64x32 (two fp32 accumulator sets: larger ones spill)"
     elif (spec.load_a.startswith("tma")) != spec.tma or (spec.tma and not spec.math.startswith("wgmma")):
         why = "TMA loads: both operands, wgmma only"
-    elif spec.load_b == "tmamn" and (spec.load_a != "tmamn" or spec.bn > 128):
-        why = "MN-major B tiles (w as [Kred][K]): with MN-major A tiles, BN <= 128"
+    elif spec.load_b == "tmamn" and (spec.load_a not in ("tmamn", "tma") or spec.bn > 128):
+        why = "MN-major B tiles (w as [Kred][K]): with one-tap TMA A tiles, BN <= 128"
     elif spec.load_a.startswith("tma") and spec.load_a != tma_kind(pb):
         why = f"TMA loads of this problem are {tma_kind(pb)!r}"
     elif spec.streamk and (spec.math != "wgmma" or spec.load_a != "tma" or spec.store != "regs" or spec.splits != 1):

@@ -18,7 +18,7 @@ from .._checks import check_aligned, check_flag, check_mask, check_output, check
 from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
 from . import _native, _native_nchw, _transpose, _wgrad_small
-from ._backward import GradInputProblem, GradWeightProblem
+from ._backward import GradInputProblem, GradWeightProblem, Phase
 from ._moves import Move, contiguous, dz_fits, launch_dz
 from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
 from ._problem import PRECISIONS
@@ -260,15 +260,16 @@ class Conv2dGradInputPlan(_GradPlan):
         if self.native is not None:
             self.sms, self.plans = na_sms, {}
             return
-        self.plans = {i: self._sub_plan(g.sub_plan_args(ph), options, arch, sms)
-                      for i, ph in enumerate(g.phases) if not ph.zero}
-        if g.w_transposed_ok():
-            # a 1x1's filter [K][C] is the sub-convolution's transposed: read in place as MN-major TMA tiles where the
-            # sub-convolution loads by TMA (no filter move: docs/performance.md, dgrad-nchw-w-in-place)
-            try:
-                self.plans[0] = self._sub_plan(g.sub_plan_args(g.phases[0]), options, arch, sms, _w_mn=True)
-            except NotImplementedError:
-                pass
+        def sub_plan(ph: Phase) -> Conv2dPlan:
+            if g.w_transposed_ok():
+                # a 1x1's filter [K][C] is the sub-convolution's transposed: read in place as MN-major TMA tiles where
+                # the sub-convolution loads by TMA (no filter move: docs/performance.md, dgrad-nchw-w-in-place)
+                try:
+                    return self._sub_plan(g.sub_plan_args(ph), options, arch, sms, _w_mn=True)
+                except NotImplementedError:
+                    pass
+            return self._sub_plan(g.sub_plan_args(ph), options, arch, sms)
+        self.plans = {i: sub_plan(ph) for i, ph in enumerate(g.phases) if not ph.zero}
         self.sms = next(iter(self.plans.values())).sms if self.plans else (sms or 132)
         # what a call launches, made once: the pre-pass, then per live phase its plan, filter move and interleave
         self._phases = [(i, self.plans[i], g.filter_move(ph), *g.interleave_move(ph), g.sub_w_shape(ph))

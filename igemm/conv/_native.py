@@ -36,7 +36,7 @@ from .. import _kernel, _runtime
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 from ..fastdiv import magic
-from ._problem import ConvProblem
+from ._problem import ConvProblem, split_by_cost
 from ._tma import BK, MapTemplate, _encode, _encode_im2col, _encode_mask_im2col, tma_unsupported
 
 __all__ = ["WGRAD_PARAMS", "DGRAD_PARAMS", "WgradSpec", "DgradSpec", "unsupported", "dgrad_unsupported", "choose_spec",
@@ -166,11 +166,8 @@ def _best_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
     CTAs that minimises a cost in k-tile times: the rounds of units a CTA runs x (its k-tiles + 8 for a unit's
     start and store) + the fp32 partials written and summed (8 bytes an element a split, ~1 MB a k-tile time).
     Fitted to the 128 x 128 persistent kernel's sweep over ResNet-50's layers at N = 32 and 256 (H100)."""
-    def cost(sp: int) -> float:
-        per = -(-kt // sp)
-        return -(-tiles * sp // slots) * (per + 8) + (sp * mn * 8 / 1e6 if sp > 1 else 0)
     top = min(kt, max(1, 8 * slots // tiles))
-    sp = min(range(1, top + 1), key=lambda sp: (cost(sp), sp))
+    sp = split_by_cost(tiles, kt, mn, slots, range(1, top + 1), 8, 8)
     return -(-kt // -(-kt // sp))                    # (no empty split)
 
 

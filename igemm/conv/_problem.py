@@ -12,7 +12,7 @@ from .._runtime import DTYPE_SIZES
 from ..reference.conv import pair
 
 __all__ = ["ConvProblem", "DTYPES", "LAYOUTS", "PRECISIONS", "geometry", "pair", "k_table", "unfold_channels",
-           "patch_slots", "patch_bytes", "PATCH_BOX", "PATCH_STEP", "PATCH_ALIGN", "PATCH_MAX_BYTES"]
+           "patch_slots", "patch_bytes", "split_by_cost", "PATCH_BOX", "PATCH_STEP", "PATCH_ALIGN", "PATCH_MAX_BYTES"]
 
 DTYPES = ("float16", "bfloat16", "float32")
 LAYOUTS = ("NCHW", "NHWC")
@@ -137,6 +137,15 @@ def geometry(x_shape, w_shape, layout: str, stride, padding, dilation, names=("x
                          f"padded input "
                          f"{H}x{W} (padding {p}): the output would be {P}x{Q}")
     return N, C, H, W, K, R, S, P, Q, s, p, d
+
+
+def split_by_cost(tiles: int, kt: int, mn: int, slots: int, splits, start: int, per_million: float) -> int:
+    """Of the candidate ``splits`` of a ``kt``-k-tile reduction over ``tiles`` output tiles (an ``mn``-element output)
+    for ``slots`` resident CTAs, the one of least cost in k-tile times (the fewest on a tie): the rounds of units a CTA
+    runs x (a unit's k-tiles + ``start``) + ``per_million`` a split per million fp32 partials (none for one split)."""
+    def cost(sp: int) -> float:
+        return -(-tiles * sp // slots) * (-(-kt // sp) + start) + (per_million * sp * mn / 1e6 if sp > 1 else 0)
+    return min(splits, key=lambda sp: (cost(sp), sp))
 
 
 def k_table(pb: ConvProblem, bk: int) -> np.ndarray:

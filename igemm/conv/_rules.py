@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .._runtime import DTYPE_SIZES
-from ._problem import PATCH_MAX_BYTES, ConvProblem, patch_bytes
+from ._problem import PATCH_MAX_BYTES, ConvProblem, patch_bytes, split_by_cost
 from ._spec import (REGS_STORES, SMEM_LIMIT, KernelSpec, max_ctas, min_blocks_for, one_consumer_stages, store_for,
                     validate_spec)
 from ._tma import tma_unsupported
@@ -162,9 +162,7 @@ def _deep_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
     """The power-of-two split (<= 128) of a ``kt``-k-tile reduction over ``tiles`` tiles of an ``mn``-element output
     for ``slots`` resident CTAs that minimises the rounds of units a CTA runs x (its k-tiles + 2) + 64 k-tile times a
     split per million partials; fitted to the strict fp32 wgrad's tile x split sweep (ResNet-50, N = 32, H200)."""
-    def cost(sp: int) -> float:
-        return _cdiv(tiles * sp, slots) * (_cdiv(kt, sp) + 2) + (64 * sp * mn / 1e6 if sp > 1 else 0)
-    return min((1 << i for i in range(8) if 1 << i <= kt), key=lambda sp: (cost(sp), sp))
+    return split_by_cost(tiles, kt, mn, slots, [1 << i for i in range(8) if 1 << i <= kt], 2, 64)
 
 
 def _wider(d: _Draft) -> bool:

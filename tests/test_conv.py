@@ -174,11 +174,17 @@ def test_choose_config_rules(monkeypatch):
     assert choose_config(_pb(C=3, R=7, S=7)).load_b == "elem"          # Kred = 147
     assert choose_config(_pb(layout="NCHW")).load_a == "elem"
     assert choose_config(_pb(), x_aligned=False).load_a == "elem"
-    assert choose_config(_pb(dtype="float32", precision="strict")).math == "tf32x3"   # 3xTF32
-    # 3xTF32 splits: up to 4 while the tiles are fewer than two an SM, more for a reduction of >= 256 k-tiles
-    # (tf32x3-deep-splits: N = 1 3x3 512->512 @7, one tile, 288 k-tiles)
-    assert choose_config(_pb(N=1, C=512, K=512, H=7, W=7, dtype="float32", precision="strict")).splits == 16
-    assert choose_config(_pb(N=8, C=256, K=256, H=14, W=14, dtype="float32", precision="strict")).splits == 4
+    # 3xTF32: on warpgroup MMAs on Hopper (128x128 tiles, 32-element k-tiles), on mma.sync elsewhere
+    s32 = choose_config(_pb(dtype="float32", precision="strict"))
+    assert (s32.math, s32.bm, s32.bn, s32.bk, s32.wm, s32.wn) == ("tf32x3_wgmma", 128, 64, 32, 2, 1)
+    assert choose_config(_pb(dtype="float32", precision="strict"), "sm_80").math == "tf32x3"
+    # 3xTF32 splits on mma.sync: up to 4 while the tiles are fewer than two an SM, more for a reduction of >= 256
+    # k-tiles (tf32x3-deep-splits: N = 1 3x3 512->512 @7, one tile, 288 k-tiles); on wgmma any count that costs
+    # least in waves of one CTA an SM (tf32x3-wgmma-splits: 4 tiles x 32 splits of 4-5 k-tiles, one wave)
+    deep = _pb(N=1, C=512, K=512, H=7, W=7, dtype="float32", precision="strict")
+    assert choose_config(deep, "sm_80").splits == 16 and choose_config(deep).splits == 32
+    assert choose_config(_pb(N=8, C=256, K=256, H=14, W=14, dtype="float32", precision="strict"), "sm_80").splits == 4
+    assert choose_config(_pb(N=8, C=256, K=256, H=14, W=14, dtype="float32", precision="strict")).splits == 5
     # a one-k-tile 1x1 alone over 12+ tiles an SM: the persistent kernel, 2 CTAs an SM, 3 stages; not where the
     # kernel writes BatchNorm statistics (persistent-1x1-alone-2ctas)
     one = dict(C=64, K=256, R=1, S=1, padding=(0, 0))
@@ -553,6 +559,16 @@ def test_nchw_path_choice():
     assert nchw_path(_pb(layout="NCHW", C=3), pad=True) == "transpose"
     assert nchw_path(_pb(layout="NCHW", C=12)) == "native"                    # no 16-byte gather either way
     assert nchw_path(_pb(layout="NCHW", dtype="float32", precision="strict")) == "native"
+    # strict fp32 on Hopper's 3xTF32 wgmma kernel: transposed where 9+ taps run at stride 1 or a 1x1 is strided
+    # (tf32x3-wgmma-nchw)
+    f32 = dict(layout="NCHW", dtype="float32", precision="strict")
+    assert nchw_path(_pb(**f32), arch="sm_90a") == "transpose"
+    assert nchw_path(_pb(**f32), arch="sm_80") == "native"
+    assert nchw_path(_pb(**f32, stride=(2, 2)), arch="sm_90a") == "native"
+    assert nchw_path(_pb(**f32, R=1, S=1, padding=(0, 0)), arch="sm_90a") == "native"
+    assert nchw_path(_pb(**f32, R=1, S=1, padding=(0, 0), stride=(2, 2)), arch="sm_90a") == "transpose"
+    assert nchw_path(_pb(**f32, C=3), arch="sm_90a") == "native"
+    assert nchw_path(_pb(layout="NCHW", dtype="float32", precision="tf32"), arch="sm_90a") == "native"
     assert nchw_path(_pb(layout="NCHW"), "native") == "native"
     assert nchw_path(_pb(), "transpose") == "native"                          # NHWC has nothing to transpose
     with pytest.raises(ValueError, match="nchw_path"):
@@ -972,33 +988,70 @@ from igemm.conv._rules import FFMA_CONFIG as FFMA  # noqa: E402  (the strict-fp3
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_strict_fp32_paths(layout, rng):
-    """Strict fp32 on both of its mainloops -- 3xTF32 (the default) and the FFMA kernel (forced) -- within
-    the fp32 tolerance on random problems and deep reductions (Kred 4608), and 3xTF32 measurably more
-    accurate than single TF32 on the same inputs (it would not be if the small parts were lost)."""
+    """Strict fp32 on its mainloops -- 3xTF32 on wgmma (the default on Hopper), on mma.sync and the FFMA kernel
+    (forced) -- within the fp32 tolerance on random problems and deep reductions (Kred 4608), and 3xTF32 measurably
+    more accurate than single TF32 on the same inputs (it would not be if the small parts were lost)."""
     torch = pytest.importorskip("torch")
     cases = [rand_problem(rng) for _ in range(40)]
     cases += [((4, 512, 7, 7), (64, 512, 3, 3), (1, 1), (1, 1), (1, 1)),
               ((2, 256, 14, 14), (96, 256, 3, 3), (2, 2), (1, 1), (1, 1))]
-    worst = {"tf32x3": 0.0, "simt": 0.0}
+    worst = {"tf32x3_wgmma": 0.0, "tf32x3": 0.0, "simt": 0.0}
+    mma_sync = {"math": "tf32x3", "bm": 64, "wm": 2, "wn": 2}
     gain = []
     for xs, ws, st, pd, dl in cases:
         x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
         x, w = to_torch(x64, "float32"), to_torch(w64, "float32")
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
-        for math_, cfg in (("tf32x3", None), ("simt", FFMA)):
+        # (the default: 3xTF32 on wgmma, on mma.sync for C < 4 -- conv1's single-element gather)
+        default = "tf32x3_wgmma" if xs[1] >= 4 else "tf32x3"
+        for math_, cfg in ((default, None), ("tf32x3", mma_sync), ("simt", FFMA)):
             plan = Conv2dPlan(x.shape, w.shape, "float32", layout, st, pd, dl, precision="strict", options=igemm.Conv2dOptions(config=cfg))
             assert plan.spec().math == math_
             out = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
             err = rel_err(to_numpy(plan(x, w, out=out)), ref)
             assert err <= TOL["float32"], f"{math_} x{xs} w{ws} stride{st} pad{pd} dil{dl}: {err:.3g}"
             worst[math_] = max(worst[math_], err)
-            if math_ == "tf32x3":
+            if cfg is None:
                 e3 = err
         e1 = rel_err(to_numpy(igemm.conv2d(x, w, st, pd, dl, layout=layout, precision="tf32")), ref)
         gain.append(e1 / max(e3, 1e-12))
-    print(f"strict fp32 {layout}: worst rel err 3xTF32 {worst['tf32x3']:.3g}, FFMA {worst['simt']:.3g}; "
+    print(f"strict fp32 {layout}: worst rel err 3xTF32 wgmma {worst['tf32x3_wgmma']:.3g}, mma.sync "
+          f"{worst['tf32x3']:.3g}, FFMA {worst['simt']:.3g}; "
           f"TF32/3xTF32 error ratio median {sorted(gain)[len(gain) // 2]:.0f}")
     assert sorted(gain)[len(gain) // 2] > 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_strict_fp32_specials(layout, rng):
+    """Strict fp32 with inf, -inf and NaN among x and w (a split-K case too): every mainloop gives IEEE's classes
+    where the float64 direct convolution does (3xTF32's cross terms never make a NaN of inf x a small part) and
+    the finite outputs within tolerance."""
+    torch = pytest.importorskip("torch")
+    for xs, ws, pd, cfg in [((2, 16, 6, 6), (24, 16, 3, 3), 1, {}), ((1, 512, 4, 4), (40, 512, 1, 1), 0, {"splits": 4})]:
+        x64 = rng.standard_normal(xs)
+        w64 = rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))
+        x64[0, 1, 2, 3], x64[-1, 2, 0, 0], x64[0, 3, 1, 1] = np.inf, -np.inf, np.nan
+        w64[1, 5, 0, 0] = -np.inf
+        ref = np.zeros((xs[0], ws[0], xs[2] + 2 * pd - ws[2] + 1, xs[3] + 2 * pd - ws[3] + 1))
+        xp = np.pad(x64, ((0, 0), (0, 0), (pd, pd), (pd, pd)))
+        with np.errstate(invalid="ignore"):      # the float64 direct sum, tap by tap (no BLAS: IEEE throughout)
+            for r in range(ws[2]):
+                for s in range(ws[3]):
+                    patch = xp[:, :, r:r + ref.shape[2], s:s + ref.shape[3]]
+                    ref += (patch[:, None] * w64[None, :, :, r, s, None, None]).sum(axis=2)
+        xl, wl = to_layout(x64, w64, layout)
+        x, w = to_torch(xl, "float32"), to_torch(wl, "float32")
+        want = ref if layout == "NCHW" else ref.transpose(0, 2, 3, 1)
+        for math_, c in (("tf32x3_wgmma", cfg), ("tf32x3", {**cfg, "math": "tf32x3", "bm": 64, "wm": 2, "wn": 2}),
+                         ("simt", {**cfg, **FFMA})):
+            plan = Conv2dPlan(x.shape, w.shape, "float32", layout, 1, pd, options=igemm.Conv2dOptions(config=c))
+            assert plan.spec().math == math_
+            got = to_numpy(plan(x, w, out=poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))))
+            for cls in (np.isnan, np.isposinf, np.isneginf):
+                np.testing.assert_array_equal(cls(got), cls(want), err_msg=f"{math_} {xs} {cls.__name__}")
+            fin = np.isfinite(want)
+            assert fin.sum() > want.size // 4 and rel_err(got[fin], want[fin]) <= TOL["float32"], math_
 
 
 @pytest.mark.gpu

@@ -146,11 +146,15 @@ CONV = {
                                     chain="prelu_channel", config={**FFMA, "splits": 1}),
     "simt_fp32_nhwc_split_k": lambda: _conv("simt fp32 split", "float32", "NHWC", (1, 6, 6, 32), (20, 3, 3, 32),
                                             padding=1, config={**FFMA, "splits": 3}),
-    # strict fp32's default, 3xTF32 (Kred 144 and 288: the accumulators promoted after k-tiles 4, 8, ... and at the end)
+    # strict fp32's default on Hopper, 3xTF32 on wgmma (Kred 144 and 288: the accumulators promoted after k-tiles 4,
+    # 8, ... and at the end), and on mma.sync (the default elsewhere)
     "tf32x3_fp32_nchw": lambda: _conv("3xTF32 fp32", "float32", "NCHW", (2, 16, 9, 9), (24, 16, 3, 3), padding=1,
                                       chain="prelu_channel"),
     "tf32x3_fp32_nhwc_split_k": lambda: _conv("3xTF32 fp32 split", "float32", "NHWC", (1, 6, 6, 32), (20, 3, 3, 32),
                                               padding=1, config={"splits": 2}),
+    "tf32x3_mma_sync_fp32_nhwc": lambda: _conv("3xTF32 mma.sync fp32", "float32", "NHWC", (2, 9, 9, 16),
+                                               (24, 3, 3, 16), padding=1,
+                                               config={"math": "tf32x3", "bm": 64, "wm": 2, "wn": 2}),
     "tf32_nhwc": lambda: _conv("tf32", "float32", "NHWC", (2, 8, 8, 16), (32, 3, 3, 16), padding=1, precision="tf32"),
     "split_k_fp16_nhwc_mask": lambda: _conv("split-K fp16", "float16", "NHWC", (1, 7, 7, 128), (64, 3, 3, 128),
                                             padding=1, chain="bn_relu_mask", config={"splits": 3}),

@@ -16,7 +16,9 @@ enum : int { kNCHW = 0, kNHWC = 1 };
 // computing its own BM × BN tiles (BM = 64), and one producer warp issuing their TMA loads (persistent_sm90.cuh).
 // kTensorOp3 (fp32 only): the kTensorOp mainloop with each operand split into two TF32 parts, big + small,
 // and three MMAs per product (small·big + big·small + big·big): fp32 accuracy on tensor cores (mainloop_sm80.cuh).
-enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3, kTensorOp3 = 4 };
+// kWgmmaTf32x3 (sm_90a, fp32, gathered loads): the same split on warpgroup MMAs, WM warpgroups of 64 rows, A's
+// parts in registers and B's in shared memory (mainloop_tf32x3_sm90.cuh).
+enum : int { kTensorOp = 0, kSimt = 1, kWgmma = 2, kWgmmaWs = 3, kTensorOp3 = 4, kWgmmaTf32x3 = 5 };
 // kLoadTma (sm_90a wgmma only): one thread loads each stage with two TMA copies, the im2col-mode one for
 // A (NHWC, C % 64 == 0) and a tiled one for B, completing on an mbarrier (tma.cuh).
 // kLoadTmaC8: the A side of kLoadTma for 8-channel inputs (16-bit C padded to 8): a k-tile is 8 taps, one
@@ -75,7 +77,8 @@ struct Config {
   // kTensorOp, kTensorOp3: WM × WN warps; kWgmma: WM warpgroups along M (64 rows each), one along N; kSimt: 256.
   static constexpr bool kMmaSync = Math_ == kTensorOp || Math_ == kTensorOp3;
   static constexpr int kThreads = kMmaSync ? WM * WN * 32
-                                 : Math_ == kWgmma ? WM * 128 : Math_ == kWgmmaWs ? WM * 128 + 32 : 256;
+                                 : Math_ == kWgmma || Math_ == kWgmmaTf32x3 ? WM * 128
+                                 : Math_ == kWgmmaWs ? WM * 128 + 32 : 256;
   static constexpr int EB = sizeof(Element);
   static constexpr int CE = 16 / EB;               // elements per 16-byte chunk
   // shared-memory C tile (fp32), padded against bank conflicts: pixel-major (BM rows of BN channels) for
@@ -92,8 +95,10 @@ struct Config {
   static constexpr bool kCsCompact = Math_ == kWgmmaWs && kRegsStore && !Epi::kResidual && kCsplit == 1;
   static constexpr int kCsBytes = kCsCompact ? (kNchwOut ? BN * (BM + 8) * 2 + BN * (BM / 32) * 4 : BM * (BN + 8) * 2)
                                              : (kCsPixelMajor ? BM : BN) * kCsLd * 4;
-  static constexpr int kMainBytes = Stages * (BM + BN) * BK * (Math_ == kSimt ? 4 : EB);
-  static constexpr bool kIsWgmma = Math_ == kWgmma || Math_ == kWgmmaWs;
+  // (kWgmmaTf32x3: and B's small parts, double-buffered, and its cross parts)
+  static constexpr int kMainBytes = Stages * (BM + BN) * BK * (Math_ == kSimt ? 4 : EB)
+                                    + (Math_ == kWgmmaTf32x3 ? 3 * BN * BK * EB : 0);
+  static constexpr bool kIsWgmma = Math_ == kWgmma || Math_ == kWgmmaWs || Math_ == kWgmmaTf32x3;
   static constexpr int kAlign = kIsWgmma ? 1024 : 128;   // SW128 atoms need 1024-byte alignment
   // kWgmmaWs: per consumer warpgroup its own stage ring and C tile (the producer refills the ring while the
   // consumer's epilogue reads its C tile), rings first (1024-aligned stages)
@@ -119,8 +124,13 @@ struct Config {
                 "the persistent kernel: TMA loads, 64-row tiles");
   static_assert(LoadA_ != kLoadPatch || (Math_ == kWgmma && Layout_ == kNHWC && LoadB_ == kLoadVec),
                 "patch loads: the per-tile wgmma kernel, NHWC x, a gathered filter");
-  static_assert(!kIsWgmma || (EB == 2 && BK * EB == 128 && BM % 64 == 0 && BN % 64 == 0 && BN <= 256),
-                "wgmma: 16-bit operands, 128-byte K rows (SW128), 64-row warpgroups, BN in {64,128,192,256}");
+  static_assert(!kIsWgmma || ((EB == 2) != (Math_ == kWgmmaTf32x3) && BK * EB == 128 && BM % 64 == 0 &&
+                               BN % 64 == 0 && BN <= 256),
+                "wgmma: 16-bit operands (fp32 for 3xTF32), 128-byte K rows (SW128), 64-row warpgroups, BN in "
+                "{64,128,192,256}");
+  static_assert(Math_ != kWgmmaTf32x3 ||
+                    (EB == 4 && !kTma && LoadA_ != kLoadPatch && (BN == 64 || BN == 128) && !kRegsStore),
+                "3xTF32 wgmma: fp32, gathered loads, BN 64 or 128, the fp32 C tile's store");
 };
 
 IGEMM_DEVICE uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }

@@ -10,6 +10,7 @@
 //   epilogue_regs.cuh       the NHWC register epilogue (kStoreRegs)
 //   epilogue_regs_nchw.cuh  the NCHW register epilogue (kStoreRegsNCHW)
 //   mainloop_sm90.cuh       the per-tile wgmma mainloops: cp.async gather, or TMA (im2col-mode A, tiled B)
+//   mainloop_tf32x3_sm90.cuh  strict fp32 as 3xTF32 on wgmma (cp.async gather; A's parts in registers)
 //   patch.cuh               the per-tile wgmma mainloop for few-channel inputs: A built from a TMA-loaded patch
 //   streamk_sm90.cuh        stream-K over the TMA mainloop (IGEMM_STREAMK)
 //   persistent_sm90.cuh     the persistent warp-specialised kernel (kWgmmaWs; IGEMM_CSPLIT, IGEMM_WS_CTAS)
@@ -30,6 +31,7 @@
 #include "conv/mainloop_sm80.cuh"
 #if defined(IGEMM_WGMMA)
 #include "conv/mainloop_sm90.cuh"
+#include "conv/mainloop_tf32x3_sm90.cuh"
 #include "conv/patch.cuh"
 #include "conv/streamk_sm90.cuh"
 #include "conv/persistent_sm90.cuh"
@@ -73,7 +75,8 @@ IGEMM_DEVICE void fprop_tile(const P& p, uint8_t* smem) {
     mainloop_simt<Cfg>(p, smem, m0, n0, kt0, kt1);
   } else {
 #if defined(IGEMM_WGMMA)
-    if constexpr (Cfg::kTma) mainloop_wgmma_tma<Cfg>(p, smem, m0, n0, kt0, kt1);
+    if constexpr (Cfg::kMath == kWgmmaTf32x3) mainloop_wgmma_tf32x3<Cfg>(p, smem, m0, n0, kt0, kt1);
+    else if constexpr (Cfg::kTma) mainloop_wgmma_tma<Cfg>(p, smem, m0, n0, kt0, kt1);
     else if constexpr (Cfg::LoadA == kLoadPatch) mainloop_wgmma_patch<Cfg>(p, smem, m0, n0, kt0, kt1);
     else mainloop_wgmma<Cfg>(p, smem, m0, n0, kt0, kt1);
 #endif

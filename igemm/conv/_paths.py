@@ -49,7 +49,8 @@ def nchw_path(pb: ConvProblem, requested: str = "auto", pad: bool | None = None,
     types) or ``"transpose"`` (x and w transposed to NHWC/KRSC in one kernel, the 16-byte NHWC gather,
     NCHW stores from the epilogue). ``auto``: transpose for 16-bit types whose C allows 16-byte loads
     (C % 8 == 0), or that are padded (``pad=True``, see :func:`kernel_channels`) (docs/performance.md:
-    nchw-transpose-path). NHWC: always native."""
+    nchw-transpose-path); for strict fp32 on sm_90 with C % 4 == 0, where the filter has 9+ taps at stride 1 or
+    the 1x1 is strided. NHWC: always native."""
     if requested not in NCHW_PATHS:
         raise ValueError(f"nchw_path: expected one of {NCHW_PATHS}, got {requested!r}")
     if pb.layout != "NCHW":
@@ -59,6 +60,11 @@ def nchw_path(pb: ConvProblem, requested: str = "auto", pad: bool | None = None,
     if arch is not None and not pad and use_tma(pb, arch, 64):
         # a 1x1 stride-1 conv with H*W % 64 == 0 reads NCHW x directly: MN-major TMA tiles (load_a "tmamn")
         return "native"
+    if DTYPE_SIZES[pb.dtype] == 4:
+        # strict fp32 on Hopper's 3xTF32 wgmma kernel: the 16-byte gather wins where a pixel has 9+ taps at
+        # stride 1 or its copy is subsampled (docs/performance.md: tf32x3-wgmma-nchw)
+        wgmma = arch is not None and arch.startswith("sm_90") and pb.precision == "strict" and pb.C % 4 == 0
+        return "transpose" if wgmma and (pb.R * pb.S >= 9 and pb.stride == (1, 1) or subsampled(pb)) else "native"
     return "transpose" if DTYPE_SIZES[pb.dtype] == 2 and (pb.C % 8 == 0 or (pad and pb.C < 8)) else "native"
 
 

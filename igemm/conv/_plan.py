@@ -558,9 +558,11 @@ def override(spec: KernelSpec, pb: ConvProblem, cfg: dict, sms: int = 132) -> Ke
     if not spec.persistent and spec.ctas != 1:
         spec = dataclasses.replace(spec, ctas=1)    # (several CTAs an SM: the persistent kernel's grid)
     if "math" in cfg and not cfg["math"].startswith("wgmma") and "bk" not in cfg:
-        spec = dataclasses.replace(spec, bk=64 // DTYPE_SIZES[pb.dtype])
+        spec = dataclasses.replace(spec, bk=(128 if cfg["math"] == "tf32x3_wgmma" else 64) // DTYPE_SIZES[pb.dtype])
         if cfg["math"] in ("tensorop", "tf32x3") and "wn" not in cfg:
             spec = dataclasses.replace(spec, wn=2, wm=spec.bm // 64)
+    if spec.math == "tf32x3_wgmma" and "wm" not in cfg:
+        spec = dataclasses.replace(spec, wm=spec.bm // 64, wn=1)     # (a warpgroup per 64 rows)
     if "splits" not in cfg:
         spec = dataclasses.replace(spec, splits=1 if spec.persistent or spec.streamk
                                    else choose_splits(pb, spec.bm, spec.bn, spec.bk, sms))

@@ -165,6 +165,19 @@ def _deep_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
     return split_by_cost(tiles, kt, mn, slots, [1 << i for i in range(8) if 1 << i <= kt], 2, 64)
 
 
+#: the 3xTF32 wgmma kernel's split candidates (any count: a split-K wave of one CTA an SM is filled by counts
+#: other than powers of two)
+_WGMMA_SPLITS = (*range(1, 17), 20, 24, 28, 32, 40, 48, 64, 96, 128)
+
+
+def _tf32x3_wgmma_splits(d: _Draft) -> None:
+    """The split of least cost for one CTA an SM: the rounds of units a CTA runs x (its k-tiles + 2) + a k-tile
+    time a split per million fp32 partials; each split 4+ k-tiles. Fitted to the tile x split sweep of ResNet-50's
+    forward and turned wgrad layers (N = 32, H200; docs/performance.md: tf32x3-wgmma)."""
+    d.splits = split_by_cost(d.tiles, d.kt, d.pb.M * d.pb.K, d.sms,
+                             [s for s in _WGMMA_SPLITS if s == 1 or 4 * s <= d.kt], 2, 1)
+
+
 def _wider(d: _Draft) -> bool:
     """More than a wave of 64-column tiles that 128 columns would bring to one wave at most."""
     return (d.tiles > d.sms and d.bn == 64 and d.pb.K >= 128
@@ -194,6 +207,12 @@ RULES: tuple[tuple[Rule, ...], ...] = (
           "K <= 64, else 128",
           lambda d: d.ce == 8 and d.arch.startswith("sm_90"),
           lambda d: d.update(math="wgmma", bk=64, wn=1, bm=64, wm=1, bn=64 if d.pb.K <= 64 else 128)),
+     Rule("tf32x3-wgmma", "strict fp32 on Hopper: 3xTF32 on warpgroup MMAs, 128x128 tiles (64 wide for K <= 64), "
+          "4 stages (not for C < 4: conv1's gather of single elements stays on mma.sync)",
+          lambda d: (d.pb.dtype == "float32" and d.pb.precision == "strict" and d.arch.startswith("sm_90")
+                     and d.pb.C >= 4),
+          lambda d: d.update(math="tf32x3_wgmma", bk=32, bm=128, wm=2, wn=1, bn=64 if d.pb.K <= 64 else 128,
+                             stages=4)),
      Rule("mma-sync", "elsewhere, and fp32: mma.sync 128x128 tiles (64 wide for K <= 64); strict fp32 as 3xTF32",
           _always, _mma_sync)),
     (Rule("bn64-fill", "64 columns where 128 would leave the GPU under-filled, unless a deep reduction still "
@@ -230,8 +249,9 @@ RULES: tuple[tuple[Rule, ...], ...] = (
           lambda d: d.math == "tf32x3",
           lambda d: d.update(bm=128 if d.pb.K <= 64 else 64, bn=64 if d.pb.K <= 64 else 128,
                              stages=3 if d.pb.layout == "NCHW" else 4)),),
-    (Rule("short-reduction-2-stages", "at most 2 k-tiles: nothing to pipeline, the smaller footprint buys CTAs",
-          lambda d: d.math != "simt" and d.kt <= 2, lambda d: d.update(stages=2)),),
+    (Rule("short-reduction-2-stages", "at most 2 k-tiles: nothing to pipeline, the smaller footprint buys CTAs "
+          "(not the 3xTF32 wgmma kernel, one CTA an SM, whose loads then wait)",
+          lambda d: d.math not in ("simt", "tf32x3_wgmma") and d.kt <= 2, lambda d: d.update(stages=2)),),
     # -- the loads
     (Rule("loads-16-byte", "16-byte gathers where the layout, channel count and alignment allow, else elements",
           _always, _base_loads),),
@@ -245,6 +265,9 @@ RULES: tuple[tuple[Rule, ...], ...] = (
     # -- split-K
     (Rule("tf32x3-splits", "the compute-bound 3xTF32 tiles want two CTAs an SM: split while the tiles are fewer",
           lambda d: d.math == "tf32x3", _tf32x3_splits),
+     Rule("tf32x3-wgmma-splits", "3xTF32 on wgmma: the split of least cost in rounds of one-CTA-an-SM waves "
+          "(partials counted)",
+          lambda d: d.math == "tf32x3_wgmma", _tf32x3_wgmma_splits),
      Rule("split-k-fill", "split K when the tiles cannot fill the GPU (~2 CTAs an SM, >= 8 k-tiles each)",
           _always, lambda d: d.update(splits=choose_splits(d.pb, d.bm, d.bn, d.bk, d.sms)))),
     # -- the persistent warp-specialised kernel
@@ -394,6 +417,15 @@ def candidates(pb: ConvProblem, arch: str = "sm_90a", sms: int = 132) -> list[Ke
                 for bn in (64, 128):
                     for stages in (3, 4):
                         add(bm=bm, wm=bm // 64, bn=bn, stages=stages)
+    elif base.math == "tf32x3_wgmma":
+        add(**FFMA_CONFIG)                  # the FFMA kernel, and the mma.sync 3xTF32 kernel's tiles
+        for bm, bn, wm, wn in ((128, 64, 2, 2), (64, 128, 2, 2)):
+            add(math="tf32x3", bk=16, bm=bm, bn=bn, wm=wm, wn=wn, stages=4)
+        for bm in (64, 128):
+            for bn in (64, 128):
+                for stages in (3, 4):
+                    for sp in (1, 2, 4):
+                        add(bm=bm, bn=bn, wm=bm // 64, stages=stages, splits=sp)
     elif base.math == "tf32x3":
         add(**FFMA_CONFIG)                  # the FFMA kernel
         for bm, bn, wm, wn in ((128, 64, 2, 2), (64, 64, 2, 2), (128, 128, 2, 4), (64, 128, 2, 2)):

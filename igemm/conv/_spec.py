@@ -38,7 +38,7 @@ SMEM_PER_SM = 228 * 1024
 class KernelSpec:
     dtype: str
     layout: str
-    math: str                 # "tensorop" | "tf32x3" | "simt" | "wgmma" | "wgmma_ws"
+    math: str                 # "tensorop" | "tf32x3" | "simt" | "wgmma" | "wgmma_ws" | "tf32x3_wgmma"
     bm: int
     bn: int
     bk: int
@@ -67,7 +67,7 @@ class KernelSpec:
     @property
     def threads(self) -> int:
         return {"tensorop": self.wm * self.wn * 32, "tf32x3": self.wm * self.wn * 32, "wgmma": self.wm * 128,
-                "wgmma_ws": self.wm * 128 + 32}.get(self.math, 256)
+                "wgmma_ws": self.wm * 128 + 32, "tf32x3_wgmma": self.wm * 128}.get(self.math, 256)
 
     @property
     def tma(self) -> bool:
@@ -85,6 +85,8 @@ class KernelSpec:
         """Dynamic shared memory, exactly as ``Config::kSmemBytes`` computes it."""
         eb = DTYPE_SIZES[self.dtype]
         main = self.stages * (self.bm + self.bn) * self.bk * (4 if self.math == "simt" else eb)
+        if self.math == "tf32x3_wgmma":      # B's small parts (double-buffered) and cross parts
+            main += 3 * self.bn * self.bk * eb
         if self.store not in NCHW_STORES:    # pixel-major C tile (Config::kCsPixelMajor)
             cs = self.bm * (self.bn + 8) * 4
         else:
@@ -96,7 +98,7 @@ class KernelSpec:
             return self.wm * (main + cs) + 1024
         if self.load_a == "patch":           # two A buffers, B for the whole reduction, then the patch
             main = (2 * self.bm + self.stages * self.bn) * self.bk * eb + self.patch_bytes
-        return max(main, cs) + (1024 if self.math == "wgmma" else 128)
+        return max(main, cs) + (1024 if self.math in ("wgmma", "tf32x3_wgmma") else 128)
 
     @property
     def residual(self) -> bool:
@@ -150,7 +152,7 @@ class KernelSpec:
         epi = "igemm::epi::Chain<" + ", ".join(self.epilogue) + ">"
         args = [t, t, ns + ("kNHWC" if self.layout == "NHWC" else "kNCHW"),
                 ns + {"tensorop": "kTensorOp", "tf32x3": "kTensorOp3", "simt": "kSimt", "wgmma": "kWgmma",
-                            "wgmma_ws": "kWgmmaWs"}[self.math],
+                            "wgmma_ws": "kWgmmaWs", "tf32x3_wgmma": "kWgmmaTf32x3"}[self.math],
                 self.bm, self.bn, self.bk, self.wm, self.wn, self.stages,
                 ns + _LOADS[self.load_a], ns + _LOADS[self.load_b],
                 ns + {"rows": "kStoreRows", "linear": "kStoreLinear", "nchw": "kStoreNCHW",
@@ -166,7 +168,7 @@ class KernelSpec:
 
     def prelude(self) -> str:
         """Macros in front of the kernel source (the Hopper kernels' compile-time variants)."""
-        if self.math not in ("wgmma", "wgmma_ws"):
+        if self.math not in ("wgmma", "wgmma_ws", "tf32x3_wgmma"):
             return ""
         return ("#define IGEMM_WGMMA 1" + ("\n#define IGEMM_STREAMK 1" if self.streamk else "")
                 + (f"\n#define IGEMM_CSPLIT {self.csplit}" if self.csplit > 1 else "")
@@ -273,10 +275,15 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = "wgmma needs 16-bit types, BK*size = 128 bytes, BM % 64 == 0, BN in {64,128,192,256}"
     elif spec.math == "simt" and (pb.dtype != "float32" or (spec.bm, spec.bn, spec.bk) != (128, 128, 8)):
         why = "the SIMT kernel is fp32 128x128x8"
-    elif pb.dtype == "float32" and pb.precision == "strict" and spec.math not in ("simt", "tf32x3"):
-        why = "strict fp32 runs on the FFMA kernel (simt) or 3xTF32 (tf32x3), not on single TF32"
-    elif spec.math == "tf32x3" and pb.dtype != "float32":
+    elif pb.dtype == "float32" and pb.precision == "strict" and spec.math not in ("simt", "tf32x3", "tf32x3_wgmma"):
+        why = "strict fp32 runs on the FFMA kernel (simt) or 3xTF32 (tf32x3, tf32x3_wgmma), not on single TF32"
+    elif spec.math in ("tf32x3", "tf32x3_wgmma") and pb.dtype != "float32":
         why = "3xTF32 is for fp32"
+    elif spec.math == "tf32x3_wgmma" and (spec.bk != 32 or spec.bm not in (64, 128) or spec.wm != spec.bm // 64
+                                          or spec.wn != 1 or spec.bn not in (64, 128) or spec.tma
+                                          or spec.load_a == "patch" or spec.store in REGS_STORES):
+        why = ("3xTF32 on wgmma: BK 32, one 64-row warpgroup per 64 rows (BM 64 or 128), BN 64 or 128, gathered "
+               "loads, the fp32 C tile's store")
     elif spec.math in ("tensorop", "tf32x3") and (spec.bk * eb not in (32, 64, 128) or (spec.bn // spec.wn) % 16
                                       or (spec.bm // spec.wm) % 16):
         why = "tensor-op tile"
@@ -332,7 +339,7 @@ def validate_spec(spec: KernelSpec, pb: ConvProblem, raise_: bool = True) -> boo
         why = f"{spec.smem} bytes of shared memory"
     elif spec.splits < 1 or spec.splits > -(-pb.Kred // spec.bk):
         why = f"splits={spec.splits}"
-    elif spec.math in ("tensorop", "tf32x3", "wgmma") and ((spec.bm * spec.bk * eb // 16) % spec.threads
+    elif spec.math in ("tensorop", "tf32x3", "wgmma", "tf32x3_wgmma") and ((spec.bm * spec.bk * eb // 16) % spec.threads
                                                   or (spec.bn * spec.bk * eb // 16) % spec.threads):
         why = "loader partition"
     if why and raise_:

@@ -567,7 +567,7 @@ def test_nchw_path_choice():
     assert nchw_path(_pb(**f32, stride=(2, 2)), arch="sm_90a") == "native"
     assert nchw_path(_pb(**f32, R=1, S=1, padding=(0, 0)), arch="sm_90a") == "native"
     assert nchw_path(_pb(**f32, R=1, S=1, padding=(0, 0), stride=(2, 2)), arch="sm_90a") == "transpose"
-    assert nchw_path(_pb(**f32, C=3), arch="sm_90a") == "native"
+    assert nchw_path(_pb(**f32, C=3), arch="sm_90a") == "native"                # (no 16-byte gather)
     assert nchw_path(_pb(layout="NCHW", dtype="float32", precision="tf32"), arch="sm_90a") == "native"
     assert nchw_path(_pb(layout="NCHW"), "native") == "native"
     assert nchw_path(_pb(), "transpose") == "native"                          # NHWC has nothing to transpose
@@ -1002,16 +1002,14 @@ def test_gpu_strict_fp32_paths(layout, rng):
         x64, w64 = to_layout(rng.standard_normal(xs), rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:])), layout)
         x, w = to_torch(x64, "float32"), to_torch(w64, "float32")
         ref = reference.conv2d_direct(to_numpy(x), to_numpy(w), st, pd, dl, layout)
-        # (the default: 3xTF32 on wgmma, on mma.sync for C < 4 -- conv1's single-element gather)
-        default = "tf32x3_wgmma" if xs[1] >= 4 else "tf32x3"
-        for math_, cfg in ((default, None), ("tf32x3", mma_sync), ("simt", FFMA)):
+        for math_, cfg in (("tf32x3_wgmma", None), ("tf32x3", mma_sync), ("simt", FFMA)):
             plan = Conv2dPlan(x.shape, w.shape, "float32", layout, st, pd, dl, precision="strict", options=igemm.Conv2dOptions(config=cfg))
             assert plan.spec().math == math_
             out = poison(torch.empty(plan.y_shape, dtype=x.dtype, device="cuda"))
             err = rel_err(to_numpy(plan(x, w, out=out)), ref)
             assert err <= TOL["float32"], f"{math_} x{xs} w{ws} stride{st} pad{pd} dil{dl}: {err:.3g}"
             worst[math_] = max(worst[math_], err)
-            if cfg is None:
+            if math_ == "tf32x3_wgmma":
                 e3 = err
         e1 = rel_err(to_numpy(igemm.conv2d(x, w, st, pd, dl, layout=layout, precision="tf32")), ref)
         gain.append(e1 / max(e3, 1e-12))

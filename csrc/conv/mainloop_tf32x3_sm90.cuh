@@ -57,8 +57,8 @@ IGEMM_DEVICE void mainloop_wgmma_tf32x3(const P& p, uint8_t* smem, int m0, int n
   L ld(p, sA, sB, m0, n0);
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x / 128;
 
-  // B's small parts of this thread's own chunks of stage `buf` (the ones it loaded) into pair x; whether any of
-  // them is not finite
+  // B's small parts of this thread's own chunks of stage `buf` (the ones it loaded) into small tile x; whether any
+  // of them is not finite
   auto split_b = [&](int buf, int x) {
     const uint8_t* b = sB + buf * L::B_STAGE;
     uint8_t* s = sX + x * L::B_STAGE;

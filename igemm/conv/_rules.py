@@ -208,9 +208,8 @@ RULES: tuple[tuple[Rule, ...], ...] = (
           lambda d: d.ce == 8 and d.arch.startswith("sm_90"),
           lambda d: d.update(math="wgmma", bk=64, wn=1, bm=64, wm=1, bn=64 if d.pb.K <= 64 else 128)),
      Rule("tf32x3-wgmma", "strict fp32 on Hopper: 3xTF32 on warpgroup MMAs, 128x128 tiles (64 wide for K <= 64), "
-          "4 stages (not for C < 4: conv1's gather of single elements stays on mma.sync)",
-          lambda d: (d.pb.dtype == "float32" and d.pb.precision == "strict" and d.arch.startswith("sm_90")
-                     and d.pb.C >= 4),
+          "4 stages",
+          lambda d: d.pb.dtype == "float32" and d.pb.precision == "strict" and d.arch.startswith("sm_90"),
           lambda d: d.update(math="tf32x3_wgmma", bk=32, bm=128, wm=2, wn=1, bn=64 if d.pb.K <= 64 else 128,
                              stages=4)),
      Rule("mma-sync", "elsewhere, and fp32: mma.sync 128x128 tiles (64 wide for K <= 64); strict fp32 as 3xTF32",

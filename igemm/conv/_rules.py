@@ -212,7 +212,8 @@ RULES: tuple[tuple[Rule, ...], ...] = (
           lambda d: d.pb.dtype == "float32" and d.pb.precision == "strict" and d.arch.startswith("sm_90"),
           lambda d: d.update(math="tf32x3_wgmma", bk=32, bm=128, wm=2, wn=1, bn=64 if d.pb.K <= 64 else 128,
                              stages=4)),
-     Rule("mma-sync", "elsewhere, and fp32: mma.sync 128x128 tiles (64 wide for K <= 64); strict fp32 as 3xTF32",
+     Rule("mma-sync", "elsewhere (fp32 on Hopper: single TF32): mma.sync 128x128 tiles (64 wide for K <= 64); "
+          "strict fp32 as 3xTF32",
           _always, _mma_sync)),
     (Rule("bn64-fill", "64 columns where 128 would leave the GPU under-filled, unless a deep reduction still "
           "gives half a wave or 64 columns would spill into a second wave",

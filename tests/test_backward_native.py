@@ -5,6 +5,8 @@ pass that applies the mask / prologue before them. Their kernels are precompiled
 (``python -m igemm precompile --backward``)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -105,8 +107,8 @@ def _check_wgrad(torch, p: dict, dtype: str, rng, layout: str = "NHWC") -> tuple
     return x, dy, ref
 
 
-#: the NCHW 1x1 kernel (P·Q % 8 == 0, C % 8 == 0): an image's pixels in one partial k-tile (P·Q = 56), partial tiles
-#: in M and N, N = 1, 128 x 128 persistent tiles with many splits and one (N, C, H, W, K, 1, 1, 1, 0, 1)
+#: the NCHW 1x1 kernel (P·Q % 8 == 0, C % 8 == 0) through the plan: an image's pixels in one partial k-tile (P·Q =
+#: 56), partial tiles in M and N, N = 1, the rules' 64 x 64 and 128 x 64 tiles (N, C, H, W, K, 1, 1, 1, 0, 1)
 NATIVE_NCHW_WGRAD = [(2, 64, 7, 8, 40, 1, 1, 1, 0, 1), (2, 200, 12, 10, 136, 1, 1, 1, 0, 1),
                      (1, 64, 28, 28, 256, 1, 1, 1, 0, 1), (4, 256, 14, 16, 128, 1, 1, 1, 0, 1),
                      (8, 128, 16, 16, 256, 1, 1, 1, 0, 1), (2, 8, 8, 8, 24, 1, 1, 1, 0, 1)]
@@ -121,6 +123,34 @@ def test_gpu_wgrad_nchw_native(case, dtype, rng):
     from igemm.conv import _native_nchw
     plan = _check_nchw_wgrad(case, dtype, rng)
     assert isinstance(plan.native, _native_nchw.NativeWgradNchw) and plan._nchw is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_wgrad_nchw_variants(dtype, rng):
+    """Each NCHW 1x1 kernel variant against float64 on partial tiles in M and N (K = 200, C = 136, P·Q = 120: two
+    k-tiles an image, the second partial), launched as for a GPU of 1 and of 132 SMs, with one split storing dw and
+    with two and five storing partials."""
+    torch = pytest.importorskip("torch")
+    from igemm.conv import _native_nchw
+    h = torch.cuda.current_stream().cuda_stream
+    xs, ws = (3, 136, 12, 10), (200, 136, 1, 1)
+    g = GradWeightProblem(xs, ws, "NCHW", 1, 0, 1)
+    x, dy = to_torch(rng.standard_normal(xs), dtype), to_torch(rng.standard_normal((3, 200, 12, 10)), dtype)
+    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, 1, 0, 1, "NCHW")
+    names = [n for n, _ in _native_nchw.all_variants() if n.startswith(f"wgrad_nchw_{dtype}_")]
+    for n in names:
+        f = n.split("_")                                 # wgrad nchw dtype BMxBN sS out [ws]
+        bm, bn = map(int, f[3].split("x"))
+        for splits in ((1,) if f[5] == dtype else (2, 5)):
+            spec = _native_nchw.WgradNchwSpec(dtype, f[5], bm, bn, int(f[4][1:]), splits, "_ws" in n)
+            assert spec.name() == n
+            for sms in (1, 132):
+                dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
+                _native_nchw.NativeWgradNchw(g, dtype, dtype, False, 0, sms, spec).launch(
+                    h, x.data_ptr(), dy.data_ptr(), dw.data_ptr())
+                torch.cuda.synchronize()
+                assert rel_err(to_numpy(dw), ref) < TOL[dtype], (n, splits, sms)
 
 
 def _check_nchw_wgrad(case: tuple, dtype: str, rng):
@@ -178,10 +208,23 @@ def test_wgrad_native_choice():
     few = GradWeightProblem((32, 7, 7, 512), (2048, 1, 1, 512), "NHWC", 1, 0, 1)      # 64 tiles, one split
     s = _native.choose_spec(few, "float16", "float16", False, 132)
     assert (s.bm, s.bn, s.ws, s.splits, s.out) == (128, 64, True, 1, "float16")
-    for N, splits in ((32, 33), (256, 66)):          # a 1x1 of 4 tiles: two CTAs an SM where splits stay deep
+    for N in (32, 256):                              # a 1x1 of 4 tiles: a deep ring, one CTA an SM
         one = GradWeightProblem((N, 56, 56, 64), (256, 1, 1, 64), "NHWC", 1, 0, 1)
         s = _native.choose_spec(one, "float16", "float16", False, 132)
-        assert (s.bm, s.bn, s.ws, s.splits) == (64, 64, False, splits)
+        assert (s.bm, s.bn, s.ws, s.stages, s.splits) == (64, 64, True, 8, 33)
+        assert s.smem + 1024 <= _native._SM_SMEM and replace(s, mask=True).smem + 1024 <= _native._SM_SMEM
+    for N, spec in ((32, (128, 64, 6, 4)), (256, (128, 128, 4, 8))):   # short splits of 128 x 128 tiles: 128 x 64
+        one = GradWeightProblem((N, 14, 14, 1024), (256, 1, 1, 1024), "NHWC", 1, 0, 1)
+        s = _native.choose_spec(one, "float16", "float16", False, 132)
+        assert (s.bm, s.bn, s.stages, s.splits, s.ws) == (*spec, True)
+        k = _native.NativeWgrad(one, "float16", "float16", False, None, 132)       # the masked twin: 128 x 128
+        m = k.mask_spec
+        assert k.spec == s and (m.bm, m.bn, m.stages, m.ws, m.mask) == (128, 128, 4, True, True)
+        assert [v.kernel()[0] for v in k.kernels()] == [s.name(), m.name(), "split_sum_float16"]
+    wide1 = GradWeightProblem((32, 14, 14, 1024), (200, 1, 1, 1024), "NHWC", 1, 0, 1)   # 64 x 128 tiles: 6 stages
+    s = _native.choose_spec(wide1, "float16", "float16", False, 132)
+    assert (s.bm, s.bn, s.stages, s.splits, s.ws) == (64, 128, 6, 4, True)
+    assert s.smem + 1024 <= _native._SM_SMEM and replace(s, mask=True).smem + 1024 <= _native._SM_SMEM
     for tiles, kt in ((1, 1), (9, 1568), (36, 98), (144, 49), (7, 5)):
         sp = _native._best_splits(tiles, kt, 2 ** 20, 132)
         assert 1 <= sp <= kt and (sp - 1) * -(-kt // sp) < kt, (tiles, kt, sp)      # no empty split
@@ -232,7 +275,7 @@ def test_wgrad_nchw_choice(rng):
         gg = GradWeightProblem(xs, ws, "NCHW", 1, 0, 1)
         kk = _native_nchw.NativeWgradNchw(gg, "float16", "float16", False, None, 132,
                                           _native_nchw.WgradNchwSpec("float16", "float32", bm, bn, 4, splits))
-        v = kk._values()
+        v = kk._values(kk.spec)
         x, dy = rng.standard_normal(xs), rng.standard_normal((xs[0], ws[0], xs[2], xs[3]))
         pq, xr, dyr = xs[2] * xs[3], None, None
         xr = np.zeros((xs[0], -(-xs[1] // bn) * bn, v["fd_T"] * 64))
@@ -600,7 +643,7 @@ def test_gpu_native_variants(dtype, rng):
             if bn == 128 and (g.R * g.S * g.C) % 128:
                 continue
             for splits in ((1,) if out == dtype else (2, 5)):
-                spec = _native.WgradSpec(dtype, out, bm, bn, 4, splits, ws_)
+                spec = _native.WgradSpec(dtype, out, bm, bn, int(n.split("_")[3][1:]), splits, ws_)
                 for sms in (1, 132):
                     dw = poison(torch.empty(ws, dtype=getattr(torch, dtype), device="cuda"))
                     k = _native.NativeWgrad(g, dtype, dtype, False, 0, sms, spec)

@@ -517,7 +517,8 @@ BACKWARD = {
                                                  "bn"),
     "wgrad_nchw_fp32_mask": lambda: _backward("wgrad", "NCHW", "float32", (2, 3, 8, 7), (5, 3, 2, 2), 3, 2, "mask"),
     # the native kernels (16-bit NHWC on sm_90a): persistent 64x128 and 128x64 dgrad, persistent 128x128 and
-    # per-tile 64x64 wgrad (igemm/conv/_native.py's rules pick them at these sizes)
+    # per-tile 64x64 wgrad, a 1x1's deep rings (128x64, 6 stages; 64x64, 8 stages, masked) (igemm/conv/_native.py's
+    # rules pick them at these sizes)
     "dgrad_native_ws_nhwc_fp16_bn": lambda: _backward("dgrad", "NHWC", "float16", (2, 9, 10, 72), (64, 3, 3, 72), 1,
                                                       1, "bn"),
     "dgrad_native_ws_strided_nhwc_bf16": lambda: _backward("dgrad", "NHWC", "bfloat16", (2, 9, 10, 64),
@@ -525,6 +526,10 @@ BACKWARD = {
     "wgrad_native_ws_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 128), (128, 3, 3, 128),
                                                         1, 1, "mask"),
     "wgrad_native_tile_nhwc_fp16": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 64), (64, 3, 3, 64), 1, 1),
+    "wgrad_native_1x1_nhwc_bf16": lambda: _backward("wgrad", "NHWC", "bfloat16", (2, 9, 10, 128), (256, 1, 1, 128),
+                                                    1, 0),
+    "wgrad_native_1x1_nhwc_fp16_mask": lambda: _backward("wgrad", "NHWC", "float16", (2, 9, 10, 64), (256, 1, 1, 64),
+                                                         1, 0, "mask"),
     # an NCHW wgrad on its NHWC twin's native kernel (x and dy moved, the prologue on dy's move, dw transposed back)
     "wgrad_nchw_native_fp16_bn": lambda: _backward("wgrad", "NCHW", "float16", (2, 64, 9, 10), (128, 64, 3, 3), 1, 1,
                                                    "bn"),

@@ -171,34 +171,50 @@ def _best_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
     return -(-kt // -(-kt // sp))                    # (no empty split)
 
 
-def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int) -> WgradSpec:
-    """The kernel for ``g`` (docs/performance.md: wgrad-native-tiles, wgrad-ws-128):
+def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int, masked: bool = False) -> WgradSpec:
+    """The kernel for ``g`` (docs/performance.md: wgrad-native-tiles, wgrad-ws-128, wgrad-1x1-deep-ring):
     - K and R·S·C multiples of 128: 128 x 128 tiles in the persistent kernel (4 stages, a CTA an SM), the reduction
       split by :func:`_best_splits`; where that leaves one split and at most half the SMs a tile, 128 x 64 tiles
-      (twice as many CTAs; wgrad-ws-128x64);
+      (twice as many CTAs; wgrad-ws-128x64); a 1x1 whose splits that way run under 64 k-tiles each takes 128 x 64
+      tiles with 6 stages instead, as many splits as fill one CTA an SM;
+    - else a 1x1: the persistent kernel on 64-row tiles (as below), 8 stages (6 where 128 wide), as many splits as
+      fill one CTA an SM;
     - else per-tile 64-row tiles, 128 wide where R·S·C is a multiple of 128 and at least 512 (else 64), 4 stages,
-      the reduction split so that the tiles x splits fill the CTAs an SM holds (a 1x1: one CTA an SM, two where each
-      split still runs 128 k-tiles: wgrad-1x1-two-ctas), none empty.
-    ``out``: dw's dtype; one split without accumulation stores dw itself, else fp32 partials."""
+      the reduction split so that the tiles x splits fill the CTAs an SM holds, none empty.
+    ``out``: dw's dtype; one split without accumulation stores dw itself, else fp32 partials. ``masked``: the tiles
+    for the masked twin (A through registers), where a 1x1's short splits keep 128 x 128 tiles."""
     rsc = g.R * g.S * g.C
     kt = -(-g.N * g.P * g.Q // BK)
+    one = g.R * g.S == 1
     if g.K % 128 == 0 and rsc % 128 == 0:
         tiles = g.K // 128 * (rsc // 128)
         splits = _best_splits(tiles, kt, g.K * rsc, sms)
-        bn = 64 if splits == 1 and 2 * tiles <= sms else 128
-        return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", 128, bn, 4, splits, True)
+        if masked or not (one and splits > 1 and kt < 64 * splits):
+            bn = 64 if splits == 1 and 2 * tiles <= sms else 128
+            return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", 128, bn, 4, splits, True)
+        # a 1x1's short splits: its reads are the time, so a deeper ring of smaller tiles; not for the masked twin,
+        # whose A fragments through registers cost the most per product on 64-wide tiles (wgrad-1x1-deep-ring)
+        return _one_wave(dtype, out, accumulate, 128, 64, 6, g.K, rsc, kt, sms)
     bm, bn = 64, (128 if rsc % 128 == 0 and rsc >= 512 else 64)
+    if one:
+        return _one_wave(dtype, out, accumulate, bm, bn, 8 if bn == 64 else 6, g.K, rsc, kt, sms)
     tiles = -(-g.K // bm) * -(-rsc // bn)
     spec = WgradSpec(dtype, "float32", bm, bn, 4)
-    if g.R * g.S == 1:
-        slots = 2 * sms if kt >= -(-2 * sms // tiles) * 128 else sms
-    else:
-        slots = max(1, _SM_SMEM // (spec.smem + 1024)) * sms
+    slots = max(1, _SM_SMEM // (spec.smem + 1024)) * sms
     splits = 1
     if tiles < slots:
-        splits = min(-(-slots // tiles) if g.R * g.S == 1 else slots // tiles, kt)
+        splits = min(slots // tiles, kt)
         splits = -(-kt // -(-kt // splits))          # (no empty split)
     return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", bm, bn, 4, splits)
+
+
+def _one_wave(dtype: str, out: str, accumulate: bool, bm: int, bn: int, stages: int, K: int, rsc: int, kt: int,
+              sms: int) -> WgradSpec:
+    """The persistent kernel on ``bm`` x ``bn`` tiles, split so that the units fill one CTA an SM once."""
+    tiles = -(-K // bm) * -(-rsc // bn)
+    splits = min(max(1, sms // tiles), kt)
+    splits = -(-kt // -(-kt // splits))              # (no empty split)
+    return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", bm, bn, stages, splits, True)
 
 
 def _sum_stub(td: str, accumulate: bool) -> str:
@@ -268,12 +284,16 @@ class NativeWgrad:
         self.g, self.dtype, self.out_dtype, self.accumulate = g, dtype, out_dtype, accumulate
         self.device_id, self.sms = device_id, sms
         self.spec = spec or choose_spec(g, dtype, out_dtype, accumulate, sms)
+        #: the masked twin's: the plain kernel's tiles, or the 128 x 128 ones where those are a 1x1's narrow deep ring
+        self.mask_spec = replace(spec or choose_spec(g, dtype, out_dtype, accumulate, sms, masked=True), mask=True)
         self.rsc = g.R * g.S * g.C
         self.numel = g.K * self.rsc
-        #: the kernel stores fp32 partials and the split sum adds them into dw
-        self.summed = self.spec.out != out_dtype or self.spec.splits > 1 or accumulate
-        self._sum = _SplitSum(out_dtype, accumulate) if self.summed else None
-        self._conv, self._launch_sum = {}, None
+        self._sum = _SplitSum(out_dtype, accumulate)
+        self._conv, self._ws = {}, None
+
+    def summed(self, s: WgradSpec) -> bool:
+        """Whether spec ``s``'s kernel stores fp32 partials that the split sum adds into dw."""
+        return s.out != self.out_dtype or s.splits > 1 or self.accumulate
 
     def fuses_mask(self, mask: int) -> bool:
         """Whether :meth:`launch` applies a mask at ``mask`` itself: its map's rows (a pixel's words) are 16-byte
@@ -283,13 +303,14 @@ class NativeWgrad:
     def kernels(self) -> list:
         """What :meth:`launch` runs, each with ``kernel() -> (name, source)``: the plain kernel, its masked twin and
         the split sum."""
-        return [self.spec, replace(self.spec, mask=True)] + ([self._sum] if self._sum is not None else [])
+        return [self.spec, self.mask_spec] + ([self._sum] if self.summed(self.spec) or self.summed(self.mask_spec)
+                                              else [])
 
-    def _values(self) -> dict:
+    def _values(self, s: WgradSpec) -> dict:
         g, P, Q = self.g, self.g.P, self.g.Q
         kt = -(-g.N * P * Q // BK)
-        return dict(M=g.K, Ncol=self.rsc, NPQ=g.N * P * Q, kt_per_split=-(-kt // self.spec.splits),
-                    splits=self.spec.splits, sh=g.stride[0],
+        return dict(M=g.K, Ncol=self.rsc, NPQ=g.N * P * Q, kt_per_split=-(-kt // s.splits),
+                    splits=s.splits, sh=g.stride[0],
                     sw=g.stride[1], ph=g.padding[0], pw=g.padding[1], dh=g.dilation[0], dw=g.dilation[1],
                     fd_PQ=P * Q, fd_Q=Q, fd_C=g.C, fd_S=g.S)
 
@@ -301,7 +322,7 @@ class NativeWgrad:
         npq = g.N * g.P * g.Q
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
         return _Launch(
-            s, "igemm_wgrad", WGRAD_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms), self.device_id,
+            s, "igemm_wgrad", WGRAD_PARAMS, self._values(s), s.grid(tiles * s.splits, self.sms), self.device_id,
             [("tmA", lambda addr: _encode(pb, "Tiled", (2, addr, [u64(g.K), u64(npq)], [u64(g.K * 2)],
                                                         [u32(64), u32(BK)], [u32(1), u32(1)]),
                                           "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"), 0),
@@ -311,24 +332,28 @@ class NativeWgrad:
                                              "CU_TENSOR_MAP_L2_PROMOTION_NONE", "CU_TENSOR_MAP_SWIZZLE_NONE", "uint32"),
                  3)] if s.mask else []))
 
-    def _build(self, mask: bool) -> _Launch:
-        s, dev = replace(self.spec, mask=mask), self.device_id
-        conv = self._conv[mask] = self._conv_launch(s)
-        if self.summed and self._launch_sum is None:
-            self._ws = _runtime.DeviceArray((s.splits * self.numel,), "float32", dev)
+    def _build(self, mask: bool) -> tuple:
+        """(the kernel's launch, the split sum's (launcher, arguments) or None) for the plain or the masked spec."""
+        s, dev = self.mask_spec if mask else self.spec, self.device_id
+        summed = None
+        if self.summed(s):
+            if self._ws is None:                  # (the partials of either spec)
+                n = max(t.splits for t in (self.spec, self.mask_spec) if self.summed(t))
+                self._ws = _runtime.DeviceArray((n * self.numel,), "float32", dev)
             name, src = self._sum.kernel()
             ks = _kernel.load(src, name, "igemm_split_sum", dev)
             sargs = _kernel.pack_args(_SUM_PARAMS, dict(src=self._ws.ptr, n=self.numel, splits=s.splits))
-            self._launch_sum = (_kernel.Launcher(ks, *sum_grid(self.numel, self.sms)), sargs)
-        return conv
+            summed = (_kernel.Launcher(ks, *sum_grid(self.numel, self.sms)), sargs)
+        self._conv[mask] = (self._conv_launch(s), summed)
+        return self._conv[mask]
 
     def launch(self, h: int, x: int, dy: int, dw: int, mask: int = 0) -> None:
         """dw (or the partials, then their sum into dw) on stream ``h``; x and dy 16-byte aligned; ``mask`` (0:
         none): the forward's ReLU mask of dy, read in the kernel (:meth:`fuses_mask`)."""
-        conv = self._conv.get(mask != 0) or self._build(mask != 0)
-        conv(h, dy, x, self._ws.ptr if self.summed else dw, mask)
-        if self.summed:
-            sl, sargs = self._launch_sum
+        conv, summed = self._conv.get(mask != 0) or self._build(mask != 0)
+        conv(h, dy, x, self._ws.ptr if summed else dw, mask)
+        if summed:
+            sl, sargs = summed
             sargs.u64[sargs.slots["dst"]] = dw
             sl(h, sargs)
 
@@ -546,8 +571,9 @@ def all_variants() -> list[tuple[str, str]]:
     dts = ("float16", "bfloat16")
     out = [WgradSpec(dt, o, 64, bn, 4, mask=m).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")
            for m in (False, True)]
-    out += [WgradSpec(dt, o, 128, bn, 4, 1, True, m).kernel() for dt in dts for o in (dt, "float32")
-            for bn in (64, 128) for m in (False, True)]
+    out += [WgradSpec(dt, o, bm, bn, st, 1, True, m).kernel() for dt in dts for o in (dt, "float32")
+            for bm, bn, st in ((128, 64, 4), (128, 128, 4), (128, 64, 6), (64, 64, 8), (64, 128, 6))
+            for m in ((False,) if st == 6 and bm == 128 else (False, True))]     # (its masked twin: 128 x 128)
     out += [DgradSpec(dt, *t, add, store, mask).kernel() for dt in dts
             for add, mask in ((False, False), (True, False), (False, True))
             for store in ("tensor", "rows") + (() if add else ("zeros",))

@@ -72,10 +72,10 @@ class NativeWgradNchw(NativeWgrad):
 
     def kernels(self) -> list:
         """The kernel and the split sum (no masked twin)."""
-        return [self.spec] + ([self._sum] if self._sum is not None else [])
+        return [self.spec] + ([self._sum] if self.summed(self.spec) else [])
 
-    def _values(self) -> dict:
-        g, s = self.g, self.spec
+    def _values(self, s) -> dict:
+        g = self.g
         tpi = -(-g.P * g.Q // BK)
         kt = g.N * tpi
         return dict(M=g.K, Ncol=g.C, kt=kt, kt_per_split=-(-kt // s.splits), splits=s.splits, fd_T=tpi)
@@ -93,13 +93,12 @@ class NativeWgradNchw(NativeWgrad):
 
     def _conv_launch(self, s) -> _Launch:
         tiles = -(-self.g.K // s.bm) * -(-self.g.C // s.bn)
-        return _Launch(s, "igemm_wgrad_nchw", WGRAD_NCHW_PARAMS, self._values(), s.grid(tiles * s.splits, self.sms),
+        return _Launch(s, "igemm_wgrad_nchw", WGRAD_NCHW_PARAMS, self._values(s), s.grid(tiles * s.splits, self.sms),
                        self.device_id, self._maps())
 
 
 def all_variants() -> list[tuple[str, str]]:
     """Every (name, stub) the NCHW kernel can be given (its tiles are :func:`._native.choose_spec`'s)."""
     dts = ("float16", "bfloat16")
-    out = [WgradNchwSpec(dt, o, 64, bn, 4).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")]
-    return out + [WgradNchwSpec(dt, o, 128, bn, 4, 1, True).kernel() for dt in dts for o in (dt, "float32")
-                  for bn in (64, 128)]
+    return [WgradNchwSpec(dt, o, bm, bn, st, 1, True).kernel() for dt in dts for o in (dt, "float32")
+            for bm, bn, st in ((128, 64, 4), (128, 128, 4), (128, 64, 6), (64, 64, 8), (64, 128, 6))]

@@ -673,6 +673,30 @@ def test_split_sum_grid():
             assert grid * block * 4 >= n or grid * block == sms * 2048, (n, sms)
 
 
+@pytest.mark.gpu
+def test_gpu_split_sum_launch(rng):
+    """The split sum of 9, 33 and 64 splits (a 64-k-tile reduction) against float64, its bits the same whatever the
+    launch (the grids of 1 and 132 SMs): each element's partials are added in split order."""
+    torch = pytest.importorskip("torch")
+    from igemm.conv import _native
+    h = torch.cuda.current_stream().cuda_stream
+    xs, ws = (4, 32, 32, 64), (72, 1, 1, 64)
+    g = GradWeightProblem(xs, ws, "NHWC", 1, 0, 1)
+    x, dy = to_torch(rng.standard_normal(xs), "float16"), to_torch(rng.standard_normal((4, 32, 32, 72)), "float16")
+    ref = reference.conv2d_grad_weight_ref(to_numpy(x), to_numpy(dy), ws, 1, 0, 1, "NHWC")
+    for splits in (9, 33, 64):
+        got = []
+        for sms in (1, 132):
+            dw = poison(torch.empty(ws, dtype=torch.float32, device="cuda"))
+            spec = _native.WgradSpec("float16", "float32", 64, 64, 8, splits, True)
+            _native.NativeWgrad(g, "float16", "float32", False, 0, sms, spec).launch(
+                h, x.data_ptr(), dy.data_ptr(), dw.data_ptr())
+            torch.cuda.synchronize()
+            assert rel_err(to_numpy(dw), ref) < 1e-4, (splits, sms)
+            got.append(dw)
+        assert torch.equal(*got), splits
+
+
 def test_native_mask_rules():
     """Where the native kernels read the mask themselves (a pixel's words whole 16-byte TMA rows: K % 128 == 0, the
     mask 16-byte aligned), and what the masked twins add: the stages' mask rows, the template argument, the CTAs an

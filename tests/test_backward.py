@@ -661,6 +661,14 @@ def stubs(n: int = GPU_PROBLEMS) -> dict:
                         options=igemm.Conv2dOptions(config=cfg) if cfg else None).sub_plans():
                     name, s = sub.kernel(True, True)
                     out[s] = name
+    from test_backward_native import FLIP_DGRAD                                    # test_gpu_dgrad_nchw_flip
+    for N, C, H, W, K, R, S, pd, dl in FLIP_DGRAD:
+        for dt in ("float16", "bfloat16"):
+            for mask in (False, True):
+                for sub in igemm.Conv2dGradInputPlan((N, C, H, W), (K, C, R, S), dt, "NCHW", 1, pd, dl, mask=mask,
+                                                     device="numpy", arch="sm_90a", sms=132).sub_plans():
+                    name, s = sub.kernel(True, True)
+                    out[s] = name
     for C, K, st in ((24, 40, 1), (40, 12, 1), (24, 40, 2), (12, 20, 3)):          # test_gpu_wgrad_nchw_taps
         p = one_by_one(dict(N=3, C=C, H=12, W=12, K=K, R=1, S=1, stride=(st, st), padding=(0, 0), dilation=(1, 1)))
         xs, ws, _ = shapes(p, "NCHW")

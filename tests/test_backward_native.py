@@ -395,6 +395,62 @@ def test_dgrad_nchw_w_in_place_choice():
         assert not any(s._w_mn for s in q.sub_plans())
 
 
+FLIP_DGRAD = [(2, 64, 12, 12, 64, 3, 3, 1, 1), (3, 40, 9, 11, 16, 5, 3, 2, 2), (2, 128, 14, 14, 256, 3, 3, 1, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FLIP_DGRAD, ids=lambda c: "x".join(map(str, c[:7])))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_dgrad_nchw_flip(case, dtype, rng):
+    """A 16-bit NCHW stride-1 dgrad with taps makes its sub-convolution's flipped KRSC filter from w in the
+    transpose path's launch (no filter move) against float64: R != S and dilation 2 (the flip along both axes),
+    with the mask and the prologue, and with w at an address that is not 16-byte aligned (copied first)."""
+    torch = pytest.importorskip("torch")
+    N, C, H, W, K, R, S, pad, dil = case
+    p = _geometry(N, C, H, W, K, R, S, 1, pad, dil)
+    xs, ws, ys = shapes(p, "NCHW")
+    plan = igemm.Conv2dGradInputPlan(xs, ws, dtype, "NCHW", 1, pad, dil)
+    assert plan.native is None and [q._w_flip for q in plan.sub_plans()] == [True]
+    for mode in ("plain", "mask", "bn"):
+        assert _run_case(torch, p, "NCHW", dtype, rng, "dgrad", mode) <= TOL[dtype], mode
+    t = getattr(torch, dtype)
+    dy = torch.randn(ys, device="cuda", dtype=t)
+    flat = torch.randn(K * C * R * S + 1, device="cuda", dtype=t)
+    for w in (flat[:-1].view(ws), flat[1:].view(ws)):            # (the second: 2 bytes past an aligned base)
+        out = poison(torch.empty(xs, device="cuda", dtype=t))
+        plan(dy, w, out=out)
+        ref = reference.conv2d_grad_input_ref(to_numpy(dy), to_numpy(w), xs, 1, pad, dil, "NCHW")
+        assert rel_err(to_numpy(out), ref) <= TOL[dtype]
+
+
+def test_dgrad_nchw_flip_choice():
+    """A 16-bit NCHW stride-1 dgrad with taps whose sub-convolution takes the transpose path (K % 8 == 0) and whose
+    filter rows are whole 16-byte vectors (C·R·S % 8 == 0) has it flip w in that launch; a 1x1, fp32, a strided or
+    an NHWC problem, or those counts off 8, move the filter first."""
+    def plan(xs, ws, dtype="float16", st=1, pad=1, layout="NCHW"):
+        return igemm.Conv2dGradInputPlan(xs, ws, dtype, layout, st, pad, device="numpy", arch="sm_90a", sms=132)
+    for xs, ws in (((32, 64, 56, 56), (64, 64, 3, 3)), ((32, 128, 28, 28), (128, 128, 3, 3)),
+                   ((32, 256, 14, 14), (256, 256, 3, 3)), ((2, 56, 9, 9), (16, 56, 3, 5))):
+        (sub,) = plan(xs, ws).sub_plans()
+        assert sub._w_flip and sub.path == "transpose"
+    from igemm.conv import _transpose as T
+    job = T.TransposeJob(1, 256, 256 * 9, 2, flip=9)
+    assert job.mode(0, 0, first=False) == T.VECFLIP and job.geometry(T.VECFLIP) == (4, 36, 144)
+    for bad in (dict(first=True), dict(src=8)):
+        with pytest.raises(ValueError, match="flip"):
+            job.mode(bad.get("src", 0), 0, first=bad.get("first", False))
+    with pytest.raises(ValueError, match="flip"):
+        T.TransposeJob(1, 60, 64 * 9, 2, flip=9)          # rows % 8
+    with pytest.raises(ValueError, match="flip"):
+        T.TransposeJob(1, 64, 64 * 9, 4, flip=9)          # fp32
+    for q in (plan((32, 64, 56, 56), (64, 64, 1, 1), pad=0), plan((2, 64, 8, 8), (64, 64, 3, 3), "float32"),
+              plan((2, 64, 16, 16), (64, 64, 3, 3), st=2), plan((2, 60, 9, 9), (16, 60, 3, 3)),
+              plan((2, 64, 9, 9), (20, 64, 3, 3))):
+        assert not any(getattr(s, "_w_flip", False) for s in q.sub_plans())
+    q = plan((2, 9, 9, 64), (64, 3, 3, 64), layout="NHWC")
+    assert q.native is not None or not any(s._w_flip for s in q.sub_plans())
+
+
 def test_dz_pass_geometry():
     """The dz pass's launch: where it runs (16-bit, K % 8 == 0, K <= 2048, aligned pointers), and blocks of a
     multiple of K / 8 threads (the kernel keeps a thread's channels across its pixels), one wave at most, no

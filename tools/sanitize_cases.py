@@ -533,6 +533,9 @@ BACKWARD = {
     # an NCHW wgrad on its NHWC twin's native kernel (x and dy moved, the prologue on dy's move, dw transposed back)
     "wgrad_nchw_native_fp16_bn": lambda: _backward("wgrad", "NCHW", "float16", (2, 64, 9, 10), (128, 64, 3, 3), 1, 1,
                                                    "bn"),
+    # a stride-1 NCHW dgrad on the forward's transpose path, its filter flipped in the preparation's launch (kVecFlip)
+    "dgrad_nchw_flip_fp16_mask": lambda: _backward("dgrad", "NCHW", "float16", (2, 64, 9, 10), (40, 64, 3, 3), 1, 1,
+                                                   "mask"),
     # the NCHW 1x1 wgrad (x and dy in place; P·Q = 56: a partial k-tile an image; K = 40: a partial tile)
     "wgrad_nchw_1x1_fp16_mask": lambda: _backward("wgrad", "NCHW", "float16", (2, 64, 7, 8), (40, 64, 1, 1), 1, 0,
                                                   "mask"),

@@ -35,6 +35,9 @@
 //             the NHWC twin's dx of 14 x 14 or 7 x 7 pixels back to NCHW, a KRSC filter back to KCRS) all rows x
 //             run_rows(rows) cols: 16-byte loads along cols, the tile's destination one contiguous run written
 //             in 16-byte vectors.
+//   kVecFlip  (job 1) kVec whose destination rows are reversed within groups of grp (row j goes to
+//             (j / grp)·grp + grp - 1 - j % grp): a stride-1 dgrad's filter w[K][C][R·S] straight into its
+//             flipped sub-convolution's KRSC, [C][R·S reversed][K], in the transpose path's own launch.
 #pragma once
 #include "common.cuh"
 
@@ -44,7 +47,8 @@ constexpr int kThreads = 256;
 constexpr int kElems = 4096;                       // elements per tile
 constexpr int kSmemWords = 256 * 17;               // the largest tile below, as 32-bit words
 enum : int { kScalar64 = 0, kScalar16 = 1, kVec = 2, kPad = 3, kSub = 4, kWide = 5, kWideVec = 6,
-             kRowsVec = 7, kSubVec = 8, kColsVec = 9, kScatter = 10, kScatterVec = 11 };   // (igemm/conv/_transpose.py)
+             kRowsVec = 7, kSubVec = 8, kColsVec = 9, kScatter = 10, kScatterVec = 11,
+             kVecFlip = 12 };   // (igemm/conv/_transpose.py)
 // kRowsVec's rows a tile for cols columns (kColsVec's columns for rows rows): a multiple of 8 whose tile fits the
 // shared memory, at most 256 (igemm/conv/_transpose.py: run_rows)
 IGEMM_DEVICE constexpr int run_rows(int cols) {
@@ -103,8 +107,10 @@ IGEMM_DEVICE void tile_scalar(uint32_t* sm, const T* __restrict__ src, T* __rest
 }
 
 // The store phase of the 16-bit 64 x 64 tiles (kVec, kSubVec): the tile in shared memory as 32-bit words
-// (two columns each, a 33-word row pitch), destination column c0 + c gets 16-byte vectors of 8 rows.
-IGEMM_DEVICE void store_vec16_tile(const uint32_t* sm, uint16_t* __restrict__ d, int rows, int cols, int r0, int c0) {
+// (two columns each, a 33-word row pitch), destination column c0 + c gets 16-byte vectors of 8 rows (with
+// grp > 0 it lands on destination row (j / grp)·grp + grp - 1 - j % grp, j = c0 + c: kVecFlip).
+IGEMM_DEVICE void store_vec16_tile(const uint32_t* sm, uint16_t* __restrict__ d, int rows, int cols, int r0, int c0,
+                                   int grp = 0) {
   constexpr int T64 = 64, LD = 33, CH = T64 / 8;
   const int tid = threadIdx.x;
 #pragma unroll
@@ -115,7 +121,9 @@ IGEMM_DEVICE void store_vec16_tile(const uint32_t* sm, uint16_t* __restrict__ d,
 #pragma unroll
     for (int e = 0; e < 8; ++e) h[e] = (sm[(j * 8 + e) * LD + (c >> 1)] >> ((c & 1) * 16)) & 0xffffu;
     const uint4 v = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
-    stg_stream16(d + int64_t(c0 + c) * rows + r0 + j * 8, v);
+    int dc = c0 + c;
+    if (grp > 0) dc += grp - 1 - 2 * (dc % grp);
+    stg_stream16(d + int64_t(dc) * rows + r0 + j * 8, v);
   }
 }
 
@@ -178,7 +186,7 @@ IGEMM_DEVICE void tile_scatter16(uint32_t* sm, const uint16_t* __restrict__ src,
 // with a 33-word row pitch: the load-phase writes are conflict-free, the store-phase gathers at most
 // 2-way conflicted.
 IGEMM_DEVICE void tile_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uint16_t* __restrict__ dst, int rows,
-                             int cols, int img, int r0, int c0) {
+                             int cols, int img, int r0, int c0, int grp = 0) {
   constexpr int T64 = 64, LD = 33, CH = T64 / 8;   // CH: 16-byte chunks per tile row
   const int tid = threadIdx.x;
   const uint16_t* s = src + int64_t(img) * rows * cols;
@@ -192,7 +200,7 @@ IGEMM_DEVICE void tile_vec16(uint32_t* sm, const uint16_t* __restrict__ src, uin
     w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   }
   __syncthreads();
-  store_vec16_tile(sm, d, rows, cols, r0, c0);
+  store_vec16_tile(sm, d, rows, cols, r0, c0, grp);
 }
 
 // kWideVec: rows <= 4 source rows of 1024 pixels in, 1024 pixels x pitch channels out, both in 16-byte vectors.
@@ -284,12 +292,12 @@ template <int Mode> constexpr int tile_cols() { return Mode == kScalar16 || Mode
 
 template <class T, int Mode>
 IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, int cols, int pitch, int tr, int tc,
-                           int b, SubMap sub = {}) {
+                           int b, SubMap sub = {}, int grp = 0) {
   if constexpr (Mode == kPad) {
     tile_pad<T>(static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch, b);
     return;
   } else {
-    constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec || Mode == kSubVec ? 64 : kElems / TC;
+    constexpr int TC = tile_cols<Mode>(), TR = Mode == kVec || Mode == kVecFlip || Mode == kSubVec ? 64 : kElems / TC;
     const int ct = b % tc, rest = b / tc;   // once per block
     const int rt = rest % tr, img = rest / tr;
     if constexpr (Mode == kRowsVec) {
@@ -312,10 +320,10 @@ IGEMM_DEVICE void run_tile(uint32_t* sm, const void* src, void* dst, int rows, i
       static_assert(sizeof(T) == 2, "16-byte wide tiles are for 16-bit elements");
       tile_wide_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, pitch, img,
                       ct * TC);
-    } else if constexpr (Mode == kVec) {
+    } else if constexpr (Mode == kVec || Mode == kVecFlip) {
       static_assert(sizeof(T) == 2, "16-byte tiles are for 16-bit elements");
       tile_vec16(sm, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), rows, cols, img, rt * TR,
-                 ct * TC);
+                 ct * TC, Mode == kVecFlip ? grp : 0);
     } else {
       tile_scalar<T, TC, Mode == kSub>(sm, static_cast<const T*>(src), static_cast<T*>(dst), rows, cols, pitch,
                                        img, rt * TR, ct * TC, sub);
@@ -329,12 +337,13 @@ __device__ void transpose2(const P& p) {
   const int b = blockIdx.x;
   static_assert(Mode1 != kSub && Mode1 != kSubVec && Mode1 != kWide && Mode1 != kWideVec && Mode1 != kScatter &&
                 Mode1 != kScatterVec, "subsampled, scattered and wide tiles are job 0's");
+  static_assert(Mode0 != kVecFlip, "flipped tiles are job 1's");
   if (b < p.blocks0)
     run_tile<T, Mode0>(sm, p.src0, const_cast<void*>(p.dst0), p.rows0, p.cols0, p.pitch0, p.tr0, p.tc0, b,
                        SubMap{p.scols0, p.q0, p.srow0, p.sw0});
   else
     run_tile<T, Mode1>(sm, p.src1, const_cast<void*>(p.dst1), p.rows1, p.cols1, p.pitch1, p.tr1, p.tc1,
-                       b - p.blocks0);
+                       b - p.blocks0, SubMap{}, p.grp1);
 }
 
 }  // namespace igemm::xpose

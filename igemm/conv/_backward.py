@@ -144,6 +144,13 @@ class GradInputProblem(_Forward):
         return (self.layout == "NCHW" and self.R == self.S == 1 and self.stride == (1, 1)
                 and self.padding == (0, 0) and self.direct)
 
+    def w_flipped_ok(self) -> bool:
+        """An NCHW stride-1 problem with taps: its one phase's filter is w with K and C swapped and every tap
+        flipped, which the transpose path's preparation can make from w itself (``Conv2dPlan(_w_flip=True)``)."""
+        return (self.layout == "NCHW" and self.stride == (1, 1) and self.R * self.S > 1 and self.direct
+                and all(ph.h.step == ph.w.step == 1 and ph.h.taps == self.R and ph.w.taps == self.S
+                        and ph.h.last == self.R - 1 and ph.w.last == self.S - 1 for ph in self.phases))
+
     def sub_w_shape(self, ph: Phase) -> tuple:
         return ((self.C, self.K, ph.h.taps, ph.w.taps) if self.layout == "NCHW"
                 else (self.C, ph.h.taps, ph.w.taps, self.K))

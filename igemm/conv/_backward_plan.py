@@ -261,13 +261,16 @@ class Conv2dGradInputPlan(_GradPlan):
             self.sms, self.plans = na_sms, {}
             return
         def sub_plan(ph: Phase) -> Conv2dPlan:
-            if g.w_transposed_ok():
-                # a 1x1's filter [K][C] is the sub-convolution's transposed: read in place as MN-major TMA tiles where
-                # the sub-convolution loads by TMA (no filter move: docs/performance.md, dgrad-nchw-w-in-place)
-                try:
-                    return self._sub_plan(g.sub_plan_args(ph), options, arch, sms, _w_mn=True)
-                except NotImplementedError:
-                    pass
+            # a 1x1's filter [K][C] is the sub-convolution's transposed: read in place as MN-major TMA tiles where
+            # the sub-convolution loads by TMA; a stride-1 filter with taps is flipped into the KRSC the
+            # sub-convolution's transpose path reads, in that launch (no filter move: docs/performance.md,
+            # dgrad-nchw-w-in-place, dgrad-nchw-flip-in-prep)
+            for ok, kw in ((g.w_transposed_ok(), {"_w_mn": True}), (g.w_flipped_ok(), {"_w_flip": True})):
+                if ok:
+                    try:
+                        return self._sub_plan(g.sub_plan_args(ph), options, arch, sms, **kw)
+                    except NotImplementedError:
+                        pass
             return self._sub_plan(g.sub_plan_args(ph), options, arch, sms)
         self.plans = {i: sub_plan(ph) for i, ph in enumerate(g.phases) if not ph.zero}
         self.sms = next(iter(self.plans.values())).sms if self.plans else (sms or 132)
@@ -333,7 +336,7 @@ class Conv2dGradInputPlan(_GradPlan):
         if self._zero:                        # rows no tap reaches: zero at memset speed first
             _runtime.memset_d8(dx, 0, self._dx_bytes, _runtime.RawStream(h))
         for i, plan, fmove, imove, off, f_shape in self._phases:
-            if plan._w_mn:                    # (w read in place: its 16-byte aligned base for the tensor map)
+            if plan._w_mn or plan._w_flip:    # (w read as it is: a 16-byte aligned base for the map / the moves)
                 f = self._w_aligned(h, w)
             else:
                 f = self._buf(f"w{i}", f_shape, dt)

@@ -25,6 +25,7 @@ from ._problem import DTYPES, PRECISIONS, ConvProblem, geometry, k_table
 from ._rules import FFMA_CONFIG, choose_splits, patch_config
 from ._spec import (CONV_PARAMS, KernelSpec, bn_stats_ok, min_blocks_for, one_consumer_stages, store_for, stub,
                     validate_spec)
+from ._transpose import flip_ok
 
 __all__ = ["Conv2dPlan", "as_epilogue", "resolve_device", "check_tensor"]
 
@@ -116,7 +117,7 @@ class Conv2dPlan:
     def __init__(self, x_shape, w_shape, dtype, layout: str = "NCHW", stride=1, padding=0, dilation=1,
                  epilogue=None, precision: str = "strict", residual_dtype: str | None = None, device=None,
                  options: Conv2dOptions | None = None, *, arch: str | None = None, sms: int | None = None,
-                 _skeleton: bool = False, _bn_stats: bool = False, _w_mn: bool = False):
+                 _skeleton: bool = False, _bn_stats: bool = False, _w_mn: bool = False, _w_flip: bool = False):
         dtype = _dtype_arg(dtype)
         if precision not in PRECISIONS:
             raise ValueError(f"precision: expected 'strict' or 'tf32', got {precision!r}")
@@ -133,6 +134,10 @@ class Conv2dPlan:
         # its launches are the dgrad plan's -- igemm/conv/_backward_plan.py; NotImplementedError where no kernel can;
         # not autotuned: the candidates read w as [K][C])
         self._w_mn = bool(_w_mn)
+        # (a stride-1 NCHW dgrad's sub-convolution on the transpose path: w is the forward's filter [K][C][R][S], which
+        # the input preparation moves straight to this problem's flipped KRSC -- no filter move before it
+        # (docs/performance.md: dgrad-nchw-flip-in-prep); NotImplementedError where that launch cannot)
+        self._w_flip = bool(_w_flip)
         if not _skeleton:
             self.chain.validate(K)
         residual_dtype = self._residual_dtype(residual_dtype, dtype)
@@ -156,6 +161,10 @@ class Conv2dPlan:
         #: the kernel reads prepared copies of x (and of w unless ``_w_in_place``) made by one extra kernel
         self._prep = unf or kp.layout != pb.layout or kp.C != pb.C
         self._w_in_place = not unf and kp.C == pb.C and (pb.layout == "NHWC" or R * S == 1)
+        if self._w_flip and not (self.path == "transpose" and not self._w_in_place and kp.C == pb.C
+                                 and flip_ok(C, K * R * S, R * S, DTYPE_SIZES[dtype])):
+            raise NotImplementedError("a flipped filter needs the 16-bit NCHW transpose path with taps, "
+                                      "C and K multiples of 8")
         self.x_shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
         self.w_shape = (K, C, R, S) if layout == "NCHW" else (K, R, S, C)
         self.y_shape = (N, K, P, Q) if layout == "NCHW" else (N, P, Q, K)
@@ -321,7 +330,10 @@ class Conv2dPlan:
         sub = (pb.Q, pb.W, pb.stride[0], pb.stride[1], pb.H * pb.W) if pb.layout == "NCHW" and subsampled(pb) else None
         if pb.layout == "NCHW":
             jx = TransposeJob(pb.N, pb.C, kp.H * kp.W, es, pitch=Ck, sub=sub)
-            jw = None if self._w_in_place else TransposeJob(pb.K, pb.C, pb.R * pb.S, es, pitch=Ck)
+            if self._w_flip:                    # w [C][K][R][S] of the forward -> this problem's [K][R'][S'][C]
+                jw = TransposeJob(1, pb.C, pb.K * pb.R * pb.S, es, flip=pb.R * pb.S)
+            else:
+                jw = None if self._w_in_place else TransposeJob(pb.K, pb.C, pb.R * pb.S, es, pitch=Ck)
         else:                                   # NHWC, channels padded
             jx = TransposeJob(1, pb.C, pb.N * pb.H * pb.W, es, pitch=Ck, pad=True)
             jw = TransposeJob(1, pb.C, pb.K * pb.R * pb.S, es, pitch=Ck, pad=True)

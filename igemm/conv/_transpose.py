@@ -18,18 +18,18 @@ from functools import lru_cache
 from .. import _kernel
 from .._kernel import ParamSpec
 
-__all__ = ["TransposeJob", "Prepared", "launch_pair", "precompile"]
+__all__ = ["TransposeJob", "Prepared", "launch_pair", "precompile", "flip_ok"]
 
 PARAMS = [ParamSpec("src0", "ptr"), ParamSpec("dst0", "ptr"),
           *(ParamSpec(n + "0", "int32") for n in ("rows", "cols", "pitch", "tr", "tc", "blocks", "scols", "q", "srow", "sw")),
           ParamSpec("src1", "ptr"), ParamSpec("dst1", "ptr"),
-          *(ParamSpec(n + "1", "int32") for n in ("rows", "cols", "pitch", "tr", "tc"))]
+          *(ParamSpec(n + "1", "int32") for n in ("rows", "cols", "pitch", "tr", "tc", "grp"))]
 _THREADS = 256
 
 
 (SCALAR64, SCALAR16, VEC, PAD, SUB, WIDE, WIDEVEC, ROWSVEC, SUBVEC, COLSVEC, SCATTER,
- SCATTERVEC) = range(12)                                                       # job kinds (csrc/conv/transpose.cuh)
-_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024, SUBVEC: 64}
+ SCATTERVEC, VECFLIP) = range(13)                                              # job kinds (csrc/conv/transpose.cuh)
+_TILE_COLS = {SCALAR64: 64, SCALAR16: 16, VEC: 64, SUB: 64, WIDE: 1024, WIDEVEC: 1024, SUBVEC: 64, VECFLIP: 64}
 _RUN_MAX = 512          # ROWSVEC's columns / COLSVEC's rows at most: a tile's destination runs of 16 rows or more
 
 
@@ -37,6 +37,12 @@ def run_rows(n: int) -> int:
     """ROWSVEC's rows a tile for ``n`` columns (COLSVEC's columns for ``n`` rows): a multiple of 8 whose tile fits
     the kernel's shared memory (8704 elements), at most 256 (csrc/conv/transpose.cuh: run_rows)."""
     return min(256, 8704 // n // 8 * 8)
+
+
+def flip_ok(rows: int, cols: int, grp: int, esize: int) -> bool:
+    """Whether a flipped job (``TransposeJob(flip=grp)``) can move ``[rows][cols]``: 16-bit, both multiples of 8,
+    ``cols`` whole groups."""
+    return esize == 2 and grp > 0 and rows % 8 == 0 and cols % 8 == 0 and cols % grp == 0
 
 
 def _ctype(esize: int) -> str:
@@ -61,20 +67,26 @@ class TransposeJob:
     (``x[:, :, ::sh, ::sw]``, ``cols = P*Q``; job 0 of a launch only). ``scatter=(Q, W, sh, sw)``: its inverse,
     the source ``[batch][P*Q][C]`` (``rows = P*Q``, ``cols = C``; 16-bit, ``C % 8 == 0``, a 16-byte aligned
     source) into ``[batch][C][pitch = H*W]``, pixel ``(h, w)`` from source row ``(h // sh)*Q + w // sw`` where
-    ``h % sh == w % sw == 0``, else zero (job 0 only)."""
+    ``h % sh == w % sw == 0``, else zero (job 0 only). ``flip=g``: destination row ``j`` goes to
+    ``(j // g)*g + g - 1 - j % g`` (a stride-1 dgrad's filter ``[K][C*R*S]`` into its sub-convolution's
+    ``[C][R*S reversed][K]``; job 1 only, 16-bit, ``rows`` and ``cols`` multiples of 8, ``cols`` of ``g``,
+    aligned bases: :func:`flip_ok`)."""
 
-    __slots__ = ("batch", "rows", "cols", "esize", "pitch", "pad", "sub", "scatter", "_geo")
+    __slots__ = ("batch", "rows", "cols", "esize", "pitch", "pad", "sub", "scatter", "flip", "_geo")
 
     def __init__(self, batch: int, rows: int, cols: int, esize: int, pitch: int | None = None, pad: bool = False,
-                 sub: tuple[int, int, int, int, int] | None = None, scatter: tuple[int, int, int, int] | None = None):
+                 sub: tuple[int, int, int, int, int] | None = None, scatter: tuple[int, int, int, int] | None = None,
+                 flip: int = 0):
         self.batch, self.rows, self.cols, self.esize = batch, rows, cols, esize
         self.pitch = rows if pitch is None else pitch
         self.pad = pad
-        self.sub, self.scatter = sub, scatter
+        self.sub, self.scatter, self.flip = sub, scatter, flip
         if (self.pitch < rows or (pad and batch != 1) or (sub is not None and (pad or sub[4] < cols))
-                or (scatter is not None and (pad or sub is not None or esize != 2 or cols % 8))):
+                or (scatter is not None and (pad or sub is not None or esize != 2 or cols % 8))
+                or (flip and (pad or sub is not None or scatter is not None or self.pitch != rows
+                              or not flip_ok(rows, cols, flip, esize)))):
             raise ValueError(f"bad job: batch {batch}, rows {rows}, cols {cols}, pitch {self.pitch}, pad {pad}, "
-                             f"sub {sub}, scatter {scatter}")
+                             f"sub {sub}, scatter {scatter}, flip {flip}")
         if sub is not None and batch * rows * sub[4] >= 2 ** 62:
             raise NotImplementedError(f"transpose of {batch}x{rows}x{sub[4]} is too large")
         if (cols >= 2 ** 31 or batch * -(-self.pitch // 64) * -(-cols // 16) >= 2 ** 31
@@ -93,6 +105,10 @@ class TransposeJob:
         (cols <= 16), 64 x 64."""
         if self.pad:
             return PAD
+        if self.flip:
+            if first or src % 16 or dst % 16:
+                raise ValueError("flip: job 1 of a launch, with 16-byte aligned source and destination")
+            return VECFLIP
         if self.scatter is not None:
             if src % 16:
                 raise ValueError("scatter: the source must be 16-byte aligned")
@@ -132,7 +148,7 @@ class TransposeJob:
                     tr, tc = self.pitch, run_rows(self.rows)
                 else:
                     tc = _TILE_COLS[mode]
-                    tr = 4096 // tc if mode != VEC else 64
+                    tr = 4096 // tc if mode not in (VEC, VECFLIP) else 64
                 g = (-(-self.pitch // tr), -(-self.cols // tc), self.batch * -(-self.pitch // tr) * -(-self.cols // tc))
             self._geo[mode] = g
         return g
@@ -193,7 +209,8 @@ class Prepared:
                 vals.update(scols0=w_, q0=q, srow0=sh, sw0=sw)
             if j1 is not None:
                 tr1, tc1, b1 = j1.geometry(key[1])
-                vals.update(dst1=self.dst1, rows1=j1.rows, cols1=j1.cols, pitch1=j1.pitch, tr1=tr1, tc1=tc1)
+                vals.update(dst1=self.dst1, rows1=j1.rows, cols1=j1.cols, pitch1=j1.pitch, tr1=tr1, tc1=tc1,
+                            grp1=j1.flip)
                 blocks += b1
             args = _kernel.pack_args(PARAMS, vals)
             v = self._variants[key] = (_launcher(j0.esize, key[0], key[1], self.device_id, blocks), args,
@@ -213,5 +230,6 @@ def all_variants() -> list[tuple[str, str]]:
     for e in (2, 4):
         modes = (SCALAR64, SCALAR16, VEC, PAD, ROWSVEC, COLSVEC) if e == 2 else (SCALAR64, SCALAR16, PAD)
         first = modes + ((SUB, WIDE, WIDEVEC, SUBVEC, SCATTER, SCATTERVEC) if e == 2 else (SUB, WIDE))
-        out += [(_name(e, a, b), _stub(e, a, b)) for a in first for b in modes]
+        second = modes + ((VECFLIP,) if e == 2 else ())
+        out += [(_name(e, a, b), _stub(e, a, b)) for a in first for b in second]
     return out

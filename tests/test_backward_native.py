@@ -168,9 +168,12 @@ def _check_nchw_wgrad(case: tuple, dtype: str, rng):
 
 #: NCHW wgrads on the NHWC twin's kernel: strided unpadded 1x1s (x only where read: 8-byte pair loads, element
 #: loads at stride 3), a 1x1 of 49 pixels an image (dy by the 16-byte run tiles, dw written by the twin), a 3x3 over
-#: 7 x 7 images (dw' back by the mirror tiles)
+#: 7 x 7 images (dw' back by the mirror tiles), a 5x3 filter, the few-channel twin (conv1's 3 channels, 7x7 / 2), a
+#: 9x9 filter
 NCHW_TWIN_WGRAD = [(2, 64, 14, 14, 128, 1, 1, 2, 0, 1), (2, 64, 13, 11, 64, 1, 1, 3, 0, 1),
-                   (3, 64, 7, 7, 136, 1, 1, 1, 0, 1), (2, 64, 7, 7, 128, 3, 3, 1, 1, 1)]
+                   (3, 64, 7, 7, 136, 1, 1, 1, 0, 1), (2, 64, 7, 7, 128, 3, 3, 1, 1, 1),
+                   (2, 128, 9, 10, 64, 5, 3, 1, 1, 1), (2, 3, 30, 30, 64, 7, 7, 2, 3, 1),
+                   (2, 64, 12, 12, 64, 9, 9, 1, 4, 1)]
 
 
 @pytest.mark.gpu

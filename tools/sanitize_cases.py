@@ -536,6 +536,10 @@ BACKWARD = {
     # a stride-1 NCHW dgrad on the forward's transpose path, its filter flipped in the preparation's launch (kVecFlip)
     "dgrad_nchw_flip_fp16_mask": lambda: _backward("dgrad", "NCHW", "float16", (2, 64, 9, 10), (40, 64, 3, 3), 1, 1,
                                                    "mask"),
+    # an NCHW twin's dw' moved into an fp32 dw, accumulating; the few-channel twin's dw' (conv1's form) transposed back
+    "wgrad_nchw_twin_bf16_acc": lambda: _backward("wgrad", "NCHW", "bfloat16", (2, 128, 9, 10), (64, 128, 5, 3), 1, 1,
+                                                  out_dtype="float32", accumulate=True),
+    "wgrad_nchw_twin_small_fp16": lambda: _backward("wgrad", "NCHW", "float16", (2, 3, 20, 22), (64, 3, 7, 7), 2, 3),
     # the NCHW 1x1 wgrad (x and dy in place; P·Q = 56: a partial k-tile an image; K = 40: a partial tile)
     "wgrad_nchw_1x1_fp16_mask": lambda: _backward("wgrad", "NCHW", "float16", (2, 64, 7, 8), (40, 64, 1, 1), 1, 0,
                                                   "mask"),

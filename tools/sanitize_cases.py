@@ -7,7 +7,9 @@
 Each case calls one igemm function once (one launch, or the two or three kernels that function is made of)
 on a small problem and checks the result on the host against igemm.reference. Inputs are made on the host
 and copied in (every input byte is initialised); outputs are fresh ``torch.empty`` tensors that the kernels
-must write in full (initcheck flags the copy-back of any byte they leave unwritten). Run it under
+must write in full (initcheck flags the copy-back of any byte they leave unwritten), except dgrad's dx: initcheck
+does not see the native dgrad's asynchronous stores (TMA and bulk copies: it flagged every byte of such a dx), so dx
+is NaN-filled first and a byte left unwritten fails the comparison instead. Run it under
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so every tensor is its own allocation and memcheck sees its bounds.
 Prints one line per case and ``sanitize_cases: all ok`` at the end; exits 1 if a case fails.
 """
@@ -493,8 +495,9 @@ def _backward(op, layout, dtype, xs, ws, stride, padding, mode="plain", out_dtyp
     pro = igemm.GradPrologue(dev(randn(*ys), dtype), dev(randn(3, K))) if mode == "bn" else None
     g = reference.grad_prologue_ref(host(dy), host(mask).view(np.uint32) if mask is not None else None,
                                     (host(pro.z), *host(pro.coef)) if pro is not None else None, layout)
-    if op == "dgrad":
-        got = igemm.conv2d_grad_input(dy, w, xs, stride, padding, layout=layout, mask=mask, prologue=pro)
+    if op == "dgrad":                # (dx NaN-filled, not fresh: the module doc)
+        got = igemm.conv2d_grad_input(dy, w, xs, stride, padding, layout=layout, mask=mask, prologue=pro,
+                                      out=dev(np.full(xs, np.nan), dtype))
         ref = reference.conv2d_grad_input_ref(g, host(w), xs, stride, padding, 1, layout)
     else:
         out = None
@@ -598,7 +601,7 @@ def _dgrad_adds(xs, ws, stride, padding):
         raise AssertionError("not the native dgrad kernel")
     P, Q = ((xs[1] + 2 * padding - ws[1]) // stride + 1, (xs[2] + 2 * padding - ws[2]) // stride + 1)
     dy, w, old = (dev(randn(*s), "float16") for s in ((xs[0], P, Q, ws[0]), ws, xs))
-    plain, dx = torch.empty_like(old), old.clone()
+    plain, dx = torch.full_like(old, float("nan")), old.clone()     # (NaN-filled: the module doc)
     h, fp = torch.cuda.current_stream().cuda_stream, {"mask": 0, "z": 0, "coef": 0}
     plan._run(h, dy.data_ptr(), w.data_ptr(), plain.data_ptr(), fp)
     plan._run(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), fp, add=True)

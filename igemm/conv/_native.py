@@ -63,6 +63,8 @@ MAX_PHASES = 4
 _STORES = {"tensor": ("_tma", 1), "rows": ("_rows", 2), "zeros": ("_zrows", 3)}
 _SUM_PARAMS = [ParamSpec("src", "ptr"), ParamSpec("dst", "ptr"), ParamSpec("n", "int64"), ParamSpec("splits", "int32")]
 _THREADS = 256
+#: the persistent wgrad kernel's (BM, BN, stages), as :func:`choose_spec` gives them (and the NCHW 1x1 kernel's)
+WS_TILES = ((128, 64, 4), (128, 128, 4), (128, 64, 6), (64, 64, 8), (64, 128, 6))
 _SM_SMEM = 233472                       # shared memory an sm_90 SM holds (228 KB); a CTA reserves 1 KB of it
 
 
@@ -161,6 +163,17 @@ def unsupported(g, dtype: str, layout: str, arch: str) -> str | None:
     return why or tma_unsupported(_forward(g, dtype), BK)
 
 
+def _whole(kt: int, splits: int) -> int:
+    """The fewest splits that still give each split at most ceil(kt / splits) of ``kt`` k-tiles (none empty)."""
+    return -(-kt // -(-kt // splits))
+
+
+def _wgrad(dtype: str, out: str, accumulate: bool, bm: int, bn: int, stages: int, splits: int = 1,
+           ws: bool = False) -> WgradSpec:
+    """The spec whose kernel stores dw itself (in ``out``) with one split and no accumulation, else fp32 partials."""
+    return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", bm, bn, stages, splits, ws)
+
+
 def _best_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
     """The split of a ``kt``-k-tile reduction over ``tiles`` tiles of an M x N = ``mn`` dw for ``slots`` resident
     CTAs that minimises a cost in k-tile times: the rounds of units a CTA runs x (its k-tiles + 8 for a unit's
@@ -168,7 +181,7 @@ def _best_splits(tiles: int, kt: int, mn: int, slots: int) -> int:
     Fitted to the 128 x 128 persistent kernel's sweep over ResNet-50's layers at N = 32 and 256 (H100)."""
     top = min(kt, max(1, 8 * slots // tiles))
     sp = split_by_cost(tiles, kt, mn, slots, range(1, top + 1), 8, 8)
-    return -(-kt // -(-kt // sp))                    # (no empty split)
+    return _whole(kt, sp)
 
 
 def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int, masked: bool = False) -> WgradSpec:
@@ -191,7 +204,7 @@ def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int, masked: boo
         splits = _best_splits(tiles, kt, g.K * rsc, sms)
         if masked or not (one and splits > 1 and kt < 64 * splits):
             bn = 64 if splits == 1 and 2 * tiles <= sms else 128
-            return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", 128, bn, 4, splits, True)
+            return _wgrad(dtype, out, accumulate, 128, bn, 4, splits, True)
         # a 1x1's short splits: its reads are the time, so a deeper ring of smaller tiles; not for the masked twin,
         # whose A fragments through registers cost the most per product on 64-wide tiles (wgrad-1x1-deep-ring)
         return _one_wave(dtype, out, accumulate, 128, 64, 6, g.K, rsc, kt, sms)
@@ -203,18 +216,15 @@ def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int, masked: boo
     slots = max(1, _SM_SMEM // (spec.smem + 1024)) * sms
     splits = 1
     if tiles < slots:
-        splits = min(slots // tiles, kt)
-        splits = -(-kt // -(-kt // splits))          # (no empty split)
-    return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", bm, bn, 4, splits)
+        splits = _whole(kt, min(slots // tiles, kt))
+    return _wgrad(dtype, out, accumulate, bm, bn, 4, splits)
 
 
 def _one_wave(dtype: str, out: str, accumulate: bool, bm: int, bn: int, stages: int, K: int, rsc: int, kt: int,
               sms: int) -> WgradSpec:
     """The persistent kernel on ``bm`` x ``bn`` tiles, split so that the units fill one CTA an SM once."""
     tiles = -(-K // bm) * -(-rsc // bn)
-    splits = min(max(1, sms // tiles), kt)
-    splits = -(-kt // -(-kt // splits))              # (no empty split)
-    return WgradSpec(dtype, out if splits == 1 and not accumulate else "float32", bm, bn, stages, splits, True)
+    return _wgrad(dtype, out, accumulate, bm, bn, stages, _whole(kt, min(max(1, sms // tiles), kt)), True)
 
 
 def _sum_stub(td: str, accumulate: bool) -> str:
@@ -572,8 +582,7 @@ def all_variants() -> list[tuple[str, str]]:
     out = [WgradSpec(dt, o, 64, bn, 4, mask=m).kernel() for dt in dts for bn in (64, 128) for o in (dt, "float32")
            for m in (False, True)]
     out += [WgradSpec(dt, o, bm, bn, st, 1, True, m).kernel() for dt in dts for o in (dt, "float32")
-            for bm, bn, st in ((128, 64, 4), (128, 128, 4), (128, 64, 6), (64, 64, 8), (64, 128, 6))
-            for m in ((False,) if st == 6 and bm == 128 else (False, True))]     # (its masked twin: 128 x 128)
+            for bm, bn, st in WS_TILES for m in ((False,) if st == 6 and bm == 128 else (False, True))]     # (its masked twin: 128 x 128)
     out += [DgradSpec(dt, *t, add, store, mask).kernel() for dt in dts
             for add, mask in ((False, False), (True, False), (False, True))
             for store in ("tensor", "rows") + (() if add else ("zeros",))

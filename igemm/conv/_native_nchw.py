@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE
-from ._native import BK, NativeWgrad, WgradSpec, _encode, _Launch
+from ._native import BK, WS_TILES, NativeWgrad, WgradSpec, _encode, _Launch
 
 __all__ = ["WGRAD_NCHW_PARAMS", "WgradNchwSpec", "NativeWgradNchw", "unsupported", "all_variants"]
 
@@ -101,4 +101,4 @@ def all_variants() -> list[tuple[str, str]]:
     """Every (name, stub) the NCHW kernel can be given (its tiles are :func:`._native.choose_spec`'s)."""
     dts = ("float16", "bfloat16")
     return [WgradNchwSpec(dt, o, bm, bn, st, 1, True).kernel() for dt in dts for o in (dt, "float32")
-            for bm, bn, st in ((128, 64, 4), (128, 128, 4), (128, 64, 6), (64, 64, 8), (64, 128, 6))]
+            for bm, bn, st in WS_TILES]

@@ -1,8 +1,8 @@
-"""The backward's native kernels (igemm/conv/_native.py, csrc/conv/grad_sm90.cuh, dgrad_sm90.cuh; the NCHW 1x1 wgrad,
-igemm/conv/_native_nchw.py): where they run, their arithmetic emulated in numpy, their compilation, and on the GPU
-against float64 (plain, with the mask, with the BN prologue; fp32 ``out`` and ``accumulate``); the channels-last dz
-pass that applies the mask / prologue before them. Their kernels are precompiled from ``all_variants()``
-(``python -m igemm precompile --backward``)."""
+"""The backward's native kernels (igemm/conv/_native.py, _native_dgrad.py, csrc/conv/grad_sm90.cuh, dgrad_sm90.cuh;
+the NCHW 1x1 wgrad, igemm/conv/_native_nchw.py): where they run, their arithmetic emulated in numpy, their
+compilation, and on the GPU against float64 (plain, with the mask, with the BN prologue; fp32 ``out`` and
+``accumulate``); the channels-last dz pass that applies the mask / prologue before them. Their kernels are
+precompiled from ``all_variants()`` (``python -m igemm precompile --backward``)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -503,24 +503,24 @@ def test_gpu_dz_pass(M, K, dtype, rng):
 
 def emulate_native_dgrad(dy, w, x_shape, stride, padding, dilation, bm=128, bn=64):
     """The native dgrad kernel's arithmetic in numpy (NHWC), unit by unit as csrc/conv/dgrad_sm90.cuh runs it, from
-    the launch values igemm/conv/_native.py packs (the phases' ``DgradPhase`` bytes decoded by _PHASE_FIELDS): unit u
-    belongs to the last phase whose u0 <= u; its sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j − pad +
-    u·dil) (zero outside) times w at the filter's tap (last − t·step, ...), and lands at dx (ph + st·(i − crop), ...)
-    inside the phase's rows. dx starts zeroed (the memset), or NaN where the rows' copies write the zeros of the
-    pixels beside them (``fills_zeros``: DgradWork::zeros)."""
-    from igemm.conv import _native
+    the launch values igemm/conv/_native_dgrad.py packs (the phases' ``DgradPhase`` bytes decoded by _PHASE_FIELDS):
+    unit u belongs to the last phase whose u0 <= u; its sub-output pixel (n, i, j) sums dy at (i − pad + t·dil, j −
+    pad + u·dil) (zero outside) times w at the filter's tap (last − t·step, ...), and lands at dx (ph + st·(i −
+    crop), ...) inside the phase's rows. dx starts zeroed (the memset), or NaN where the rows' copies write the zeros
+    of the pixels beside them (``fills_zeros``: DgradWork::zeros)."""
+    from igemm.conv import _native_dgrad
     g = GradInputProblem(x_shape, w.shape, "NHWC", stride, padding, dilation)
-    zeros = _native.fills_zeros(g)
+    zeros = _native_dgrad.fills_zeros(g)
     dx = np.full(x_shape, np.nan) if zeros else np.zeros(x_shape)
-    live = _native._live_phases(g)
-    nf = len(_native._PHASE_FIELDS)
-    for i0 in range(0, len(live), _native.MAX_PHASES):
-        v = _native.launch_values(g, live[i0:i0 + _native.MAX_PHASES], bm, bn)
+    live = _native_dgrad._live_phases(g)
+    nf = len(_native_dgrad._PHASE_FIELDS)
+    for i0 in range(0, len(live), _native_dgrad.MAX_PHASES):
+        v = _native_dgrad.launch_values(g, live[i0:i0 + _native_dgrad.MAX_PHASES], bm, bn)
         fs = []
         for i in range(v["nph"]):
             raw = np.frombuffer(v[f"f{i}"], dtype=np.int32)
-            f = dict(zip(_native._PHASE_FIELDS, raw[:nf].tolist()))
-            f.update({n: int(raw[nf + 3 * j]) for j, n in enumerate(_native._PHASE_DIVS)})   # (the divisors' d)
+            f = dict(zip(_native_dgrad._PHASE_FIELDS, raw[:nf].tolist()))
+            f.update({n: int(raw[nf + 3 * j]) for j, n in enumerate(_native_dgrad._PHASE_DIVS)})   # (the divisors' d)
             fs.append(f)
         kb, tn = v["fd_KB"], -(-g.C // bn)
         for u in range(v["units"]):
@@ -554,8 +554,8 @@ def test_native_launch_signatures():
     """The plans launch every native kernel object the same way: launch(h, a, b, out, mask) (the few-channel wgrad
     too, which takes no mask but 0)."""
     import inspect
-    from igemm.conv import _native, _wgrad_small
-    for cls in (_native.NativeWgrad, _native.NativeDgrad, _wgrad_small.SmallWgrad):
+    from igemm.conv import _native, _native_dgrad, _wgrad_small
+    for cls in (_native.NativeWgrad, _native_dgrad.NativeDgrad, _wgrad_small.SmallWgrad):
         inspect.signature(cls.launch).bind(None, 0, 0, 0, 0, mask=0)     # (TypeError where it cannot)
         inspect.signature(cls.launch).bind(None, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="mask"):
@@ -567,13 +567,13 @@ def test_dgrad_phase_struct():
     them by position)."""
     import re
     from igemm import _build
-    from igemm.conv import _native
+    from igemm.conv import _native_dgrad
     src = (_build.csrc_dir() / "conv" / "dgrad_sm90.cuh").read_text()
     body = re.search(r"struct DgradPhase \{(.*?)\};", src, re.S).group(1)
     ints = re.search(r"int32_t ([^;]*);", body).group(1)
     divs = re.search(r"FastDiv ([^;]*);", body).group(1)
-    assert [n.strip() for n in ints.split(",")] == list(_native._PHASE_FIELDS)
-    assert [n.strip() for n in divs.split(",")] == list(_native._PHASE_DIVS)
+    assert [n.strip() for n in ints.split(",")] == list(_native_dgrad._PHASE_FIELDS)
+    assert [n.strip() for n in divs.split(",")] == list(_native_dgrad._PHASE_DIVS)
 
 
 def test_native_dgrad_emulated(rng):
@@ -591,12 +591,12 @@ def test_native_dgrad_emulated(rng):
 def test_dgrad_native_choice():
     """dgrad's native kernel where it can run (sm_90a, 16-bit NHWC, K % 64 == 0, C % 8 == 0; any stride, by
     phases), the reason where not."""
-    from igemm.conv import _native
+    from igemm.conv import _native_dgrad
     g = GradInputProblem((2, 12, 12, 64), (64, 3, 3, 64), "NHWC", 1, 1, 1)
-    assert _native.dgrad_unsupported(g, "float16", "NHWC", "sm_90a") is None
-    assert "sm_90a" in _native.dgrad_unsupported(g, "float16", "NHWC", "sm_80")
+    assert _native_dgrad.dgrad_unsupported(g, "float16", "NHWC", "sm_90a") is None
+    assert "sm_90a" in _native_dgrad.dgrad_unsupported(g, "float16", "NHWC", "sm_80")
     for shapes_, why in ((((2, 12, 12, 64), (48, 3, 3, 64)), "K % 64"), (((2, 12, 12, 60), (64, 3, 3, 60)), "C % 8")):
-        assert why in _native.dgrad_unsupported(GradInputProblem(*shapes_, "NHWC", 1, 1, 1), "float16", "NHWC",
+        assert why in _native_dgrad.dgrad_unsupported(GradInputProblem(*shapes_, "NHWC", 1, 1, 1), "float16", "NHWC",
                                                 "sm_90a")
     plan = igemm.Conv2dGradInputPlan((32, 56, 56, 64), (64, 3, 3, 64), "float16", "NHWC", 1, 1, device="numpy")
     assert plan.native is not None and [k.kernel()[0] for k in plan.sub_plans()] == [
@@ -607,7 +607,7 @@ def test_dgrad_native_choice():
                                      device="numpy").native.zero        # (three of the four phases are zero)
     def spec(xs, ws, st=1, pad=1):
         g = GradInputProblem(xs, ws, "NHWC", st, pad, 1)
-        s = _native.choose_dgrad_spec(g, "float16", 132)
+        s = _native_dgrad.choose_dgrad_spec(g, "float16", 132)
         want = "tensor" if st == 1 and pad <= ws[1] // 2 else "zeros" if ws[1] == 1 and pad == 0 else "rows"
         assert s.store == want        # (stride 1, no crop: dx's rows; a strided 1x1: the copies write the zeros)
         return s.bm, s.bn, s.stages, s.ws
@@ -651,7 +651,7 @@ def test_gpu_native_variants(dtype, rng):
     persistent CTA runs many units (tiles, and wgrad's splits) one after another through its ring. A masked variant
     (``_m``, the mask read in its registers) equals its plain twin on ``bit ? dy : 0``, bit for bit."""
     torch = pytest.importorskip("torch")
-    from igemm.conv import _native
+    from igemm.conv import _native, _native_dgrad
     h = torch.cuda.current_stream().cuda_stream
     names = {n for n, _ in _native.all_variants() if n.startswith((f"dgrad_{dtype}_", f"wgrad_{dtype}_"))}
     seen = set()
@@ -669,13 +669,14 @@ def test_gpu_native_variants(dtype, rng):
             add = "_add" in n                      # (the adding twin: into zeros)
             store = "tensor" if "_tma" in n else "zeros" if "_zrows" in n else "rows"
             masked = n.endswith("_m")
-            if store == "tensor" and not _native.tma_rows(g) or store == "zeros" and not _native.fills_zeros(g):
+            if (store == "tensor" and not _native_dgrad.tma_rows(g)
+                    or store == "zeros" and not _native_dgrad.fills_zeros(g)):
                 continue
-            spec = _native.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), "_ws" in n, add, store)
+            spec = _native_dgrad.DgradSpec(dtype, bm, bn, int(n.split("_")[3][1:]), "_ws" in n, add, store)
             for sms in (1, 132):
                 dx = torch.zeros(xs, dtype=getattr(torch, dtype), device="cuda") if add else \
                     poison(torch.empty(xs, dtype=getattr(torch, dtype), device="cuda"))
-                k = _native.NativeDgrad(g, dtype, 0, sms, spec)
+                k = _native_dgrad.NativeDgrad(g, dtype, 0, sms, spec)
                 if masked and not k.fuses_mask(mask.data_ptr()):
                     continue
                 k.launch(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), add, mask.data_ptr() if masked else 0)
@@ -760,16 +761,16 @@ def test_native_mask_rules():
     """Where the native kernels read the mask themselves (a pixel's words whole 16-byte TMA rows: K % 128 == 0, the
     mask 16-byte aligned), and what the masked twins add: the stages' mask rows, the template argument, the CTAs an
     SM of the plain twin (a register cap where shared memory holds two)."""
-    from igemm.conv import _native
+    from igemm.conv import _native, _native_dgrad
     from dataclasses import replace
-    dg = lambda K: _native.NativeDgrad(GradInputProblem((2, 14, 14, 64), (K, 3, 3, 64), "NHWC", 1, 1, 1), "float16",
-                                       None, 132)
+    dg = lambda K: _native_dgrad.NativeDgrad(GradInputProblem((2, 14, 14, 64), (K, 3, 3, 64), "NHWC", 1, 1, 1),
+                                             "float16", None, 132)
     wg = lambda K: _native.NativeWgrad(GradWeightProblem((2, 14, 14, 64), (K, 3, 3, 64), "NHWC", 1, 1, 1), "float16",
                                        "float16", False, None, 132)
     for make in (dg, wg):
         assert make(128).fuses_mask(256) and make(256).fuses_mask(4096)
         assert not make(64).fuses_mask(256) and not make(192).fuses_mask(256) and not make(128).fuses_mask(264)
-    d = _native.DgradSpec("float16", 128, 128, 3)
+    d = _native_dgrad.DgradSpec("float16", 128, 128, 3)
     m = replace(d, mask=True)
     assert m.name() == d.name() + "_m" and m.smem == d.smem + 3 * 128 * 16
     assert "3, false, false, 2, true>(p)" in m.stub() and "__launch_bounds__(256, 2)" in m.stub()

@@ -521,7 +521,7 @@ BACKWARD = {
     "wgrad_nchw_fp32_mask": lambda: _backward("wgrad", "NCHW", "float32", (2, 3, 8, 7), (5, 3, 2, 2), 3, 2, "mask"),
     # the native kernels (16-bit NHWC on sm_90a): persistent 64x128 and 128x64 dgrad, persistent 128x128 and
     # per-tile 64x64 wgrad, a 1x1's deep rings (128x64, 6 stages; 64x64, 8 stages, masked) (igemm/conv/_native.py's
-    # rules pick them at these sizes)
+    # and _native_dgrad.py's rules pick them at these sizes)
     "dgrad_native_ws_nhwc_fp16_bn": lambda: _backward("dgrad", "NHWC", "float16", (2, 9, 10, 72), (64, 3, 3, 72), 1,
                                                       1, "bn"),
     "dgrad_native_ws_strided_nhwc_bf16": lambda: _backward("dgrad", "NHWC", "bfloat16", (2, 9, 10, 64),

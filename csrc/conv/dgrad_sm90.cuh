@@ -1,5 +1,5 @@
-// igemm conv2d backward: dgrad's work for the native kernels' mainloops (csrc/conv/grad_sm90.cuh; igemm/conv/_native.py
-// builds the launch).
+// igemm conv2d backward: dgrad's work for the native kernels' mainloops (csrc/conv/grad_sm90.cuh;
+// igemm/conv/_native_dgrad.py builds the launch).
 //   dgrad  up to four output phases of dx a launch (igemm/conv/_backward.py: phases_1d; stride 1 has one), each the
 //          stride-1 convolution of dy (padding ph, pw and dilation dh, dw of the phase) with the phase's taps of the
 //          flipped filter, GEMM M = N × the sub-output's pixels, N = C, reduction = taps × K, a k-tile = one tap ×
@@ -12,7 +12,7 @@
 
 namespace igemm::grad {
 
-// One dgrad phase of a launch: a 128-byte launch parameter (igemm/conv/_native.py packs it, _PHASE_FIELDS): the
+// One dgrad phase of a launch: a 128-byte launch parameter (igemm/conv/_native_dgrad.py packs it, _PHASE_FIELDS): the
 // sub-output's pixels M, its k-tiles KT (taps × K / 64) and first unit u0 in the launch; the stride-1
 // sub-convolution's padding (ph, pw) and dilation (dh, dw); the filter's taps (lh − t·eh, lw − u·ew); where its rows
 // go in dx (crop, rows, ph_h, ph_w); its divisors (sub-output pixels an image, a row; taps a row).
@@ -88,9 +88,9 @@ struct DgradWork {
     if (unsigned(i) >= unsigned(f.rows_h) || unsigned(j) >= unsigned(f.rows_w)) return -1;
     return ((int64_t(n) * p.H + f.ph_h + p.st_h * i) * p.W + f.ph_w + p.st_w * j) * p.C;
   }
-  // kZeros (one live phase, dx's pixels (st_h·i, st_w·j): igemm/conv/_native.py fills_zeros): row's dx pixel at
-  // element offset `at` is the corner of a st_h x st_w block of dx whose other pixels no tap reaches; f(offset) for
-  // each of them inside dx
+  // kZeros (one live phase, dx's pixels (st_h·i, st_w·j): igemm/conv/_native_dgrad.py fills_zeros): row's dx pixel
+  // at element offset `at` is the corner of a st_h x st_w block of dx whose other pixels no tap reaches; f(offset)
+  // for each of them inside dx
   template <class F>
   IGEMM_DEVICE void zeros(const Unit& un, int row, int64_t at, F&& f) const {
     int n, ij, i, j;

@@ -1,6 +1,6 @@
 // igemm conv2d backward: the native sm_90a kernels for 16-bit NHWC tensors, read where they lie (no operand is
-// moved; igemm/conv/_native.py builds the launches): their mainloops, wgrad's work and the sum of its split partials
-// (dgrad's work: csrc/conv/dgrad_sm90.cuh; the NCHW 1x1 wgrad's: csrc/conv/wgrad_nchw.cuh).
+// moved; igemm/conv/_native.py and _native_dgrad.py build the launches): their mainloops, wgrad's work and the sum
+// of its split partials (dgrad's work: csrc/conv/dgrad_sm90.cuh; the NCHW 1x1 wgrad's: csrc/conv/wgrad_nchw.cuh).
 //
 // Both run one of two TMA + wgmma mainloops over their units of work (a tile, or a tile's split): each warpgroup
 // multiplies its 64 rows with wgmma.m64nBNk16 straight from shared memory (128-byte swizzled rows), one group in

@@ -17,7 +17,7 @@ from .. import _runtime, reference
 from .._checks import check_aligned, check_flag, check_mask, check_output, check_stream, require_array
 from .._dispatch import CallContext
 from .._runtime import DTYPE_SIZES, keeps_current_context
-from . import _native, _native_nchw, _transpose, _wgrad_small
+from . import _native, _native_dgrad, _native_nchw, _transpose, _wgrad_small
 from ._backward import GradInputProblem, GradWeightProblem, Phase
 from ._moves import Move, contiguous, dz_fits, launch_dz
 from ._plan import Conv2dPlan, _dtype_arg, _tf32, check_tensor, resolve_device
@@ -245,16 +245,16 @@ class Conv2dGradInputPlan(_GradPlan):
         self._pre = self._fused_move(g.dy_shape, g.K)
         self.native = self._nchw = self._xpose = None
         na_arch, na_sms = self._target(arch, sms)
-        if options is None and _native.dgrad_unsupported(g, self.dtype, layout, na_arch) is None:
-            #: the native kernel (sm_90a, 16-bit NHWC, stride 1: dy and w read in place, conv/_native.py)
-            self.native = _native.NativeDgrad(g, self.dtype, self.device_id, na_sms)
+        if options is None and _native_dgrad.dgrad_unsupported(g, self.dtype, layout, na_arch) is None:
+            #: the native kernel (sm_90a, 16-bit NHWC, stride 1: dy and w read in place, conv/_native_dgrad.py)
+            self.native = _native_dgrad.NativeDgrad(g, self.dtype, self.device_id, na_sms)
         elif (options is None and layout == "NCHW" and (g.stride != (1, 1) or (g.R * g.S > 1 and g.H * g.W < 64))
-              and _native.dgrad_unsupported(g.nhwc_twin(), self.dtype, "NHWC", na_arch) is None):
+              and _native_dgrad.dgrad_unsupported(g.nhwc_twin(), self.dtype, "NHWC", na_arch) is None):
             # a strided NCHW dgrad, or one with taps over images under 64 pixels: the NHWC twin's kernel on
             # transposed copies of dy and w (a 1x1's w as it is), dx transposed back (a strided unpadded 1x1's twin a
             # stride-1 1x1, its dx scattered back with the zeros; docs/performance.md: dgrad-nchw-twin,
             # dgrad-nchw-twin-small, dgrad-nchw-scatter)
-            self.native = _native.NativeDgrad(g.nhwc_twin(), self.dtype, self.device_id, na_sms)
+            self.native = _native_dgrad.NativeDgrad(g.nhwc_twin(), self.dtype, self.device_id, na_sms)
             self._nchw = g.nhwc_moves()
         self._wcopy = Move(g.w_shape, contiguous(g.w_shape), contiguous(g.w_shape))
         if self.native is not None:

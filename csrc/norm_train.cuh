@@ -4,9 +4,10 @@
 //                      merged: tiles_merge) | (2) a warp per channel merges them: mean, invstd, running statistics
 //                      (stats_merge) | (3) y = act(BN(z) [+ residual]) and the ReLU mask (bn_forward's blocks,
 //                      run on this grid's blocks)
-//   bn_train_backward  (1) partial sums of dy' = bit ? dy : 0 and dy'·(z - mean) (grad_nhwc) | (2) a warp per
-//                      channel adds them: sum_dy, sum_dy_xmu, dgamma, dbeta (grad_merge) and the dz coefficients
-//                      a, b, c (coefficients_at) | (3) dz = a·dy' + b·z + c [and sel = dy'] (grad_dz's blocks)
+//   bn_train_backward  (1) partial sums of dy' = bit ? dy : 0 and dy'·(z - mean) (grad_nhwc; or, Tiles, the dgrad
+//                      epilogue's per-tile sums added: tiles_merge) | (2) a warp per channel adds them: sum_dy,
+//                      sum_dy_xmu, dgamma, dbeta (grad_merge) and the dz coefficients a, b, c (coefficients_at) |
+//                      (3) dz = a·dy' + b·z + c [and sel = dy'] (grad_dz's blocks)
 //   bn_train_backward_held  the same three phases over a tensor the grid holds in registers (up to 8 rows of 8
 //                      channels a thread): dy' and z read once, phase 3 from the registers (bn-backward-held)
 // The same device functions in the same order as the separate launches (norm_stats.cuh, norm_elemt.cuh,
@@ -29,9 +30,11 @@ namespace igemm::norm {
 // k-stride ntiles·C; csrc/conv/epilogue_regs.cuh: tile_bn_stats) merged in items of 32 channels (p.gx of them) x
 // p.L tiles (p.S of them): lane = channel, warp w merges tiles w, w + 8, ... in order, then the warps in order;
 // the item's result goes to part[k][c][s'] as stats_nhwc's partials do, so phase 2 is the same merge, unshifted
-// (the conv's means are the values' own; z is 16-bit, whose rounding bounds mean / std).
-template <class P>
-IGEMM_DEVICE void tiles_merge(const P& p) {
+// (the conv's means are the values' own; z is 16-bit, whose rounding bounds mean / std). The backward's phase 1
+// where the dgrad that wrote dy summed it per tile (NK = 2, SumMerge: k = sum dy', sum dy'·(z − mean);
+// csrc/conv/dgrad_sm90.cuh, DgradWork::sums) is the same walk, into grad_nhwc's partials.
+template <int NK, class Merge, class P>
+IGEMM_DEVICE void tiles_merge(const P& p, Merge merge) {
   __shared__ Acc smem[kWarps * 32];
   const float* t = static_cast<const float*>(p.tiles);
   const int64_t C = p.C, T = p.ntiles, ks = T * C;
@@ -44,12 +47,12 @@ IGEMM_DEVICE void tiles_merge(const P& p) {
       const int64_t t1 = imin64(int64_t(s2) * p.L + p.L, T);
       for (int64_t s = int64_t(s2) * p.L + warp; s < t1; s += kWarps) {
         const int64_t i = s * C + c;
-        ChanMerge{}(r, Acc{t[i], t[ks + i], t[2 * ks + i]});
+        merge(r, Acc{t[i], t[ks + i], NK == 3 ? t[2 * ks + i] : 0.f});
       }
     }
     smem[warp * 32 + lane] = r;
     __syncthreads();
-    if (warp == 0 && c < C) write_part(p, c, s2, smem_merge(smem, 32, lane, ChanMerge{}));
+    if (warp == 0 && c < C) write_part(p, c, s2, smem_merge(smem, 32, lane, merge));
     __syncthreads();
   }
 }
@@ -61,7 +64,7 @@ IGEMM_DEVICE void bn_train_forward(const P& p) {
   namespace cg = cooperative_groups;
   static_assert(!(Conv && Final), "the conv's tiles merge into partials");
   if (p.nbt != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ++*static_cast<int64_t*>(const_cast<void*>(p.nbt));
-  if constexpr (Conv) tiles_merge(p);
+  if constexpr (Conv) tiles_merge<3>(p, ChanMerge{});
   else stats_nhwc<T, V, Final>(p);
   cg::this_grid().sync();
   if constexpr (!Final) {
@@ -97,10 +100,13 @@ IGEMM_DEVICE void bn_backward_coefficients(const P& p) {
   cg::this_grid().sync();
 }
 
-template <class T, int V, bool Final, class P>
+// Tiles: phase 1 from the sums the dgrad that wrote dy made per tile (tiles_merge), not from dy and z.
+template <class T, int V, bool Final, bool Tiles = false, class P>
 IGEMM_DEVICE void bn_train_backward(const P& p) {
   namespace cg = cooperative_groups;
-  grad_nhwc<T, V, Final>(p);
+  static_assert(!(Tiles && Final), "the dgrad's tiles merge into partials");
+  if constexpr (Tiles) tiles_merge<2>(p, SumMerge{});
+  else grad_nhwc<T, V, Final>(p);
   cg::this_grid().sync();
   bn_backward_coefficients<Final>(p);
   if (threadIdx.x < p.dzt)

@@ -39,8 +39,8 @@ TRAIN_BWD_PTRS = ("x", "dy", "mask", "mean", "invstd", "part", "out0", "out1", "
 def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool = False, conv: bool = False,
                held: bool = False) -> str:
     """The training path's one-launch BatchNorm pass (16-bit channels-last, 8 channels a vector); ``conv``: the
-    forward from the conv epilogue's per-tile statistics; ``held``: the backward over a tensor held in registers
-    (:data:`HELD_ROWS` rows a thread)."""
+    forward from the conv epilogue's per-tile statistics, the backward from the dgrad epilogue's per-tile sums;
+    ``held``: the backward over a tensor held in registers (:data:`HELD_ROWS` rows a thread)."""
     t, f = DTYPE_CTYPE[dtype], "true" if final else "false"
     if held:
         return _stub("norm_train.cuh", "igemm_bn_train_backward_held",
@@ -48,7 +48,8 @@ def stub_train(dtype: str, final: bool, backward: bool, act: int = 0, res: bool 
                      _HELD_BLOCKS_PER_SM)
     if backward:
         return _stub("norm_train.cuh", "igemm_bn_train_backward",
-                     f"igemm::norm::bn_train_backward<{t}, 8, {f}>(p);", _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
+                     f"igemm::norm::bn_train_backward<{t}, 8, {f}{', true' if conv else ''}>(p);", _TRAIN_PARAMS,
+                     _TRAIN_BLOCKS_PER_SM)
     return _stub("norm_train.cuh", "igemm_bn_train_forward",
                  f"igemm::norm::bn_train_forward<{t}, 8, {act}, {str(res).lower()}, {f}{', true' if conv else ''}>(p);",
                  _TRAIN_PARAMS, _TRAIN_BLOCKS_PER_SM)
@@ -60,6 +61,7 @@ def train_stubs() -> list:
     return [stub_train(dt, final, bwd, act, res) for dt in ("float16", "bfloat16") for final in (False, True)
             for bwd, act, res in ((True, 0, False), *((False, a, r) for a, r in fwd))] + \
         [stub_train(dt, False, False, act, res, conv=True) for dt in ("float16", "bfloat16") for act, res in fwd] + \
+        [stub_train(dt, False, True, conv=True) for dt in ("float16", "bfloat16")] + \
         [stub_train(dt, final, True, held=True) for dt in ("float16", "bfloat16") for final in (False, True)]
 
 
@@ -84,12 +86,13 @@ def train_kernel(device_id: int, *, backward: bool, dtype: str, N: int, C: int, 
     resident at once on this GPU (the caller then launches the separate kernels). Forward: the statistics, then
     :func:`elemt_kernel`'s pass with ``act``/``res``; backward: the sums, the dz coefficients, then the dz pass of
     ``igemm.conv._moves.launch_dz`` (``M = N * HW``, ``K = C``), from registers where :func:`held_config` fits the
-    tensor (``bn_train_backward_held``). ``tiles`` (forward): the statistics are the conv
-    epilogue's, ``tiles`` rows of them (``Conv2dPlan.bn_stats_tiles``) at the ``tiles`` pointer."""
+    tensor (``bn_train_backward_held``). ``tiles``: the statistics (forward) are the conv epilogue's, ``tiles``
+    rows of them (``Conv2dPlan.bn_stats_tiles``), or the sums (backward) the dgrad epilogue's that wrote dy
+    (``NativeDgrad.sums_tiles``), at the ``tiles`` pointer."""
     if DTYPE_SIZES[dtype] != 2 or C % 8 or N * HW <= 0:
         return None
     sms = _sms(device_id)
-    held = held_config(N, C, HW, sms) if backward else None
+    held = held_config(N, C, HW, sms) if backward and not tiles else None
     if held is not None:
         got = _train_kernel(device_id, True, dtype, N, C, HW, sms, held, True)
         if got is not None:

@@ -31,7 +31,7 @@ def test_train_grids_are_one_resident_wave():
     assert [nt.train_backward_blocks_per_sm(2 * N * C * HW, 132) for N, C, HW in GEOMS] == [1, 1, 1, 2, 3]
     for s in (nt.stub_train("float16", False, False, 2, True), nt.stub_train("bfloat16", True, True)):
         assert "__launch_bounds__(256, 3)" in s
-    assert len(set(nt.train_stubs())) == 32
+    assert len(set(nt.train_stubs())) == 34
 
 
 def test_held_backward_grids():
@@ -226,25 +226,34 @@ def test_gpu_train_backward(dtype, mask, sel, N, C, HW, held):
     g = torch.Generator("cuda").manual_seed(N * C + HW + 2 * mask + sel)
     z = (torch.randn(N, HW, C, device="cuda", generator=g) * 2 + 1).to(td)
     dy = torch.randn(N, HW, C, device="cuda", generator=g).to(td)
+    words = torch.randint(-2**31, 2**31 - 1, ((N * HW * C + 31) // 32,), device="cuda", generator=g,
+                          dtype=torch.int32)
+    k, nws = _backward_kernel(N, C, HW, dtype, held)
+    if (nt.held_config(N, C, HW, nk._sms(0)) is not None) == held:     # the kernel and grid train_kernel picks
+        assert (nt.train_kernel(0, backward=True, dtype=dtype, N=N, C=C, HW=HW)[0].base == k.base).all()
+    _backward_case(torch, g, z, dy, words if mask else None, sel, (k, nws))
+
+
+def _backward_case(torch, g, z, dy, words, sel, kernel, **extra):
+    """One backward pass on z and dy (N, HW, C) with the mask ``words`` (None: none) from poisoned buffers, every
+    output against float64."""
+    N, HW, C = z.shape
     n = N * HW * C
-    words = torch.randint(-2**31, 2**31 - 1, ((n + 31) // 32,), device="cuda", generator=g, dtype=torch.int32)
     z64 = z.double().reshape(-1, C)
     mean = z64.mean(0).float()
     invstd = (1 / (z64.var(0, unbiased=False) + 1e-5).sqrt()).float()
     gamma = torch.rand(C, device="cuda", generator=g) + 0.5
-    k, nws = _backward_kernel(N, C, HW, dtype, held)
-    if (nt.held_config(N, C, HW, nk._sms(0)) is not None) == held:     # the kernel and grid train_kernel picks
-        assert (nt.train_kernel(0, backward=True, dtype=dtype, N=N, C=C, HW=HW)[0].base == k.base).all()
+    k, nws = kernel
     sums = torch.full((7 * C + nws,), float("nan"), device="cuda")
     dz, dres = torch.full_like(dy, float("nan")), torch.full_like(dy, float("nan"))
     b = sums.data_ptr()
-    ptrs = dict(x=z.data_ptr(), dy=dy.data_ptr(), mask=words.data_ptr() if mask else 0, mean=mean.data_ptr(),
-                invstd=invstd.data_ptr(), part=b + 28 * C, out0=b, out1=b + 4 * C, out2=b + 8 * C, out3=b + 12 * C,
-                gamma=gamma.data_ptr(), coef=b + 16 * C, src=dy.data_ptr(), dst=dz.data_ptr(), z=z.data_ptr(),
-                sel=dres.data_ptr() if sel else 0)
+    ptrs = dict(x=z.data_ptr(), dy=dy.data_ptr(), mask=words.data_ptr() if words is not None else 0,
+                mean=mean.data_ptr(), invstd=invstd.data_ptr(), part=b + 28 * C, out0=b, out1=b + 4 * C,
+                out2=b + 8 * C, out3=b + 12 * C, gamma=gamma.data_ptr(), coef=b + 16 * C, src=dy.data_ptr(),
+                dst=dz.data_ptr(), z=z.data_ptr(), sel=dres.data_ptr() if sel else 0, **extra)
     k.run(torch.cuda.current_stream().cuda_stream, k.slots(list(ptrs)), list(ptrs.values()))
     torch.cuda.synchronize()
-    bit = _bits(words, n).reshape(dy.shape) if mask else torch.ones_like(dy, dtype=torch.bool)
+    bit = _bits(words, n).reshape(dy.shape) if words is not None else torch.ones_like(dy, dtype=torch.bool)
     d = torch.where(bit, dy.double(), 0.0)
     mu, is_, ga, M = mean.double(), invstd.double(), gamma.double(), N * HW
     sdy, sdx = d.reshape(-1, C).sum(0), (d * (z.double() - mu)).reshape(-1, C).sum(0)
@@ -259,3 +268,68 @@ def test_gpu_train_backward(dtype, mask, sel, N, C, HW, held):
         assert torch.equal(dres, torch.where(bit, dy, torch.zeros_like(dy)))
     else:
         assert dres.isnan().all()
+
+
+# dgrad's BatchNorm sums (bn-sums-in-dgrad): (x_shape NHWC, K, R, stride, padding) of the dgrad that writes dx, the
+# layer before's z of dx's shape: the persistent kernel's 128 x 64 tiles (C <= 64), a 3x3 and a 1x1, C < BN, the last
+# tile row part-filled
+SUMS_GEOMS = [((4, 14, 14, 64), 128, 3, 1, 1), ((3, 13, 11, 64), 256, 1, 1, 0), ((5, 7, 9, 40), 64, 3, 1, 1),
+              ((32, 28, 28, 64), 64, 3, 1, 1)]
+
+
+def test_dgrad_bn_sums_where():
+    """The sums twin: the plain kernel's where that is the persistent kernel with TMA stores (stride 1) at two CTAs an
+    SM (128 x 64 tiles, C <= 64); none on 64 x 128 and 128 x 128 tiles (one CTA an SM) or for a strided dgrad (bulk
+    rows, four phases; a strided 1x1's zeros), whose launch refuses them."""
+    import igemm
+    for xs, K, R, st, pd in SUMS_GEOMS:
+        plan = igemm.Conv2dGradInputPlan(xs, (K, R, R, xs[3]), "float16", "NHWC", st, pd, device="numpy",
+                                         arch="sm_90a", sms=132)
+        assert plan.native.sums_tiles == -(-xs[0] * xs[1] * xs[2] // 128)
+        assert [k.name() for k in plan.native.kernels()][-1] == "dgrad_float16_128x64_s3_ws_tma_bs"
+    for xs, K, R, st, pd in (((8, 28, 28, 128), 128, 3, 1, 1), ((32, 14, 14, 256), 256, 3, 1, 1),
+                             ((2, 15, 13, 64), 128, 3, 2, 1), ((2, 14, 13, 64), 256, 1, 2, 0)):
+        plan = igemm.Conv2dGradInputPlan(xs, (K, R, R, xs[3]), "float16", "NHWC", st, pd, device="numpy",
+                                         arch="sm_90a", sms=132)
+        assert plan.native.sums_tiles == 0 and not any(k.sums for k in plan.native.kernels())
+        with pytest.raises(ValueError, match="sums"):
+            plan.native.launch(0, 16, 16, 16, sums=(16, 16, 16, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("xs,K,R,st,pd", SUMS_GEOMS)
+def test_gpu_dgrad_bn_sums(dtype, xs, K, R, st, pd):
+    """The dgrad that also writes the per-tile BatchNorm backward sums of the layer before (from its z, mask and
+    mean) stores the plain kernel's dx bit for bit, its sums add up to float64's over dx as stored, and the
+    one-launch backward from them gives every output the pass over dy and z would (_backward_case's bounds)."""
+    torch = _torch()
+    import igemm
+    from igemm.nn._train_call import _PLAIN
+    td = getattr(torch, dtype)
+    g = torch.Generator("cuda").manual_seed(xs[0] * K + R + st)
+    N, H, W, C = xs
+    P, Q = (H + 2 * pd - R) // st + 1, (W + 2 * pd - R) // st + 1
+    plan = igemm.Conv2dGradInputPlan(xs, (K, R, R, C), dtype, "NHWC", st, pd, device=0)
+    T = plan.native.sums_tiles
+    assert T > 0
+    dy = torch.randn(N, P, Q, K, device="cuda", generator=g).to(td)
+    w = (torch.randn(K, R, R, C, device="cuda", generator=g) / (R * R * K) ** 0.5).to(td)
+    z = (torch.randn(N, H, W, C, device="cuda", generator=g) * 2 + 1).to(td)
+    n = N * H * W * C
+    words = torch.randint(-2**31, 2**31 - 1, ((n + 31) // 32,), device="cuda", generator=g, dtype=torch.int32)
+    z64 = z.double().reshape(-1, C)
+    mean = z64.mean(0).float()
+    dx, ref = (torch.full((N, H, W, C), float("nan"), device="cuda").to(td) for _ in range(2))
+    out = torch.full((2 * T * C,), float("nan"), device="cuda")
+    h = torch.cuda.current_stream().cuda_stream
+    plan._run(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), _PLAIN, False,
+              (z.data_ptr(), words.data_ptr(), mean.data_ptr(), out.data_ptr()))
+    plan._run(h, dy.data_ptr(), w.data_ptr(), ref.data_ptr(), _PLAIN)
+    torch.cuda.synchronize()
+    assert torch.equal(dx, ref) and not out.isnan().any()
+    d = torch.where(_bits(words, n).reshape(dx.shape), dx.double(), 0.0).reshape(-1, C)
+    t = out.double().reshape(2, T, C).sum(1)
+    assert _rel(t[0], d.sum(0)) < 1e-5 and _rel(t[1], (d * (z64 - mean.double())).sum(0)) < 1e-5
+    k = _kernel(torch, True, dtype, N, C, H * W, tiles=T)
+    _backward_case(torch, g, z.reshape(N, H * W, C), dx.reshape(N, H * W, C), words, True, k, tiles=out.data_ptr())

@@ -633,6 +633,48 @@ def test_gpu_an_input_made_by_bn_relu_is_remade_not_kept(monkeypatch, fmt):
         assert torch.equal(a, b), (i, _rel(a, b))
 
 
+SUMS_X = (32, 64, 56, 56)
+
+
+def _sums_chain():
+    return nn.Sequential(nn.Conv2d(64, 64, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                         nn.Conv2d(64, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                         nn.Conv2d(64, 64, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                         nn.Conv2d(64, 64, 3, 2, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                         nn.Conv2d(64, 32, 1, bias=False), nn.BatchNorm2d(32))
+
+
+@pytest.mark.gpu
+def test_gpu_bn_sums_made_by_the_next_dgrad(monkeypatch):
+    """A layer whose input is another layer's ReLU(BN(z)) has its dgrad also write that layer's BatchNorm backward
+    sums over dx (nn/_train_call.py: TrainCall._sums_out), which that layer's backward adds instead of reading dy and
+    z (docs/performance.md: bn-sums-in-dgrad): here through a stride-1 3x3's dgrad and a 1x1's (TMA stores), on
+    tensors too large for the held backward (which takes no sums); not through the strided 3x3's. Every gradient and
+    buffer is what the sums over dy and z give, to their fp32 summation order (fp16 autocast)."""
+    from igemm.nn import _train_call
+    torch.manual_seed(9)
+    base = _sums_chain().cuda().to(memory_format=CL).train()
+    x = torch.randn(*SUMS_X, device="cuda").contiguous(memory_format=CL).requires_grad_()
+    runs, used = [], []
+    real = _train_call.TrainCall._sums_kernel
+    for fused in (True, False):
+        twin = copy.deepcopy(base)
+        params, buffers = list(twin.parameters()), list(twin.buffers())
+        ig = inn.convert(twin, inplace=True).train()
+        x.grad = None
+        with monkeypatch.context() as mp:
+            mp.setattr(_train_call.TrainCall, "_sums_kernel", lambda self, t: used.append(real(self, t)) or used[-1])
+            if not fused:
+                mp.setattr(_train_call.TrainCall, "_sums_out", lambda self, before, dev: (None, None))
+            with torch.autocast("cuda", torch.float16):
+                y = ig(x)
+            y.float().square().sum().backward()
+        runs.append([x.grad] + [p.grad for p in params] + [b.clone() for b in buffers])
+    assert len(used) == 2 and all(u is not None for u in used)        # (the first two layers' BatchNorms)
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert _rel(a, b) < 1e-3, (i, _rel(a, b))
+
+
 def _ddp(tmp_path, kind: str, bench_n: int = 0) -> list:
     """Both ranks of tests/_train_ddp_worker.py (two processes, env://): their results."""
     import os
@@ -714,6 +756,8 @@ def precompile(arch: str = "sm_90a") -> int:
                         x, torch.randn(8, 8, 3, 3), arch=arch, sms=132, backward=True)
     ig = inn.convert(small_resnet()).half().to(memory_format=CL).train()
     n += inn.precompile(ig, torch.randn(16, 3, 16, 16).half().contiguous(memory_format=CL), arch=arch, sms=132)
+    ig = inn.convert(_sums_chain()).half().to(memory_format=CL).train()     # test_gpu_bn_sums_made_by_the_next_dgrad
+    n += inn.precompile(ig, torch.randn(*SUMS_X).half().contiguous(memory_format=CL), arch=arch, sms=132)
     for mf in (CL, torch.contiguous_format):                                 # the DDP test's shares (fp32)
         ig = inn.convert(small_resnet()).to(memory_format=mf).train()
         for share in (5, 3):

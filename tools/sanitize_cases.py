@@ -613,6 +613,55 @@ def _dgrad_adds(xs, ws, stride, padding):
 BACKWARD["dgrad_native_adds_strided"] = lambda: _dgrad_adds((2, 9, 10, 64), (64, 3, 3, 64), 2, 1)
 
 
+def _dgrad_sums(xs, ws, stride, padding):
+    """The native dgrad that also writes the layer before's BatchNorm backward sums per tile (bn-sums-in-dgrad; that
+    layer's z of dx's shape, its mask and mean), then the one-launch backward from those sums: dx against the plain
+    kernel's, the sums against float64's over dx, dz finite."""
+    from igemm import Conv2dGradInputPlan
+    from igemm._norm_train import TRAIN_BWD_PTRS, train_kernel
+    plan = Conv2dGradInputPlan(xs, ws, "float16", "NHWC", stride, padding)
+    T = plan.native.sums_tiles if plan.native is not None else 0
+    if not T:
+        raise AssertionError("no sums from this dgrad")
+    (N, H, W, C), K = xs, ws[0]
+    P, Q = ((H + 2 * padding - ws[1]) // stride + 1, (W + 2 * padding - ws[2]) // stride + 1)
+    dy, w, z = (dev(randn(*s), "float16") for s in ((N, P, Q, K), ws, xs))
+    n = N * H * W * C
+    words = dev(RNG.integers(0, 2 ** 32, (n + 31) // 32, dtype=np.uint32).view(np.int32), "int32")
+    mean = z.double().reshape(-1, C).mean(0).float()
+    plain, dx = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
+    out = torch.full((2 * T * C,), float("nan"), device="cuda")
+    h, fp = torch.cuda.current_stream().cuda_stream, {"mask": 0, "z": 0, "coef": 0}
+    plan._run(h, dy.data_ptr(), w.data_ptr(), plain.data_ptr(), fp)
+    plan._run(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), fp, False,
+              (z.data_ptr(), words.data_ptr(), mean.data_ptr(), out.data_ptr()))
+    if not torch.equal(dx, plain):
+        raise AssertionError("the sums twin's dx differs from the plain kernel's")
+    bits = np.unpackbits(host(words).view(np.uint8), bitorder="little")[:n].reshape(-1, C).astype(bool)
+    d = np.where(bits, host(dx).reshape(-1, C), 0.0)
+    got = host(out).reshape(2, T, C).sum(1)
+    close(got[0], d.sum(0), 1e-5, "dgrad's sum dy'")
+    close(got[1], (d * (host(z).reshape(-1, C) - host(mean))).sum(0), 1e-5, "dgrad's sum dy'(z - mean)")
+    k, nws = train_kernel(0, backward=True, dtype="float16", N=N, C=C, HW=H * W, tiles=T)
+    sums, dz = torch.full((7 * C + nws,), float("nan"), device="cuda"), torch.full_like(z, float("nan"))
+    invstd, gamma = dev(RNG.uniform(0.5, 2, C)), dev(RNG.uniform(0.5, 1.5, C))
+    b = sums.data_ptr()
+    k.run(h, k.slots(TRAIN_BWD_PTRS + ("tiles",)),
+          [z.data_ptr(), dx.data_ptr(), words.data_ptr(), mean.data_ptr(), invstd.data_ptr(), b + 28 * C, b, b + 4 * C,
+           b + 8 * C, b + 12 * C, gamma.data_ptr(), b + 16 * C, dx.data_ptr(), dz.data_ptr(), z.data_ptr(), 0,
+           out.data_ptr()])
+    close(host(sums[:2 * C]), got.ravel(), 1e-5, "the backward's sums from dgrad's")
+    if not torch.isfinite(dz).all():
+        raise AssertionError("dz not written")
+    name = plan.native._spec(False, False, True).name()
+    return f"dgrad with the BatchNorm sums, x {xs} w {ws} stride {stride}, {name}"
+
+
+# a 3x3 and a 1x1 (C < BN) on its 128 x 64 tiles, the last tile row part-filled
+BACKWARD["dgrad_native_bn_sums"] = lambda: _dgrad_sums((2, 9, 10, 64), (128, 3, 3, 64), 1, 1)
+BACKWARD["dgrad_native_bn_sums_1x1"] = lambda: _dgrad_sums((2, 11, 9, 40), (128, 1, 1, 40), 1, 0)
+
+
 def _dgrad_w_in_place(xs, ws, config=None):
     """An NCHW 1x1 dgrad reading w [K][C] in place (the MN-major TMA B tiles) against the float64 reference."""
     from igemm import Conv2dGradInputPlan, Conv2dOptions

@@ -24,13 +24,15 @@ static_assert(sizeof(DgradPhase) <= 128, "a phase is one 128-byte parameter");
 
 // dgrad's units: the tiles of up to four output phases in one launch (p.nph of them, heaviest first: u0 ascending),
 // every tile over all its phase's taps × K / 64 k-tiles; a phase's dy through its own im2col map. Add: dx += the
-// tile (the training path's identity gradient, igemm/nn/_train_fast.py: _Link).
-template <class T, int BM, int BN, bool Add, int Store, bool Mask, class P>
+// tile (the training path's identity gradient, igemm/nn/_train_fast.py: _Link). Sums: each tile also writes the
+// BatchNorm backward's sums over its rows for the layer whose output gradient dx is (sums below).
+template <class T, int BM, int BN, bool Add, int Store, bool Mask, bool Sums, class P>
 struct DgradWork {
   static constexpr int NB = BN / 64;
   // kStoreTensor: one phase whose rows are dx's (p.tmY maps dx); kStoreRowsZeros: kStoreRows and zeros()
   static constexpr int kStore = Store == kStoreRowsZeros ? kStoreRows : Store;
-  static constexpr bool kAdd = Add, kMask = Mask, kZeros = Store == kStoreRowsZeros, kBMajorK = false;
+  static constexpr bool kAdd = Add, kMask = Mask, kZeros = Store == kStoreRowsZeros, kBMajorK = false, kSums = Sums;
+  static_assert(!(Sums && Add), "the sums are of the tile as stored, not of a sum with dx");
   static constexpr int kMaskBytes = Mask ? BM * 16 : 0;     // (a stage's mask rows: 16 bytes a row of A)
   const P& p;
   struct Unit {
@@ -133,6 +135,91 @@ struct DgradWork {
       }
     }
   };
+  // Sums (docs/performance.md: bn-sums-in-dgrad): dx is the gradient of y = ReLU(BN(z)) of the layer before, whose
+  // z (dx's shape, p.bz), ReLU mask (p.bmask: a bit an element of dx, in dx's order) and batch mean (p.bmean, fp32)
+  // the tile reads; it writes, per channel, sum g and sum g·(z − mean) with g = bit ? dx : 0 over its stored rows
+  // (dx as stored, 16-bit) to p.bsum[k][tile][c] (k = 0, 1; tile = u / column blocks; fp32), which that layer's
+  // BatchNorm backward adds instead of reading dy and z (csrc/norm_train.cuh: tiles_merge).
+  // sums_load: thread tid's (of NT = 2·BM) rows rg, rg + RG, ... of z and their mask bits, channels n0 + 8·vc ..
+  // + 7 (a row not stored: bits 0, adding nothing), and those channels' means
+  static constexpr int kSumsNT = 2 * BM, kSumsVN = BN / 8, kSumsRG = kSumsNT / kSumsVN, kSumsRPT = BM / kSumsRG;
+  struct SumsIn {
+    uint4 z[kSumsRPT];
+    uint32_t bits[kSumsRPT];
+    float mu[8];
+  };
+  IGEMM_DEVICE SumsIn sums_load(const Unit& un, int tid) const {
+    const int vc = tid % kSumsVN, rg = tid / kSumsVN, col = un.n0 + 8 * vc;
+    const bool live = col < p.C;
+    SumsIn in;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) in.mu[j] = live ? static_cast<const float*>(p.bmean)[col + j] : 0.f;
+#pragma unroll
+    for (int k = 0; k < kSumsRPT; ++k) {
+      const int row = un.m0 + rg + k * kSumsRG;
+      const int64_t at = live && row < un.f->M ? row_at(un, row) : -1;
+      in.bits[k] = 0u;
+      in.z[k] = make_uint4(0, 0, 0, 0);
+      if (at >= 0) {
+        in.z[k] = ldg_stream16(static_cast<const T*>(p.bz) + at + col);
+        in.bits[k] = p.bmask != nullptr ? uint32_t(__ldg(static_cast<const uint8_t*>(p.bmask) + ((at + col) >> 3)))
+                                        : 0xFFu;
+      }
+    }
+    return in;
+  }
+  // sums: after the tile's store, from its C tile (the TMA store's: SW128 blocks of 64 columns) and sums_load's
+  // `in`. Thread tid sums 8 channels (vector vc) over its rows; the lanes of a warp with the same vc, then the warps
+  // in order, are added (a fixed order: the same bits every run).
+  template <class Sync>
+  IGEMM_DEVICE void sums(const Unit& un, int u, const uint8_t* cs, int tid, Sync sync, const SumsIn& in) const {
+    constexpr int NT = kSumsNT, VN = kSumsVN, RG = kSumsRG, RPT = kSumsRPT, NW = NT / 32;
+    __shared__ float red[2][NW][BN];
+    const int vc = tid % VN, rg = tid / VN;
+    float a[8], b[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[j] = b[j] = 0.f;
+#pragma unroll
+    for (int k = 0; k < RPT; ++k) {
+      const int r = rg + k * RG, c = 8 * vc;
+      const uint4 dv =
+          *reinterpret_cast<const uint4*>(cs + (c / 64) * BM * 128 + r * 128 + ((((c % 64) / 8) ^ (r & 7)) << 4));
+      const T* d = reinterpret_cast<const T*>(&dv);
+      const T* z = reinterpret_cast<const T*>(&in.z[k]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float g = (in.bits[k] >> j) & 1u ? to_float(d[j]) : 0.f;
+        a[j] += g;
+        b[j] = fmaf(g, to_float(z[j]) - in.mu[j], b[j]);
+      }
+    }
+#pragma unroll
+    for (int off = VN; off < 32; off <<= 1)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
+        b[j] += __shfl_xor_sync(0xffffffffu, b[j], off);
+      }
+    const int lane = tid & 31, w = tid >> 5;
+    if (lane < VN) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        red[0][w][8 * lane + j] = a[j];
+        red[1][w][8 * lane + j] = b[j];
+      }
+    }
+    sync();
+    const int tn = (p.C + BN - 1) / BN, T_ = p.units / tn;
+    float* out = static_cast<float*>(const_cast<void*>(p.bsum)) + int64_t(u / tn) * p.C + un.n0;
+    for (int i = tid; i < 2 * BN; i += NT) {
+      const int k = i / BN, c = i % BN;
+      if (un.n0 + c >= p.C) continue;
+      float s = 0.f;
+#pragma unroll
+      for (int v = 0; v < NW; ++v) s += red[k][v][c];
+      out[int64_t(k) * T_ * p.C + c] = s;
+    }
+  }
   IGEMM_DEVICE auto masker(const Unit&, int tid) const {
     if constexpr (kMask) {
       Masker mk;
@@ -145,9 +232,10 @@ struct DgradWork {
   }
 };
 
-template <class T, int BM, int BN, int Stages, bool Ws, bool Add, int Store, bool Mask, class P>
+template <class T, int BM, int BN, int Stages, bool Ws, bool Add, int Store, bool Mask, bool Sums = false, class P>
 __device__ void dgrad(const P& p) {
-  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, Store, Mask, P>{p}, p.tmA0, p.tmB);
+  static_assert(!Sums || (Ws && Store == kStoreTensor), "the sums: the persistent kernel's TMA-stored tiles");
+  grad_run<T, T, BM, BN, Stages, Ws, true>(DgradWork<T, BM, BN, Add, Store, Mask, Sums, P>{p}, p.tmA0, p.tmB);
 }
 
 }  // namespace igemm::grad

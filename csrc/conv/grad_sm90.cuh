@@ -94,6 +94,12 @@ IGEMM_DEVICE void zero_rows(const Work& wk, const Unit& un, const uint8_t* zrow,
   }
 }
 
+// Work::kSums (dgrad's BatchNorm sums: csrc/conv/dgrad_sm90.cuh; grad_ws only): a unit's sums(unit, u, C tile,
+// tid, sync, in) run after its store, on in = sums_load(unit, tid), loaded at the unit's start (in flight during its
+// mainloop). Other works have no kSums.
+template <class W, class = void> struct HasSums : std::false_type {};
+template <class W> struct HasSums<W, std::enable_if_t<W::kSums>> : std::true_type {};
+
 // The CTA's tile: u over ceil(M / BM) × ceil(ncol / BN) tiles, column blocks fastest.
 template <int BM, int BN>
 IGEMM_DEVICE TileCoord grad_tile_coord(int u, int ncol) {
@@ -224,6 +230,7 @@ IGEMM_DEVICE void grad_done(Mk& mk) {
 template <class T, class TO, int BM, int BN, int Stages, bool AMajorK, class Work>
 IGEMM_DEVICE void grad_tile(const Work& wk, const void* map_a, const void* map_b) {
   static_assert(BM % 64 == 0 && (BN == 64 || BN == 128) && Stages >= 2, "64-row warpgroups, 64- or 128-wide tiles");
+  static_assert(!HasSums<Work>::value, "the sums run in grad_ws");
   constexpr int A_STAGE = BM * BK * 2, AB = A_STAGE + BN * BK * 2, STAGE = AB + Work::kMaskBytes, NACC = BN / 2;
   static_assert(kCTileBytes<TO, BM, BN> <= Stages * STAGE, "the output tile fits the stages");
   __shared__ alignas(8) uint64_t full[Stages];
@@ -318,6 +325,10 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     const auto un = wk.unit(u);
     zero_rows<TO, BM, BN>(wk, un, smem + ZAT, threadIdx.x);
+    const auto sums_in = [&] {
+      if constexpr (HasSums<Work>::value) return wk.sums_load(un, int(threadIdx.x));
+      else return 0;
+    }();
     float acc[NACC];
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
@@ -350,6 +361,8 @@ IGEMM_DEVICE void grad_ws(const Work& wk, const void* map_a, const void* map_b) 
         store_tile_rows<TO, BM, BN, Work::kAdd>(acc, cs, threadIdx.x, wk.out(un),
                                                 [&](int row) { return wk.row_at(un, row); }, un.m0, un.n0, wk.M(un),
                                                 wk.Ncol(), sync);
+      if constexpr (HasSums<Work>::value)
+        wk.sums(un, u, reinterpret_cast<const uint8_t*>(cs), threadIdx.x, sync, sums_in);
     } else {
       store_tile<TO, BM, BN, NT>(acc, cs, threadIdx.x, wk.out(un), [&](int row) { return wk.row_at(un, row); },
                                  un.m0, un.n0, wk.M(un), wk.Ncol(), sync);

@@ -317,22 +317,25 @@ class Conv2dGradInputPlan(_GradPlan):
         return (self.native is not None and self._nchw is None and _mode(fp) == "mask" and dy % 16 == 0
                 and self.native.fuses_mask(fp["mask"]))
 
-    def _run(self, h: int, dy: int, w: int, dx: int, fp: dict, add: bool = False) -> None:
+    def _run(self, h: int, dy: int, w: int, dx: int, fp: dict, add: bool = False, sums=None) -> None:
         """The launches on stream ``h``; ``fp``: the mask / prologue pointers (0: none); ``add``: dx += the gradient
-        (the native kernel only: see :attr:`adds`)."""
+        (the native kernel only: see :attr:`adds`); ``sums``: the native kernel also writes the BatchNorm sums of the
+        layer before (``NativeDgrad.launch``'s; the training path's, docs/performance.md: bn-sums-in-dgrad)."""
         g, dev, es, dt = self.problem, self.device_id, DTYPE_SIZES[self.dtype], self.dtype
         if add and not self.adds:
             raise ValueError("add: only the native dgrad kernel on NHWC tensors adds into dx")
+        if sums is not None and (self.native is None or self._nchw is not None):
+            raise ValueError("sums: only the native dgrad kernel on NHWC tensors writes them")
         mode = _mode(fp)
         if self._nchw is not None:
             return self._run_nchw(h, dy, w, dx, mode, fp)
-        fused = self.fuses_mask(dy, fp) and not add
+        fused = self.fuses_mask(dy, fp) and not add and sums is None
         if (mode != "plain" and not fused) or dy % 16:   # (an unaligned dy is moved too: the phases read aligned rows)
             dz = self._buf("dz", g.dy_shape, dt)
             self._prepass(h, self._pre, dy, dz, mode, fp)
             dy = dz
         if self.native is not None:
-            return self.native.launch(h, dy, self._w_aligned(h, w), dx, add, fp["mask"] if fused else 0)
+            return self.native.launch(h, dy, self._w_aligned(h, w), dx, add, fp["mask"] if fused else 0, sums)
         if self._zero:                        # rows no tap reaches: zero at memset speed first
             _runtime.memset_d8(dx, 0, self._dx_bytes, _runtime.RawStream(h))
         for i, plan, fmove, imove, off, f_shape in self._phases:

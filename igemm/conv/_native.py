@@ -53,15 +53,17 @@ class _Grid:
 
     @property
     def smem(self) -> int:
-        """Dynamic shared memory: the stages (with their mask rows), grad_ws's C tile and the 1024-byte
-        alignment."""
+        """Dynamic shared memory: the stages (with their mask rows), grad_ws's C tile, dgrad's zeros and the
+        1024-byte alignment."""
         ctile = self.bm * (self.bn + 16 // DTYPE_SIZES[self._out]) * DTYPE_SIZES[self._out] if self.ws else 0
         return self.stages * ((self.bm + self.bn) * BK * 2 + self._mask_rows * 16 * self.mask) + ctile + \
             self._zero_row + 1024
 
     def grid(self, units: int, sms: int) -> int:
         """CTAs for ``units`` units: one each, or (ws) as many as stay resident at once, at most one a unit."""
-        return min(units, max(1, _SM_SMEM // (self.smem + 1024)) * sms) if self.ws else units
+        return min(units, max(1, _SM_SMEM // (self.smem + self._static + 1024)) * sms) if self.ws else units
+
+    _static = 0           # (static shared memory past the 1 KB a CTA reserves: the dgrad sums' reduction)
 
     _zero_row = 0         # (dgrad's "zeros" store: BN zeros in shared memory)
     _include = "conv/grad_sm90.cuh"
@@ -71,8 +73,9 @@ class _Grid:
 
     def _render(self, op: str, params, targs: str, tail: str = "") -> str:
         targs = f"{targs}, {self.stages}, {str(self.ws).lower()}{tail}"
-        # a masked twin (A's fragments in registers) keeps its plain twin's CTAs an SM where shared memory holds two
-        blocks = min(2, _SM_SMEM // (self.smem + 1024)) if self.mask else 1
+        # a masked twin (A's fragments in registers) or a sums twin keeps its plain twin's CTAs an SM where shared
+        # memory holds two
+        blocks = min(2, _SM_SMEM // (self.smem + self._static + 1024)) if self.mask or self._static else 1
         return _kernel.render_kernel(include=self._include, entry=f"igemm_{op}", params=params,
                                      threads=self.threads, min_blocks=blocks, body=f"igemm::grad::{op}<{targs}>(p);")
 

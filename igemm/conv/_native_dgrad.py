@@ -10,7 +10,10 @@ a TMA store where the phase's rows are dx's (stride 1), else by a bulk copy a ro
 interleave); a zero phase is a memset of dx first, except where the one live phase's rows are the corners of dx's
 stride blocks (a strided 1x1: ``fills_zeros``), whose copies also write the block's zeros.
 
-Its masked twin (``mask=True``) is :mod:`._native`'s "The mask".
+Its masked twin (``mask=True``) is :mod:`._native`'s "The mask". Its sums twin (``sums=True``, name suffix ``_bs``;
+the persistent kernel with TMA stores at two CTAs an SM: ``DgradSpec.has_sums_twin``), for the training path, also
+writes per tile the BatchNorm backward's sums of the layer whose output gradient dx is (that layer's z, mask bits
+and means loaded at the tile's start, summed after its store; docs/performance.md: bn-sums-in-dgrad).
 """
 from __future__ import annotations
 
@@ -22,12 +25,12 @@ from .. import _runtime
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 from ..fastdiv import magic
-from ._native import _Grid, _Launch, _m, _unsupported
+from ._native import _SM_SMEM, _Grid, _Launch, _m, _unsupported
 from ._problem import ConvProblem
 from ._tma import BK, _encode, _encode_im2col, _encode_mask_im2col, tma_unsupported
 
-__all__ = ["DGRAD_PARAMS", "DgradSpec", "dgrad_unsupported", "choose_dgrad_spec", "tma_rows", "fills_zeros",
-           "launch_values", "NativeDgrad", "dgrad_variants"]
+__all__ = ["DGRAD_PARAMS", "DGRAD_SUMS_PARAMS", "DgradSpec", "dgrad_unsupported", "choose_dgrad_spec", "tma_rows",
+           "fills_zeros", "launch_values", "NativeDgrad", "dgrad_variants"]
 
 #: dgrad's launch: what its phases share (tmY: dx as [N·H·W][C], the TMA store's map), then up to four phases
 #: (heaviest first), each a 128-byte ``blob`` (``DgradPhase``: _PHASE_FIELDS) and its im2col map of dy
@@ -36,6 +39,8 @@ DGRAD_PARAMS = [ParamSpec("y", "ptr"),
                 ParamSpec("fd_KB", "fastdiv"), ParamSpec("tmB", "tmap"), ParamSpec("tmY", "tmap"),
                 *(ParamSpec(f"f{i}", "blob") for i in range(4)), *(ParamSpec(f"tmA{i}", "tmap") for i in range(4)),
                 *(ParamSpec(f"tmM{i}", "tmap") for i in range(4))]
+#: the sums twin's (``DgradSpec.sums``): the layer before's z, ReLU mask and batch mean, and where the sums go
+DGRAD_SUMS_PARAMS = DGRAD_PARAMS + [ParamSpec(n, "ptr") for n in ("bz", "bmask", "bmean", "bsum")]
 #: csrc/conv/dgrad_sm90.cuh's ``DgradPhase``, in order: int32 fields, then fast divisors (d, mul, shr)
 _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew", "crop_h", "crop_w", "rows_h",
                  "rows_w", "ph_h", "ph_w")
@@ -47,10 +52,10 @@ _STORES = {"tensor": ("_tma", 1), "rows": ("_rows", 2), "zeros": ("_zrows", 3)}
 
 @dataclass(frozen=True)
 class DgradSpec(_Grid):
-    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add, Store>``; ``add``: its
-    store adds into dx; ``store``: how the tile leaves its shared-memory C tile -- "tensor" (a TMA store of the tile,
-    for one phase whose rows are dx's: :func:`tma_rows`), "rows" (a bulk copy a row, any phase) or "zeros" (as
-    "rows", and each row copies zeros to the pixels beside it that no tap reaches: :func:`fills_zeros`))."""
+    """The dgrad kernel's template arguments (``igemm::grad::dgrad<T, BM, BN, Stages, Ws, Add, Store, Mask[, Sums]>``;
+    ``add``: its store adds into dx; ``store``: how the tile leaves its shared-memory C tile -- "tensor" (a TMA store
+    of the tile, for one phase whose rows are dx's: :func:`tma_rows`), "rows" (a bulk copy a row, any phase) or
+    "zeros" (as "rows", and each row copies zeros to the pixels beside it that no tap reaches: :func:`fills_zeros`))."""
     dtype: str
     bm: int
     bn: int
@@ -59,10 +64,24 @@ class DgradSpec(_Grid):
     add: bool = False
     store: str = "rows"
     mask: bool = False  # dy read as bit ? dy : 0 (the forward's ReLU mask; docs/performance.md: grad-mask-registers)
+    sums: bool = False  # the layer before's BatchNorm sums too (ws, "tensor"; docs/performance.md: bn-sums-in-dgrad)
 
     @property
     def _out(self) -> str:
         return self.dtype
+
+    @property
+    def _static(self) -> int:
+        return self.bm * self.bn // 2 if self.sums else 0     # (float red[2][2·BM / 32][BN])
+
+    @property
+    def has_sums_twin(self) -> bool:
+        """Whether this plain spec has a sums twin: the persistent kernel with TMA stores (stride 1) at two CTAs an
+        SM, where one CTA's epilogue (the sums) runs beside the other's mainloop; at one CTA an SM the tensor cores
+        wait for it, and the sums cost dgrad what they save the BatchNorm pass (bn-sums-in-dgrad)."""
+        t = replace(self, sums=True)
+        return (self.ws and self.store == "tensor" and not (self.add or self.mask or self.sums)
+                and _SM_SMEM // (t.smem + t._static + 1024) >= 2)
 
     @property
     def _mask_rows(self) -> int:
@@ -76,11 +95,12 @@ class DgradSpec(_Grid):
 
     def name(self) -> str:
         return (f"dgrad_{self.dtype}_{self.bm}x{self.bn}_s{self.stages}{self._suffix()}{'_add' if self.add else ''}"
-                f"{_STORES[self.store][0]}{_m(self.mask)}")
+                f"{_STORES[self.store][0]}{_m(self.mask)}{'_bs' if self.sums else ''}")
 
     def stub(self) -> str:
-        return self._render("dgrad", DGRAD_PARAMS, f"{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}",
-                            f", {str(self.add).lower()}, {_STORES[self.store][1]}, {str(self.mask).lower()}")
+        tail = f", {str(self.add).lower()}, {_STORES[self.store][1]}, {str(self.mask).lower()}"
+        return self._render("dgrad", DGRAD_SUMS_PARAMS if self.sums else DGRAD_PARAMS,
+                            f"{DTYPE_CTYPE[self.dtype]}, {self.bm}, {self.bn}", tail + (", true" if self.sums else ""))
 
 
 def _sub(g, ph, dtype: str) -> ConvProblem:
@@ -199,22 +219,32 @@ class NativeDgrad:
         self._launches = {}                    # add -> a launch a group of live phases
 
     def kernels(self) -> list:
-        """The plain kernel, its adding twin and its masked twin."""
-        return [self._spec(False, False), self._spec(True, False), self._spec(False, True)]
+        """The plain kernel, its adding twin, its masked twin and (:attr:`sums_tiles`) its sums twin."""
+        return [self._spec(False, False), self._spec(True, False), self._spec(False, True)] + (
+            [self._spec(False, False, True)] if self.sums_tiles else [])
 
-    def _spec(self, add: bool, mask: bool) -> DgradSpec:
+    def _spec(self, add: bool, mask: bool, sums: bool = False) -> DgradSpec:
         """The kernel of a launch (an adding one leaves the zeros as they are: "rows" for "zeros")."""
-        s = replace(self.spec, add=add, mask=mask)
+        s = replace(self.spec, add=add, mask=mask, sums=sums)
         return replace(s, store="rows") if add and s.store == "zeros" else s
+
+    @property
+    def sums_tiles(self) -> int:
+        """The rows of BatchNorm sums :meth:`launch` writes with ``sums`` (its tiles of rows), or 0 where its spec has
+        no sums twin (``DgradSpec.has_sums_twin``)."""
+        s = self.spec
+        if not s.has_sums_twin:
+            return 0
+        return launch_values(self.g, _live_phases(self.g), s.bm, s.bn)["units"] // -(-self.g.C // s.bn)
 
     def fuses_mask(self, mask: int) -> bool:
         """Whether :meth:`launch` applies a mask at ``mask`` itself: its maps' rows (a pixel's words) are 16-byte
         multiples, K % 128 == 0."""
         return self.g.K % 128 == 0 and mask % 16 == 0
 
-    def _launch(self, phases, add: bool, mask: bool) -> _Launch:
+    def _launch(self, phases, add: bool, mask: bool, sums: bool) -> _Launch:
         g = self.g
-        s = self._spec(add, mask)
+        s = self._spec(add, mask, sums)
         values = launch_values(g, phases, s.bm, s.bn)
         from cuda.bindings.driver import cuuint32_t as u32, cuuint64_t as u64
         maps = [(f"tmA{i}", lambda addr, pb=_sub(g, ph, self.dtype): _encode_im2col(pb, s.bm, addr), 0)
@@ -232,30 +262,40 @@ class NativeDgrad:
                                                                [u64(g.C * 2), u64(rs * g.C * 2)],
                                                                [u32(64), u32(1), u32(BK)], [u32(1)] * 3),
                                                  "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"), 1))
-        return _Launch(s, "igemm_dgrad", DGRAD_PARAMS, values, s.grid(values["units"], self.sms), self.device_id,
-                       maps)
+        return _Launch(s, "igemm_dgrad", DGRAD_SUMS_PARAMS if sums else DGRAD_PARAMS, values,
+                       s.grid(values["units"], self.sms), self.device_id, maps)
 
-    def launch(self, h: int, dy: int, w: int, dx: int, add: bool = False, mask: int = 0) -> None:
+    def launch(self, h: int, dy: int, w: int, dx: int, add: bool = False, mask: int = 0, sums=None) -> None:
         """dx on stream ``h`` (``add``: dx += the gradient, rounded once after the sum as a separate add would be);
         dy and w 16-byte aligned; ``mask`` (0: none, else without ``add``): the forward's ReLU mask of dy, read in
-        the kernel (:meth:`fuses_mask`)."""
-        key = (add, mask != 0)
+        the kernel (:meth:`fuses_mask`). ``sums`` (None: none; neither ``add`` nor ``mask``, and
+        :attr:`sums_tiles`): the pointers (z, mask or 0, mean, out) of the layer before's BatchNorm, whose backward's
+        sums the kernel writes to ``out`` as [2][sums_tiles][C] floats (csrc/conv/dgrad_sm90.cuh: DgradWork::sums)."""
+        key = (add, mask != 0, sums is not None)
         ks = self._launches.get(key)
         if ks is None:
             live = _live_phases(self.g)
+            if key[2] and (add or mask or not self.sums_tiles or not (sums[0] and sums[2] and sums[3])):
+                raise ValueError("sums: the plain kernel's where it has a sums twin (sums_tiles), without add or "
+                                 "mask, with z, the means and the output")
             ks = self._launches[key] = [self._launch(live[i:i + MAX_PHASES], *key)
                                         for i in range(0, len(live), MAX_PHASES)]
         if self.zero and not add and self.spec.store != "zeros":   # rows no tap reaches: zero at memset speed
             g = self.g
             _runtime.memset_d8(dx, 0, g.N * g.H * g.W * g.C * DTYPE_SIZES[self.dtype], _runtime.RawStream(h))
         for k in ks:
+            if sums is not None:
+                u, sl = k.args.u64, k.args.slots
+                u[sl["bz"]], u[sl["bmask"]], u[sl["bmean"]], u[sl["bsum"]] = sums
             k(h, dy, w, dx, mask)
 
 
 def dgrad_variants() -> list[tuple[str, str]]:
     """Every (name, stub) :func:`choose_dgrad_spec` and its twins can give (the tiles depend only on C and the
     launch's tile count)."""
-    return [DgradSpec(dt, *t, add, store, mask).kernel() for dt in ("float16", "bfloat16")
+    dts, ws = ("float16", "bfloat16"), ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True))
+    return [DgradSpec(dt, *t, add, store, mask).kernel() for dt in dts
             for add, mask in ((False, False), (True, False), (False, True))
-            for store in ("tensor", "rows") + (() if add else ("zeros",))
-            for t in ((128, 64, 3, True), (128, 128, 5, True), (64, 128, 6, True), (128, 128, 3, False))]
+            for store in ("tensor", "rows") + (() if add else ("zeros",)) for t in ws + ((128, 128, 3, False),)] + \
+        [replace(s, sums=True).kernel() for dt in dts for s in (DgradSpec(dt, *t, store="tensor") for t in ws)
+         if s.has_sums_twin]

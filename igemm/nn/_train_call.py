@@ -17,8 +17,8 @@ from torch.autograd.graph import increment_version
 from .. import _runtime
 from .. import relu as _relu
 from .._kernel import bind_args
-from .._norm_kernels import elemt_kernel, reduction_kernels, sync_kernels
-from .._norm_train import TRAIN_BWD_PTRS, train_kernel
+from .._norm_kernels import _sms, elemt_kernel, reduction_kernels, sync_kernels
+from .._norm_train import TRAIN_BWD_PTRS, held_config, train_kernel
 from ..conv import Conv2dGradInputPlan, Conv2dGradWeightPlan, Conv2dPlan
 from ..conv._backward_functional import _cached
 from ..conv._moves import Move, dz_fits, launch_coefficients, launch_dz
@@ -79,7 +79,7 @@ class TrainCall:
     __slots__ = ("plan", "dgrad", "wgrad", "nhwc", "fmt", "dtype", "dt", "relu", "res", "eps", "N", "K", "HW",
                  "y_shape", "stream_of", "stats", "bn_fwd", "grad_red", "relu_bwd", "slots", "one_fwd", "one_bwd",
                  "conv_stats", "sync", "master", "wdtype", "x_shape", "remade", "zb", "words", "w_shape", "wb", "cast",
-                 "_plain", "_conv_way", "defers")
+                 "_plain", "_conv_way", "defers", "dev", "takes_sums", "_tiles_bwd", "sums_tiles")
 
     def __init__(self, x, w, residual, eps, stride, padding, dilation, relu, group=False, master=False):
         self.master, self.wdtype = master, torch.float32 if master else w.dtype     # (w: in x's dtype)
@@ -103,6 +103,10 @@ class TrainCall:
         # a dgrad that zeroes rows no tap reaches (a strided one) is deferred where it can add into another dx instead
         # (_Dgrad: no zeroing, no dx of its own)
         self.defers = self.dgrad.adds and self.dgrad.native.zero
+        # dgrad's per-tile sums of the BatchNorm backward of the layer whose ReLU(BN(z)) x is, where its kernel can
+        # write them (rows of them; 0: none; docs/performance.md: bn-sums-in-dgrad)
+        self.sums_tiles = self.dgrad.native.sums_tiles if self.nhwc and self.dgrad.native is not None else 0
+        self.dev = dev
         N, K, P, Q = _ops._out_size(x, w, st, pd, dl)
         self.N, self.K, self.HW, self.y_shape, self.x_shape = N, K, P * Q, (N, K, P, Q), tuple(x.shape)
         # what the backward reads is kept in one allocation (see forward): z (zb bytes, 256-aligned), a master
@@ -169,6 +173,10 @@ class TrainCall:
             self.slots.update(one_fwd=kf.slots(_TRAIN_FWD_PTRS), one_eps=kf.slot["eps"], one_mom=kf.slot["momentum"])
         if self.one_bwd is not None:
             self.slots["one_bwd"] = self.one_bwd[0].slots(TRAIN_BWD_PTRS)
+        # whether this layer's backward takes its sums from the next layer's dgrad (the one-launch pass reads dy and z
+        # twice; the held one reads them once, so sums made elsewhere save nothing there)
+        self.takes_sums = self.one_bwd is not None and held_config(N, K, P * Q, _sms(dev)) is None
+        self._tiles_bwd = {}
         # the forward's two ways, found once: (statistics plan, its floats, BatchNorm pass, its partials, keep's bytes,
         # the mask's offset in keep); the second (no statistics from the conv) has the first two None
         nv = (3 if self.sync is not None else 2) * K
@@ -316,10 +324,14 @@ class TrainCall:
         if rm is not None:
             increment_version((rm, rv) if nbt is None else (rm, rv, nbt))
 
-    def backward(self, dy, x, w, keep, mp, gamma, need, add_to=None, defer=False):
+    def backward(self, dy, x, w, keep, mp, gamma, need, add_to=None, defer=False, before=None, pre=None):
         """dx, dw, dgamma, dbeta and the residual's gradient (those ``need`` asks for) from dy and what
-        :meth:`forward` returned (``w``, ``keep``, the mask at ``mp``). ``defer``: where :attr:`defers`, dgrad is not
-        run; in dx's place a :class:`_Dgrad` that runs it later, adding into another layer's dx."""
+        :meth:`forward` returned (``w``, ``keep``, the mask at ``mp``), then the sums below (or None). ``defer``: where
+        :attr:`defers`, dgrad is not run; in dx's place a :class:`_Dgrad` that runs it later, adding into another
+        layer's dx. ``before``: (TrainCall, keep, mask address) of the layer whose ReLU(BN(z)) x is: where dgrad can,
+        it also writes that layer's BatchNorm sums over dx, returned as ``(sums, tiles)`` for that layer's backward
+        on this dx (its ``pre``), which then reads neither dy nor z for them (docs/performance.md:
+        bn-sums-in-dgrad)."""
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = self.fmt
@@ -340,15 +352,19 @@ class TrainCall:
             # the sums, the coefficients and dz = a·(bit ? dy : 0) + b·z + c (with the residual's gradient) in one
             # launch; dgrad and wgrad then run plain on dz
             k, nws = self.one_bwd
+            slots, extra = self.slots["one_bwd"], []
+            tk = self._sums_kernel(pre[1]) if pre is not None and self.takes_sums else None
+            if tk is not None:                    # (the sums from the next layer's dgrad)
+                k, nws, slots = tk
+                extra = [pre[0].data_ptr()]
             sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)
             b = sums.data_ptr()
             dz = torch.empty_like(dy)
             dres = torch.empty_like(dy) if sel else None
-            k.run(h, self.slots["one_bwd"], [zp, dp, mp, mean, invstd, b + 28 * K, b, b + 4 * K,
-                                             b + 8 * K, b + 12 * K, gp, b + 16 * K, dp, dz.data_ptr(), zp,
-                                             dres.data_ptr() if sel else 0])
+            k.run(h, slots, [zp, dp, mp, mean, invstd, b + 28 * K, b, b + 4 * K, b + 8 * K, b + 12 * K, gp,
+                             b + 16 * K, dp, dz.data_ptr(), zp, dres.data_ptr() if sel else 0, *extra])
             return self._grads(h, dz.data_ptr(), _PLAIN, wp, x, need, sums, dy if need[4] and not self.relu else dres,
-                               add_to, (dz, w, keep) if defer else None)
+                               add_to, (dz, w, keep) if defer else None, before)
         k1, k2, nws = self.grad_red if self.sync is None else self.sync[3]
         sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
         b = sums.data_ptr()
@@ -390,38 +406,63 @@ class TrainCall:
             else:
                 dres = dy
         return self._grads(h, src, fp, wp, x, need, sums, dres, add_to,
-                           (dz if src != dp else dy, w, keep) if defer else None)
+                           (dz if src != dp else dy, w, keep) if defer else None, before)
 
-    def dgrad_into(self, h, src, wp, fp, add_to, dev):
+    def _sums_kernel(self, tiles: int):
+        """The one-launch backward whose sums are ``tiles`` rows of a dgrad's (kernel, workspace floats, its pointer
+        slots), or None where its grid is not resident at once."""
+        got = self._tiles_bwd.get(tiles, False)
+        if got is False:
+            got = train_kernel(self.dev, backward=True, dtype=self.dt, N=self.N, C=self.K, HW=self.HW, tiles=tiles)
+            if got is not None:
+                got = (*got, got[0].slots(TRAIN_BWD_PTRS + ("tiles",)))
+            self._tiles_bwd[tiles] = got
+        return got
+
+    def _sums_out(self, before, dev):
+        """(the sums' tensor, dgrad's pointers for them) where dgrad can write the BatchNorm sums of the layer
+        ``before`` names (:meth:`backward`), else (None, None)."""
+        if before is None or not self.sums_tiles or not before[0].takes_sums:
+            return None, None
+        tc, keep, mp = before
+        out = torch.empty((2 * self.sums_tiles * tc.K,), dtype=torch.float32, device=dev)
+        zp = keep.data_ptr()
+        return out, (zp, mp, zp + tc.zb + tc.wb, out.data_ptr())
+
+    def dgrad_into(self, h, src, wp, fp, add_to, dev, bs=None):
         """dx from ``src`` (with the prologue ``fp``) and the weight at ``wp``; ``add_to`` (None: none): a gradient of
-        x's that dx includes, added by dgrad's store where it can (then dx is ``add_to``)."""
+        x's that dx includes, added by dgrad's store where it can (then dx is ``add_to``); ``bs`` (not with
+        ``add_to``): the pointers of the BatchNorm sums the kernel also writes (``NativeDgrad.launch``'s ``sums``)."""
         g, fmt = self.dgrad, self.fmt
         add = (add_to is not None and g.adds and add_to.dtype is self.dtype and add_to.data_ptr() % 16 == 0
                and add_to.is_contiguous(memory_format=fmt))
         dx = add_to if add else torch.empty(self.x_shape, dtype=self.dtype, device=dev, memory_format=fmt)
         with g._lock:
-            g._run(h, src, wp, dx.data_ptr(), fp, add)
+            g._run(h, src, wp, dx.data_ptr(), fp, add, bs)
         if add_to is not None and not add:
             dx.add_(add_to)
         return dx
 
-    def _grads(self, h, src, fp, wp, x, need, sums, dres, add_to, defer=None):
+    def _grads(self, h, src, fp, wp, x, need, sums, dres, add_to, defer=None, before=None):
         """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain), the conv's weight at ``wp`` and
         the outputs of backward; ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can);
         ``x``: None where wgrad does not run; ``defer``: the tensors behind ``src`` and ``wp`` (dgrad deferred where
-        :attr:`defers` and no gradient is to be added here: dx is a :class:`_Dgrad`)."""
+        :attr:`defers` and no gradient is to be added here: dx is a :class:`_Dgrad`); ``before``: as
+        :meth:`backward`'s."""
         dev, fmt, K = sums.device, self.fmt, self.K
-        dx = dw = None
+        dx = dw = made = None
         if need[0] and defer is not None and add_to is None and self.defers:
             dx = _Dgrad(self, src, wp, fp, (defer, sums))
         elif need[0]:
-            dx = self.dgrad_into(h, src, wp, fp, add_to, dev)
+            out, bs = self._sums_out(before, dev) if add_to is None else (None, None)
+            dx = self.dgrad_into(h, src, wp, fp, add_to, dev, bs)
+            made = (out, self.sums_tiles) if out is not None else None
         if need[1]:
             g = self.wgrad
             dw = torch.empty(self.w_shape, dtype=self.wdtype, device=dev, memory_format=fmt)
             with g._lock:
                 g._run(h, x.data_ptr(), src, dw.data_ptr(), fp)
-        return dx, dw, sums[2 * K:3 * K], sums[3 * K:4 * K], dres
+        return dx, dw, sums[2 * K:3 * K], sums[3 * K:4 * K], dres, made
 
 
 def stats_plan(xs, ws, dt: str, stride, padding, dilation, device, **where):

@@ -110,7 +110,8 @@ class _FastTrain(torch.autograd.Function):
         # an input that is another layer's ReLU(BN(z)) is not kept: wgrad remakes it from that layer's z
         # (docs/performance.md: train-remake-input)
         src = _maker(x)
-        ctx.src_tc = src[0] if src is not None else None
+        ctx.src_fn = src[0] if src is not None else None     # (that layer's node: what remakes x, its BatchNorm)
+        ctx.pre = None      # (set by the next layer's backward: the sums its dgrad wrote for this layer's BatchNorm)
         ctx.save_for_backward(None if src is not None else x, w, gamma, keep,
                               *(src[1:] if src is not None else ()))      # (w: the conv's, cast from a master weight)
         # y's pointer and version, and what remakes y: a later layer reading y unchanged keeps these in its place
@@ -146,9 +147,20 @@ class _FastTrain(torch.autograd.Function):
             return (None, add_to) + (None,) * 5
         x, w, gamma, keep, *src = ctx.saved_tensors
         n = ctx.needs_input_grad
+        fn, pre, ctx.src_fn, ctx.pre = ctx.src_fn, ctx.pre, None, None
+        if pre is not None:                       # (dy must be that dgrad's dx, unchanged: nothing added to it)
+            d = pre[0]
+            if (d.data_ptr(), d.shape, d.stride(), pre[1]) != (dy.data_ptr(), dy.shape, dy.stride(), dy._version):
+                pre = None
         if src and n[2]:
-            x = ctx.src_tc.remake(*src)
-        dx, dw, dg, db, dres = ctx.tc.backward(dy, x, w, keep, ctx.mp, gamma, n[1:], add_to, defer=first)
+            x = fn.tc.remake(*src)
+        # (where x is the ReLU(BN(z)) of the layer before, dgrad also makes that layer's BatchNorm sums over dx:
+        # docs/performance.md, bn-sums-in-dgrad)
+        dx, dw, dg, db, dres, made = ctx.tc.backward(dy, x, w, keep, ctx.mp, gamma, n[1:], add_to, defer=first,
+                                                     before=(fn.tc, src[0], fn.mp) if src else None,
+                                                     pre=pre[2:] if pre is not None else None)
+        if made is not None and job is None and not first:
+            fn.pre = (dx, dx._version, *made)
         if job is not None:
             dx = job.run(dx)
         if first:
@@ -171,14 +183,15 @@ _transforms_active = torch._C._are_functorch_transforms_active
 
 def _maker(x):
     """Where ``x`` is the ReLU(BN(z)) output of a layer of this path (its y, with no residual), unchanged since:
-    that layer's TrainCall and what remakes x (its kept z and statistics, gamma, beta); None otherwise."""
+    that layer's node (its TrainCall, ``tc``, and mask address, ``mp``) and what remakes x (its kept z and
+    statistics, gamma, beta); None otherwise."""
     fn = x.grad_fn
     if type(fn) is not _BACKWARD or x.output_nr != 0:
         return None
     made = fn.y_made                      # (None once that layer's backward ran: y is a plain input then)
     if made is None or made[0] != x.data_ptr() or made[1] != x._version:
         return None
-    return fn.tc, *made[2:]
+    return fn, *made[2:]
 
 
 def train(owner, x, w, gamma, beta, residual, rm, rv, momentum: float, eps: float, stride, padding, dilation,

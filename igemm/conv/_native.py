@@ -59,9 +59,14 @@ class _Grid:
         return self.stages * ((self.bm + self.bn) * BK * 2 + self._mask_rows * 16 * self.mask) + ctile + \
             self._zero_row + 1024
 
+    @property
+    def per_sm(self) -> int:
+        """CTAs an SM's shared memory holds (its dynamic and static bytes, and the 1 KB a CTA reserves)."""
+        return _SM_SMEM // (self.smem + self._static + 1024)
+
     def grid(self, units: int, sms: int) -> int:
         """CTAs for ``units`` units: one each, or (ws) as many as stay resident at once, at most one a unit."""
-        return min(units, max(1, _SM_SMEM // (self.smem + self._static + 1024)) * sms) if self.ws else units
+        return min(units, max(1, self.per_sm) * sms) if self.ws else units
 
     _static = 0           # (static shared memory past the 1 KB a CTA reserves: the dgrad sums' reduction)
 
@@ -75,7 +80,7 @@ class _Grid:
         targs = f"{targs}, {self.stages}, {str(self.ws).lower()}{tail}"
         # a masked twin (A's fragments in registers) or a sums twin keeps its plain twin's CTAs an SM where shared
         # memory holds two
-        blocks = min(2, _SM_SMEM // (self.smem + self._static + 1024)) if self.mask or self._static else 1
+        blocks = min(2, self.per_sm) if self.mask or self._static else 1
         return _kernel.render_kernel(include=self._include, entry=f"igemm_{op}", params=params,
                                      threads=self.threads, min_blocks=blocks, body=f"igemm::grad::{op}<{targs}>(p);")
 
@@ -190,7 +195,7 @@ def choose_spec(g, dtype: str, out: str, accumulate: bool, sms: int, masked: boo
         return _one_wave(dtype, out, accumulate, bm, bn, 8 if bn == 64 else 6, g.K, rsc, kt, sms)
     tiles = -(-g.K // bm) * -(-rsc // bn)
     spec = WgradSpec(dtype, "float32", bm, bn, 4)
-    slots = max(1, _SM_SMEM // (spec.smem + 1024)) * sms
+    slots = max(1, spec.per_sm) * sms
     splits = 1
     if tiles < slots:
         splits = _whole(kt, min(slots // tiles, kt))

@@ -25,7 +25,7 @@ from .. import _runtime
 from .._kernel import ParamSpec
 from .._runtime import DTYPE_CTYPE, DTYPE_SIZES
 from ..fastdiv import magic
-from ._native import _SM_SMEM, _Grid, _Launch, _m, _unsupported
+from ._native import _Grid, _Launch, _m, _unsupported
 from ._problem import ConvProblem
 from ._tma import BK, _encode, _encode_im2col, _encode_mask_im2col, tma_unsupported
 
@@ -79,9 +79,8 @@ class DgradSpec(_Grid):
         """Whether this plain spec has a sums twin: the persistent kernel with TMA stores (stride 1) at two CTAs an
         SM, where one CTA's epilogue (the sums) runs beside the other's mainloop; at one CTA an SM the tensor cores
         wait for it, and the sums cost dgrad what they save the BatchNorm pass (bn-sums-in-dgrad)."""
-        t = replace(self, sums=True)
         return (self.ws and self.store == "tensor" and not (self.add or self.mask or self.sums)
-                and _SM_SMEM // (t.smem + t._static + 1024) >= 2)
+                and replace(self, sums=True).per_sm >= 2)
 
     @property
     def _mask_rows(self) -> int:

@@ -302,7 +302,8 @@ def test_dgrad_bn_sums_where():
 def test_gpu_dgrad_bn_sums(dtype, xs, K, R, st, pd):
     """The dgrad that also writes the per-tile BatchNorm backward sums of the layer before (from its z, mask and
     mean) stores the plain kernel's dx bit for bit, its sums add up to float64's over dx as stored, and the
-    one-launch backward from them gives every output the pass over dy and z would (_backward_case's bounds)."""
+    one-launch backward from them gives every output the pass over dy and z would (_backward_case's bounds). With
+    that layer's invstd, gamma and beta it also writes its ReLU(BN(z)), igemm.batch_norm_relu's bits."""
     torch = _torch()
     import igemm
     from igemm.nn._train_call import _PLAIN
@@ -331,5 +332,15 @@ def test_gpu_dgrad_bn_sums(dtype, xs, K, R, st, pd):
     d = torch.where(_bits(words, n).reshape(dx.shape), dx.double(), 0.0).reshape(-1, C)
     t = out.double().reshape(2, T, C).sum(1)
     assert _rel(t[0], d.sum(0)) < 1e-5 and _rel(t[1], (d * (z64 - mean.double())).sum(0)) < 1e-5
+    inv = torch.rand(C, device="cuda", generator=g) + 0.5
+    for gam, bet in ((torch.randn(C, device="cuda", generator=g), torch.randn(C, device="cuda", generator=g)),
+                     (None, None)):
+        x, out2 = torch.full_like(z, float("nan")), torch.full_like(out, float("nan"))
+        plan._run(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), _PLAIN, False,
+                  (z.data_ptr(), words.data_ptr(), mean.data_ptr(), out2.data_ptr(), x.data_ptr(), inv.data_ptr(),
+                   gam.data_ptr() if gam is not None else 0, bet.data_ptr() if bet is not None else 0))
+        xr = igemm.batch_norm_relu(z, mean, inv, gam, bet, return_mask=False, layout="NHWC")
+        torch.cuda.synchronize()
+        assert torch.equal(dx, ref) and torch.equal(out2, out) and torch.equal(x, xr)
     k = _kernel(torch, True, dtype, N, C, H * W, tiles=T)
     _backward_case(torch, g, z.reshape(N, H * W, C), dx.reshape(N, H * W, C), words, True, k, tiles=out.data_ptr())

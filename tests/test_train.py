@@ -649,14 +649,15 @@ def test_gpu_bn_sums_made_by_the_next_dgrad(monkeypatch):
     """A layer whose input is another layer's ReLU(BN(z)) has its dgrad also write that layer's BatchNorm backward
     sums over dx (nn/_train_call.py: TrainCall._sums_out), which that layer's backward adds instead of reading dy and
     z (docs/performance.md: bn-sums-in-dgrad): here through a stride-1 3x3's dgrad and a 1x1's (TMA stores), on
-    tensors too large for the held backward (which takes no sums); not through the strided 3x3's. Every gradient and
+    tensors too large for the held backward (which takes no sums); not through the strided 3x3's. Those two dgrads
+    also remake their input for wgrad (the remake kernel runs for the other two layers only). Every gradient and
     buffer is what the sums over dy and z give, to their fp32 summation order (fp16 autocast)."""
     from igemm.nn import _train_call
     torch.manual_seed(9)
     base = _sums_chain().cuda().to(memory_format=CL).train()
     x = torch.randn(*SUMS_X, device="cuda").contiguous(memory_format=CL).requires_grad_()
-    runs, used = [], []
-    real = _train_call.TrainCall._sums_kernel
+    runs, used, remade = [], [], []
+    real, real_remake = _train_call.TrainCall._sums_kernel, _train_call.TrainCall.remake
     for fused in (True, False):
         twin = copy.deepcopy(base)
         params, buffers = list(twin.parameters()), list(twin.buffers())
@@ -664,6 +665,7 @@ def test_gpu_bn_sums_made_by_the_next_dgrad(monkeypatch):
         x.grad = None
         with monkeypatch.context() as mp:
             mp.setattr(_train_call.TrainCall, "_sums_kernel", lambda self, t: used.append(real(self, t)) or used[-1])
+            mp.setattr(_train_call.TrainCall, "remake", lambda self, *a: remade.append(fused) or real_remake(self, *a))
             if not fused:
                 mp.setattr(_train_call.TrainCall, "_sums_out", lambda self, before, dev: (None, None))
             with torch.autocast("cuda", torch.float16):
@@ -671,6 +673,7 @@ def test_gpu_bn_sums_made_by_the_next_dgrad(monkeypatch):
             y.float().square().sum().backward()
         runs.append([x.grad] + [p.grad for p in params] + [b.clone() for b in buffers])
     assert len(used) == 2 and all(u is not None for u in used)        # (the first two layers' BatchNorms)
+    assert remade.count(True) == 2 and remade.count(False) == 4
     for i, (a, b) in enumerate(zip(*runs)):
         assert _rel(a, b) < 1e-3, (i, _rel(a, b))
 

@@ -615,9 +615,10 @@ BACKWARD["dgrad_native_adds_strided"] = lambda: _dgrad_adds((2, 9, 10, 64), (64,
 
 def _dgrad_sums(xs, ws, stride, padding):
     """The native dgrad that also writes the layer before's BatchNorm backward sums per tile (bn-sums-in-dgrad; that
-    layer's z of dx's shape, its mask and mean), then the one-launch backward from those sums: dx against the plain
-    kernel's, the sums against float64's over dx, dz finite."""
-    from igemm import Conv2dGradInputPlan
+    layer's z of dx's shape, its mask and mean) and its ReLU(BN(z)) (remake-in-dgrad), then the one-launch backward
+    from those sums: dx against the plain kernel's, the sums against float64's over dx, the remade x against
+    igemm.batch_norm_relu's, dz finite."""
+    from igemm import Conv2dGradInputPlan, batch_norm_relu
     from igemm._norm_train import TRAIN_BWD_PTRS, train_kernel
     plan = Conv2dGradInputPlan(xs, ws, "float16", "NHWC", stride, padding)
     T = plan.native.sums_tiles if plan.native is not None else 0
@@ -629,14 +630,18 @@ def _dgrad_sums(xs, ws, stride, padding):
     n = N * H * W * C
     words = dev(RNG.integers(0, 2 ** 32, (n + 31) // 32, dtype=np.uint32).view(np.int32), "int32")
     mean = z.double().reshape(-1, C).mean(0).float()
-    plain, dx = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
+    plain, dx, x = (torch.full_like(z, float("nan")) for _ in range(3))
     out = torch.full((2 * T * C,), float("nan"), device="cuda")
+    invstd, gamma, beta = dev(RNG.uniform(0.5, 2, C)), dev(RNG.uniform(0.5, 1.5, C)), dev(RNG.uniform(-1, 1, C))
     h, fp = torch.cuda.current_stream().cuda_stream, {"mask": 0, "z": 0, "coef": 0}
     plan._run(h, dy.data_ptr(), w.data_ptr(), plain.data_ptr(), fp)
     plan._run(h, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), fp, False,
-              (z.data_ptr(), words.data_ptr(), mean.data_ptr(), out.data_ptr()))
+              (z.data_ptr(), words.data_ptr(), mean.data_ptr(), out.data_ptr(), x.data_ptr(), invstd.data_ptr(),
+               gamma.data_ptr(), beta.data_ptr()))
     if not torch.equal(dx, plain):
         raise AssertionError("the sums twin's dx differs from the plain kernel's")
+    if not torch.equal(x, batch_norm_relu(z, mean, invstd, gamma, beta, return_mask=False, layout="NHWC")):
+        raise AssertionError("the sums twin's remade x differs from batch_norm_relu's")
     bits = np.unpackbits(host(words).view(np.uint8), bitorder="little")[:n].reshape(-1, C).astype(bool)
     d = np.where(bits, host(dx).reshape(-1, C), 0.0)
     got = host(out).reshape(2, T, C).sum(1)
@@ -644,7 +649,6 @@ def _dgrad_sums(xs, ws, stride, padding):
     close(got[1], (d * (host(z).reshape(-1, C) - host(mean))).sum(0), 1e-5, "dgrad's sum dy'(z - mean)")
     k, nws = train_kernel(0, backward=True, dtype="float16", N=N, C=C, HW=H * W, tiles=T)
     sums, dz = torch.full((7 * C + nws,), float("nan"), device="cuda"), torch.full_like(z, float("nan"))
-    invstd, gamma = dev(RNG.uniform(0.5, 2, C)), dev(RNG.uniform(0.5, 1.5, C))
     b = sums.data_ptr()
     k.run(h, k.slots(TRAIN_BWD_PTRS + ("tiles",)),
           [z.data_ptr(), dx.data_ptr(), words.data_ptr(), mean.data_ptr(), invstd.data_ptr(), b + 28 * C, b, b + 4 * C,
@@ -654,7 +658,7 @@ def _dgrad_sums(xs, ws, stride, padding):
     if not torch.isfinite(dz).all():
         raise AssertionError("dz not written")
     name = plan.native._spec(False, False, True).name()
-    return f"dgrad with the BatchNorm sums, x {xs} w {ws} stride {stride}, {name}"
+    return f"dgrad with the BatchNorm sums and the remade x, x {xs} w {ws} stride {stride}, {name}"
 
 
 # a 3x3 and a 1x1 (C < BN) on its 128 x 64 tiles, the last tile row part-filled

@@ -25,7 +25,8 @@ static_assert(sizeof(DgradPhase) <= 128, "a phase is one 128-byte parameter");
 // dgrad's units: the tiles of up to four output phases in one launch (p.nph of them, heaviest first: u0 ascending),
 // every tile over all its phase's taps × K / 64 k-tiles; a phase's dy through its own im2col map. Add: dx += the
 // tile (the training path's identity gradient, igemm/nn/_train_fast.py: _Link). Sums: each tile also writes the
-// BatchNorm backward's sums over its rows for the layer whose output gradient dx is (sums below).
+// BatchNorm backward's sums over its rows for the layer whose output gradient dx is (sums below), and with bx that
+// layer's output ReLU(BN(z)) (remake).
 template <class T, int BM, int BN, bool Add, int Store, bool Mask, bool Sums, class P>
 struct DgradWork {
   static constexpr int NB = BN / 64;
@@ -168,13 +169,44 @@ struct DgradWork {
     }
     return in;
   }
+  // remake (p.bx set): that layer's forward output x = ReLU(BN(z)) over the thread's rows (the training path keeps
+  // z, not x: train-remake-input), for this layer's wgrad, from sums_load's z and means with the forward's arithmetic
+  // on its statistics (p.binv, p.bgamma, p.bbeta; csrc/norm_elemt.cuh's bn_forward_block: the same bits), instead
+  // of the remake kernel's pass over z (docs/performance.md: remake-in-dgrad)
+  IGEMM_DEVICE void remake(const Unit& un, int tid, const SumsIn& in) const {
+    const int vc = tid % kSumsVN, rg = tid / kSumsVN, col = un.n0 + 8 * vc;
+    if (p.bx == nullptr || col >= p.C) return;
+    const float* inv = static_cast<const float*>(p.binv);
+    const float* gm = static_cast<const float*>(p.bgamma);
+    const float* bt = static_cast<const float*>(p.bbeta);
+    float a[8], b[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      a[j] = __ldg(inv + col + j) * (gm != nullptr ? __ldg(gm + col + j) : 1.f);
+      b[j] = bt != nullptr ? __ldg(bt + col + j) : 0.f;
+    }
+    T* x = static_cast<T*>(const_cast<void*>(p.bx));
+#pragma unroll
+    for (int k = 0; k < kSumsRPT; ++k) {
+      const int row = un.m0 + rg + k * kSumsRG;
+      if (row >= un.f->M) continue;
+      const T* z = reinterpret_cast<const T*>(&in.z[k]);
+      uint4 o;
+      T* ov = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        ov[j] = from_float<T>(epi::relu_keep_nan(fmaf(to_float(z[j]) - in.mu[j], a[j], b[j])));
+      *reinterpret_cast<uint4*>(x + row_at(un, row) + col) = o;
+    }
+  }
   // sums: after the tile's store, from its C tile (the TMA store's: SW128 blocks of 64 columns) and sums_load's
   // `in`. Thread tid sums 8 channels (vector vc) over its rows; the lanes of a warp with the same vc, then the warps
-  // in order, are added (a fixed order: the same bits every run).
+  // in order, are added (a fixed order: the same bits every run). The remake's stores go out first.
   template <class Sync>
   IGEMM_DEVICE void sums(const Unit& un, int u, const uint8_t* cs, int tid, Sync sync, const SumsIn& in) const {
     constexpr int NT = kSumsNT, VN = kSumsVN, RG = kSumsRG, RPT = kSumsRPT, NW = NT / 32;
     __shared__ float red[2][NW][BN];
+    remake(un, tid, in);
     const int vc = tid % VN, rg = tid / VN;
     float a[8], b[8];
 #pragma unroll

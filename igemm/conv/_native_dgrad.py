@@ -39,8 +39,10 @@ DGRAD_PARAMS = [ParamSpec("y", "ptr"),
                 ParamSpec("fd_KB", "fastdiv"), ParamSpec("tmB", "tmap"), ParamSpec("tmY", "tmap"),
                 *(ParamSpec(f"f{i}", "blob") for i in range(4)), *(ParamSpec(f"tmA{i}", "tmap") for i in range(4)),
                 *(ParamSpec(f"tmM{i}", "tmap") for i in range(4))]
-#: the sums twin's (``DgradSpec.sums``): the layer before's z, ReLU mask and batch mean, and where the sums go
-DGRAD_SUMS_PARAMS = DGRAD_PARAMS + [ParamSpec(n, "ptr") for n in ("bz", "bmask", "bmean", "bsum")]
+#: the sums twin's (``DgradSpec.sums``): the layer before's z, ReLU mask and batch mean, where the sums go, and (bx
+#: non-null) where its ReLU(BN(z)) goes, from its invstd, gamma and beta
+DGRAD_SUMS_PARAMS = DGRAD_PARAMS + [ParamSpec(n, "ptr") for n in ("bz", "bmask", "bmean", "bsum", "bx", "binv",
+                                                                    "bgamma", "bbeta")]
 #: csrc/conv/dgrad_sm90.cuh's ``DgradPhase``, in order: int32 fields, then fast divisors (d, mul, shr)
 _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew", "crop_h", "crop_w", "rows_h",
                  "rows_w", "ph_h", "ph_w")
@@ -268,8 +270,9 @@ class NativeDgrad:
         """dx on stream ``h`` (``add``: dx += the gradient, rounded once after the sum as a separate add would be);
         dy and w 16-byte aligned; ``mask`` (0: none, else without ``add``): the forward's ReLU mask of dy, read in
         the kernel (:meth:`fuses_mask`). ``sums`` (None: none; neither ``add`` nor ``mask``, and
-        :attr:`sums_tiles`): the pointers (z, mask or 0, mean, out) of the layer before's BatchNorm, whose backward's
-        sums the kernel writes to ``out`` as [2][sums_tiles][C] floats (csrc/conv/dgrad_sm90.cuh: DgradWork::sums)."""
+        :attr:`sums_tiles`): the pointers (z, mask or 0, mean, out[, x, invstd, gamma or 0, beta or 0]) of the layer
+        before's BatchNorm, whose backward's sums the kernel writes to ``out`` as [2][sums_tiles][C] floats, and with
+        ``x`` its ReLU(BN(z)) into x (csrc/conv/dgrad_sm90.cuh: DgradWork::sums, remake)."""
         key = (add, mask != 0, sums is not None)
         ks = self._launches.get(key)
         if ks is None:
@@ -285,7 +288,9 @@ class NativeDgrad:
         for k in ks:
             if sums is not None:
                 u, sl = k.args.u64, k.args.slots
-                u[sl["bz"]], u[sl["bmask"]], u[sl["bmean"]], u[sl["bsum"]] = sums
+                for name, ptr in zip(("bz", "bmask", "bmean", "bsum", "bx", "binv", "bgamma", "bbeta"),
+                                     (*sums, 0, 0, 0, 0)):
+                    u[sl[name]] = ptr
             k(h, dy, w, dx, mask)
 
 

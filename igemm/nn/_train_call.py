@@ -324,14 +324,16 @@ class TrainCall:
         if rm is not None:
             increment_version((rm, rv) if nbt is None else (rm, rv, nbt))
 
-    def backward(self, dy, x, w, keep, mp, gamma, need, add_to=None, defer=False, before=None, pre=None):
+    def backward(self, dy, x, w, keep, mp, gamma, need, add_to=None, defer=False, before=None, pre=None,
+                 remake=None):
         """dx, dw, dgamma, dbeta and the residual's gradient (those ``need`` asks for) from dy and what
         :meth:`forward` returned (``w``, ``keep``, the mask at ``mp``), then the sums below (or None). ``defer``: where
         :attr:`defers`, dgrad is not run; in dx's place a :class:`_Dgrad` that runs it later, adding into another
         layer's dx. ``before``: (TrainCall, keep, mask address) of the layer whose ReLU(BN(z)) x is: where dgrad can,
         it also writes that layer's BatchNorm sums over dx, returned as ``(sums, tiles)`` for that layer's backward
         on this dx (its ``pre``), which then reads neither dy nor z for them (docs/performance.md:
-        bn-sums-in-dgrad)."""
+        bn-sums-in-dgrad). ``remake`` (with ``x`` None): that layer's (gamma, beta), x being its ReLU(BN(z)): made
+        by dgrad beside those sums where it writes them, else by that layer's :meth:`remake` (bn-sums-warpgroup)."""
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = self.fmt
@@ -364,7 +366,7 @@ class TrainCall:
             k.run(h, slots, [zp, dp, mp, mean, invstd, b + 28 * K, b, b + 4 * K, b + 8 * K, b + 12 * K, gp,
                              b + 16 * K, dp, dz.data_ptr(), zp, dres.data_ptr() if sel else 0, *extra])
             return self._grads(h, dz.data_ptr(), _PLAIN, wp, x, need, sums, dy if need[4] and not self.relu else dres,
-                               add_to, (dz, w, keep) if defer else None, before)
+                               add_to, (dz, w, keep) if defer else None, before, remake)
         k1, k2, nws = self.grad_red if self.sync is None else self.sync[3]
         sums = torch.empty((7 * K + nws,), dtype=torch.float32, device=dev)   # 4 sums, the coefficients, partials
         b = sums.data_ptr()
@@ -406,7 +408,7 @@ class TrainCall:
             else:
                 dres = dy
         return self._grads(h, src, fp, wp, x, need, sums, dres, add_to,
-                           (dz if src != dp else dy, w, keep) if defer else None, before)
+                           (dz if src != dp else dy, w, keep) if defer else None, before, remake)
 
     def _sums_kernel(self, tiles: int):
         """The one-launch backward whose sums are ``tiles`` rows of a dgrad's (kernel, workspace floats, its pointer
@@ -443,11 +445,11 @@ class TrainCall:
             dx.add_(add_to)
         return dx
 
-    def _grads(self, h, src, fp, wp, x, need, sums, dres, add_to, defer=None, before=None):
+    def _grads(self, h, src, fp, wp, x, need, sums, dres, add_to, defer=None, before=None, remake=None):
         """dgrad and wgrad from ``src`` (dy with the prologue ``fp``, or dz plain), the conv's weight at ``wp`` and
         the outputs of backward; ``add_to``: a gradient of x's to add into dx (dgrad's store adds it where it can);
         ``x``: None where wgrad does not run; ``defer``: the tensors behind ``src`` and ``wp`` (dgrad deferred where
-        :attr:`defers` and no gradient is to be added here: dx is a :class:`_Dgrad`); ``before``: as
+        :attr:`defers` and no gradient is to be added here: dx is a :class:`_Dgrad`); ``before``, ``remake``: as
         :meth:`backward`'s."""
         dev, fmt, K = sums.device, self.fmt, self.K
         dx = dw = made = None
@@ -455,9 +457,17 @@ class TrainCall:
             dx = _Dgrad(self, src, wp, fp, (defer, sums))
         elif need[0]:
             out, bs = self._sums_out(before, dev) if add_to is None else (None, None)
+            if bs is not None and x is None and need[1]:       # (x made beside the sums)
+                tc, keep = before[:2]
+                x = torch.empty(tc.y_shape, dtype=tc.dtype, device=dev, memory_format=tc.fmt)
+                gamma, beta = remake
+                bs += (x.data_ptr(), bs[2] + 4 * tc.K, gamma.data_ptr() if gamma is not None else 0,
+                       beta.data_ptr() if beta is not None else 0)
             dx = self.dgrad_into(h, src, wp, fp, add_to, dev, bs)
             made = (out, self.sums_tiles) if out is not None else None
         if need[1]:
+            if x is None:
+                x = before[0].remake(before[1], *remake)
             g = self.wgrad
             dw = torch.empty(self.w_shape, dtype=self.wdtype, device=dev, memory_format=fmt)
             with g._lock:

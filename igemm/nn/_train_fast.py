@@ -153,12 +153,13 @@ class _FastTrain(torch.autograd.Function):
             if (d.data_ptr(), d.shape, d.stride(), pre[1]) != (dy.data_ptr(), dy.shape, dy.stride(), dy._version):
                 pre = None
         if src and n[2]:
-            x = fn.tc.remake(*src)
+            x = None                              # (remade from that layer's z: by dgrad, or fn.tc.remake)
         # (where x is the ReLU(BN(z)) of the layer before, dgrad also makes that layer's BatchNorm sums over dx:
         # docs/performance.md, bn-sums-in-dgrad)
         dx, dw, dg, db, dres, made = ctx.tc.backward(dy, x, w, keep, ctx.mp, gamma, n[1:], add_to, defer=first,
                                                      before=(fn.tc, src[0], fn.mp) if src else None,
-                                                     pre=pre[2:] if pre is not None else None)
+                                                     pre=pre[2:] if pre is not None else None,
+                                                     remake=src[1:] if src else None)
         if made is not None and job is None and not first:
             fn.pre = (dx, dx._version, *made)
         if job is not None:

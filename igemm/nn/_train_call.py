@@ -333,7 +333,7 @@ class TrainCall:
         it also writes that layer's BatchNorm sums over dx, returned as ``(sums, tiles)`` for that layer's backward
         on this dx (its ``pre``), which then reads neither dy nor z for them (docs/performance.md:
         bn-sums-in-dgrad). ``remake`` (with ``x`` None): that layer's (gamma, beta), x being its ReLU(BN(z)): made
-        by dgrad beside those sums where it writes them, else by that layer's :meth:`remake` (bn-sums-warpgroup)."""
+        by dgrad beside those sums where it writes them, else by that layer's :meth:`remake` (remake-in-dgrad)."""
         dev = dy.device
         h = self.stream_of(dev.index)
         fmt = self.fmt
@@ -458,7 +458,7 @@ class TrainCall:
         elif need[0]:
             out, bs = self._sums_out(before, dev) if add_to is None else (None, None)
             if bs is not None and x is None and need[1]:       # (x made beside the sums)
-                tc, keep = before[:2]
+                tc = before[0]
                 x = torch.empty(tc.y_shape, dtype=tc.dtype, device=dev, memory_format=tc.fmt)
                 gamma, beta = remake
                 bs += (x.data_ptr(), bs[2] + 4 * tc.K, gamma.data_ptr() if gamma is not None else 0,

@@ -154,8 +154,8 @@ class _FastTrain(torch.autograd.Function):
                 pre = None
         if src and n[2]:
             x = None                              # (remade from that layer's z: by dgrad, or fn.tc.remake)
-        # (where x is the ReLU(BN(z)) of the layer before, dgrad also makes that layer's BatchNorm sums over dx:
-        # docs/performance.md, bn-sums-in-dgrad)
+        # (where x is the ReLU(BN(z)) of the layer before, dgrad also makes that layer's BatchNorm sums over dx and,
+        # where it does, x itself: docs/performance.md, bn-sums-in-dgrad, remake-in-dgrad)
         dx, dw, dg, db, dres, made = ctx.tc.backward(dy, x, w, keep, ctx.mp, gamma, n[1:], add_to, defer=first,
                                                      before=(fn.tc, src[0], fn.mp) if src else None,
                                                      pre=pre[2:] if pre is not None else None,

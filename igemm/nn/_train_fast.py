@@ -152,10 +152,9 @@ class _FastTrain(torch.autograd.Function):
             d = pre[0]
             if (d.data_ptr(), d.shape, d.stride(), pre[1]) != (dy.data_ptr(), dy.shape, dy.stride(), dy._version):
                 pre = None
-        if src and n[2]:
-            x = None                              # (remade from that layer's z: by dgrad, or fn.tc.remake)
-        # (where x is the ReLU(BN(z)) of the layer before, dgrad also makes that layer's BatchNorm sums over dx and,
-        # where it does, x itself: docs/performance.md, bn-sums-in-dgrad, remake-in-dgrad)
+        # (where x is the ReLU(BN(z)) of the layer before, saved as None, dgrad also makes that layer's BatchNorm sums
+        # over dx and, where it does, x itself, else fn.tc.remake does: docs/performance.md, bn-sums-in-dgrad,
+        # remake-in-dgrad)
         dx, dw, dg, db, dres, made = ctx.tc.backward(dy, x, w, keep, ctx.mp, gamma, n[1:], add_to, defer=first,
                                                      before=(fn.tc, src[0], fn.mp) if src else None,
                                                      pre=pre[2:] if pre is not None else None,

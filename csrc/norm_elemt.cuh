@@ -47,6 +47,37 @@ struct ChanPos {
 
 IGEMM_DEVICE float relu_keep_nan(float t) { return (t > 0.f || t != t) ? t : 0.f; }
 
+// One vector of bn_forward_block's: y[vu] = act(fmaf(x − mean, a, b) [+ r]) with the channels' (cm, ca, cb),
+// stored where vu < NV, and for Act == 2 its bits OR-ed with the other lanes' of its mask word, which the word's
+// first lane stores. Every lane of the warp calls it (the shuffles).
+template <class T, int V, int CV, int Act, bool Res>
+IGEMM_DEVICE void bn_forward_vec(const Vec<T, V>& rx, const Vec<T, V>& rr, const float* cm, const float* ca,
+                                 const float* cb, T* y, uint32_t* mask, int64_t vu, int64_t NV, int lane) {
+  float o[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int jc = CV == 1 ? 0 : j;
+    float t = fmaf(to_float(rx.v[j]) - cm[jc], ca[jc], cb[jc]);
+    if constexpr (Res) t += to_float(rr.v[j]);
+    if constexpr (Act != 0) t = relu_keep_nan(t);
+    o[j] = t;
+  }
+  uint32_t bits = 0;
+  if (vu < NV) bits = store_vec<T, V>(y + vu * V, o);
+  if constexpr (Act == 2) {
+    constexpr int kLanesPerWord = 32 / V;
+    uint32_t word;
+    if constexpr (V == 1) {
+      word = __ballot_sync(0xffffffffu, bits != 0u);
+    } else {
+      word = bits << ((lane % kLanesPerWord) * V);
+#pragma unroll
+      for (int off = 1; off < kLanesPerWord; off <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
+    }
+    if (lane % kLanesPerWord == 0 && vu < NV) mask[(vu * V) >> 5] = word;
+  }
+}
+
 // Act: 0 = none, 1 = ReLU, 2 = ReLU + mask. The grid's block blk of nblk (a kernel of its own: blockIdx.x of
 // gridDim.x; norm_train.cuh runs the blocks of this grid on the blocks of its own, with Nc false: its mean and
 // invstd were written by the same kernel, so they are not read through the non-coherent path). Rev: each thread's
@@ -104,31 +135,8 @@ IGEMM_DEVICE void bn_forward_block(const P& p, int64_t blk, int64_t nblk) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (vw + u * G < NV) {  // warp-uniform
-        const int64_t vu = v + u * G;
         if (!p.fixed) coef(cc[u]);
-        float o[V];
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const int jc = CV == 1 ? 0 : j;
-          float t = fmaf(to_float(rx[u].v[j]) - cm[jc], ca[jc], cb[jc]);
-          if constexpr (Res) t += to_float(rr[u].v[j]);
-          if constexpr (Act != 0) t = relu_keep_nan(t);
-          o[j] = t;
-        }
-        uint32_t bits = 0;
-        if (vu < NV) bits = store_vec<T, V>(y + vu * V, o);
-        if constexpr (Act == 2) {
-          constexpr int kLanesPerWord = 32 / V;
-          uint32_t word;
-          if constexpr (V == 1) {
-            word = __ballot_sync(0xffffffffu, bits != 0u);
-          } else {
-            word = bits << ((lane % kLanesPerWord) * V);
-#pragma unroll
-            for (int off = 1; off < kLanesPerWord; off <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
-          }
-          if (lane % kLanesPerWord == 0 && vu < NV) mask[(vu * V) >> 5] = word;
-        }
+        bn_forward_vec<T, V, CV, Act, Res>(rx[u], rr[u], cm, ca, cb, y, mask, v + u * G, NV, lane);
       }
     }
   }

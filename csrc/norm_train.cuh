@@ -3,7 +3,7 @@
 //   bn_train_forward   (1) Welford partials of z (stats_nhwc; or, Conv, the conv epilogue's per-tile statistics
 //                      merged: tiles_merge) | (2) a warp per channel merges them: mean, invstd, running statistics
 //                      (stats_merge) | (3) y = act(BN(z) [+ residual]) and the ReLU mask (bn_forward's blocks,
-//                      run on this grid's blocks)
+//                      run on this grid's blocks; on sm_90 after Conv, z staged in shared memory: FwdStages)
 //   bn_train_backward  (1) partial sums of dy' = bit ? dy : 0 and dy'·(z - mean) (grad_nhwc; or, Tiles, the dgrad
 //                      epilogue's per-tile sums added: tiles_merge) | (2) a warp per channel adds them: sum_dy,
 //                      sum_dy_xmu, dgamma, dbeta (grad_merge) and the dz coefficients a, b, c (coefficients_at) |
@@ -21,6 +21,7 @@
 #include <cooperative_groups.h>
 
 #include "conv/backward.cuh"
+#include "conv/tma.cuh"
 #include "norm_elemt.cuh"
 #include "norm_stats.cuh"
 
@@ -57,12 +58,110 @@ IGEMM_DEVICE void tiles_merge(const P& p, Merge merge) {
   }
 }
 
-// Phase 3's blocks: the elementwise grid (p.ewb blocks, at most this grid's: one each) over this grid, in order.
+using igemm::conv::mbar_expect_tx;
+using igemm::conv::mbar_init;
+using igemm::conv::mbar_wait;
+using igemm::conv::smem_u32;
+
+// bytes (a multiple of 16) from src to dst in shared memory, completing on bar's transaction count (sm_90)
+IGEMM_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+// Phase 3 staged through shared memory (sm_90; docs/performance.md: bn-fwd-staged): block b of the elementwise
+// grid's nblk visits bn_forward_block's vectors -- tiles of kThreads consecutive 16-byte vectors, tile j at
+// (b + j·nblk)·kThreads, thread t the tile's vector t, so its channels are the fixed grid's -- last tile first, each
+// tile of z (and of the residual) a cp.async.bulk copy into a ring of kStages, so a block keeps 32 KB of loads in
+// flight with no registers held for them; the first kStages copies are issued before phase 1 (z does not change:
+// they overlap the statistics' phases and barriers). Then bn_forward_vec as bn_forward_block computes it.
+template <class T, bool Res>
+struct FwdStages {
+  static constexpr int kTile = kThreads * 16, kStages = Res ? 4 : 8, kParts = Res ? 2 : 1;
+  alignas(128) uint8_t buf[kStages][kParts][kTile];
+  uint64_t full[kStages];
+  int64_t tiles, iters;      // the tensor's tiles; this block's
+
+  // Thread 0: copy this block's j-th tile (in the walk's order, last first) into stage j % kStages.
+  template <class P>
+  IGEMM_DEVICE void issue(const P& p, int64_t b, int64_t nblk, int64_t j) {
+    const int s = int(j % kStages);
+    const int64_t v0 = (b + (iters - 1 - j) * nblk) * kThreads;
+    const uint32_t bytes = uint32_t(imin64(kThreads, p.NV - v0)) * 16u;
+    mbar_expect_tx(&full[s], bytes * kParts);
+    bulk_load(&buf[s][0][0], static_cast<const uint8_t*>(p.x) + v0 * 16, bytes, &full[s]);
+    if constexpr (Res) bulk_load(&buf[s][1][0], static_cast<const uint8_t*>(p.res) + v0 * 16, bytes, &full[s]);
+  }
+
+  // Before phase 1 (thread 0; every thread waits past a barrier before it reads the stages).
+  template <class P>
+  IGEMM_DEVICE void start(const P& p, int64_t b, int64_t nblk) {
+    tiles = (p.NV + kThreads - 1) / kThreads;
+    iters = b < nblk && b < tiles ? (tiles - b + nblk - 1) / nblk : 0;
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int64_t j = 0; j < imin64(kStages, iters); ++j) issue(p, b, nblk, j);
+  }
+
+  template <int Act, class P>
+  IGEMM_DEVICE void run(const P& p, int64_t b, int64_t nblk) {
+    const int lane = threadIdx.x & 31;
+    const float* mean = static_cast<const float*>(p.mean);
+    const float* invstd = static_cast<const float*>(p.invstd);
+    const float* wt = static_cast<const float*>(p.weight);
+    const float* bs = static_cast<const float*>(p.bias);
+    float cm[8], ca[8], cb[8];
+    const int64_t c0 = ((b * kThreads + threadIdx.x) * 8) % p.C;      // (a fixed grid: the thread's channels)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {            // (written by this grid: not the read-only path)
+      cm[j] = mean[c0 + j];
+      ca[j] = invstd[c0 + j] * (wt != nullptr ? wt[c0 + j] : 1.f);
+      cb[j] = bs != nullptr ? bs[c0 + j] : 0.f;
+    }
+    T* y = static_cast<T*>(const_cast<void*>(p.y));
+    uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
+    for (int64_t j = 0; j < iters; ++j) {
+      const int s = int(j % kStages);
+      const int64_t v0 = (b + (iters - 1 - j) * nblk) * kThreads;
+      mbar_wait(&full[s], uint32_t(j / kStages) & 1u);
+      Vec<T, 8> rx, rr = {};
+      rx = reinterpret_cast<const Vec<T, 8>*>(&buf[s][0][0])[threadIdx.x];
+      if constexpr (Res) rr = reinterpret_cast<const Vec<T, 8>*>(&buf[s][1][0])[threadIdx.x];
+      __syncthreads();                       // (every thread's reads of stage s done: it may be refilled)
+      if (threadIdx.x == 0 && j + kStages < iters) {
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // (the reads, before the copy's writes)
+        issue(p, b, nblk, j + kStages);
+      }
+      if (v0 + (threadIdx.x & ~31) < p.NV)  // warp-uniform
+        bn_forward_vec<T, 8, 8, Act, Res>(rx, rr, cm, ca, cb, y, mask, v0 + threadIdx.x, p.NV, lane);
+    }
+  }
+};
+
+// The stages of FwdStages (static shared memory: only the kernels that stage have it).
+template <class T, bool Res>
+IGEMM_DEVICE FwdStages<T, Res>& fwd_stages() {
+  __shared__ FwdStages<T, Res> st;
+  return st;
+}
+
+// Phase 3's blocks: the elementwise grid (p.ewb blocks, at most this grid's: one each) over this grid, in order;
+// staged (FwdStages) on sm_90 where phase 1 merges the conv's tiles (its shared memory leaves room for the
+// stages) and the grid is fixed (the thread's channels known: 8 a vector).
 // nbt (int64, may be null): BatchNorm2d's num_batches_tracked, incremented once (its add_ would be a launch).
 template <class T, int V, int Act, bool Res, bool Final, bool Conv = false, class P>
 IGEMM_DEVICE void bn_train_forward(const P& p) {
   namespace cg = cooperative_groups;
   static_assert(!(Conv && Final), "the conv's tiles merge into partials");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kStaged = Conv && V == 8 && sizeof(T) == 2;
+#else
+  constexpr bool kStaged = false;
+#endif
+  const bool staged = kStaged && p.fixed && gridDim.x >= p.ewb;
+  if constexpr (kStaged)
+    if (staged) fwd_stages<T, Res>().start(p, blockIdx.x, p.ewb);
   if (p.nbt != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ++*static_cast<int64_t*>(const_cast<void*>(p.nbt));
   if constexpr (Conv) tiles_merge<3>(p, ChanMerge{});
   else stats_nhwc<T, V, Final>(p);
@@ -72,6 +171,12 @@ IGEMM_DEVICE void bn_train_forward(const P& p) {
     for (int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5; c < p.C; c += warps)
       stats_merge<T, !Conv>(p, c, threadIdx.x & 31);  // (whole warps: c is warp-uniform)
     cg::this_grid().sync();
+  }
+  if constexpr (kStaged) {
+    if (staged) {
+      fwd_stages<T, Res>().template run<Act>(p, blockIdx.x, p.ewb);
+      return;
+    }
   }
   for (int64_t b = blockIdx.x; b < p.ewb; b += gridDim.x)
     bn_forward_block<T, V, kNHWC, Act, Res, false, true>(p, b, p.ewb);

@@ -3,11 +3,11 @@
 //   bn_train_forward   (1) Welford partials of z (stats_nhwc; or, Conv, the conv epilogue's per-tile statistics
 //                      merged: tiles_merge) | (2) a warp per channel merges them: mean, invstd, running statistics
 //                      (stats_merge) | (3) y = act(BN(z) [+ residual]) and the ReLU mask (bn_forward's blocks,
-//                      run on this grid's blocks; on sm_90 after Conv, z staged in shared memory: FwdStages)
+//                      run on this grid's blocks; on sm_90 after Conv, z staged in shared memory: TileRing)
 //   bn_train_backward  (1) partial sums of dy' = bit ? dy : 0 and dy'·(z - mean) (grad_nhwc; or, Tiles, the dgrad
 //                      epilogue's per-tile sums added: tiles_merge) | (2) a warp per channel adds them: sum_dy,
 //                      sum_dy_xmu, dgamma, dbeta (grad_merge) and the dz coefficients a, b, c (coefficients_at) |
-//                      (3) dz = a·dy' + b·z + c [and sel = dy'] (grad_dz's blocks)
+//                      (3) dz = a·dy' + b·z + c [and sel = dy'] (grad_dz's blocks; on sm_90 staged: TileRing)
 //   bn_train_backward_held  the same three phases over a tensor the grid holds in registers (up to 8 rows of 8
 //                      channels a thread): dy' and z read once, phase 3 from the registers (bn-backward-held)
 // The same device functions in the same order as the separate launches (norm_stats.cuh, norm_elemt.cuh,
@@ -69,85 +69,108 @@ IGEMM_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 
-// Phase 3 staged through shared memory (sm_90; docs/performance.md: bn-fwd-staged): block b of the elementwise
-// grid's nblk visits bn_forward_block's vectors -- tiles of kThreads consecutive 16-byte vectors, tile j at
-// (b + j·nblk)·kThreads, thread t the tile's vector t, so its channels are the fixed grid's -- last tile first, each
-// tile of z (and of the residual) a cp.async.bulk copy into a ring of kStages, so a block keeps 32 KB of loads in
-// flight with no registers held for them; the first kStages copies are issued before phase 1 (z does not change:
-// they overlap the statistics' phases and barriers). Then bn_forward_vec as bn_forward_block computes it.
-template <class T, bool Res>
-struct FwdStages {
-  static constexpr int kTile = kThreads * 16, kStages = Res ? 4 : 8, kParts = Res ? 2 : 1;
-  alignas(128) uint8_t buf[kStages][kParts][kTile];
-  uint64_t full[kStages];
-  int64_t tiles, iters;      // the tensor's tiles; this block's
+// A last phase's loads staged through shared memory (sm_90; docs/performance.md: bn-train-staged). Block b of nblk
+// walks Parts flat arrays of 16-byte vectors in tiles of tv <= kThreads vectors, tile k at (b + k·nblk)·tv -- the
+// vectors a grid-stride loop gives thread t of block b, so a thread keeps a fixed grid's channels -- last tile
+// first (the walk from the end, bn-pass-reversed); each tile of each array is a cp.async.bulk copy into a ring of
+// S stages, so the loads in flight hold no registers. start() issues the first S copies: a kernel whose inputs do
+// not change calls it before its other phases, which the copies then overlap (with their grid barriers).
+template <int S, int Parts>
+struct TileRing {
+  alignas(128) uint8_t buf[S][Parts][kThreads * 16];
+  uint64_t full[S];
+  const uint8_t* src[Parts];
+  int64_t b, nblk, NV, iters;
+  int tv;
 
-  // Thread 0: copy this block's j-th tile (in the walk's order, last first) into stage j % kStages.
-  template <class P>
-  IGEMM_DEVICE void issue(const P& p, int64_t b, int64_t nblk, int64_t j) {
-    const int s = int(j % kStages);
-    const int64_t v0 = (b + (iters - 1 - j) * nblk) * kThreads;
-    const uint32_t bytes = uint32_t(imin64(kThreads, p.NV - v0)) * 16u;
-    mbar_expect_tx(&full[s], bytes * kParts);
-    bulk_load(&buf[s][0][0], static_cast<const uint8_t*>(p.x) + v0 * 16, bytes, &full[s]);
-    if constexpr (Res) bulk_load(&buf[s][1][0], static_cast<const uint8_t*>(p.res) + v0 * 16, bytes, &full[s]);
-  }
+  IGEMM_DEVICE int64_t first(int64_t j) const { return (b + (iters - 1 - j) * nblk) * tv; }   // (walk step j)
 
-  // Before phase 1 (thread 0; every thread waits past a barrier before it reads the stages).
-  template <class P>
-  IGEMM_DEVICE void start(const P& p, int64_t b, int64_t nblk) {
-    tiles = (p.NV + kThreads - 1) / kThreads;
-    iters = b < nblk && b < tiles ? (tiles - b + nblk - 1) / nblk : 0;
-    if (threadIdx.x != 0) return;
-    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    for (int64_t j = 0; j < imin64(kStages, iters); ++j) issue(p, b, nblk, j);
-  }
-
-  template <int Act, class P>
-  IGEMM_DEVICE void run(const P& p, int64_t b, int64_t nblk) {
-    const int lane = threadIdx.x & 31;
-    const float* mean = static_cast<const float*>(p.mean);
-    const float* invstd = static_cast<const float*>(p.invstd);
-    const float* wt = static_cast<const float*>(p.weight);
-    const float* bs = static_cast<const float*>(p.bias);
-    float cm[8], ca[8], cb[8];
-    const int64_t c0 = ((b * kThreads + threadIdx.x) * 8) % p.C;      // (a fixed grid: the thread's channels)
+  IGEMM_DEVICE void issue(int64_t j) {                       // thread 0: step j's tile into stage j % S
+    const int s = int(j % S);
+    const int64_t v0 = first(j);
+    const uint32_t bytes = uint32_t(imin64(tv, NV - v0)) * 16u;
+    mbar_expect_tx(&full[s], bytes * Parts);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {            // (written by this grid: not the read-only path)
-      cm[j] = mean[c0 + j];
-      ca[j] = invstd[c0 + j] * (wt != nullptr ? wt[c0 + j] : 1.f);
-      cb[j] = bs != nullptr ? bs[c0 + j] : 0.f;
-    }
-    T* y = static_cast<T*>(const_cast<void*>(p.y));
-    uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
-    for (int64_t j = 0; j < iters; ++j) {
-      const int s = int(j % kStages);
-      const int64_t v0 = (b + (iters - 1 - j) * nblk) * kThreads;
-      mbar_wait(&full[s], uint32_t(j / kStages) & 1u);
-      Vec<T, 8> rx, rr = {};
-      rx = reinterpret_cast<const Vec<T, 8>*>(&buf[s][0][0])[threadIdx.x];
-      if constexpr (Res) rr = reinterpret_cast<const Vec<T, 8>*>(&buf[s][1][0])[threadIdx.x];
-      __syncthreads();                       // (every thread's reads of stage s done: it may be refilled)
-      if (threadIdx.x == 0 && j + kStages < iters) {
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // (the reads, before the copy's writes)
-        issue(p, b, nblk, j + kStages);
-      }
-      if (v0 + (threadIdx.x & ~31) < p.NV)  // warp-uniform
-        bn_forward_vec<T, 8, 8, Act, Res>(rx, rr, cm, ca, cb, y, mask, v0 + threadIdx.x, p.NV, lane);
+    for (int q = 0; q < Parts; ++q) bulk_load(&buf[s][q][0], src[q] + v0 * 16, bytes, &full[s]);
+  }
+
+  // Every thread (the same values); the barriers and the first copies by thread 0, whose stages the other threads
+  // read only past a barrier.
+  IGEMM_DEVICE void start(const void* const (&arrays)[Parts], int64_t blk, int64_t n, int tile, int64_t nv) {
+#pragma unroll
+    for (int q = 0; q < Parts; ++q) src[q] = static_cast<const uint8_t*>(arrays[q]);
+    b = blk, nblk = n, tv = tile, NV = nv;
+    const int64_t tiles = (nv + tile - 1) / tile;
+    iters = blk < n && blk < tiles ? (tiles - blk + n - 1) / n : 0;
+    if (threadIdx.x != 0) return;
+    for (int st = 0; st < S; ++st) mbar_init(&full[st], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int64_t j = 0; j < imin64(S, iters); ++j) issue(j);
+  }
+
+  // Step j: wait for its copies, read vector t of array q (at), then release(j) -- every thread of the block.
+  IGEMM_DEVICE void wait(int64_t j) { mbar_wait(&full[j % S], uint32_t(j / S) & 1u); }
+  IGEMM_DEVICE uint4 at(int64_t j, int q, int t) const {
+    return reinterpret_cast<const uint4*>(&buf[j % S][q][0])[t];
+  }
+
+  IGEMM_DEVICE void release(int64_t j) {                     // every thread, after its reads of step j's stage
+    __syncthreads();
+    if (threadIdx.x == 0 && j + S < iters) {
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // (the reads, before the copy's writes)
+      issue(j + S);
     }
   }
 };
 
-// The stages of FwdStages (static shared memory: only the kernels that stage have it).
-template <class T, bool Res>
-IGEMM_DEVICE FwdStages<T, Res>& fwd_stages() {
-  __shared__ FwdStages<T, Res> st;
-  return st;
+template <int S, int Parts>
+IGEMM_DEVICE TileRing<S, Parts>& tile_ring() {              // (static shared memory: only the kernels that stage)
+  __shared__ TileRing<S, Parts> r;
+  return r;
+}
+
+// The forward's ring: z (and the residual), 32 KB; started on block blockIdx.x of the elementwise grid.
+template <bool Res>
+using FwdRing = TileRing<Res ? 4 : 8, Res ? 2 : 1>;
+
+template <bool Res, class P>
+IGEMM_DEVICE FwdRing<Res>& fwd_ring_start(const P& p) {
+  FwdRing<Res>& r = tile_ring<Res ? 4 : 8, Res ? 2 : 1>();
+  if constexpr (Res) r.start({p.x, p.res}, blockIdx.x, p.ewb, kThreads, p.NV);
+  else r.start({p.x}, blockIdx.x, p.ewb, kThreads, p.NV);
+  return r;
+}
+
+// bn_forward_block's phase over the ring (tiles of kThreads vectors; the grid fixed), its arithmetic
+// (bn_forward_vec: the same bits).
+template <class T, int Act, bool Res, class P>
+IGEMM_DEVICE void bn_forward_staged(const P& p, FwdRing<Res>& r) {
+  const int t = threadIdx.x;
+  float cm[8], ca[8], cb[8];
+  const int64_t c0 = ((r.b * kThreads + t) * 8) % p.C;               // (a fixed grid: the thread's channels)
+  const float* wt = static_cast<const float*>(p.weight);
+  const float* bs = static_cast<const float*>(p.bias);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {              // (mean, invstd written by this grid: not the read-only path)
+    cm[j] = static_cast<const float*>(p.mean)[c0 + j];
+    ca[j] = static_cast<const float*>(p.invstd)[c0 + j] * (wt != nullptr ? wt[c0 + j] : 1.f);
+    cb[j] = bs != nullptr ? bs[c0 + j] : 0.f;
+  }
+  T* y = static_cast<T*>(const_cast<void*>(p.y));
+  uint32_t* mask = static_cast<uint32_t*>(const_cast<void*>(p.mask));
+  for (int64_t j = 0; j < r.iters; ++j) {
+    const int64_t v0 = r.first(j);
+    r.wait(j);
+    const uint4 x = r.at(j, 0, t), rs = Res ? r.at(j, 1, t) : uint4{};
+    r.release(j);
+    if (v0 + (t & ~31) < p.NV)              // warp-uniform
+      bn_forward_vec<T, 8, 8, Act, Res>(reinterpret_cast<const Vec<T, 8>&>(x), reinterpret_cast<const Vec<T, 8>&>(rs),
+                                        cm, ca, cb, y, mask, v0 + t, p.NV, t & 31);
+  }
 }
 
 // Phase 3's blocks: the elementwise grid (p.ewb blocks, at most this grid's: one each) over this grid, in order;
-// staged (FwdStages) on sm_90 where phase 1 merges the conv's tiles (its shared memory leaves room for the
+// staged (bn_forward_staged) on sm_90 where phase 1 merges the conv's tiles (its shared memory leaves room for the
 // stages) and the grid is fixed (the thread's channels known: 8 a vector).
 // nbt (int64, may be null): BatchNorm2d's num_batches_tracked, incremented once (its add_ would be a launch).
 template <class T, int V, int Act, bool Res, bool Final, bool Conv = false, class P>
@@ -161,7 +184,7 @@ IGEMM_DEVICE void bn_train_forward(const P& p) {
 #endif
   const bool staged = kStaged && p.fixed && gridDim.x >= p.ewb;
   if constexpr (kStaged)
-    if (staged) fwd_stages<T, Res>().start(p, blockIdx.x, p.ewb);
+    if (staged) fwd_ring_start<Res>(p);
   if (p.nbt != nullptr && blockIdx.x == 0 && threadIdx.x == 0) ++*static_cast<int64_t*>(const_cast<void*>(p.nbt));
   if constexpr (Conv) tiles_merge<3>(p, ChanMerge{});
   else stats_nhwc<T, V, Final>(p);
@@ -174,7 +197,7 @@ IGEMM_DEVICE void bn_train_forward(const P& p) {
   }
   if constexpr (kStaged) {
     if (staged) {
-      fwd_stages<T, Res>().template run<Act>(p, blockIdx.x, p.ewb);
+      bn_forward_staged<T, Act, Res>(p, tile_ring<Res ? 4 : 8, Res ? 2 : 1>());
       return;
     }
   }
@@ -205,15 +228,54 @@ IGEMM_DEVICE void bn_backward_coefficients(const P& p) {
   cg::this_grid().sync();
 }
 
-// Tiles: phase 1 from the sums the dgrad that wrote dy made per tile (tiles_merge), not from dy and z.
+// The dz pass over the ring (dy and z; tiles of p.dzt vectors, thread t < dzt its vector t, channels t % (K / 8): a
+// fixed grid), grad_dz_block's arithmetic (select8, bn_dz8: the same bits).
+template <class T, int S, class P>
+IGEMM_DEVICE void grad_dz_staged(const P& p, TileRing<S, 2>& r) {
+  using namespace igemm::backward;
+  const int t = threadIdx.x;
+  const bool live = t < p.dzt;
+  float a[8], b[8], c[8];
+  if (live) coefficients8<false>(static_cast<const float*>(p.coef), p.K, 8 * (t % (p.K / 8)), a, b, c);
+  const uint8_t* mask = static_cast<const uint8_t*>(p.mask);
+  uint4* dst = static_cast<uint4*>(const_cast<void*>(p.dst));
+  uint4* sel = static_cast<uint4*>(const_cast<void*>(p.sel));
+  for (int64_t j = 0; j < r.iters; ++j) {
+    const int64_t v = r.first(j) + t;
+    const bool in = live && v < r.NV;
+    const uint32_t bits = in && mask ? uint32_t(__ldg(mask + v)) : 0xFFu;   // (before the wait: its latency hidden)
+    r.wait(j);
+    const uint4 d = r.at(j, 0, t), z = r.at(j, 1, t);
+    r.release(j);
+    if (in) {
+      const uint4 w = select8(d, bits);
+      if (sel) sel[v] = w;
+      dst[v] = bn_dz8<T>(w, z, a, b, c);
+    }
+  }
+}
+
+// Tiles: phase 1 from the sums the dgrad that wrote dy made per tile (tiles_merge), not from dy and z. Phase 3
+// staged (grad_dz_staged) on sm_90: two stages after grad_nhwc (its 24 KB of shared memory), four after tiles_merge.
 template <class T, int V, bool Final, bool Tiles = false, class P>
 IGEMM_DEVICE void bn_train_backward(const P& p) {
   namespace cg = cooperative_groups;
   static_assert(!(Tiles && Final), "the dgrad's tiles merge into partials");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kStages = Tiles ? 4 : 2;
+  const bool staged = p.dzt <= kThreads && gridDim.x >= p.dzb;
+  if (staged) tile_ring<kStages, 2>().start({p.src, p.z}, blockIdx.x, p.dzb, p.dzt, p.M * (p.K / 8));
+#endif
   if constexpr (Tiles) tiles_merge<2>(p, SumMerge{});
   else grad_nhwc<T, V, Final>(p);
   cg::this_grid().sync();
   bn_backward_coefficients<Final>(p);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (staged) {
+    grad_dz_staged<T>(p, tile_ring<kStages, 2>());
+    return;
+  }
+#endif
   if (threadIdx.x < p.dzt)
     for (int64_t b = blockIdx.x; b < p.dzb; b += gridDim.x)
       igemm::backward::grad_dz_block<igemm::backward::kBn, T, false, 2, true>(p, b, p.dzt, p.dzb);

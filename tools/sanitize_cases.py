@@ -591,8 +591,46 @@ def _train_step(add: bool, C: int, conv_stats: bool):
 
 NORM["train_step_one_launch_relu"] = lambda: _train_step(False, 16, True)
 NORM["train_step_one_launch_add_c200"] = lambda: _train_step(True, 200, False)
-# the residual staged beside z in shared memory (bn-fwd-staged)
+# the residual staged beside z in shared memory (bn-train-staged)
 NORM["train_step_one_launch_add_conv_stats"] = lambda: _train_step(True, 64, True)
+
+
+def _train_backward(N: int, C: int, HW: int):
+    """The one-launch BatchNorm backward that reads dy and z twice (not the held one): its dz pass staged in shared
+    memory on sm_90 (bn-train-staged), the mask's select and the residual's gradient, against float64."""
+    from igemm import _norm_kernels as nk
+    from igemm import _norm_train as nt
+    sms = nk._sms(0)
+    cfg = nk.reduction_config("NHWC", N, C, HW, 2, 16, sms, nk._GRAD_UNROLL,
+                              nt.train_backward_blocks_per_sm(2 * N * HW * C, sms))
+    k, nws = nt._train_kernel(0, True, "float16", N, C, HW, sms, cfg, False)
+    M = N * HW
+    z, dy = dev(randn(M, C) * 2 + 1, "float16"), dev(randn(M, C), "float16")
+    words = dev(RNG.integers(0, 2 ** 32, (M * C + 31) // 32, dtype=np.uint32).view(np.int32), "int32")
+    z64 = host(z).astype(np.float64)
+    mean, invstd = z64.mean(0), 1 / np.sqrt(z64.var(0) + 1e-5)
+    gamma = RNG.uniform(0.5, 1.5, C)
+    sums, dz, sel = (torch.full(s, float("nan"), device="cuda", dtype=t)
+                     for s, t in (((7 * C + nws,), torch.float32), ((M, C), torch.float16), ((M, C), torch.float16)))
+    b = sums.data_ptr()
+    md, ivd, gd = dev(mean), dev(invstd), dev(gamma)
+    ptrs = dict(x=z.data_ptr(), dy=dy.data_ptr(), mask=words.data_ptr(), mean=md.data_ptr(), invstd=ivd.data_ptr(),
+                part=b + 28 * C, out0=b, out1=b + 4 * C, out2=b + 8 * C, out3=b + 12 * C, gamma=gd.data_ptr(),
+                coef=b + 16 * C, src=dy.data_ptr(), dst=dz.data_ptr(), z=z.data_ptr(), sel=sel.data_ptr())
+    k.run(torch.cuda.current_stream().cuda_stream, k.slots(list(ptrs)), list(ptrs.values()))
+    bits = np.unpackbits(host(words).view(np.uint8), bitorder="little")[:M * C].reshape(M, C).astype(bool)
+    d = np.where(bits, host(dy).astype(np.float64), 0.0)
+    sdy, sdx = d.sum(0), (d * (z64 - mean)).sum(0)
+    a = gamma * invstd
+    ref = a * d - a * invstd ** 2 * sdx / M * z64 + a * (mean * invstd ** 2 * sdx / M - sdy / M)
+    close(host(dz), ref, 1e-2, "the one-launch backward's dz")
+    close(host(sel), d, 0, "the residual's gradient")
+    return f"one-launch BatchNorm backward (dy and z read twice), M {M} C {C}"
+
+
+# a part-filled last tile; 250-thread dz blocks (C = 200)
+NORM["train_backward_one_launch"] = lambda: _train_backward(4, 64, 49)
+NORM["train_backward_one_launch_c200"] = lambda: _train_backward(2, 200, 63)
 
 
 def _dgrad_adds(xs, ws, stride, padding):

@@ -94,15 +94,15 @@ struct TileRing {
     for (int q = 0; q < Parts; ++q) bulk_load(&buf[s][q][0], src[q] + v0 * 16, bytes, &full[s]);
   }
 
-  // Every thread (the same values); the barriers and the first copies by thread 0, whose stages the other threads
-  // read only past a barrier.
+  // Thread 0 (the other threads read the geometry, the barriers and the stages only past a barrier): the
+  // geometry, the barriers and the first copies.
   IGEMM_DEVICE void start(const void* const (&arrays)[Parts], int64_t blk, int64_t n, int tile, int64_t nv) {
+    if (threadIdx.x != 0) return;
 #pragma unroll
     for (int q = 0; q < Parts; ++q) src[q] = static_cast<const uint8_t*>(arrays[q]);
     b = blk, nblk = n, tv = tile, NV = nv;
     const int64_t tiles = (nv + tile - 1) / tile;
     iters = blk < n && blk < tiles ? (tiles - blk + n - 1) / n : 0;
-    if (threadIdx.x != 0) return;
     for (int st = 0; st < S; ++st) mbar_init(&full[st], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     for (int64_t j = 0; j < imin64(S, iters); ++j) issue(j);

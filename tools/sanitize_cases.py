@@ -592,7 +592,7 @@ def _train_step(add: bool, C: int, conv_stats: bool):
 NORM["train_step_one_launch_relu"] = lambda: _train_step(False, 16, True)
 NORM["train_step_one_launch_add_c200"] = lambda: _train_step(True, 200, False)
 # the residual staged beside z in shared memory (bn-train-staged)
-NORM["train_step_one_launch_add_conv_stats"] = lambda: _train_step(True, 64, True)
+NORM["train_step_one_launch_add_conv_stats"] = lambda: _train_step(True, 16, True)
 
 
 def _train_backward(N: int, C: int, HW: int):

@@ -6,7 +6,8 @@
 //                first tap (PyTorch's channels-last kernel: at the image's pixel (0, 0)).
 //   maxpool_bwd  dx[n, h, w, c] = sum over the windows (oh, ow) that hold (h, w), in ascending (oh, ow) order, of
 //                dy[n, oh, ow, c] where idx says the maximum was (h, w): a gather (no atomics), in fp32, in
-//                PyTorch's order, so dx equals PyTorch's for the same choices (a zero's sign aside).
+//                PyTorch's order, so dx equals PyTorch's for the same choices (a zero's sign aside);
+//                maxpool_bwd_band the same from bands of dy staged in shared memory (ResNet's 3x3 / 2)
 //   avgpool_global  y[n, c] = (sum over the H·W pixels of x[n, ·, ·, c]) · inv, inv = float(1 / (H·W)) as PyTorch's
 //                mean scales its sum (adaptive_avg_pool2d to 1 x 1 is a mean); the sum in fp32 (below).
 //   avgpool_linear  y[n, o] = sum over c of w[o, c] · m[n, c] + b[o], m = avgpool_global's y (rounded to T as
@@ -203,6 +204,69 @@ __device__ void maxpool_bwd(const P& p) {
 #pragma unroll
     for (int j = 0; j < V; ++j) r.v[j] = from_float<T>(acc[j]);
     *reinterpret_cast<Vec<T, V>*>(dx + i * V) = r;
+  }
+}
+
+// maxpool_bwd_band: the 16-bit backward where at most two windows a dimension hold a pixel, stride 2 and dilation 1
+// (ResNet's 3x3 / 2), a block a band of p.band input rows of one image. The dy rows and window taps of the windows
+// over the band -- contiguous in channels-last dy -- are first copied into shared memory (cp.async, 16 bytes a
+// copy), then each pixel gathers from there: dy and the taps leave memory about once, where maxpool_bwd reads each
+// window's once per pixel it holds, one round trip a pixel in flight (docs/performance.md: maxpool-bwd-band). The
+// adds as maxpool_bwd's: the same bits. igemm/pool.py picks the band so that the rows fit kBandSmem.
+constexpr int kBandSmem = 44 * 1024;
+
+template <class T, int V, class P>
+__device__ void maxpool_bwd_band(const P& p) {
+  static_assert(sizeof(T) == 2 && V == 8, "16-bit values, 16-byte vectors");
+  __shared__ alignas(16) uint8_t sm[kBandSmem];
+  const int H = p.fd_H.d, W = p.fd_W.d, CV = p.fd_CV.d;
+  const int nb = (H + p.band - 1) / p.band, n = blockIdx.x / nb, h0 = (blockIdx.x - n * nb) * p.band;
+  const int h1 = min(h0 + p.band, H);
+  // the band's windows: maxpool_bwd's oh0 of row h0 to its oh1 of row h1 - 1
+  const int a0 = h0 + p.ph, a1 = h1 - 1 + p.ph;
+  const int r0 = a0 < p.KH ? 0 : (a0 - p.KH) / 2 + 1, r1 = min(a1 / 2 + 1, p.OH);
+  const int nel = max(r1 - r0, 0) * p.OW * p.C;                   // (a multiple of 16: Python's rule)
+  const int64_t base = (int64_t(n) * p.OH + r0) * p.OW * p.C;
+  const uint8_t* gdy = static_cast<const uint8_t*>(p.dy) + base * int64_t(sizeof(T));
+  const uint8_t* gk = static_cast<const uint8_t*>(p.idx) + base;
+  const T* sdy = reinterpret_cast<const T*>(sm);
+  const uint8_t* sk = sm + nel * int(sizeof(T));
+  const int ndy = nel * int(sizeof(T)) / 16, ncp = ndy + nel / 16;
+  for (int i = threadIdx.x; i < ncp; i += blockDim.x)
+    cp_async_zfill<16>(sm + 16 * i, i < ndy ? gdy + 16 * i : gk + 16 * (i - ndy), true);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  T* dx = static_cast<T*>(const_cast<void*>(p.dx)) + int64_t(n) * H * W * p.C;
+  const int items = (h1 - h0) * W * CV;
+  for (int i = threadIdx.x; i < items; i += blockDim.x) {
+    int pix, cv, hr, w;
+    p.fd_CV.divmod(pix, cv, i);
+    p.fd_W.divmod(hr, w, pix);
+    const int h = h0 + hr, c = cv * V, hh = h + p.ph, ww = w + p.pw;
+    const int oh0 = hh < p.KH ? 0 : (hh - p.KH) / 2 + 1, oh1 = min(hh / 2 + 1, p.OH);
+    const int ow0 = ww < p.KW ? 0 : (ww - p.KW) / 2 + 1, ow1 = min(ww / 2 + 1, p.OW);
+    float acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0.f;
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int oh = oh0 + a, ow = ow0 + b;
+        if (oh >= oh1 || ow >= ow1) continue;
+        const uint8_t tap = uint8_t((hh - 2 * oh) * p.KW + ww - 2 * ow);
+        const int o = ((oh - r0) * p.OW + ow) * p.C + c;
+        const Vec<uint8_t, V> ks = *reinterpret_cast<const Vec<uint8_t, V>*>(sk + o);
+        const Vec<T, V> g = *reinterpret_cast<const Vec<T, V>*>(sdy + o);
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+          if (ks.v[j] == tap) acc[j] += to_float(g.v[j]);
+      }
+    Vec<T, V> r;
+#pragma unroll
+    for (int j = 0; j < V; ++j) r.v[j] = from_float<T>(acc[j]);
+    *reinterpret_cast<Vec<T, V>*>(dx + (int64_t(h) * W + w) * p.C + c) = r;
   }
 }
 

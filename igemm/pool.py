@@ -36,7 +36,7 @@ _FWD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("x", "y", "idx")), ParamSpec("NV"
                *(ParamSpec(n, "fastdiv") for n in ("fd_CV", "fd_OW", "fd_OH"))]
 _BWD_PARAMS = [*(ParamSpec(n, "ptr") for n in ("dy", "idx", "dx")), ParamSpec("NV", "int64"),
                ParamSpec("OH", "int32"), ParamSpec("OW", "int32"), *_GEOM,
-               *(ParamSpec(n, "fastdiv") for n in ("fd_CV", "fd_W", "fd_H"))]
+               *(ParamSpec(n, "fastdiv") for n in ("fd_CV", "fd_W", "fd_H")), ParamSpec("band", "int32")]
 _AVG_PARAMS = [ParamSpec("x", "ptr"), ParamSpec("y", "ptr"), *(ParamSpec(n, "int32") for n in ("HW", "C", "CV",
                                                                                                   "cblocks")),
                ParamSpec("inv", "float32")]
@@ -48,6 +48,8 @@ HEAD_CLUSTER, HEAD_IMAGES, _HEAD_CHANNELS, _HEAD_OUTPUTS, _HEAD_THREADS = 8, 2, 
 _HEAD_NI = (1, 2)                              # the head's variants: the images a launch takes
 HEAD_DTYPES = ("float16", "bfloat16")
 _THREADS = 256
+_BAND_SMEM = 44 * 1024                         # csrc/pool.cuh: kBandSmem
+_BAND_MAX = 32                                 # (a band's input rows: a block's work bounded)
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -188,6 +190,9 @@ def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0, ss: int
         return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_fwd", params=_FWD_PARAMS,
                                      threads=_THREADS, min_blocks=4, body=f"igemm::pool::maxpool_fwd<{t}, {v}, "
                                                             f"{str(idx).lower()}, {ks}>(p);")
+    if kind == "band":
+        return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_band", params=_BWD_PARAMS,
+                                     threads=_THREADS, body=f"igemm::pool::maxpool_bwd_band<{t}, {v}>(p);")
     return _kernel.render_kernel(include="pool.cuh", entry="igemm_maxpool_bwd", params=_BWD_PARAMS,
                                  threads=_THREADS, body=f"igemm::pool::maxpool_bwd<{t}, {v}, {ks}, {ss}>(p);")
 
@@ -195,6 +200,8 @@ def _stub(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0, ss: int
 def _name(kind: str, dtype: str, v: int, idx: bool = False, ks: int = 0, ss: int = 0) -> str:
     if kind == "avg":
         return f"avgpool_global_{dtype}_v{v}"
+    if kind == "band":
+        return f"maxpool_band_{dtype}_v{v}"
     if kind == "bwd":      # (ks: at most this many windows a dimension hold a pixel, 0: any; ss: the stride, 0: any)
         return f"maxpool_bwd_{dtype}_v{v}{f'_w{ks}' if ks else ''}{f'_s{ss}' if ss else ''}"
     return f"maxpool_{kind}_{dtype}_v{v}{'_idx' if idx else ''}{f'_k{ks}' if ks else ''}"
@@ -209,12 +216,42 @@ def _launcher(kind: str, dtype: str, v: int, idx: bool, device_id: int, grid: in
 
 @lru_cache(maxsize=256)
 def _template(kind: str, v: int, N: int, C: int, H: int, W: int, OH: int, OW: int, k: tuple, s: tuple, p: tuple,
-              d: tuple) -> _kernel.PackedArgs:
-    """A pass's packed arguments for one geometry, pointers zero (``bind`` fills a copy)."""
+              d: tuple, band: int = 0) -> _kernel.PackedArgs:
+    """A pass's packed arguments for one geometry, pointers zero (``bind`` fills a copy); ``band``: the band
+    backward's input rows a block."""
     g = dict(C=C, KH=k[0], KW=k[1], sh=s[0], sw=s[1], ph=p[0], pw=p[1], dh=d[0], dw=d[1], fd_CV=C // v)
     if kind == "fwd":
         return _kernel.pack_args(_FWD_PARAMS, dict(g, NV=N * OH * OW * C // v, H=H, W=W, fd_OW=OW, fd_OH=OH))
-    return _kernel.pack_args(_BWD_PARAMS, dict(g, NV=N * H * W * C // v, OH=OH, OW=OW, fd_W=W, fd_H=H))
+    return _kernel.pack_args(_BWD_PARAMS, dict(g, NV=N * H * W * C // v, OH=OH, OW=OW, fd_W=W, fd_H=H, band=band))
+
+
+def _band_rows(H: int, OH: int, KH: int, ph: int, band: int) -> int:
+    """The most dy rows a band of ``band`` input rows reads (stride 2, dilation 1: csrc/pool.cuh's r0, r1)."""
+    most = 0
+    for h0 in range(0, H, band):
+        a0, a1 = h0 + ph, min(h0 + band, H) - 1 + ph
+        r0 = 0 if a0 < KH else (a0 - KH) // 2 + 1
+        most = max(most, min(a1 // 2 + 1, OH) - r0)
+    return most
+
+
+@lru_cache(maxsize=256)
+def band_rows(dtype: str, v: int, geom: tuple, sms: int) -> int:
+    """Input rows a block of the band backward takes (csrc/pool.cuh: maxpool_bwd_band), 0 where it does not run:
+    16-bit vectors, stride 2 and dilation 1 with at most two windows a dimension over a pixel, dy rows of a whole
+    number of 16 bytes of taps; the largest even band whose dy rows and taps fit kBandSmem and whose blocks still
+    fill the SMs twice (docs/performance.md: maxpool-bwd-band)."""
+    N, C, H, W, OH, OW, k, s, p, d = geom
+    if (dtype == "float32" or v * DTYPE_SIZES[dtype] != 16 or tuple(s) != (2, 2) or tuple(d) != (1, 1)
+            or max(k) > 4 or OW * C % 16):
+        return 0
+    best = 0
+    for band in range(2, min(H + 1, _BAND_MAX) + 1, 2):
+        if (_band_rows(H, OH, k[0], p[0], band) * OW * C * (DTYPE_SIZES[dtype] + 1) > _BAND_SMEM
+                or N * -(-H // band) < 2 * sms):
+            break
+        best = band
+    return best
 
 
 def _grid(nv: int, sms: int) -> int:
@@ -247,8 +284,12 @@ def launch_backward(device_id: int, stream: int, dtype: str, geom: tuple, dy: in
     mw = 2 if dtype != "float32" and all(-(-((k[i] - 1) * d[i] + 1) // st[i]) <= 2 for i in (0, 1)) else 0
     # (there, stride 2 and dilation 1 as the kernel's constants: docs/performance.md, maxpool-bwd-stride-known)
     ss = 2 if mw and tuple(st) == (2, 2) and tuple(d) == (1, 1) else 0
-    _launcher("bwd", dtype, v, False, device_id, _grid(N * H * W * C // v, sms), mw, ss)(
-        stream, _template("bwd", v, *geom).bind(dict(dy=dy, idx=idx, dx=dx)))
+    band = band_rows(dtype, v, tuple(geom), sms) if ss else 0
+    if band:
+        launcher = _launcher("band", dtype, v, False, device_id, N * -(-H // band))
+    else:
+        launcher = _launcher("bwd", dtype, v, False, device_id, _grid(N * H * W * C // v, sms), mw, ss)
+    launcher(stream, _template("bwd", v, *geom, band).bind(dict(dy=dy, idx=idx, dx=dx)))
 
 
 @lru_cache(maxsize=256)
@@ -278,6 +319,8 @@ def all_variants(arch: str = "sm_90a") -> list[tuple[str, str]]:
             out += [(_name("fwd", dt, v, i, ks), _stub("fwd", dt, v, i, ks)) for i in (False, True) for ks in WINDOWS]
             out += [(_name("bwd", dt, v, ks=mw, ss=ss), _stub("bwd", dt, v, ks=mw, ss=ss))
                     for mw, ss in (((0, 0), (2, 0), (2, 2)) if dt != "float32" else ((0, 0),))]
+            if dt != "float32" and v > 1:
+                out.append((_name("band", dt, v), _stub("band", dt, v)))
             out.append((_name("avg", dt, v), _stub("avg", dt, v)))
         if int(arch[3:].rstrip("af")) >= 90 and dt in HEAD_DTYPES:
             out += [(_head_name(dt, ni), _head_stub(dt, ni)) for ni in _HEAD_NI]

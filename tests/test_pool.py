@@ -233,8 +233,27 @@ def test_pool_kernels_compile():
     except Exception as e:          # (no toolchain: nothing to compile with)
         pytest.skip(f"no CUDA toolchain: {e}")
     ks = pool.all_variants()
-    assert len(ks) == 60 and _build.compile_many(ks, "sm_90a", 2) == 60
-    assert len(pool.all_variants("sm_80")) == 56                  # (the classifier head runs in clusters: sm_90+)
+    assert len(ks) == 62 and _build.compile_many(ks, "sm_90a", 2) == 62
+    assert len(pool.all_variants("sm_80")) == 58                  # (the classifier head runs in clusters: sm_90+)
+
+
+def test_band_rows():
+    """The band backward's rows a block: ResNet's max pool takes bands whose dy rows and taps fit the kernel's
+    shared memory while the blocks fill the SMs twice; not fp32, one-channel vectors, other strides, dilation, tap
+    rows off 16 bytes, or too few blocks."""
+    g = lambda N, C=64, H=112, W=112, k=3, s=2, p=1, d=1: (N, C, H, W, pool.out_size(H, k, s, p, d, False),  # noqa
+                                                          pool.out_size(W, k, s, p, d, False), (k, k), (s, s),
+                                                          (p, p), (d, d))
+    assert pool.band_rows("float16", 8, g(256), 132) == 6 and pool.band_rows("bfloat16", 8, g(32), 132) == 6
+    assert pool._band_rows(112, 56, 3, 1, 6) * 56 * 64 * 3 <= pool._BAND_SMEM < pool._band_rows(112, 56, 3, 1, 8) * \
+        56 * 64 * 3
+    assert pool.band_rows("float16", 8, g(8), 132) == 2            # (8 x 56 blocks: more rows would not fill)
+    assert pool.band_rows("float16", 8, g(1), 132) == 0
+    assert pool.band_rows("float32", 4, g(256), 132) == 0 and pool.band_rows("float16", 1, g(256), 132) == 0
+    assert pool.band_rows("float16", 8, g(256, s=1), 132) == 0 and pool.band_rows("float16", 8, g(256, d=2), 132) == 0
+    assert pool.band_rows("float16", 8, g(256, C=8, W=13), 132) == 0        # (7 x 8 taps a dy row)
+    assert pool.band_rows("float16", 8, g(256, C=1024, W=112), 132) == 0    # (one dy row past the shared memory)
+    assert pool.band_rows("float16", 8, g(3, C=24, H=10, W=7), 2) == 8     # (3 images x 2 bands, the last of 2 rows)
 
 
 def _input(rng, shape, dtype):
@@ -280,6 +299,10 @@ def test_gpu_max_pool_is_pytorchs(geom, dtype, rng):
     dxp = torch.full_like(x, float("nan"))
     gc = g.contiguous(memory_format=torch.channels_last)
     pool.launch_backward(0, h, dtype, geo, gc.data_ptr(), idx.data_ptr(), dxp.data_ptr())
+    assert torch.equal(dxp, dxr)
+    # (as if on two SMs: where the band backward takes the geometry, several bands an image)
+    dxp.fill_(float("nan"))
+    pool.launch_backward(0, h, dtype, geo, gc.data_ptr(), idx.data_ptr(), dxp.data_ptr(), sms=2)
     assert torch.equal(dxp, dxr)
     with torch.no_grad():
         assert torch.equal(m(x).nan_to_num(), yr.nan_to_num())

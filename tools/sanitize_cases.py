@@ -749,8 +749,33 @@ def _pool(dtype, shape, k, s, p, d, ceil):
     return f"max pool {dtype} x {shape} k {k} s {s} p {p} d {d} ceil {ceil}"
 
 
+def _pool_band(dtype, shape):
+    """The band backward (ResNet's 3x3 / 2, several bands an image: the launch as if on two SMs) against
+    torch.nn.MaxPool2d's dx."""
+    import torch.nn.functional as F
+    from igemm import pool
+    N, C, H, W = shape
+    x = dev(randn(*shape), dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+    yr = F.max_pool2d(x, 3, 2, 1)
+    g = torch.randn_like(yr).contiguous(memory_format=torch.channels_last)
+    dxr = torch.autograd.grad(yr, x, g)[0]
+    OH, OW = yr.shape[2:]
+    geom = (N, C, H, W, OH, OW, (3, 3), (2, 2), (1, 1), (1, 1))
+    assert pool.band_rows(dtype, 8, geom, 2) > 0
+    y = torch.empty_like(yr)
+    idx = torch.empty((N, OH, OW, C), dtype=torch.uint8, device="cuda")
+    dx = torch.empty_like(x)
+    h = torch.cuda.current_stream().cuda_stream
+    pool.launch_forward(0, h, dtype, geom, x.data_ptr(), y.data_ptr(), idx.data_ptr())
+    pool.launch_backward(0, h, dtype, geom, g.data_ptr(), idx.data_ptr(), dx.data_ptr(), sms=2)
+    if not torch.equal(dx, dxr):
+        raise AssertionError("the band backward differs from torch.nn.MaxPool2d's")
+    return f"max pool band backward {dtype} x {shape}"
+
+
 POOL = {
     "resnet_fp16_v8": lambda: _pool("float16", (2, 16, 9, 10), 3, 2, 1, 1, False),
+    "band_bf16": lambda: _pool_band("bfloat16", (3, 16, 20, 18)),
     "dilated_ceil_fp32_v1": lambda: _pool("float32", (2, 5, 9, 8), 3, 2, 1, 2, True),
 }
 

@@ -48,6 +48,7 @@ _PHASE_FIELDS = ("M", "KT", "u0", "ph", "pw", "dh", "dw", "lh", "lw", "eh", "ew"
                  "rows_w", "ph_h", "ph_w")
 _PHASE_DIVS = ("fd_PQ", "fd_Q", "fd_T")
 MAX_PHASES = 4
+_SUMS_SLOTS = ("bz", "bmask", "bmean", "bsum", "bx", "binv", "bgamma", "bbeta")   # NativeDgrad.launch's sums
 #: DgradSpec.store -> (its kernel name's suffix, csrc/conv/grad_store.cuh's GradStore)
 _STORES = {"tensor": ("_tma", 1), "rows": ("_rows", 2), "zeros": ("_zrows", 3)}
 
@@ -280,17 +281,18 @@ class NativeDgrad:
             if key[2] and (add or mask or not self.sums_tiles or not (sums[0] and sums[2] and sums[3])):
                 raise ValueError("sums: the plain kernel's where it has a sums twin (sums_tiles), without add or "
                                  "mask, with z, the means and the output")
-            ks = self._launches[key] = [self._launch(live[i:i + MAX_PHASES], *key)
-                                        for i in range(0, len(live), MAX_PHASES)]
+            ks = [self._launch(live[i:i + MAX_PHASES], *key) for i in range(0, len(live), MAX_PHASES)]
+            # (with the sums, each launch's slots of their pointers, looked up once)
+            ks = self._launches[key] = [(k, tuple(k.args.slots[n] for n in _SUMS_SLOTS) if key[2] else ())
+                                        for k in ks]
         if self.zero and not add and self.spec.store != "zeros":   # rows no tap reaches: zero at memset speed
             g = self.g
             _runtime.memset_d8(dx, 0, g.N * g.H * g.W * g.C * DTYPE_SIZES[self.dtype], _runtime.RawStream(h))
-        for k in ks:
-            if sums is not None:
-                u, sl = k.args.u64, k.args.slots
-                for name, ptr in zip(("bz", "bmask", "bmean", "bsum", "bx", "binv", "bgamma", "bbeta"),
-                                     (*sums, 0, 0, 0, 0)):
-                    u[sl[name]] = ptr
+        for k, sl in ks:
+            if sl:
+                u = k.args.u64
+                for i, ptr in zip(sl, (*sums, 0, 0, 0, 0)):
+                    u[i] = ptr
             k(h, dy, w, dx, mask)
 
 

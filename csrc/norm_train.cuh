@@ -123,9 +123,9 @@ struct TileRing {
   }
 };
 
-template <int S, int Parts>
-IGEMM_DEVICE TileRing<S, Parts>& tile_ring() {              // (static shared memory: only the kernels that stage)
-  __shared__ TileRing<S, Parts> r;
+template <class Ring>
+IGEMM_DEVICE Ring& tile_ring() {                            // (static shared memory: only the kernels that stage)
+  __shared__ Ring r;
   return r;
 }
 
@@ -135,7 +135,7 @@ using FwdRing = TileRing<Res ? 4 : 8, Res ? 2 : 1>;
 
 template <bool Res, class P>
 IGEMM_DEVICE FwdRing<Res>& fwd_ring_start(const P& p) {
-  FwdRing<Res>& r = tile_ring<Res ? 4 : 8, Res ? 2 : 1>();
+  FwdRing<Res>& r = tile_ring<FwdRing<Res>>();
   if constexpr (Res) r.start({p.x, p.res}, blockIdx.x, p.ewb, kThreads, p.NV);
   else r.start({p.x}, blockIdx.x, p.ewb, kThreads, p.NV);
   return r;
@@ -197,7 +197,7 @@ IGEMM_DEVICE void bn_train_forward(const P& p) {
   }
   if constexpr (kStaged) {
     if (staged) {
-      bn_forward_staged<T, Act, Res>(p, tile_ring<Res ? 4 : 8, Res ? 2 : 1>());
+      bn_forward_staged<T, Act, Res>(p, tile_ring<FwdRing<Res>>());
       return;
     }
   }
@@ -264,7 +264,7 @@ IGEMM_DEVICE void bn_train_backward(const P& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kStages = Tiles ? 4 : 2;
   const bool staged = p.dzt <= kThreads && gridDim.x >= p.dzb;
-  if (staged) tile_ring<kStages, 2>().start({p.src, p.z}, blockIdx.x, p.dzb, p.dzt, p.M * (p.K / 8));
+  if (staged) tile_ring<TileRing<kStages, 2>>().start({p.src, p.z}, blockIdx.x, p.dzb, p.dzt, p.M * (p.K / 8));
 #endif
   if constexpr (Tiles) tiles_merge<2>(p, SumMerge{});
   else grad_nhwc<T, V, Final>(p);
@@ -272,7 +272,7 @@ IGEMM_DEVICE void bn_train_backward(const P& p) {
   bn_backward_coefficients<Final>(p);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (staged) {
-    grad_dz_staged<T>(p, tile_ring<kStages, 2>());
+    grad_dz_staged<T>(p, tile_ring<TileRing<kStages, 2>>());
     return;
   }
 #endif

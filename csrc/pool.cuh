@@ -38,6 +38,25 @@ IGEMM_DEVICE void take_tap(float (&m)[V], Vec<uint8_t, V>& k, const Vec<T, V>& r
   }
 }
 
+// The band backward's add of one window: dy's vector g into acc (fp32) where the window's taps ks point at this
+// pixel. maxpool_bwd keeps the same lines in place: through these helpers its fp32 loop ran 1.46x slower
+// (docs/performance.md: maxpool-bwd-band).
+template <class T, int V>
+IGEMM_DEVICE void add_window(float (&acc)[V], const Vec<uint8_t, V>& ks, const Vec<T, V>& g, uint8_t tap) {
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    if (ks.v[j] == tap) acc[j] += to_float(g.v[j]);
+}
+
+// The band backward's store: acc rounded to T, one vector.
+template <class T, int V>
+IGEMM_DEVICE void store_sum(T* dst, const float (&acc)[V]) {
+  Vec<T, V> r;
+#pragma unroll
+  for (int j = 0; j < V; ++j) r.v[j] = from_float<T>(acc[j]);
+  *reinterpret_cast<Vec<T, V>*>(dst) = r;
+}
+
 // Two 16-bit values' maxima in one instruction; max.NaN: a NaN in either gives NaN (sm_80+).
 template <class T>
 IGEMM_DEVICE uint32_t max_nan_x2(uint32_t a, uint32_t b) {
@@ -257,16 +276,10 @@ __device__ void maxpool_bwd_band(const P& p) {
         if (oh >= oh1 || ow >= ow1) continue;
         const uint8_t tap = uint8_t((hh - 2 * oh) * p.KW + ww - 2 * ow);
         const int o = ((oh - r0) * p.OW + ow) * p.C + c;
-        const Vec<uint8_t, V> ks = *reinterpret_cast<const Vec<uint8_t, V>*>(sk + o);
-        const Vec<T, V> g = *reinterpret_cast<const Vec<T, V>*>(sdy + o);
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-          if (ks.v[j] == tap) acc[j] += to_float(g.v[j]);
+        add_window<T, V>(acc, *reinterpret_cast<const Vec<uint8_t, V>*>(sk + o),
+                         *reinterpret_cast<const Vec<T, V>*>(sdy + o), tap);
       }
-    Vec<T, V> r;
-#pragma unroll
-    for (int j = 0; j < V; ++j) r.v[j] = from_float<T>(acc[j]);
-    *reinterpret_cast<Vec<T, V>*>(dx + (int64_t(h) * W + w) * p.C + c) = r;
+    store_sum<T, V>(dx + (int64_t(h) * W + w) * p.C + c, acc);
   }
 }
 
